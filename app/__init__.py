@@ -1,0 +1,1 @@
+"""ragblend: app."""

@@ -1,0 +1,57 @@
+"""The `ragblend` console script. Each subcommand lives in its own module, imported only when run,
+so `ragblend --help` stays fast and no model is loaded at import time."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+# subcommand path -> (module, help). The module defines add_arguments(parser) and run(args) -> int.
+COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
+    ("serve",): ("app.commands.serve", "run the RAG server"),
+    ("ingest",): ("app.commands.ingest", "ingest txt/md/jsonl files into a running server"),
+    ("ask",): ("app.commands.ask", "ask a running server a question, streaming the answer"),
+    ("bench", "engine"): ("bench.engine_bench", "engine benchmark: TTFT and fidelity per prefill mode"),
+    ("bench", "kv"): ("bench.kv_bench", "KV store benchmark: blend TTFT per tier, pipelined or not"),
+    ("bench", "server"): ("bench.server_bench", "end-to-end benchmark against a running server"),
+}
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ragblend", description=__doc__)
+    groups: dict[tuple[str, ...], argparse._SubParsersAction] = {(): parser.add_subparsers(dest="command")}
+    for path, (module, help_text) in COMMANDS.items():
+        for depth in range(1, len(path)):
+            group = path[:depth]
+            if group not in groups:
+                sub = groups[group[:-1]].add_parser(group[-1], help=f"{group[-1]} commands")
+                groups[group] = sub.add_subparsers(dest=f"{group[-1]}_command")
+        sub = groups[path[:-1]].add_parser(path[-1], help=help_text)
+        sub.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    argv = sys.argv[1:] if argv is None else argv
+    parser = _build_parser()
+    known, _ = parser.parse_known_args(argv)
+    module_name = getattr(known, "_module", None)
+    if module_name is None:
+        parser.print_help()
+        return 2
+    module = importlib.import_module(module_name)
+    # Re-parse with the subcommand's own arguments added.
+    path = next(p for p, (m, _) in COMMANDS.items() if m == module_name)
+    sub = argparse.ArgumentParser(prog="ragblend " + " ".join(path), description=COMMANDS[path][1])
+    module.add_arguments(sub)
+    args = sub.parse_args(argv[len(path):])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

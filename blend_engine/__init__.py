@@ -1,0 +1,1 @@
+"""CacheBlend engine: precompute chunk KV, fuse it with selective recompute, decode."""

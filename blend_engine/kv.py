@@ -1,0 +1,126 @@
+"""KV containers: a chunk's stored cache (`ChunkKV`), the per-request fused cache (`KVCache`),
+and the per-layer source the prefill reads reused KV from (`LayerKVSource`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class ChunkKV:
+    """A chunk's KV, computed on the chunk alone (behind `context_ids`, whose own KV is dropped).
+
+    Keys are stored *before* RoPE, so the chunk can be placed at any position by rotating
+    them with the model's own rotary embedding at the target positions.
+    """
+
+    token_ids: tuple[int, ...]
+    context_ids: tuple[int, ...]  # the attention-sink prefix it was computed behind
+    keys: torch.Tensor  # [num_layers, num_kv_heads, num_tokens, head_dim], pre-RoPE
+    values: torch.Tensor  # [num_layers, num_kv_heads, num_tokens, head_dim]
+
+    def __post_init__(self) -> None:
+        if self.keys.shape != self.values.shape or self.keys.dim() != 4:
+            raise ValueError(f"keys {tuple(self.keys.shape)} and values {tuple(self.values.shape)} must match, 4-D")
+        if self.keys.shape[2] != len(self.token_ids):
+            raise ValueError(f"{len(self.token_ids)} tokens but KV for {self.keys.shape[2]}")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_layers(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> ChunkKV:
+        return ChunkKV(self.token_ids, self.context_ids, self.keys.to(device, dtype), self.values.to(device, dtype))
+
+
+class CachedChunk(Protocol):
+    """What the prefill needs to know of a segment's reused KV before its layers arrive."""
+
+    @property
+    def context_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+class LayerKVSource(Protocol):
+    """Reused KV of a prompt's cached segments, delivered one layer at a time, in layer order.
+
+    The prefill asks for layer 0, 1, ... in turn, so a source may prefetch layer i+1 while the
+    engine computes layer i (see kv_store's pipelined loader).
+    """
+
+    def layer(self, layer_idx: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One (keys_pre_rope, values) pair per cached segment, in prompt order; each [num_kv_heads, n, head_dim]."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class MemoryKVSource:
+    """A `LayerKVSource` over ChunkKVs already in memory."""
+
+    def __init__(self, chunks: Sequence[ChunkKV], device: torch.device, dtype: torch.dtype):
+        self._chunks = list(chunks)
+        self._device, self._dtype = device, dtype
+
+    def layer(self, layer_idx: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [
+            (c.keys[layer_idx].to(self._device, self._dtype), c.values[layer_idx].to(self._device, self._dtype))
+            for c in self._chunks
+        ]
+
+    def close(self) -> None:
+        self._chunks = []
+
+
+class KVCache:
+    """A request's fused KV cache (post-RoPE keys), batch size 1, preallocated to `capacity` tokens."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
+        shape = (num_layers, num_kv_heads, capacity, head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)  # [L, H_kv, capacity, D]
+        self.values = torch.zeros(shape, device=device, dtype=dtype)  # [L, H_kv, capacity, D]
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def extend(self, num_tokens: int) -> torch.Tensor:
+        """Reserve the next `num_tokens` slots; returns their positions [num_tokens]."""
+        if self.length + num_tokens > self.capacity:
+            raise ValueError(f"KV cache full: {self.length} + {num_tokens} > capacity {self.capacity}")
+        start, self.length = self.length, self.length + num_tokens
+        return torch.arange(start, self.length, device=self.keys.device)
+
+    def update(
+        self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [H_kv, n, D] at slots `index` [n]; returns this layer's K, V [H_kv, length, D]."""
+        self.keys[layer, :, index] = k
+        self.values[layer, :, index] = v
+        return self.keys[layer, :, : self.length], self.values[layer, :, : self.length]
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's K, V [H_kv, length, D]."""
+        return self.keys[layer, :, : self.length], self.values[layer, :, : self.length]

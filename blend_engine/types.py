@@ -1,0 +1,124 @@
+"""The engine's typed inputs and outputs: frozen config apart from per-request results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from blend_engine.kv import CachedChunk, KVCache
+from configs.settings import BlendSettings, DeviationKind, PrefillMode
+
+__all__ = [
+    "BlendConfig",
+    "Delta",
+    "DeviationKind",
+    "FinishReason",
+    "PrefillMode",
+    "PrefillResult",
+    "PrefillStats",
+    "SamplingParams",
+    "Segment",
+]
+
+
+@dataclass(frozen=True)
+class BlendConfig:
+    """How `blend` mode selects tokens to recompute. Frozen: per request, pass a new one."""
+
+    recompute_ratio: float = 0.15  # share of *reused* tokens recomputed from the last check layer on
+    check_layers: tuple[int, ...] = (1,)  # where deviation is measured; several = gradual filtering
+    filter_growth: float = 2.0  # check j of n keeps ratio * growth**(n-1-j) (capped at 1)
+    deviation: DeviationKind = DeviationKind.VALUE
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.recompute_ratio <= 1.0:
+            raise ValueError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio}")
+        if not self.check_layers or list(self.check_layers) != sorted(set(self.check_layers)):
+            raise ValueError(f"check_layers must be non-empty and strictly increasing, got {self.check_layers}")
+        if self.check_layers[0] < 0:
+            raise ValueError("check layers must be >= 0")
+        if self.filter_growth < 1.0:
+            raise ValueError("filter_growth must be >= 1")
+
+    @classmethod
+    def from_settings(cls, settings: BlendSettings) -> BlendConfig:
+        return cls(
+            recompute_ratio=settings.recompute_ratio,
+            check_layers=tuple(settings.check_layers),
+            filter_growth=settings.filter_growth,
+            deviation=settings.deviation,
+        )
+
+    def ratio_at_check(self, check_idx: int) -> float:
+        """Share of reused tokens kept at the `check_idx`-th check layer."""
+        num_after = len(self.check_layers) - 1 - check_idx
+        return min(1.0, self.recompute_ratio * self.filter_growth**num_after)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of prompt tokens; `kv` set when a reused cache exists for exactly these tokens."""
+
+    token_ids: tuple[int, ...]
+    kv: CachedChunk | None = None  # a ChunkKV, or a store handle whose layers come from a LayerKVSource
+
+    def __post_init__(self) -> None:
+        if self.kv is not None and self.kv.num_tokens != len(self.token_ids):
+            raise ValueError(f"segment has {len(self.token_ids)} tokens but its KV has {self.kv.num_tokens}")
+
+
+@dataclass
+class PrefillStats:
+    mode: PrefillMode
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # tokens that came with a reusable KV
+    num_reused_tokens: int = 0  # cached tokens whose reused KV was kept (not recomputed)
+    num_recomputed_tokens: int = 0  # tokens computed fresh through every layer
+    kv_load_ms: float = 0.0  # time spent waiting on the KV source
+    rope_ms: float = 0.0  # re-positioning reused keys
+    select_ms: float = 0.0  # deviation + top-k at the check layers
+    compute_ms: float = 0.0  # the layer loop's own work
+    prefill_ms: float = 0.0  # wall time of the whole prefill (to the first token's logits)
+    recompute_ratio: float | None = None  # the ratio used (blend), e.g. chosen by a loading controller
+    selected_positions: list[int] = field(default_factory=list)  # cached-token positions recomputed (blend)
+
+
+@dataclass
+class PrefillResult:
+    token_ids: list[int]  # the whole prompt
+    cache: KVCache  # fused cache, length == len(token_ids)
+    logits: torch.Tensor  # [vocab] float32, next-token logits after the prompt
+    stats: PrefillStats
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A piece of streamed text; the last one carries `finish_reason`."""
+
+    text: str
+    num_tokens: int  # completion tokens generated so far
+    finish_reason: FinishReason | None = None

@@ -1,0 +1,23 @@
+"""Typed settings (pydantic-settings) and the default YAML."""
+
+from configs.settings import (
+    BlendSettings,
+    DeviationKind,
+    GenerationSettings,
+    ModelSettings,
+    PrefillMode,
+    Settings,
+    SinkMode,
+    load_settings,
+)
+
+__all__ = [
+    "BlendSettings",
+    "DeviationKind",
+    "GenerationSettings",
+    "ModelSettings",
+    "PrefillMode",
+    "Settings",
+    "SinkMode",
+    "load_settings",
+]

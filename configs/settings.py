@@ -1,0 +1,143 @@
+"""Typed configuration: `configs/default.yaml` < an optional user YAML < `RAGBLEND_*` env vars < CLI flags.
+
+Nested fields are reached from the environment with a double underscore, e.g.
+`RAGBLEND_BLEND__RECOMPUTE_RATIO=0.3` or `RAGBLEND_SERVER__PORT=9000`.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from importlib.resources import files
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+DEFAULT_CONFIG = Path(str(files("configs").joinpath("default.yaml")))
+
+
+class PrefillMode(str, Enum):
+    """How a prompt's chunk caches are used (see blend_engine.engine)."""
+
+    FULL = "full"  # no reuse: the baseline
+    PREFIX = "prefix"  # reuse only caches that are an exact prefix of the prompt
+    REUSE = "reuse"  # reuse every chunk cache, recompute nothing of them
+    BLEND = "blend"  # CacheBlend: reuse, then recompute the most deviating tokens
+
+
+class DeviationKind(str, Enum):
+    """Which fresh-vs-reused difference selects the tokens to recompute."""
+
+    KEY = "key"
+    VALUE = "value"
+
+
+class SinkMode(str, Enum):
+    """What a chunk is computed behind at precompute (its KV is dropped afterwards)."""
+
+    NONE = "none"  # the chunk alone, from position 0
+    BOS = "bos"  # behind the tokenizer's BOS token: an attention sink
+    PREFIX = "prefix"  # behind the prompt prefix (chat header + system prompt)
+
+
+class ModelSettings(BaseModel):
+    name: str = Field(
+        "smollm2",
+        description="'smollm2' (the embedded SmolLM2-135M-Instruct GGUF), a local HF model directory, "
+        "a .gguf file, or 'random:<shape>' (random weights of a real architecture, e.g. random:llama-7b).",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when present, else CPU.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: float32 on CPU, bfloat16 on CUDA."
+    )
+    cache_dir: Path = Field(
+        Path("~/.cache/ragblend/models"),
+        description="Where a GGUF model's converted copy (safetensors + tokenizer) is kept for warm starts.",
+    )
+    system_prompt: str = Field(
+        "You are a helpful assistant. Answer the question using the documents.",
+        description="System message of every RAG prompt.",
+    )
+
+    @field_validator("cache_dir")
+    @classmethod
+    def _expand(cls, value: Path) -> Path:
+        return value.expanduser()
+
+
+class BlendSettings(BaseModel):
+    mode: PrefillMode = Field(PrefillMode.BLEND, description="Default prefill mode of a request.")
+    recompute_ratio: float = Field(
+        0.15, ge=0.0, le=1.0, description="Share of reused tokens recomputed in blend mode."
+    )
+    check_layers: list[int] = Field(
+        [1], min_length=1, description="Layers where deviating tokens are selected; several = gradual filtering."
+    )
+    filter_growth: float = Field(
+        2.0, ge=1.0, description="With several check layers, each earlier check keeps this many times more tokens."
+    )
+    deviation: DeviationKind = Field(DeviationKind.VALUE, description="Select tokens by K or V deviation.")
+    sink: SinkMode = Field(SinkMode.BOS, description="What a chunk is computed behind at precompute.")
+
+    @field_validator("check_layers")
+    @classmethod
+    def _sorted_unique(cls, value: list[int]) -> list[int]:
+        if any(layer < 0 for layer in value):
+            raise ValueError("check layers must be >= 0")
+        if sorted(set(value)) != value:
+            raise ValueError("check layers must be strictly increasing")
+        return value
+
+
+class GenerationSettings(BaseModel):
+    max_tokens: int = Field(128, ge=1, le=4096, description="Default answer length cap in tokens.")
+    temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 = greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="RAGBLEND_",
+        env_nested_delimiter="__",
+        yaml_file=[DEFAULT_CONFIG],
+        yaml_file_encoding="utf-8",
+        extra="forbid",
+    )
+
+    data_dir: Path = Field(Path("./data"), description="Root of the server's persistent state.")
+    model: ModelSettings = ModelSettings()
+    blend: BlendSettings = BlendSettings()
+    generation: GenerationSettings = GenerationSettings()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Earlier sources win: CLI flags (init) > environment > YAML files.
+        return (init_settings, env_settings, YamlConfigSettingsSource(settings_cls, deep_merge=True))
+
+
+def load_settings(config_file: Path | str | None = None, **overrides: Any) -> Settings:
+    """Settings from the default YAML, then `config_file`, env vars and `overrides` (nested dicts)."""
+    yaml_files = [DEFAULT_CONFIG]
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file not found: {path}")
+        yaml_files.append(path)
+
+    class _FileSettings(Settings):
+        model_config = SettingsConfigDict(**{**Settings.model_config, "yaml_file": yaml_files})
+
+    return Settings.model_validate(_FileSettings(**overrides).model_dump())

@@ -1,0 +1,1 @@
+"""ragblend: kv_store."""
