@@ -101,6 +101,48 @@ class GenerationSettings(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
 
 
+class IndexKind(str, Enum):
+    """FAISS index over normalised embeddings (inner product = cosine)."""
+
+    FLAT = "flat"
+    HNSW = "hnsw"
+
+
+class ChunkingMode(str, Enum):
+    TOKENS = "tokens"  # split by the LLM's tokens at sentence/paragraph boundaries
+    NONE = "none"  # one passage = one chunk
+
+
+class RetrievalSettings(BaseModel):
+    embedder: str = Field("all-minilm-l6-v2", description="'all-minilm-l6-v2' (packaged) or a local model dir.")
+    chunking: ChunkingMode = Field(ChunkingMode.TOKENS, description="Default chunking of ingested documents.")
+    chunk_tokens: int = Field(384, ge=16, le=4096, description="Target chunk size in LLM tokens.")
+    chunk_overlap: int = Field(32, ge=0, le=1024, description="Tokens shared by consecutive chunks.")
+    index: IndexKind = Field(IndexKind.FLAT, description="flat (exact) or hnsw (approximate).")
+    hnsw_m: int = Field(32, ge=4, le=128, description="HNSW graph degree.")
+    top_k: int = Field(5, ge=1, le=100, description="Default number of retrieved chunks.")
+    embed_batch_size: int = Field(32, ge=1, le=1024, description="Sentences per embedding batch.")
+
+
+class ServerSettings(BaseModel):
+    host: str = Field("127.0.0.1", description="Bind address of `ragblend serve`.")
+    port: int = Field(8000, ge=0, le=65535, description="Port of `ragblend serve`.")
+    api_key: str | None = Field(None, description="When set, every route but /healthz and /readyz needs Bearer KEY.")
+    max_queue: int = Field(16, ge=1, le=4096, description="Engine jobs waiting beyond this answer 503.")
+    retry_after_s: int = Field(2, ge=1, le=3600, description="Retry-After of a 503 when the queue is full.")
+    model_id: str | None = Field(None, description="Model id shown by /v1/models (default: the engine's name).")
+
+
+class LimitsSettings(BaseModel):
+    max_body_bytes: int = Field(8_000_000, ge=1024, description="Largest request body (413 above).")
+    max_document_chars: int = Field(1_000_000, ge=1, description="Largest document text.")
+    max_documents_per_request: int = Field(64, ge=1, description="Documents in one POST /v1/documents.")
+    max_top_k: int = Field(20, ge=1, le=1000, description="Largest top_k a request may ask.")
+    max_tokens: int = Field(1024, ge=1, description="Largest max_tokens a request may ask.")
+    max_question_chars: int = Field(4000, ge=1, description="Longest question / user message.")
+    max_chunk_ids: int = Field(32, ge=1, description="Longest chunk_ids list.")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="RAGBLEND_",
@@ -114,6 +156,9 @@ class Settings(BaseSettings):
     model: ModelSettings = ModelSettings()
     blend: BlendSettings = BlendSettings()
     generation: GenerationSettings = GenerationSettings()
+    retrieval: RetrievalSettings = RetrievalSettings()
+    server: ServerSettings = ServerSettings()
+    limits: LimitsSettings = LimitsSettings()
 
     @classmethod
     def settings_customise_sources(
