@@ -143,6 +143,42 @@ class LimitsSettings(BaseModel):
     max_chunk_ids: int = Field(32, ge=1, description="Longest chunk_ids list.")
 
 
+class StorageDtype(str, Enum):
+    """dtype KV caches are stored in (kv_store); fp32 keeps them bit-exact."""
+
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+    FLOAT32 = "float32"
+
+
+class KVQuantization(str, Enum):
+    """Optional compression of the disk and Redis tiers' entries."""
+
+    NONE = "none"
+    INT8 = "int8"  # per-channel absmax int8 (scales kept in fp32)
+
+
+class StoreSettings(BaseModel):
+    max_memory_bytes: int = Field(2 << 30, ge=0, description="Memory tier bound (LRU); 0 disables it.")
+    disk_enabled: bool = Field(True, description="Keep chunk caches on disk (survives restarts).")
+    disk_dir: Path | None = Field(None, description="Disk tier directory; default <data_dir>/kv.")
+    max_disk_bytes: int = Field(20 << 30, ge=0, description="Disk tier bound (LRU by last use).")
+    redis_url: str | None = Field(None, description="redis://host:port/db of a shared tier; unset = no Redis.")
+    redis_ttl_s: int = Field(7 * 86400, ge=1, description="Expiry of Redis entries.")
+    dtype: StorageDtype = Field(StorageDtype.FLOAT16, description="dtype of stored KV.")
+    quantization: KVQuantization = Field(KVQuantization.NONE, description="int8 for the disk/Redis tiers.")
+    write_tiers: list[Literal["memory", "disk", "redis"]] = Field(
+        ["memory", "disk", "redis"], description="Tiers a new chunk cache is written to (when enabled)."
+    )
+    fsync: bool = Field(True, description="fsync disk entries before the atomic rename.")
+    pipelined: bool = Field(True, description="Read layer i+1 while the engine computes layer i.")
+    prefetch_depth: int = Field(2, ge=1, le=16, description="Layers read ahead of the engine when pipelined.")
+    min_recompute_ratio: float = Field(
+        0.15, ge=0.0, le=1.0, description="Quality floor of ratio='auto' (the loading controller)."
+    )
+    max_recompute_ratio: float = Field(1.0, ge=0.0, le=1.0, description="Ceiling of ratio='auto'.")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="RAGBLEND_",
@@ -156,6 +192,7 @@ class Settings(BaseSettings):
     model: ModelSettings = ModelSettings()
     blend: BlendSettings = BlendSettings()
     generation: GenerationSettings = GenerationSettings()
+    store: StoreSettings = StoreSettings()
     retrieval: RetrievalSettings = RetrievalSettings()
     server: ServerSettings = ServerSettings()
     limits: LimitsSettings = LimitsSettings()
