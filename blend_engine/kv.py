@@ -98,8 +98,9 @@ class KVCache:
         dtype: torch.dtype,
     ):
         shape = (num_layers, num_kv_heads, capacity, head_dim)
-        self.keys = torch.zeros(shape, device=device, dtype=dtype)  # [L, H_kv, capacity, D]
-        self.values = torch.zeros(shape, device=device, dtype=dtype)  # [L, H_kv, capacity, D]
+        # empty, not zeros: every slot below `length` is written before it is read
+        self.keys = torch.empty(shape, device=device, dtype=dtype)  # [L, H_kv, capacity, D]
+        self.values = torch.empty(shape, device=device, dtype=dtype)  # [L, H_kv, capacity, D]
         self.length = 0
 
     @property
@@ -107,11 +108,25 @@ class KVCache:
         return self.keys.shape[2]
 
     def extend(self, num_tokens: int) -> torch.Tensor:
-        """Reserve the next `num_tokens` slots; returns their positions [num_tokens]."""
+        """Reserve the next `num_tokens` slots (growing if needed); returns their positions [num_tokens]."""
         if self.length + num_tokens > self.capacity:
-            raise ValueError(f"KV cache full: {self.length} + {num_tokens} > capacity {self.capacity}")
+            self._grow(max(self.length + num_tokens, 2 * self.capacity))
         start, self.length = self.length, self.length + num_tokens
         return torch.arange(start, self.length, device=self.keys.device)
+
+    def truncate(self, length: int) -> None:
+        """Forget every slot from `length` on (e.g. to decode again from the prompt's end)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
+        self.length = length
+
+    def _grow(self, capacity: int) -> None:
+        def grown(t: torch.Tensor) -> torch.Tensor:
+            out = t.new_empty((*t.shape[:2], capacity, t.shape[3]))
+            out[:, :, : self.length] = t[:, :, : self.length]
+            return out
+
+        self.keys, self.values = grown(self.keys), grown(self.values)
 
     def update(
         self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor

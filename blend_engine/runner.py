@@ -1,0 +1,107 @@
+"""Our own layer loop over a Hugging Face Llama-family model, by composition.
+
+The HF modules (embeddings, norms, projections, rotary embedding, MLP, lm_head) are called as they
+are; only the attention is ours, so any subset of tokens can be computed against a cache at
+arbitrary absolute positions. Batch size is 1 throughout, so tensors carry no batch dimension.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+_REQUIRED = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [H, n, D] rotated by cos, sin [n, D] (from the model's own rotary embedding)."""
+    return x * cos + rotate_half(x) * sin
+
+
+def causal_mask(query_pos: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """[n, num_keys] bool: query at absolute position p sees keys at positions <= p, never later."""
+    return query_pos[:, None] >= torch.arange(num_keys, device=query_pos.device)[None, :]
+
+
+class ModelRunner:
+    """Layer-by-layer access to a causal LM's modules (Llama, Mistral, Qwen2, Qwen3 families)."""
+
+    def __init__(self, model: PreTrainedModel):
+        self.model = model
+        self.decoder = model.get_decoder()
+        self.layers = self.decoder.layers
+        for name in _REQUIRED:
+            if not hasattr(self.layers[0], name):
+                raise ValueError(f"unsupported architecture {type(model).__name__}: decoder layer lacks {name!r}")
+        attn = self.layers[0].self_attn
+        config = model.config
+        self.num_layers = len(self.layers)
+        self.head_dim = attn.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.scaling = attn.scaling
+
+    @property
+    def device(self) -> torch.device:
+        return self.decoder.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.decoder.embed_tokens.weight.dtype
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids [n] -> hidden [n, hidden]."""
+        return self.decoder.embed_tokens(token_ids)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [n, D] for absolute `positions` [n], honouring the model's rope_scaling."""
+        probe = torch.empty(0, device=self.device, dtype=self.dtype)
+        cos, sin = self.decoder.rotary_emb(probe, positions[None, :])
+        return cos[0], sin[0]
+
+    def qkv(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [n, hidden] -> q [H, n, D], k [H_kv, n, D], v [H_kv, n, D]; q and k before RoPE."""
+        block = self.layers[layer]
+        attn = block.self_attn
+        x = block.input_layernorm(hidden)
+        n = x.shape[0]
+        q = attn.q_proj(x).view(n, -1, self.head_dim)
+        k = attn.k_proj(x).view(n, -1, self.head_dim)
+        v = attn.v_proj(x).view(n, -1, self.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+
+    def attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query_pos: torch.Tensor | None
+    ) -> torch.Tensor:
+        """q [H, n, D] (rotated) over keys/values [H_kv, N, D] -> [n, H*D].
+
+        `query_pos` None means the queries are exactly positions 0..N-1 (plain causal).
+        """
+        if query_pos is None:
+            out = F.scaled_dot_product_attention(
+                q[None], keys[None], values[None], is_causal=True, scale=self.scaling, enable_gqa=True
+            )
+        else:
+            mask = causal_mask(query_pos, keys.shape[1])  # [n, N]
+            out = F.scaled_dot_product_attention(
+                q[None], keys[None], values[None], attn_mask=mask, scale=self.scaling, enable_gqa=True
+            )
+        return out[0].transpose(0, 1).reshape(q.shape[1], -1)
+
+    def finish(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Residual + o_proj, then the MLP block: hidden [n, hidden] -> [n, hidden]."""
+        block = self.layers[layer]
+        hidden = hidden + block.self_attn.o_proj(attn_out)
+        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden] -> logits [n, vocab] in float32."""
+        return self.model.lm_head(self.decoder.norm(hidden)).float()
