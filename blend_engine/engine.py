@@ -9,7 +9,7 @@ from typing import Iterator, Sequence
 import torch
 
 from blend_engine.generate import decode_loop
-from blend_engine.kv import ChunkKV, LayerKVSource, MemoryKVSource
+from blend_engine.kv import ChunkKV, LayerKVSource, MemoryKVSource, MergedKVSource
 from blend_engine.loader import LoadedModel, load_model
 from blend_engine.prefill import plan_prefill, run_prefill
 from blend_engine.prompt import PromptBuilder
@@ -19,6 +19,7 @@ from configs.settings import Settings, SinkMode
 
 # Bump when what a ChunkKV means changes (pre-RoPE keys, sink handling): old caches then miss.
 KV_FORMAT_VERSION = 1
+MAX_CACHED_PREFIXES = 16
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer the question using the documents."
 
 
@@ -38,6 +39,7 @@ class BlendEngine:
         self.prompts = PromptBuilder(self.tokenizer, system_prompt) if self.tokenizer is not None else None
         self.fingerprint = _fingerprint(self)
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
+        self._prefix_cache: dict[tuple[int, ...], ChunkKV] = {}  # LRU of prompt-prefix KVs
 
     @classmethod
     def from_settings(cls, settings: Settings) -> BlendEngine:
@@ -86,9 +88,20 @@ class BlendEngine:
         return self.prompts.prefix_ids()
 
     def build_segments(self, question: str, chunks: Sequence[Segment], history: Sequence[dict] = ()) -> list[Segment]:
+        """RAG prompt segments. The prompt prefix (chat header, system prompt) carries its own exact
+        KV, computed once per distinct prefix: what prefix caching would hold."""
         if self.prompts is None:
             raise ValueError("this engine has no tokenizer: pass segments of token ids")
-        return self.prompts.segments(question, chunks, history)
+        segments = self.prompts.segments(question, chunks, history)
+        prefix = segments[0].token_ids
+        return [Segment(prefix, self._prefix_kv(prefix)), *segments[1:]]
+
+    def _prefix_kv(self, prefix_ids: tuple[int, ...]) -> ChunkKV:
+        kv = self._prefix_cache.pop(prefix_ids, None) or self.precompute(prefix_ids)
+        self._prefix_cache[prefix_ids] = kv  # most recent last
+        while len(self._prefix_cache) > MAX_CACHED_PREFIXES:
+            self._prefix_cache.pop(next(iter(self._prefix_cache)))
+        return kv
 
     # --- compute ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -121,19 +134,27 @@ class BlendEngine:
         kv_source: LayerKVSource | None = None,
         max_new_tokens: int = 0,
     ) -> PrefillResult:
-        """Prefill the prompt; segment caches come from `kv_source`, or from the segments' ChunkKVs."""
+        """Prefill the prompt.
+
+        A segment's cache is either a ChunkKV in memory or a handle (e.g. the store's) whose layers
+        `kv_source` delivers: it yields pairs for the non-ChunkKV segments only, in prompt order.
+        """
         segments = list(segments)
         plan = plan_prefill(segments, PrefillMode(mode), self.device)
         if plan.num_tokens + max_new_tokens > self.max_context:
             raise ValueError(f"prompt of {plan.num_tokens} tokens + {max_new_tokens} new exceeds "
                              f"the model's context of {self.max_context}")
-        source = kv_source
-        if source is None and any(plan.is_source_used):
-            cached = [s.kv for s in segments if s.kv is not None]
-            if not all(isinstance(c, ChunkKV) for c in cached):
-                raise ValueError("segments hold store handles: pass their kv_source")
-            source = MemoryKVSource(cached, self.device, self.dtype)
-        return run_prefill(self.runner, plan, PrefillMode(mode), blend or self.blend, source, max_new_tokens)
+        caches = [s.kv for s in segments if s.kv is not None]
+        if all(isinstance(c, ChunkKV) for c in caches):
+            source = MemoryKVSource(caches, self.device, self.dtype)
+        elif kv_source is None:
+            raise ValueError("segments hold store handles: pass the kv_source that loads them")
+        else:
+            source = MergedKVSource(caches, kv_source, self.device, self.dtype)
+        try:
+            return run_prefill(self.runner, plan, PrefillMode(mode), blend or self.blend, source, max_new_tokens)
+        finally:
+            source.close()  # a merged source leaves the caller's kv_source open
 
     @torch.inference_mode()
     def forward_tokens(self, result: PrefillResult, token_ids: Sequence[int]) -> torch.Tensor:

@@ -85,6 +85,26 @@ class MemoryKVSource:
         self._chunks = []
 
 
+class MergedKVSource:
+    """Memory ChunkKVs and an external source (e.g. the store's pipelined loader), in prompt order.
+
+    The external source delivers only the segments whose cache is not an in-memory ChunkKV.
+    """
+
+    def __init__(self, caches: Sequence[object], external: LayerKVSource, device: torch.device, dtype: torch.dtype):
+        self._is_memory = [isinstance(c, ChunkKV) for c in caches]
+        self._memory = MemoryKVSource([c for c in caches if isinstance(c, ChunkKV)], device, dtype)
+        self._external = external
+
+    def layer(self, layer_idx: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        memory = iter(self._memory.layer(layer_idx))
+        external = iter(self._external.layer(layer_idx))
+        return [next(memory) if is_memory else next(external) for is_memory in self._is_memory]
+
+    def close(self) -> None:
+        self._memory.close()  # the external source belongs to the caller
+
+
 class KVCache:
     """A request's fused KV cache (post-RoPE keys), batch size 1, preallocated to `capacity` tokens."""
 
