@@ -1,1 +1,28 @@
-"""ragblend: kv_store."""
+"""ragblend: kv_store — tiered, persistent, content-addressed chunk KV caches, streamed layer by layer."""
+
+from kv_store.backend import Backend, LayerReader, Tier
+from kv_store.config import StoreConfig
+from kv_store.controller import EngineProfile, LoadingController, RatioDecision
+from kv_store.errors import CorruptEntryError, EntryLostError, KVStoreError
+from kv_store.loader import SourceStats, StoredChunk, StoreLayerSource
+from kv_store.stats import StoreStats, TierStats
+from kv_store.store import KVStore
+
+__all__ = [
+    "Backend",
+    "CorruptEntryError",
+    "EngineProfile",
+    "EntryLostError",
+    "KVStore",
+    "KVStoreError",
+    "LayerReader",
+    "LoadingController",
+    "RatioDecision",
+    "SourceStats",
+    "StoreConfig",
+    "StoreLayerSource",
+    "StoreStats",
+    "StoredChunk",
+    "Tier",
+    "TierStats",
+]

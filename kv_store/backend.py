@@ -1,0 +1,103 @@
+"""The abstract tier: get / put / contains / delete, plus batched and per-layer reads."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from enum import Enum
+from typing import Sequence
+
+import torch
+
+from blend_engine.kv import ChunkKV
+from kv_store.codec import EntryHeader
+from kv_store.stats import TierCounters
+
+
+class Tier(str, Enum):
+    """Storage tiers, fastest first: the order reads go through."""
+
+    MEMORY = "memory"
+    DISK = "disk"
+    REDIS = "redis"
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    """What a tier knows of an entry without reading its tensors."""
+
+    key: str
+    token_ids: tuple[int, ...]
+    context_ids: tuple[int, ...]
+    num_layers: int
+    layer_nbytes: int  # stored bytes of one layer (what a per-layer read moves)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @classmethod
+    def from_header(cls, header: EntryHeader) -> ChunkInfo:
+        return cls(header.key, header.token_ids, header.context_ids, header.num_layers, header.layer_nbytes(0))
+
+    @classmethod
+    def from_kv(cls, key: str, kv: ChunkKV) -> ChunkInfo:
+        return cls(key, kv.token_ids, kv.context_ids, kv.num_layers, kv.nbytes // max(kv.num_layers, 1))
+
+
+class LayerReader(abc.ABC):
+    """One stored chunk, open for layer-by-layer reads (a file descriptor, a Redis key, tensors)."""
+
+    info: ChunkInfo
+
+    @abc.abstractmethod
+    def read_layer(self, layer_idx: int, pinned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys, values [H, n, D] on CPU (storage dtype); raises CorruptEntryError / KeyError (gone)."""
+
+    def close(self) -> None:
+        """Release what the reader holds."""
+
+
+class Backend(abc.ABC):
+    """A storage tier. Every method is thread-safe; a damaged entry reads as a miss and is deleted."""
+
+    tier: Tier
+
+    def __init__(self) -> None:
+        self.counters = TierCounters()
+
+    @abc.abstractmethod
+    def get(self, key: str) -> ChunkKV | None: ...
+
+    @abc.abstractmethod
+    def put(self, key: str, kv: ChunkKV) -> None: ...
+
+    @abc.abstractmethod
+    def contains(self, key: str) -> bool: ...
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None: ...
+
+    def get_many(self, keys: Sequence[str]) -> list[ChunkKV | None]:
+        return [self.get(key) for key in keys]
+
+    def info(self, key: str) -> ChunkInfo | None:
+        """The entry's header alone (cheap), or None on a miss. Counts as a lookup (hit or miss)."""
+        reader = self.open_reader(key)
+        if reader is None:
+            return None
+        reader.close()
+        return reader.info
+
+    @abc.abstractmethod
+    def open_reader(self, key: str, is_lookup: bool = True) -> LayerReader | None:
+        """A per-layer reader (header validated), or None on a miss.
+
+        `is_lookup=False` when re-opening an entry a handle already found (not counted twice).
+        """
+
+    def bytes_used(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        """Release files, sockets, memory."""

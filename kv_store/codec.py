@@ -1,0 +1,204 @@
+"""Entry serialization: one safetensors blob per chunk, laid out for layer-by-layer reads.
+
+Tensors: `kv.{l}` = stack(keys[l], values[l]) [2, num_kv_heads, num_tokens, head_dim] in the storage
+dtype (int8 when quantized, with `scale.{l}` [2, num_kv_heads, 1, head_dim] fp32 per-channel scales).
+The safetensors header (read alone, cheaply) carries shapes and per-tensor byte offsets; its
+`__metadata__["ragblend"]` JSON carries the fingerprint, key, token/context ids and one crc32 per
+layer, so a reader can fetch and verify any single layer. The blob is a valid safetensors file.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Callable
+
+import safetensors.torch
+import torch
+
+from blend_engine.kv import ChunkKV
+from configs.settings import KVQuantization, StorageDtype
+from kv_store.errors import CorruptEntryError
+from kv_store.keys import StorageFormat
+
+TORCH_DTYPES = {
+    StorageDtype.FLOAT16: torch.float16,
+    StorageDtype.BFLOAT16: torch.bfloat16,
+    StorageDtype.FLOAT32: torch.float32,
+}
+_ST_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "I8": torch.int8}
+_MAX_HEADER_BYTES = 64 << 20  # safetensors' own limit is 100 MB; ours are a few KB per 1k tokens
+META_KEY = "ragblend"
+
+
+@dataclass(frozen=True)
+class EntryHeader:
+    """Everything about an entry except its tensor bytes."""
+
+    key: str
+    fingerprint: str
+    fmt: StorageFormat
+    token_ids: tuple[int, ...]
+    context_ids: tuple[int, ...]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    layer_ranges: tuple[tuple[tuple[int, int], ...], ...]  # per layer: absolute (begin, end) byte ranges
+    checksums: tuple[int, ...]  # crc32 per layer over its ranges' bytes, in order
+    total_bytes: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def layer_nbytes(self, layer_idx: int) -> int:
+        return sum(end - begin for begin, end in self.layer_ranges[layer_idx])
+
+
+def storage_bytes_per_layer(num_kv_heads: int, num_tokens: int, head_dim: int, fmt: StorageFormat) -> int:
+    if fmt.quantization is KVQuantization.INT8:
+        return 2 * num_kv_heads * (num_tokens + 4) * head_dim  # int8 values + fp32 scales
+    return 2 * num_kv_heads * num_tokens * head_dim * TORCH_DTYPES[fmt.dtype].itemsize
+
+
+def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel absmax int8 over the token axis: x [2, H, n, D] -> q int8 [2, H, n, D], scale [2, H, 1, D]."""
+    x = x.float()
+    scale = x.abs().amax(dim=2, keepdim=True).clamp_min(1e-8) / 127.0
+    return (x / scale).round_().clamp_(-127, 127).to(torch.int8), scale
+
+
+def _layer_tensors(kv: ChunkKV, layer_idx: int, fmt: StorageFormat) -> list[tuple[str, torch.Tensor]]:
+    stacked = torch.stack([kv.keys[layer_idx], kv.values[layer_idx]]).cpu()  # [2, H, n, D]
+    if fmt.quantization is KVQuantization.INT8:
+        q, scale = _quantize(stacked)
+        return [(f"kv.{layer_idx}", q), (f"scale.{layer_idx}", scale.contiguous())]
+    return [(f"kv.{layer_idx}", stacked.to(TORCH_DTYPES[fmt.dtype]).contiguous())]
+
+
+def _crc(buffers: list) -> int:
+    crc = 0
+    for buf in buffers:
+        crc = zlib.crc32(buf, crc)
+    return crc
+
+
+def _bytes_view(t: torch.Tensor):
+    return t.reshape(-1).view(torch.uint8).numpy()  # zero-copy, works for bf16 too
+
+
+def encode(kv: ChunkKV, key: str, fingerprint: str, fmt: StorageFormat) -> bytes:
+    """Serialize a chunk's KV into one self-describing blob."""
+    tensors: dict[str, torch.Tensor] = {}
+    checksums = []
+    for layer_idx in range(kv.num_layers):
+        named = _layer_tensors(kv, layer_idx, fmt)
+        tensors.update(named)
+        checksums.append(_crc([_bytes_view(t) for _, t in named]))
+    meta = {
+        "key": key,
+        "fingerprint": fingerprint,
+        "format": [fmt.version, fmt.dtype.value, fmt.quantization.value],
+        "token_ids": list(kv.token_ids),
+        "context_ids": list(kv.context_ids),
+        "shape": [kv.num_layers, kv.keys.shape[1], kv.keys.shape[3]],
+        "checksums": checksums,
+    }
+    return safetensors.torch.save(tensors, metadata={META_KEY: json.dumps(meta, separators=(",", ":"))})
+
+
+def header_size(prefix: bytes) -> int:
+    """Bytes of the whole header (8-byte length + JSON), from the blob's first 8 bytes."""
+    if len(prefix) < 8:
+        raise CorruptEntryError(f"truncated: {len(prefix)} bytes")
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if n > _MAX_HEADER_BYTES:
+        raise CorruptEntryError(f"header length {n} is implausible")
+    return 8 + n
+
+
+def parse_header(head: bytes, total_bytes: int, expected_key: str, fingerprint: str, fmt: StorageFormat) -> EntryHeader:
+    """Parse and validate a header (`head` = the blob's first `header_size` bytes)."""
+    try:
+        table = json.loads(bytes(head[8:]))
+        meta = json.loads(table.pop("__metadata__")[META_KEY])
+        num_layers, num_kv_heads, head_dim = (int(v) for v in meta["shape"])
+        token_ids = tuple(int(t) for t in meta["token_ids"])
+        context_ids = tuple(int(t) for t in meta["context_ids"])
+        checksums = tuple(int(c) for c in meta["checksums"])
+        stored_fmt = StorageFormat(StorageDtype(meta["format"][1]), KVQuantization(meta["format"][2]), int(meta["format"][0]))
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise CorruptEntryError(f"unreadable header: {exc!r}") from exc
+    if meta["fingerprint"] != fingerprint or stored_fmt != fmt:
+        raise CorruptEntryError(f"entry is for another model/format: {meta['fingerprint'][:40]!r}, {stored_fmt.tag}")
+    if meta["key"] != expected_key:
+        raise CorruptEntryError(f"entry holds key {meta['key'][:16]}, expected {expected_key[:16]}")
+    if len(checksums) != num_layers:
+        raise CorruptEntryError(f"{len(checksums)} checksums for {num_layers} layers")
+    num_tokens = len(token_ids)
+    data_start = len(head)
+    ranges = []
+    for layer_idx in range(num_layers):
+        names = [(f"kv.{layer_idx}", [2, num_kv_heads, num_tokens, head_dim])]
+        if fmt.quantization is KVQuantization.INT8:
+            names.append((f"scale.{layer_idx}", [2, num_kv_heads, 1, head_dim]))
+        ranges.append(tuple(_tensor_range(table, name, shape, data_start, total_bytes) for name, shape in names))
+    return EntryHeader(
+        expected_key, fingerprint, fmt, token_ids, context_ids, num_layers, num_kv_heads, head_dim,
+        tuple(ranges), checksums, total_bytes,
+    )
+
+
+def _tensor_range(table: dict, name: str, shape: list[int], data_start: int, total_bytes: int) -> tuple[int, int]:
+    info = table.get(name)
+    if info is None or list(info.get("shape", ())) != shape:
+        raise CorruptEntryError(f"tensor {name}: expected shape {shape}, got {info and info.get('shape')}")
+    dtype = _ST_DTYPES.get(info.get("dtype"))
+    begin, end = (data_start + int(o) for o in info["data_offsets"])
+    if dtype is None or end - begin != dtype.itemsize * _numel(shape) or end > total_bytes:
+        raise CorruptEntryError(f"tensor {name}: bad dtype or byte range (entry of {total_bytes} bytes)")
+    return begin, end
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def decode_layer(header: EntryHeader, layer_idx: int, buffers: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify and decode one layer from its ranges' bytes -> keys, values [H, n, D] (CPU, storage dtype).
+
+    The tensors share memory with `buffers` (writable bytearray / numpy / pinned uint8 tensors).
+    """
+    if _crc(buffers) != header.checksums[layer_idx]:
+        raise CorruptEntryError(f"layer {layer_idx} of {header.key[:16]} fails its checksum")
+    shape = (2, header.num_kv_heads, header.num_tokens, header.head_dim)
+    dtype = TORCH_DTYPES[header.fmt.dtype]
+    if header.fmt.quantization is KVQuantization.INT8:
+        q = _as_tensor(buffers[0], torch.int8).view(shape)
+        scale = _as_tensor(buffers[1], torch.float32).view(2, header.num_kv_heads, 1, header.head_dim)
+        kv = (q.float() * scale).to(dtype)
+    else:
+        kv = _as_tensor(buffers[0], dtype).view(shape)
+    return kv[0], kv[1]
+
+
+def _as_tensor(buf, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(buf, torch.Tensor):
+        return buf.view(dtype)
+    return torch.frombuffer(buf, dtype=dtype)
+
+
+def decode(header: EntryHeader, read: Callable[[int, int], object]) -> ChunkKV:
+    """Whole entry: `read(begin, end)` returns a writable buffer of those bytes."""
+    keys, values = [], []
+    for layer_idx in range(header.num_layers):
+        k, v = decode_layer(header, layer_idx, [read(b, e) for b, e in header.layer_ranges[layer_idx]])
+        keys.append(k)
+        values.append(v)
+    # [L, H, n, D] each
+    return ChunkKV(header.token_ids, header.context_ids, torch.stack(keys), torch.stack(values))

@@ -1,0 +1,69 @@
+"""The store's frozen configuration, resolved from `configs.StoreSettings` (paths made absolute)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from configs.settings import KVQuantization, Settings, StorageDtype
+from kv_store.backend import Tier
+from kv_store.keys import StorageFormat
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    max_memory_bytes: int = 2 << 30  # 0 = no memory tier
+    disk_dir: Path | None = None  # None = no disk tier
+    max_disk_bytes: int = 20 << 30
+    redis_url: str | None = None  # None = no Redis tier
+    redis_ttl_s: int = 7 * 86400
+    dtype: StorageDtype = StorageDtype.FLOAT16
+    quantization: KVQuantization = KVQuantization.NONE  # applies to the disk and Redis tiers
+    write_tiers: frozenset[Tier] = frozenset(Tier)
+    fsync: bool = True
+    is_pipelined: bool = True
+    prefetch_depth: int = 2
+    min_recompute_ratio: float = 0.15
+    max_recompute_ratio: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_memory_bytes < 0 or self.max_disk_bytes < 0:
+            raise ValueError("tier byte bounds must be >= 0")
+        if self.prefetch_depth < 1:
+            raise ValueError(f"prefetch_depth must be >= 1, got {self.prefetch_depth}")
+        if not 0.0 <= self.min_recompute_ratio <= self.max_recompute_ratio <= 1.0:
+            raise ValueError(
+                f"need 0 <= min_recompute_ratio ({self.min_recompute_ratio}) <= "
+                f"max_recompute_ratio ({self.max_recompute_ratio}) <= 1"
+            )
+
+    @property
+    def memory_format(self) -> StorageFormat:
+        return StorageFormat(self.dtype)
+
+    @property
+    def remote_format(self) -> StorageFormat:
+        """Format of the disk and Redis tiers (optionally int8)."""
+        return StorageFormat(self.dtype, self.quantization)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> StoreConfig:
+        s = settings.store
+        disk_dir = None
+        if s.disk_enabled:
+            disk_dir = Path(s.disk_dir if s.disk_dir is not None else settings.data_dir / "kv").expanduser()
+        return cls(
+            max_memory_bytes=s.max_memory_bytes,
+            disk_dir=disk_dir,
+            max_disk_bytes=s.max_disk_bytes,
+            redis_url=s.redis_url or None,
+            redis_ttl_s=s.redis_ttl_s,
+            dtype=s.dtype,
+            quantization=s.quantization,
+            write_tiers=frozenset(Tier(t) for t in s.write_tiers),
+            fsync=s.fsync,
+            is_pipelined=s.pipelined,
+            prefetch_depth=s.prefetch_depth,
+            min_recompute_ratio=s.min_recompute_ratio,
+            max_recompute_ratio=s.max_recompute_ratio,
+        )

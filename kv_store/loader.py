@@ -1,0 +1,181 @@
+"""Layer sources over stored chunks: the engine's `LayerKVSource`, read synchronously or pipelined.
+
+Pipelined, a reader thread loads layer i+1.. (all chunks) while the engine computes layer i. Torch
+ops and file reads release the GIL, so the reads overlap the compute. On CUDA the thread reads
+into pinned buffers and copies on a side stream; the engine's stream waits on a per-layer event,
+so there is no device-wide synchronize.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from kv_store.backend import LayerReader, Tier
+from kv_store.errors import CorruptEntryError, EntryLostError
+
+log = logging.getLogger(__name__)
+
+LayerPairs = list[tuple[torch.Tensor, torch.Tensor]]  # per chunk: keys, values [H, n, D]
+# Called when a chunk's reader fails mid-request: returns a reader over fresh KV, or raises.
+RecoverFn = Callable[[int, Exception], LayerReader]
+
+
+@dataclass(frozen=True)
+class StoredChunk:
+    """A store handle: what the prefill needs before the chunk's layers arrive (a `CachedChunk`)."""
+
+    key: str
+    tier: Tier
+    token_ids: tuple[int, ...]
+    context_ids: tuple[int, ...]
+    num_layers: int
+    layer_nbytes: int  # stored bytes per layer
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SourceStats:
+    """Per-request loading figures (mutable: filled while the request runs)."""
+
+    num_layers_loaded: int = 0
+    num_bytes_loaded: int = 0
+    load_seconds: float = 0.0  # time spent reading (in the thread when pipelined)
+    wait_seconds: float = 0.0  # time the engine blocked in layer()
+    num_recovered: int = 0  # chunks whose entry failed mid-request and were recomputed
+
+
+class StoreLayerSource:
+    """`LayerKVSource` over per-chunk readers. Call `close()` when the prefill is done."""
+
+    def __init__(
+        self,
+        readers: Sequence[LayerReader],
+        device: torch.device | str,
+        dtype: torch.dtype,
+        recover: RecoverFn,
+        is_pipelined: bool = True,
+        prefetch_depth: int = 2,
+        start_layer: int = 0,
+    ):
+        self._readers = list(readers)
+        self._device, self._dtype = torch.device(device), dtype
+        self._recover = recover
+        self._num_layers = self._readers[0].info.num_layers if self._readers else 0
+        self._is_cuda = self._device.type == "cuda"
+        self._side_stream = torch.cuda.Stream(self._device) if (self._is_cuda and is_pipelined) else None
+        self.stats = SourceStats()
+        self._cond = threading.Condition()
+        self._ready: dict[int, object] = {}  # layer -> (pairs, event) or the exception raised
+        self._wanted = start_layer  # the layer the engine asked for last
+        self._is_closed = False
+        self._thread: threading.Thread | None = None
+        self._start_layer, self._prefetch_depth = start_layer, prefetch_depth
+        if is_pipelined and self._readers:
+            self._thread = threading.Thread(target=self._prefetch, name="kv-prefetch", daemon=True)
+            self._thread.start()
+
+    # --- the engine's side ------------------------------------------------------------------------
+    def layer(self, layer_idx: int) -> LayerPairs:
+        if not 0 <= layer_idx < self._num_layers and self._readers:
+            raise IndexError(f"layer {layer_idx} of {self._num_layers}")
+        start = time.perf_counter()
+        if self._thread is None or layer_idx < self._start_layer:
+            pairs, event = self._load(layer_idx)
+        else:
+            pairs, event = self._take(layer_idx)
+        if event is not None:  # the copy ran on the side stream: order the engine's stream after it
+            stream = torch.cuda.current_stream(self._device)
+            stream.wait_event(event)
+            for k, v in pairs:
+                k.record_stream(stream)
+                v.record_stream(stream)
+        self.stats.wait_seconds += time.perf_counter() - start
+        return pairs
+
+    def _take(self, layer_idx: int) -> tuple[LayerPairs, torch.cuda.Event | None]:
+        with self._cond:
+            if layer_idx < self._wanted:
+                raise ValueError(f"layers must be asked in increasing order: {layer_idx} after {self._wanted}")
+            self._wanted = layer_idx
+            for old in [i for i in self._ready if i < layer_idx]:
+                del self._ready[old]  # skipped by the engine
+            self._cond.notify_all()
+            while layer_idx not in self._ready:
+                self._cond.wait()
+            result = self._ready.pop(layer_idx)
+            self._cond.notify_all()
+        if isinstance(result, BaseException):
+            raise result
+        return result  # type: ignore[return-value]
+
+    # --- the reader thread ------------------------------------------------------------------------
+    def _prefetch(self) -> None:
+        layer_idx = self._start_layer
+        while layer_idx < self._num_layers:
+            with self._cond:
+                while not self._is_closed and layer_idx - self._wanted > self._prefetch_depth:
+                    self._cond.wait()
+                if self._is_closed:
+                    return
+                layer_idx = max(layer_idx, self._wanted)  # the engine skipped ahead
+            try:
+                result: object = self._load(layer_idx)
+            except BaseException as exc:  # handed to the engine's thread, raised there
+                result = exc
+            with self._cond:
+                self._ready[layer_idx] = result
+                self._cond.notify_all()
+            if isinstance(result, BaseException):
+                return
+            layer_idx += 1
+
+    def _load(self, layer_idx: int) -> tuple[LayerPairs, torch.cuda.Event | None]:
+        start = time.perf_counter()
+        host = [self._read(i, layer_idx) for i in range(len(self._readers))]
+        event = None
+        if self._side_stream is not None:
+            with torch.cuda.stream(self._side_stream):
+                pairs = [(self._convert(k), self._convert(v)) for k, v in host]
+                event = torch.cuda.Event()
+                event.record(self._side_stream)
+        else:
+            pairs = [(self._convert(k), self._convert(v)) for k, v in host]
+        self.stats.num_layers_loaded += 1
+        self.stats.num_bytes_loaded += sum(r.info.layer_nbytes for r in self._readers)
+        self.stats.load_seconds += time.perf_counter() - start
+        return pairs, event
+
+    def _read(self, chunk_idx: int, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            return self._readers[chunk_idx].read_layer(layer_idx, pinned=self._side_stream is not None)
+        except (CorruptEntryError, EntryLostError) as exc:
+            log.warning("chunk %d failed at layer %d (%s): recomputing it", chunk_idx, layer_idx, exc)
+            self._readers[chunk_idx].close()
+            self._readers[chunk_idx] = self._recover(chunk_idx, exc)
+            self.stats.num_recovered += 1
+            return self._readers[chunk_idx].read_layer(layer_idx)
+
+    def _convert(self, t: torch.Tensor) -> torch.Tensor:
+        # non_blocking only matters for a pinned host tensor on the side stream
+        return t.to(self._device, non_blocking=self._side_stream is not None).to(self._dtype)
+
+    def close(self) -> None:
+        with self._cond:
+            self._is_closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        for reader in self._readers:
+            reader.close()
+        self._readers = []
+        self._ready.clear()

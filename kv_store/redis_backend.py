@@ -1,0 +1,158 @@
+"""Redis tier: the cache shared by several server replicas. Values are the same safetensors blobs
+as the disk tier's files, so a layer is one GETRANGE. Any Redis failure reads as a miss."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import redis
+import torch
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from blend_engine.kv import ChunkKV
+from kv_store import codec
+from kv_store.backend import Backend, ChunkInfo, LayerReader, Tier
+from kv_store.codec import EntryHeader
+from kv_store.errors import CorruptEntryError, EntryLostError
+from kv_store.keys import StorageFormat, is_valid_key
+
+log = logging.getLogger(__name__)
+KEY_PREFIX = "ragblend:kv:"
+_FIRST_READ_BYTES = 64 << 10  # one round trip fetches the header of any chunk up to ~8k tokens
+
+
+class RedisReader(LayerReader):
+    def __init__(self, backend: RedisBackend, header: EntryHeader):
+        self.header, self.info = header, ChunkInfo.from_header(header)
+        self._backend = backend
+
+    def read_layer(self, layer_idx: int, pinned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        start = time.perf_counter()
+        ranges = self.header.layer_ranges[layer_idx]
+        chunks = self._backend.getranges(self.header.key, ranges)
+        buffers = []
+        for data, (begin, end) in zip(chunks, ranges):
+            if len(data) != end - begin:
+                raise EntryLostError(f"{self.header.key[:16]} changed or expired mid-read")
+            buf = torch.empty(len(data), dtype=torch.uint8, pin_memory=pinned)
+            buf.numpy()[:] = memoryview(data)  # one copy, into a writable (optionally pinned) buffer
+            buffers.append(buf.numpy())
+        k, v = codec.decode_layer(self.header, layer_idx, buffers)
+        self._backend.counters.add(bytes_read=self.header.layer_nbytes(layer_idx), load_seconds=time.perf_counter() - start)
+        return k, v
+
+
+class RedisBackend(Backend):
+    tier = Tier.REDIS
+
+    def __init__(self, url: str, ttl_s: int, fingerprint: str, fmt: StorageFormat, timeout_s: float = 5.0):
+        super().__init__()
+        # One retry re-dials a connection dropped by a server restart; no backoff, so a down
+        # server costs a refused connect (fast), not seconds of waiting per request.
+        self._client = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=min(timeout_s, 1.0), retry=Retry(NoBackoff(), 1)
+        )
+        self._ttl_s, self._fingerprint, self._fmt = ttl_s, fingerprint, fmt
+
+    def _name(self, key: str) -> str:
+        if not is_valid_key(key):
+            raise ValueError(f"not a chunk key: {key[:80]!r}")
+        return KEY_PREFIX + key
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        log.warning("redis %s failed (%s): treated as a miss", what, exc)
+        self.counters.add(errors=1, misses=1)
+
+    def getranges(self, key: str, ranges: tuple[tuple[int, int], ...]) -> list[bytes]:
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for begin, end in ranges:
+                pipe.getrange(self._name(key), begin, end - 1)
+            return pipe.execute()
+        except redis.RedisError as exc:
+            raise EntryLostError(f"redis unreachable: {exc}") from exc
+
+    def put(self, key: str, kv: ChunkKV) -> None:
+        blob = codec.encode(kv, key, self._fingerprint, self._fmt)
+        try:
+            self._client.set(self._name(key), blob, ex=self._ttl_s)
+        except redis.RedisError as exc:
+            log.warning("redis put failed (%s): entry not shared", exc)
+            self.counters.add(errors=1)
+            return
+        self.counters.add(bytes_written=len(blob))
+
+    def _parse(self, key: str, total: int, head: bytes) -> EntryHeader:
+        size = codec.header_size(head)
+        if size > len(head):
+            head += self._client.getrange(self._name(key), len(head), size - 1)
+        return codec.parse_header(head[:size], total, key, self._fingerprint, self._fmt)
+
+    def open_reader(self, key: str, is_lookup: bool = True) -> RedisReader | None:
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.strlen(self._name(key)).getrange(self._name(key), 0, _FIRST_READ_BYTES - 1)
+            pipe.expire(self._name(key), self._ttl_s)  # a hit keeps the entry alive
+            total, head, _ = pipe.execute()
+            if total == 0:
+                self.counters.add(misses=int(is_lookup))
+                return None
+            header = self._parse(key, total, head)
+        except redis.RedisError as exc:
+            self._failed("read", exc)
+            return None
+        except CorruptEntryError as exc:
+            self.discard_corrupt(key, exc)
+            return None
+        self.counters.add(hits=int(is_lookup))
+        return RedisReader(self, header)
+
+    def discard_corrupt(self, key: str, exc: Exception) -> None:
+        log.warning("redis KV entry %s is damaged (%s): deleted, will be recomputed", key[:16], exc)
+        self.delete(key)
+        self.counters.add(corrupt=1, misses=1)
+
+    def get(self, key: str) -> ChunkKV | None:
+        start = time.perf_counter()
+        try:
+            blob = self._client.get(self._name(key))
+        except redis.RedisError as exc:
+            self._failed("get", exc)
+            return None
+        if blob is None:
+            self.counters.add(misses=1)
+            return None
+        data = bytearray(blob)  # writable, so tensors can view it without a warning
+        try:
+            header = codec.parse_header(data[: codec.header_size(data)], len(data), key, self._fingerprint, self._fmt)
+            kv = codec.decode(header, lambda begin, end: memoryview(data)[begin:end])
+        except CorruptEntryError as exc:
+            self.discard_corrupt(key, exc)
+            return None
+        self.counters.add(hits=1, bytes_read=len(data), load_seconds=time.perf_counter() - start)
+        return kv
+
+    def contains(self, key: str) -> bool:
+        try:
+            return bool(self._client.exists(self._name(key)))
+        except redis.RedisError as exc:
+            log.warning("redis exists failed (%s)", exc)
+            return False
+
+    def delete(self, key: str) -> None:
+        try:
+            self._client.delete(self._name(key))
+        except redis.RedisError as exc:
+            log.warning("redis delete failed (%s)", exc)
+
+    def bytes_used(self) -> int:
+        """The server's memory in use (Redis bounds itself with maxmemory and the TTL)."""
+        try:
+            return int(self._client.info("memory").get("used_memory", 0))
+        except redis.RedisError:
+            return 0
+
+    def close(self) -> None:
+        self._client.close()

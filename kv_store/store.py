@@ -1,0 +1,193 @@
+"""KVStore: the tiers composed, fastest first, with explicit rules.
+
+- read through: `get` tries memory, then disk, then Redis; a hit is promoted into every faster tier;
+- write where configured: `put` writes to each enabled tier in `write_tiers`;
+- a damaged or mismatched entry is a miss: logged, deleted from its tier, and recomputed by the caller
+  (or, mid-request, by the `recompute` function given to `layer_source`);
+- stream: `handle` reads headers only; `layer_source` streams layers to the engine, pipelined.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Sequence
+
+import torch
+
+from blend_engine.kv import ChunkKV
+from configs.settings import Settings
+from kv_store.backend import Backend, LayerReader, Tier
+from kv_store.codec import TORCH_DTYPES
+from kv_store.config import StoreConfig
+from kv_store.controller import EngineProfile, LoadingController, RatioDecision
+from kv_store.disk import DiskBackend
+from kv_store.errors import CorruptEntryError, EntryLostError
+from kv_store.keys import chunk_key, is_valid_key
+from kv_store.loader import StoredChunk, StoreLayerSource
+from kv_store.memory import MemoryBackend, MemoryReader
+from kv_store.stats import StoreStats
+
+log = logging.getLogger(__name__)
+RecomputeFn = Callable[[tuple[int, ...], tuple[int, ...]], ChunkKV]  # e.g. engine.precompute
+
+
+class KVStore:
+    def __init__(self, fingerprint: str, config: StoreConfig = StoreConfig()):
+        if not fingerprint:
+            raise ValueError("a model fingerprint is required")
+        self.fingerprint, self.config = fingerprint, config
+        self.controller = LoadingController(config.min_recompute_ratio, config.max_recompute_ratio)
+        self._backends: list[Backend] = []
+        if config.max_memory_bytes > 0:
+            self._backends.append(MemoryBackend(config.max_memory_bytes, TORCH_DTYPES[config.dtype]))
+        if config.disk_dir is not None:
+            self._backends.append(
+                DiskBackend(config.disk_dir, config.max_disk_bytes, fingerprint, config.remote_format, config.fsync)
+            )
+        if config.redis_url is not None:
+            from kv_store.redis_backend import RedisBackend  # redis-py only when a URL is configured
+
+            self._backends.append(RedisBackend(config.redis_url, config.redis_ttl_s, fingerprint, config.remote_format))
+        self._decision_lock = threading.Lock()
+        self._num_decisions = 0
+        self._last_decision: RatioDecision | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Settings, fingerprint: str) -> KVStore:
+        return cls(fingerprint, StoreConfig.from_settings(settings))
+
+    @property
+    def tiers(self) -> list[Tier]:
+        return [b.tier for b in self._backends]
+
+    def backend(self, tier: Tier) -> Backend:
+        for b in self._backends:
+            if b.tier == tier:
+                return b
+        raise KeyError(f"tier {tier.value} is not configured")
+
+    def key_for(self, token_ids: Sequence[int], context_ids: Sequence[int] = ()) -> str:
+        return chunk_key(self.fingerprint, self.config.remote_format, token_ids, context_ids)
+
+    # --- whole entries ----------------------------------------------------------------------------
+    def get(self, key: str) -> ChunkKV | None:
+        """Read through the tiers; a hit is copied into every faster tier."""
+        self._check_key(key)
+        for idx, b in enumerate(self._backends):
+            kv = b.get(key)
+            if kv is not None:
+                for faster in self._backends[:idx]:
+                    faster.put(key, kv)
+                return kv
+        return None
+
+    def put(self, key: str, kv: ChunkKV) -> None:
+        self._check_key(key)
+        if kv.num_tokens == 0:
+            raise ValueError("cannot store an empty chunk")
+        if key != self.key_for(kv.token_ids, kv.context_ids):
+            raise ValueError(f"key {key[:16]} is not this chunk's key (see key_for)")
+        for b in self._backends:
+            if b.tier in self.config.write_tiers:
+                b.put(key, kv)
+
+    def contains(self, key: str) -> bool:
+        self._check_key(key)
+        return any(b.contains(key) for b in self._backends)
+
+    def delete(self, key: str) -> None:
+        self._check_key(key)
+        for b in self._backends:
+            b.delete(key)
+
+    @staticmethod
+    def _check_key(key: str) -> None:
+        if not is_valid_key(key):
+            raise ValueError(f"not a chunk key: {key[:80]!r} (use key_for)")
+
+    # --- streaming --------------------------------------------------------------------------------
+    def handle(self, key: str) -> StoredChunk | None:
+        """The chunk's header from the fastest tier holding it (no tensors are read)."""
+        self._check_key(key)
+        for b in self._backends:
+            info = b.info(key)
+            if info is not None:
+                return StoredChunk(key, b.tier, info.token_ids, info.context_ids, info.num_layers, info.layer_nbytes)
+        return None
+
+    def layer_source(
+        self,
+        handles: Sequence[StoredChunk],
+        device: torch.device | str,
+        dtype: torch.dtype,
+        pipelined: bool | None = None,
+        start_layer: int = 0,
+        recompute: RecomputeFn | None = None,
+    ) -> StoreLayerSource:
+        """A `LayerKVSource` over `handles` (prompt order) for `engine.prefill(kv_source=...)`.
+
+        `start_layer`: the first layer the engine will ask for (blend: its first check layer), where
+        prefetching starts. `recompute(token_ids, context_ids)` (e.g. `engine.precompute`) replaces
+        a chunk whose entry turns out damaged or gone mid-request; without it that raises.
+        """
+        handles = list(handles)
+
+        def recover(chunk_idx: int, exc: Exception) -> LayerReader:
+            return self._recover(handles[chunk_idx], exc, recompute)
+
+        readers = []
+        for idx, h in enumerate(handles):
+            reader = self.backend(h.tier).open_reader(h.key, is_lookup=False)
+            readers.append(reader if reader is not None else recover(idx, EntryLostError(f"{h.key[:16]} is gone")))
+        is_pipelined = self.config.is_pipelined if pipelined is None else pipelined
+        return StoreLayerSource(readers, device, dtype, recover, is_pipelined, self.config.prefetch_depth, start_layer)
+
+    def _recover(self, h: StoredChunk, exc: Exception, recompute: RecomputeFn | None) -> LayerReader:
+        """A reader for a chunk whose entry failed: another tier's copy, else recomputed KV."""
+        failed = self.backend(h.tier)
+        if isinstance(exc, CorruptEntryError):
+            failed.delete(h.key)
+            failed.counters.add(corrupt=1)
+        for b in self._backends:
+            if b is not failed:
+                reader = b.open_reader(h.key)
+                if reader is not None:
+                    return reader
+        if recompute is None:
+            raise EntryLostError(f"chunk {h.key[:16]} failed ({exc}) and no recompute function was given")
+        kv = recompute(h.token_ids, h.context_ids)
+        self.put(h.key, kv)  # heal the store for the next request
+        return MemoryReader(h.key, kv)
+
+    # --- the loading controller -------------------------------------------------------------------
+    def decide_ratio(self, handles: Sequence[StoredChunk], profile: EngineProfile, num_fresh_tokens: int = 0) -> RatioDecision:
+        throughput = {b.tier: b.counters.snapshot(0).load_throughput for b in self._backends}
+        decision = self.controller.choose(handles, profile, throughput, num_fresh_tokens)
+        with self._decision_lock:
+            self._num_decisions += 1
+            self._last_decision = decision
+        return decision
+
+    def choose_ratio(self, handles: Sequence[StoredChunk], profile: EngineProfile, num_fresh_tokens: int = 0) -> float:
+        """The recompute ratio for `ratio="auto"`: what the loads can hide, never below the floor."""
+        return self.decide_ratio(handles, profile, num_fresh_tokens).ratio
+
+    # --- bookkeeping ------------------------------------------------------------------------------
+    def stats(self) -> StoreStats:
+        tiers = {b.tier.value: b.counters.snapshot(b.bytes_used()) for b in self._backends}
+        with self._decision_lock:
+            last = self._last_decision
+            num = self._num_decisions
+        return StoreStats(
+            tiers=tiers,
+            num_auto_ratio_choices=num,
+            last_auto_ratio=last.ratio if last else None,
+            last_predicted_load_s=last.predicted_load_s if last else None,
+            last_predicted_compute_s=last.predicted_compute_s if last else None,
+        )
+
+    def close(self) -> None:
+        for b in self._backends:
+            b.close()
+        self._backends = []
