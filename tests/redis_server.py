@@ -1,0 +1,64 @@
+"""A real redis-server on a loopback port, for the Redis tier tests (no persistence, no network)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """Start/stop/restart a redis-server process on 127.0.0.1:`port` (same port across restarts)."""
+
+    def __init__(self, workdir: Path):
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
+            raise FileNotFoundError("redis-server is not installed (CI installs it from Debian: apt-get install redis-server)")
+        self.port, self.workdir = free_port(), workdir
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+               "--dir", str(self.workdir), "--protected-mode", "yes"]
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
+                raise RuntimeError(f"redis-server exited with {self._proc.returncode}: {err[-500:]}")
+            try:
+                if client.ping():
+                    client.close()
+                    return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout_s}s")
+
+    def stop(self) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        if self._proc.stderr:
+            self._proc.stderr.close()
+        self._proc = None
