@@ -1,0 +1,108 @@
+"""/v1/chat/completions: RAG on the last user message, OpenAI's response and chunk formats."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import AsyncIterator
+
+from app.chat.protocol import (
+    AssistantMessage, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatUsage, Choice,
+    ChunkChoice, DeltaMessage,
+)
+from app.errors import InvalidRequestError, NotFoundError, error_body
+from app.query.protocol import TimingsOut
+from app.query.serving import build_rag_request, sources_out
+from app.rag.pipeline import RagPipeline
+from app.rag.types import DoneEvent, RagContext, RagRequest, TokenEvent
+from app.sse import sse
+from app.worker import JobStream
+from configs.settings import Settings
+
+
+@dataclass(frozen=True)
+class ChatCall:
+    id: str
+    created: int
+    model: str
+    request: RagRequest
+    context: RagContext
+    stream: JobStream
+
+
+@dataclass
+class ChatService:
+    settings: Settings
+    pipeline: RagPipeline
+    model_id: str
+
+    async def prepare(self, body: ChatCompletionRequest) -> ChatCall:
+        t_start = time.perf_counter()
+        if body.model is not None and body.model != self.model_id:
+            raise NotFoundError(f"model not found: {body.model!r}; this server serves {self.model_id!r}")
+        if body.messages[-1].role != "user":
+            raise InvalidRequestError("the last message must be the user's question")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if body.max_tokens is None and body.max_completion_tokens is not None:
+            body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
+        history = [{"role": m.role, "content": m.text} for m in body.messages[:-1]]
+        request = build_rag_request(self.settings, body.messages[-1].text, body, stop=stop, history=history)
+        context = await self.pipeline.retrieve(request)
+        stream = self.pipeline.start(request, context, t_start)
+        return ChatCall(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_id, request, context, stream)
+
+    async def complete(self, call: ChatCall) -> ChatCompletionResponse:
+        pieces, done = [], None
+        try:
+            async for event in call.stream:
+                if isinstance(event, TokenEvent):
+                    pieces.append(event.text)
+                else:
+                    done = event
+        finally:
+            call.stream.cancel()
+        if done is None:
+            raise RuntimeError("generation ended without a result")
+        return ChatCompletionResponse(
+            id=call.id, created=call.created, model=call.model,
+            choices=[Choice(message=AssistantMessage(content="".join(pieces)), finish_reason=_finish(done))],
+            usage=_usage(done), sources=sources_out(call.context.sources), timings=TimingsOut(**asdict(done.timings)),
+            mode=done.mode.value, warnings=call.context.warnings,
+        )
+
+    async def chunks(self, call: ChatCall) -> AsyncIterator[str]:
+        """OpenAI's stream: a first chunk with the role and the sources, content chunks, a last chunk
+        with finish_reason, usage and timings, then `data: [DONE]`."""
+
+        def chunk(delta: DeltaMessage, **extra) -> str:
+            body = ChatCompletionChunk(id=call.id, created=call.created, model=call.model,
+                                       choices=[ChunkChoice(delta=delta, finish_reason=extra.pop("finish", None))],
+                                       **extra)
+            return sse(body.model_dump_json(exclude_none=True))
+
+        try:
+            yield chunk(DeltaMessage(role="assistant", content=""), sources=sources_out(call.context.sources),
+                        warnings=call.context.warnings)
+            async for event in call.stream:
+                if isinstance(event, TokenEvent):
+                    yield chunk(DeltaMessage(content=event.text))
+                else:
+                    yield chunk(DeltaMessage(), finish=_finish(event), usage=_usage(event),
+                                timings=TimingsOut(**asdict(event.timings)))
+            yield sse("[DONE]")
+        except Exception as exc:  # the headers are out: report in-band, as OpenAI does
+            yield sse(error_body("server_error", f"generation failed: {exc}"))
+        finally:
+            call.stream.cancel()
+
+
+def _finish(done: DoneEvent) -> str:
+    return done.finish_reason.value if done.finish_reason else "stop"
+
+
+def _usage(done: DoneEvent) -> ChatUsage:
+    u = done.usage
+    return ChatUsage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                     total_tokens=u.prompt_tokens + u.completion_tokens, reused_tokens=u.reused_tokens,
+                     recomputed_tokens=u.recomputed_tokens)

@@ -1,0 +1,84 @@
+"""The server's shared objects, built once in the lifespan (never at import) and closed in order."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from app.chat.serving import ChatService
+from app.documents.serving import DocumentService
+from app.metrics import Metrics
+from app.query.serving import QueryService
+from app.rag.pipeline import RagPipeline
+from app.worker import EngineWorker
+from configs.settings import Settings
+from retrieval.chunker import Chunker
+from retrieval.retriever import Retriever
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Components:
+    settings: Settings
+    engine: Any  # blend_engine.engine.BlendEngine
+    retriever: Retriever
+    kv_store: Any  # kv_store.KVStore
+    worker: EngineWorker
+    documents: DocumentService
+    query: QueryService
+    chat: ChatService
+    model_id: str
+    started_at: float
+
+    @classmethod
+    def build(cls, settings: Settings, metrics: Metrics, engine: Any | None = None) -> Components:
+        """Load the model (unless given), open the index, the document store and the KV store."""
+        from blend_engine.engine import BlendEngine
+        from kv_store import KVStore
+
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        engine = engine or BlendEngine.from_settings(settings)
+        retriever = kv_store = worker = None
+        try:
+            retriever = Retriever.open(settings.data_dir, settings.retrieval)
+            kv_store = KVStore.from_settings(settings, engine.fingerprint)
+            worker = EngineWorker(settings.server.max_queue, settings.server.retry_after_s)
+            metrics.watch_store(kv_store.stats)
+            metrics.watch_worker(worker)
+            chunker = Chunker(engine.tokenize, engine.tokenizer.decode, settings.retrieval.chunk_tokens,
+                              settings.retrieval.chunk_overlap)
+            pipeline = RagPipeline(settings, engine, retriever, kv_store, worker, metrics)
+            model_id = settings.server.model_id or _model_id(engine.model_name)
+            return cls(
+                settings=settings, engine=engine, retriever=retriever, kv_store=kv_store, worker=worker,
+                documents=DocumentService(settings, engine, retriever, kv_store, chunker, worker),
+                query=QueryService(settings, pipeline), chat=ChatService(settings, pipeline, model_id),
+                model_id=model_id, started_at=time.time(),
+            )
+        except BaseException:
+            _close_all(worker, kv_store, retriever)
+            raise
+
+    def close(self) -> None:
+        _close_all(self.worker, self.kv_store, self.retriever)
+
+
+def _model_id(model_name: str) -> str:
+    """'SmolLM2-135M-Instruct.Q4_1.gguf:93595b75' -> 'SmolLM2-135M-Instruct'."""
+    name = model_name.split(":")[0]
+    for suffix in (".gguf",):
+        name = name.removesuffix(suffix)
+    return name.split(".Q")[0] or model_name
+
+
+def _close_all(*objects: Any) -> None:
+    for obj in objects:
+        if obj is None:
+            continue
+        try:
+            obj.close()
+        except Exception:  # keep closing the rest
+            logger.exception("closing %s failed", type(obj).__name__)

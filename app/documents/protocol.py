@@ -1,0 +1,83 @@
+"""Request and response models of /v1/documents."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from configs.settings import ChunkingMode
+
+DOCUMENT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+
+
+class DocumentIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str | None = Field(None, pattern=DOCUMENT_ID_PATTERN, description="Re-posting an existing id replaces it.")
+    title: str | None = Field(None, max_length=512)
+    text: str = Field(..., min_length=1)
+    metadata: dict[str, Any] | None = None
+
+    @field_validator("text")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("text is empty")
+        return value
+
+
+class IngestRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    documents: list[DocumentIn] = Field(..., min_length=1)
+    chunking: ChunkingMode | None = Field(None, description="tokens (default) or none: one passage, one chunk.")
+    precompute: bool = Field(True, description="Precompute every chunk's KV into the store.")
+
+
+class ChunkOut(BaseModel):
+    id: str
+    num_tokens: int
+    kv_cached: bool
+
+
+class ChunkDetail(ChunkOut):
+    position: int
+    text: str
+
+
+class DocumentOut(BaseModel):
+    id: str
+    chunks: list[ChunkOut]
+
+
+class IngestResponse(BaseModel):
+    documents: list[DocumentOut]
+
+
+class DocumentDetail(BaseModel):
+    id: str
+    title: str | None
+    metadata: dict[str, Any]
+    num_chars: int
+    created_at: float
+    chunks: list[ChunkDetail]
+
+
+class DocumentSummary(BaseModel):
+    id: str
+    title: str | None
+    num_chunks: int
+    num_chars: int
+    created_at: float
+
+
+class DocumentList(BaseModel):
+    documents: list[DocumentSummary]
+    total: int
+
+
+class DeleteResponse(BaseModel):
+    id: str
+    deleted: bool
+    num_chunks: int

@@ -1,0 +1,128 @@
+"""API errors: every failure answers `{"error": {"type", "message"}}` with its status."""
+
+from __future__ import annotations
+
+import logging
+from enum import Enum
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+
+class ErrorType(str, Enum):
+    INVALID_REQUEST = "invalid_request_error"
+    AUTHENTICATION = "authentication_error"
+    NOT_FOUND = "not_found_error"
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    OVERLOADED = "overloaded_error"
+    NOT_READY = "not_ready"
+    SERVER = "server_error"
+
+
+class ApiError(Exception):
+    status_code = 400
+    error_type = ErrorType.INVALID_REQUEST
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def headers(self) -> dict[str, str]:
+        return {}
+
+
+class InvalidRequestError(ApiError):
+    status_code = 422
+
+
+class NotFoundError(ApiError):
+    status_code = 404
+    error_type = ErrorType.NOT_FOUND
+
+
+class AuthenticationError(ApiError):
+    status_code = 401
+    error_type = ErrorType.AUTHENTICATION
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": "Bearer"}
+
+
+class PayloadTooLargeError(ApiError):
+    status_code = 413
+    error_type = ErrorType.PAYLOAD_TOO_LARGE
+
+
+class NotReadyError(ApiError):
+    status_code = 503
+    error_type = ErrorType.NOT_READY
+
+
+class QueueFullError(ApiError):
+    status_code = 503
+    error_type = ErrorType.OVERLOADED
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
+def error_body(error_type: ErrorType | str, message: str) -> dict:
+    return {"error": {"type": getattr(error_type, "value", error_type), "message": message}}
+
+
+def error_response(status_code: int, error_type: ErrorType | str, message: str, headers=None) -> JSONResponse:
+    return JSONResponse(error_body(error_type, message), status_code=status_code, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        parts.append(f"{where or 'body'}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status_code, exc.error_type, exc.message, exc.headers())
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        is_bad_json = any(err.get("type") == "json_invalid" for err in exc.errors())
+        status = 400 if is_bad_json else 422
+        return error_response(status, ErrorType.INVALID_REQUEST, _validation_message(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error_type = ErrorType.NOT_FOUND if exc.status_code == 404 else ErrorType.INVALID_REQUEST
+        return error_response(exc.status_code, error_type, str(exc.detail), getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, ErrorType.SERVER, f"internal error: {type(exc).__name__}")
+
+
+class ErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+# Documented on every router, so the OpenAPI schema (and schemathesis) knows the error shapes.
+ERROR_RESPONSES: dict[int | str, dict] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 422, 503)
+}

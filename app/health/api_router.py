@@ -1,0 +1,37 @@
+"""/healthz (alive), /readyz (model, index and store loaded), /metrics (Prometheus). No API key."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from app.deps import MetricsDep
+from app.health.protocol import Health, Readiness
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz")
+async def healthz() -> Health:
+    return Health(status="ok")
+
+
+@router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
+async def readyz(request: Request):
+    components = getattr(request.app.state, "components", None)
+    if components is None:
+        error = getattr(request.app.state, "load_error", None)
+        status = "failed" if error else "loading"
+        return JSONResponse(Readiness(status=status, error=error).model_dump(), status_code=503)
+    store = components.retriever.store
+    return Readiness(status="ready", model=components.model_id, num_documents=store.num_documents(),
+                     num_chunks=store.num_chunks(), num_indexed=components.retriever.index.num_vectors)
+
+
+metrics_router = APIRouter(tags=["health"])
+
+
+@metrics_router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+async def metrics(metrics: MetricsDep) -> Response:
+    return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,73 @@
+"""The FastAPI app: `create_app(settings)`. The lifespan loads the model and the stores in a thread
+(so /healthz answers and /readyz says 'loading' meanwhile) and closes them in `finally`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+import anyio
+from fastapi import Depends, FastAPI
+
+from app.chat.api_router import router as chat_router
+from app.components import Components
+from app.deps import require_api_key
+from app.documents.api_router import router as documents_router
+from app.errors import install_error_handlers
+from app.health.api_router import metrics_router, router as health_router
+from app.metrics import Metrics
+from app.middleware import BodySizeLimitMiddleware, MetricsMiddleware
+from app.models.api_router import router as models_router
+from app.query.api_router import router as query_router
+from configs.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+
+async def _load(app: FastAPI, settings: Settings, engine: Any | None) -> None:
+    try:
+        components = await anyio.to_thread.run_sync(Components.build, settings, app.state.metrics, engine)
+    except Exception as exc:
+        logger.exception("start-up failed")
+        app.state.load_error = f"{type(exc).__name__}: {exc}"
+        return
+    app.state.components = components
+    logger.info("ready: model %s, %d chunks indexed", components.model_id, components.retriever.index.num_vectors)
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    settings: Settings = app.state.settings
+    app.state.components, app.state.load_error = None, None
+    loading = asyncio.create_task(_load(app, settings, app.state.preloaded_engine))
+    try:
+        yield
+    finally:
+        await asyncio.shield(loading)  # a load in progress cannot be interrupted: let it finish, then close
+        components = app.state.components
+        app.state.components = None
+        if components is not None:
+            await anyio.to_thread.run_sync(components.close)
+
+
+def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
+    """The app; nothing is loaded until it starts. `engine`: reuse an already loaded BlendEngine."""
+    app = FastAPI(
+        title="ragblend",
+        version="0.1.0",
+        description="RAG server with a CacheBlend engine: stored chunk KV caches fused with selective recompute.",
+        lifespan=_lifespan,
+    )
+    app.state.settings, app.state.preloaded_engine = settings, engine
+    app.state.metrics = Metrics()
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.limits.max_body_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
+    app.include_router(health_router)
+    app.include_router(metrics_router, dependencies=[Depends(require_api_key)])
+    protected = [Depends(require_api_key)]
+    for router in (documents_router, query_router, chat_router, models_router):
+        app.include_router(router, dependencies=protected)
+    return app

@@ -1,0 +1,69 @@
+"""Request and response models of /v1/query."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from blend_engine.types import PrefillMode
+
+Ratio = float
+
+
+class GenerationOptions(BaseModel):
+    """Retrieval, prefill and sampling options shared by /v1/query and /v1/chat/completions."""
+
+    top_k: int | None = Field(None, ge=1, description="Chunks to retrieve (limit: limits.max_top_k).")
+    chunk_ids: list[str] | None = Field(
+        None, min_length=1, description="Skip retrieval: use exactly these chunks, in this order."
+    )
+    mode: PrefillMode | None = Field(None, description="Prefill mode; default from config (blend).")
+    recompute_ratio: float | Literal["auto"] | None = Field(
+        None, description="Share of reused tokens recomputed in blend mode, in [0, 1], or 'auto'."
+    )
+    max_tokens: int | None = Field(None, ge=1, description="Answer length cap (limit: limits.max_tokens).")
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stream: bool = False
+
+
+class QueryRequest(GenerationOptions):
+    model_config = ConfigDict(extra="forbid")
+
+    question: str = Field(..., min_length=1)
+
+
+class SourceOut(BaseModel):
+    chunk_id: str
+    document_id: str
+    title: str | None
+    score: float | None
+    text: str
+
+
+class UsageOut(BaseModel):
+    prompt_tokens: int
+    reused_tokens: int
+    recomputed_tokens: int
+    completion_tokens: int
+
+
+class TimingsOut(BaseModel):
+    retrieval_ms: float
+    kv_load_ms: float
+    prefill_ms: float
+    ttft_ms: float
+    total_ms: float
+
+
+class QueryResponse(BaseModel):
+    answer: str
+    mode: PrefillMode
+    finish_reason: str | None
+    recompute_ratio: float | None = None
+    sources: list[SourceOut]
+    usage: UsageOut
+    timings: TimingsOut
+    warnings: list[str] = []

@@ -1,0 +1,112 @@
+"""/v1/query: validate, retrieve, answer (JSON or Server-Sent Events)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import AsyncIterator, Sequence
+
+from app.errors import InvalidRequestError, error_body
+from app.query.protocol import GenerationOptions, QueryRequest, QueryResponse, SourceOut, TimingsOut, UsageOut
+from app.rag.pipeline import RagPipeline
+from app.rag.types import DoneEvent, RagContext, RagRequest, Source, TokenEvent
+from app.sse import sse
+from app.worker import JobStream
+from blend_engine.types import SamplingParams
+from configs.settings import Settings
+
+
+def build_rag_request(
+    settings: Settings, question: str, options: GenerationOptions, stop: Sequence[str] = (),
+    history: Sequence[dict] = (),
+) -> RagRequest:
+    """A RagRequest with defaults from config; raises InvalidRequestError for limits a user can break."""
+    limits, gen = settings.limits, settings.generation
+    if not question.strip():
+        raise InvalidRequestError("the question is empty")
+    if len(question) > limits.max_question_chars:
+        raise InvalidRequestError(f"the question has {len(question)} characters; the limit is {limits.max_question_chars}")
+    top_k = options.top_k or settings.retrieval.top_k
+    if top_k > limits.max_top_k:
+        raise InvalidRequestError(f"top_k={top_k} exceeds the limit of {limits.max_top_k}")
+    if options.chunk_ids is not None and len(options.chunk_ids) > limits.max_chunk_ids:
+        raise InvalidRequestError(f"{len(options.chunk_ids)} chunk_ids; the limit is {limits.max_chunk_ids}")
+    max_tokens = options.max_tokens or gen.max_tokens
+    if max_tokens > limits.max_tokens:
+        raise InvalidRequestError(f"max_tokens={max_tokens} exceeds the limit of {limits.max_tokens}")
+    ratio = options.recompute_ratio
+    if isinstance(ratio, float) and not 0.0 <= ratio <= 1.0:
+        raise InvalidRequestError(f"recompute_ratio must be in [0, 1] or 'auto', got {ratio}")
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=gen.temperature if options.temperature is None else options.temperature,
+        top_p=gen.top_p if options.top_p is None else options.top_p,
+        seed=options.seed,
+        stop=tuple(stop),
+    )
+    return RagRequest(
+        question=question, mode=options.mode or settings.blend.mode, sampling=sampling, top_k=top_k,
+        chunk_ids=tuple(options.chunk_ids) if options.chunk_ids is not None else None,
+        recompute_ratio=ratio, history=tuple(history),
+    )
+
+
+def sources_out(sources: Sequence[Source]) -> list[SourceOut]:
+    return [SourceOut(chunk_id=s.chunk_id, document_id=s.document_id, title=s.title, score=s.score, text=s.text)
+            for s in sources]
+
+
+@dataclass
+class QueryService:
+    settings: Settings
+    pipeline: RagPipeline
+
+    async def prepare(self, body: QueryRequest) -> tuple[RagRequest, RagContext, JobStream, float]:
+        """Everything that can fail with a 4xx/503 happens here, before a stream's headers go out."""
+        t_start = time.perf_counter()
+        request = build_rag_request(self.settings, body.question, body)
+        context = await self.pipeline.retrieve(request)
+        return request, context, self.pipeline.start(request, context, t_start), t_start
+
+    async def answer(self, request: RagRequest, context: RagContext, stream: JobStream) -> QueryResponse:
+        pieces: list[str] = []
+        done: DoneEvent | None = None
+        try:
+            async for event in stream:
+                if isinstance(event, TokenEvent):
+                    pieces.append(event.text)
+                else:
+                    done = event
+        finally:
+            stream.cancel()
+        return _response("".join(pieces), context, done)
+
+    async def events(self, context: RagContext, stream: JobStream) -> AsyncIterator[str]:
+        """SSE: `sources`, then `token` events, then `done` (usage, timings) or `error`."""
+        try:
+            yield sse({"sources": [s.model_dump() for s in sources_out(context.sources)],
+                       "warnings": context.warnings}, event="sources")
+            async for event in stream:
+                if isinstance(event, TokenEvent):
+                    yield sse({"text": event.text}, event="token")
+                else:
+                    yield sse(_done_payload(event), event="done")
+        except Exception as exc:  # the headers are out: report in-band
+            yield sse(error_body("server_error", f"generation failed: {exc}"), event="error")
+        finally:
+            stream.cancel()
+
+
+def _done_payload(done: DoneEvent) -> dict:
+    return {"mode": done.mode.value, "finish_reason": done.finish_reason.value if done.finish_reason else None,
+            "recompute_ratio": done.recompute_ratio, "usage": asdict(done.usage), "timings": asdict(done.timings)}
+
+
+def _response(answer: str, context: RagContext, done: DoneEvent | None) -> QueryResponse:
+    if done is None:
+        raise RuntimeError("generation ended without a result")
+    return QueryResponse(
+        answer=answer, mode=done.mode, finish_reason=done.finish_reason.value if done.finish_reason else None,
+        recompute_ratio=done.recompute_ratio, sources=sources_out(context.sources),
+        usage=UsageOut(**asdict(done.usage)), timings=TimingsOut(**asdict(done.timings)), warnings=context.warnings,
+    )

