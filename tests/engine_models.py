@@ -1,0 +1,54 @@
+"""Tiny random models built from a config: fast, exact (fp32), one per supported family trait."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from blend_engine.engine import BlendEngine
+
+VOCAB = 256
+_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=512)
+
+
+def _llama_gqa():
+    return LlamaForCausalLM(LlamaConfig(**_COMMON))
+
+
+def _qwen2_bias():
+    return Qwen2ForCausalLM(Qwen2Config(**_COMMON))  # q/k/v projections carry biases
+
+
+def _llama_rope_scaling():
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64)
+    return LlamaForCausalLM(LlamaConfig(**_COMMON, rope_scaling=scaling))
+
+
+def _qwen3_qk_norm():
+    return Qwen3ForCausalLM(Qwen3Config(**_COMMON, head_dim=16))
+
+
+MODEL_BUILDERS = {
+    "llama-gqa": _llama_gqa,
+    "qwen2-bias": _qwen2_bias,
+    "llama-rope-scaling": _llama_rope_scaling,
+    "qwen3-qk-norm": _qwen3_qk_norm,
+}
+
+
+def build_engine(name: str, seed: int = 0) -> BlendEngine:
+    torch.manual_seed(seed)
+    model = MODEL_BUILDERS[name]().eval()
+    if hasattr(model, "model") and name == "qwen2-bias":
+        # random init leaves biases at zero: give them values so they matter
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    return BlendEngine.from_model(model, tokenizer=None, name=name)
+
+
+def random_ids(n: int, seed: int) -> tuple[int, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(3, VOCAB, (n,), generator=g).tolist())
