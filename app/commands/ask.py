@@ -1,0 +1,70 @@
+"""`ragblend ask "question"`: stream an answer from a running server, then print its sources."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from typing import Iterable, Iterator
+
+from app.commands.client import add_client_arguments, error_message, make_client
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("question")
+    parser.add_argument("--mode", choices=["blend", "full", "prefix", "reuse"])
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--max-tokens", type=int)
+    parser.add_argument("--recompute-ratio", help="a number in [0, 1] or 'auto'")
+    parser.add_argument("--chunk-id", action="append", dest="chunk_ids", help="use this chunk (repeatable)")
+    add_client_arguments(parser)
+
+
+def request_body(args: argparse.Namespace) -> dict:
+    body: dict = {"question": args.question, "stream": True}
+    for name in ("mode", "top_k", "max_tokens", "chunk_ids"):
+        if getattr(args, name) is not None:
+            body[name] = getattr(args, name)
+    if args.recompute_ratio is not None:
+        body["recompute_ratio"] = args.recompute_ratio if args.recompute_ratio == "auto" else float(args.recompute_ratio)
+    return body
+
+
+def iter_events(lines: Iterable[str]) -> Iterator[tuple[str, dict]]:
+    event = "message"
+    for line in lines:
+        if line.startswith("event:"):
+            event = line.partition(":")[2].strip()
+        elif line.startswith("data:"):
+            yield event, json.loads(line.partition(":")[2].strip())
+            event = "message"
+
+
+def run(args: argparse.Namespace) -> int:
+    sources: list[dict] = []
+    with make_client(args) as client, client.stream("POST", "/v1/query", json=request_body(args)) as response:
+        if response.status_code != 200:
+            response.read()
+            print(error_message(response), file=sys.stderr)
+            return 1
+        for event, data in iter_events(response.iter_lines()):
+            if event == "sources":
+                sources = data["sources"]
+                for warning in data.get("warnings", []):
+                    print(f"[warning] {warning}", file=sys.stderr)
+            elif event == "token":
+                print(data["text"], end="", flush=True)
+            elif event == "done":
+                usage, timings = data["usage"], data["timings"]
+                print(f"\n\n[{data['mode']}] ttft {timings['ttft_ms']:.0f} ms, total {timings['total_ms']:.0f} ms, "
+                      f"{usage['reused_tokens']} reused / {usage['recomputed_tokens']} recomputed prompt tokens")
+            elif event == "error":
+                print(f"\nerror: {data['error']['message']}", file=sys.stderr)
+                return 1
+    print("\nSources:")
+    for number, source in enumerate(sources, 1):
+        score = "" if source["score"] is None else f" (score {source['score']:.3f})"
+        title = f" {source['title']}" if source.get("title") else ""
+        print(f"  [{number}] {source['chunk_id']}{title}{score}: {source['text'][:120]!r}")
+    return 0

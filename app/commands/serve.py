@@ -1,0 +1,39 @@
+"""`ragblend serve`: the RAG server on 127.0.0.1:8000 with the embedded model, FAISS and the disk KV tier."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", help="bind address (default from config: 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port (default from config: 8000)")
+    parser.add_argument("--data-dir", type=Path, help="documents, index and KV live here (default ./data)")
+    parser.add_argument("--config", type=Path, help="a YAML file layered over configs/default.yaml")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    if args.data_dir is not None:
+        overrides["data_dir"] = args.data_dir
+    server = {name: value for name, value in (("host", args.host), ("port", args.port)) if value is not None}
+    if server:
+        overrides["server"] = server
+    return overrides
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from app.main import create_app
+    from configs.settings import load_settings
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = load_settings(args.config, **overrides_from(args))
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.server.host, port=settings.server.port, log_level=args.log_level)
+    return 0
