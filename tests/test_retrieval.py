@@ -1,0 +1,149 @@
+"""Retrieval without the LLM: chunker, SQLite store, FAISS index, and the retriever with real MiniLM."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from configs.settings import ChunkingMode, IndexKind, RetrievalSettings
+from retrieval.chunker import Chunker
+from retrieval.doc_store import DocumentStore, NewChunk
+from retrieval.index import VectorIndex
+from retrieval.retriever import Retriever
+
+
+class WordVocab:
+    """A real (if simple) tokenizer: one id per word or punctuation mark, with a reversible vocabulary."""
+
+    def __init__(self) -> None:
+        self.ids: dict[str, int] = {}
+        self.words: list[str] = []
+
+    def encode(self, text: str) -> list[int]:
+        out = []
+        for word in re.findall(r"\w+|[^\w\s]", text):
+            if word not in self.ids:
+                self.ids[word] = len(self.words)
+                self.words.append(word)
+            out.append(self.ids[word])
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(self.words[i] for i in ids)
+
+
+def _sentences(num: int) -> str:
+    return " ".join(f"Sentence number {i} talks about topic {i % 7} in detail." for i in range(num))
+
+
+def test_chunker_packs_sentences_within_the_size_and_overlaps():
+    vocab = WordVocab()
+    chunker = Chunker(vocab.encode, vocab.decode, max_tokens=40, num_overlap_tokens=12)
+    chunks = chunker.split(_sentences(20))
+    assert len(chunks) > 3
+    for chunk in chunks:
+        assert 0 < chunk.num_tokens <= 40
+        assert chunk.text.startswith("Sentence") and chunk.text.endswith(".")  # cut at sentence ends
+    for before, after in zip(chunks, chunks[1:]):  # the last sentence of a chunk opens the next one
+        last_sentence = before.text.split(". ")[-1]
+        assert after.text.startswith(last_sentence.rstrip(".") + ".")
+
+
+def test_chunker_cuts_paragraphs_and_overlong_sentences():
+    vocab = WordVocab()
+    chunker = Chunker(vocab.encode, vocab.decode, max_tokens=10, num_overlap_tokens=0)
+    text = "Short one.\n\nword " * 1 + " ".join(["long"] * 25)
+    chunks = chunker.split(text)
+    assert chunks[0].text == "Short one."
+    assert [c.num_tokens for c in chunks[1:]] == [10, 10, 6]
+
+
+def test_chunking_none_keeps_one_passage_one_chunk_and_blank_gives_nothing():
+    vocab = WordVocab()
+    chunker = Chunker(vocab.encode, vocab.decode, max_tokens=10, num_overlap_tokens=2)
+    assert len(chunker.split(_sentences(10), ChunkingMode.NONE)) == 1
+    assert chunker.split("   \n ") == []
+    with pytest.raises(ValueError, match="overlap"):
+        Chunker(vocab.encode, vocab.decode, max_tokens=10, num_overlap_tokens=10)
+
+
+def _chunk(text: str, dim: int = 4, seed: int = 0, key: str | None = None) -> NewChunk:
+    vector = np.random.default_rng(seed).normal(size=dim).astype(np.float32)
+    return NewChunk(text, (1, 2, 3), vector / np.linalg.norm(vector), key)
+
+
+def test_document_store_replaces_deletes_and_never_reuses_row_ids(tmp_path):
+    store = DocumentStore(tmp_path / "docs.sqlite3")
+    doc, replaced = store.put_document("a", "A", {"k": 1}, 10, [_chunk("x", key="k1"), _chunk("y", key="k2")])
+    assert replaced == [] and [c.id for c in doc.chunks] == ["a#0", "a#1"]
+    first_rows = {c.row_id for c in doc.chunks}
+    doc2, replaced = store.put_document("a", "A2", {}, 5, [_chunk("z", key="k2")])
+    assert {c.row_id for c in replaced} == first_rows
+    assert min(c.row_id for c in doc2.chunks) > max(first_rows)
+    assert store.is_kv_key_used("k2") and not store.is_kv_key_used("k1")
+    assert store.get_document("a").title == "A2" and store.num_chunks() == 1
+    assert store.chunks_by_ids(["a#0", "missing"]).keys() == {"a#0"}
+    assert [c.text for c in store.delete_document("a")] == ["z"]
+    assert store.delete_document("a") is None and store.get_document("a") is None and store.num_chunks() == 0
+    store.close()
+
+
+@pytest.mark.parametrize("kind", list(IndexKind))
+def test_index_search_remove_and_persist(tmp_path, kind):
+    rng = np.random.default_rng(0)
+    vectors = rng.normal(size=(50, 8)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    index = VectorIndex(8, kind, path=tmp_path / "index.faiss")
+    index.add(np.arange(100, 150), vectors)
+    assert index.search(vectors[7], 3)[0].row_id == 107
+    if index.supports_remove:
+        assert index.remove([107]) == 1
+    else:
+        index.rebuild([(np.delete(np.arange(100, 150), 7), np.delete(vectors, 7, axis=0))])
+    assert 107 not in [h.row_id for h in index.search(vectors[7], 5)]
+    index.save()
+    loaded = VectorIndex.load_or_create(tmp_path / "index.faiss", 8, kind)
+    assert loaded.num_vectors == 49 and loaded.loaded_kind is kind
+    with pytest.raises(ValueError, match="dim"):
+        VectorIndex.load_or_create(tmp_path / "index.faiss", 16, kind)
+
+
+@pytest.fixture(scope="module")
+def retriever(tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("retrieval")
+    retriever = Retriever.open(data_dir, RetrievalSettings())
+    texts = {
+        "vault": "The secret code of the blue vault is 4812.",
+        "bridge": "The red bridge in Lisbon was painted in 1966 by forty workers.",
+        "cheese": "The cheese festival takes place in Wensleydale every October.",
+    }
+    for doc_id, text in texts.items():
+        vector = retriever.embedder.encode([text])[0]
+        doc, _ = retriever.store.put_document(doc_id, None, {}, len(text), [NewChunk(text, (1,), vector)])
+        retriever.index.add([doc.chunks[0].row_id], vector[None])
+    yield retriever, data_dir
+    retriever.close()
+
+
+def test_embedder_is_normalised_and_search_finds_the_answer(retriever):
+    retriever, _ = retriever
+    vectors = retriever.embedder.encode(["a", "b c d"])
+    assert vectors.shape == (2, 384) and np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    hits = retriever.search("What is the code of the blue vault?", 2)
+    assert [h.chunk.document_id for h in hits][0] == "vault" and hits[0].score > hits[1].score
+    found, missing = retriever.named(["cheese#0", "nope#0", "vault#0"])
+    assert [s.chunk.id for s in found] == ["cheese#0", "vault#0"] and missing == ["nope#0"]
+
+
+def test_retriever_rebuilds_a_lost_index_from_the_store(retriever):
+    retriever, data_dir = retriever
+    retriever.index.save()
+    (data_dir / "index.faiss").unlink()
+    reopened = Retriever.open(data_dir, RetrievalSettings(index=IndexKind.HNSW))
+    assert reopened.index.num_vectors == 3 and reopened.index.loaded_kind is IndexKind.HNSW
+    assert reopened.search("Which festival is in October?", 1)[0].chunk.document_id == "cheese"
+    deleted = reopened.store.delete_document("cheese")
+    reopened.forget(deleted)
+    assert "cheese" not in [h.chunk.document_id for h in reopened.search("Which festival is in October?", 3)]
