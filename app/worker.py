@@ -43,6 +43,10 @@ class JobStream:
     def __init__(self, job: Job, items: asyncio.Queue):
         self._job, self._items = job, items
 
+    @property
+    def job(self) -> Job:
+        return self._job
+
     def __aiter__(self) -> JobStream:
         return self
 
