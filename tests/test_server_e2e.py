@@ -1,0 +1,167 @@
+"""End to end over real HTTP on loopback, with the real SmolLM2 and MiniLM: ingest, ask in blend and
+full, stream, the official openai client, chunk_ids, context fitting, delete/replace and restart."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from app.commands.ask import iter_events
+from app.testing import LiveServer
+from blend_engine.engine import BlendEngine
+from configs.settings import load_settings
+
+pytestmark = pytest.mark.smollm2
+
+QUESTION = "What is the secret code of the blue vault?"
+DOCUMENTS = [
+    {"id": "vault", "title": "Vault", "text": "The secret code of the blue vault is 4812."},
+    {"id": "bridge", "text": "The red bridge in Lisbon was painted in 1966 by a team of forty workers."},
+    {"id": "mountain", "text": "Mount Kosciuszko is the highest mountain in mainland Australia."},
+    {"id": "cheese", "text": "The annual cheese festival takes place in the village of Wensleydale every October."},
+]
+
+
+def make_settings(data_dir, **overrides):
+    return load_settings(data_dir=data_dir, limits={"max_tokens": 8192}, **overrides)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return BlendEngine.from_settings(load_settings())
+
+
+@pytest.fixture(scope="module")
+def server(engine, tmp_path_factory):
+    with LiveServer(make_settings(tmp_path_factory.mktemp("e2e")), engine=engine) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=300) as http:
+        response = http.post("/v1/documents", json={"documents": DOCUMENTS})
+        assert response.status_code == 201, response.text
+        yield http
+
+
+def ask(client, **body) -> dict:
+    response = client.post("/v1/query", json={"question": QUESTION, "max_tokens": 20, "top_k": 3, **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def kv_hits(client, tier: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(f'ragblend_kv_hits_total{{tier="{tier}"}}'):
+            return float(line.split()[-1])
+    raise AssertionError(f"no KV hit counter for tier {tier}")
+
+
+def test_ingestion_reports_chunks_with_cached_kv(client):
+    listing = client.get("/v1/documents").json()
+    assert listing["total"] == 4 and {d["id"] for d in listing["documents"]} == {d["id"] for d in DOCUMENTS}
+    vault = client.get("/v1/documents/vault").json()
+    assert vault["title"] == "Vault" and vault["chunks"][0]["kv_cached"] is True
+    assert vault["chunks"][0]["text"] == DOCUMENTS[0]["text"]
+
+
+@pytest.mark.parametrize("mode", ["full", "blend"])
+def test_answer_and_sources_are_right_in_full_and_blend(client, mode):
+    hits_before = kv_hits(client, "memory") + kv_hits(client, "disk")
+    body = ask(client, mode=mode)
+    assert "4812" in body["answer"] and body["mode"] == mode
+    assert body["sources"][0]["document_id"] == "vault" and body["sources"][0]["title"] == "Vault"
+    assert len(body["sources"]) == 3 and body["sources"][0]["score"] > body["sources"][1]["score"]
+    usage, timings = body["usage"], body["timings"]
+    assert 0 < usage["completion_tokens"] <= 20
+    assert usage["reused_tokens"] + usage["recomputed_tokens"] == usage["prompt_tokens"]
+    assert 0 < timings["ttft_ms"] <= timings["total_ms"] and timings["prefill_ms"] > 0
+    if mode == "blend":  # the retrieved chunks' KV came from the store
+        assert usage["reused_tokens"] > 0 and kv_hits(client, "memory") + kv_hits(client, "disk") > hits_before
+    else:
+        assert usage["reused_tokens"] == 0
+
+
+def test_streamed_query_sends_sources_tokens_then_done(client):
+    with client.stream("POST", "/v1/query", json={"question": QUESTION, "max_tokens": 16, "stream": True}) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        events = list(iter_events(response.iter_lines()))
+    kinds = [kind for kind, _ in events]
+    assert kinds[0] == "sources" and kinds[-1] == "done" and set(kinds[1:-1]) == {"token"}
+    assert events[0][1]["sources"][0]["document_id"] == "vault"
+    answer = "".join(data["text"] for kind, data in events if kind == "token")
+    done = events[-1][1]
+    assert "4812" in answer and 0 < done["usage"]["completion_tokens"] <= 16
+    assert done["mode"] == "blend" and done["usage"]["reused_tokens"] > 0 and done["timings"]["ttft_ms"] > 0
+
+
+def test_chunk_ids_skip_retrieval_and_keep_their_order(client):
+    body = ask(client, chunk_ids=["cheese#0", "vault#0"], mode="reuse")
+    assert [s["chunk_id"] for s in body["sources"]] == ["cheese#0", "vault#0"]
+    assert all(s["score"] is None for s in body["sources"]) and body["usage"]["reused_tokens"] > 0
+    assert client.post("/v1/query", json={"question": QUESTION, "chunk_ids": ["nope#0"]}).status_code == 404
+
+
+def test_openai_client_chat_completions_carry_sources(server, client):
+    openai = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    model = openai.models.list().data[0].id
+    messages = [{"role": "user", "content": QUESTION}]
+    extra = {"top_k": 2, "mode": "blend"}
+    completion = openai.chat.completions.create(model=model, messages=messages, max_tokens=20, extra_body=extra)
+    assert "4812" in completion.choices[0].message.content and completion.usage.completion_tokens > 0
+    assert completion.model_extra["sources"][0]["document_id"] == "vault"
+    chunks = list(openai.chat.completions.create(model=model, messages=messages, max_tokens=20, stream=True,
+                                                 extra_body=extra))
+    assert chunks[0].model_extra["sources"][0]["chunk_id"] == "vault#0"
+    assert "4812" in "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert chunks[-1].choices[0].finish_reason in {"stop", "length"}
+    assert chunks[-1].usage.completion_tokens > 0 and chunks[-1].usage.model_extra["reused_tokens"] > 0
+
+
+def test_prompt_is_fitted_to_the_context_by_dropping_the_lowest_scored(server, client, engine):
+    from blend_engine.types import Segment
+
+    vault_ids = tuple(engine.tokenize(DOCUMENTS[0]["text"]))
+    num_with_vault = sum(len(s.token_ids) for s in engine.build_segments(QUESTION, [Segment(vault_ids)]))
+    body = {"model": server.components.model_id, "messages": [{"role": "user", "content": QUESTION}],
+            "max_tokens": engine.max_context - num_with_vault, "top_k": 3, "stream": True}
+    with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        first = json.loads(next(response.iter_lines()).removeprefix("data: "))
+    assert [s["chunk_id"] for s in first["sources"]] == ["vault#0"]
+    assert "dropped 2 lowest-ranked" in first["warnings"][0]
+
+
+def test_deleted_and_replaced_documents_are_never_retrieved_and_their_kv_is_gone(server, client):
+    kv_store = server.components.kv_store
+    client.post("/v1/documents", json={"documents": [{"id": "pet", "text": "The green parrot is named Kiwi."}]})
+    old_key = server.components.retriever.store.chunks_by_ids(["pet#0"])["pet#0"].kv_key
+    assert kv_store.contains(old_key)
+    replaced = client.post("/v1/documents", json={"documents": [{"id": "pet", "text": "The green parrot is named Mango."}]})
+    assert replaced.status_code == 201 and not kv_store.contains(old_key)
+    body = ask(client, question="What is the green parrot named?", top_k=5, mode="full")
+    assert "Mango" in " ".join(s["text"] for s in body["sources"]) and "Kiwi" not in json.dumps(body["sources"])
+    new_key = server.components.retriever.store.chunks_by_ids(["pet#0"])["pet#0"].kv_key
+    deleted = client.delete("/v1/documents/pet")
+    assert deleted.status_code == 200 and deleted.json()["num_chunks"] == 1
+    assert client.get("/v1/documents/pet").status_code == 404 and client.delete("/v1/documents/pet").status_code == 404
+    assert not kv_store.contains(new_key)
+    body = ask(client, question="What is the green parrot named?", top_k=10, mode="full")
+    assert all(s["document_id"] != "pet" for s in body["sources"])
+
+
+def test_restart_keeps_documents_and_loads_their_kv_from_disk(engine, tmp_path):
+    settings = make_settings(tmp_path)
+    with LiveServer(settings, engine=engine) as first, httpx.Client(base_url=first.url, timeout=300) as http:
+        assert http.post("/v1/documents", json={"documents": DOCUMENTS}).status_code == 201
+    with LiveServer(settings, engine=engine) as second, httpx.Client(base_url=second.url, timeout=300) as http:
+        assert http.get("/readyz").json()["num_chunks"] == 4
+        assert http.get("/v1/documents/vault").json()["chunks"][0]["kv_cached"] is True
+        assert kv_hits(http, "disk") == 0
+        body = ask(http, mode="blend")
+        assert "4812" in body["answer"] and body["sources"][0]["document_id"] == "vault"
+        assert body["usage"]["reused_tokens"] > 0 and kv_hits(http, "disk") >= 3  # loaded, not recomputed
