@@ -97,6 +97,7 @@ class EngineWorker:
                 raise QueueFullError(f"engine queue full ({self.max_queue} waiting)", self.retry_after_s)
             self._num_waiting += 1
         job = Job(fn, loop, loop.create_future())
+        job.future.add_done_callback(_retrieve)  # a stream left early never awaits its job: no warning then
         self._jobs.put(job)
         return job
 
@@ -150,6 +151,11 @@ class EngineWorker:
             finally:
                 self._is_busy = False
             job.loop.call_soon_threadsafe(_settle, job.future, result, error)
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
