@@ -1,0 +1,276 @@
+"""`ragblend bench engine`: TTFT and fidelity to a full prefill, per prefill mode and ratio.
+
+Every chunk's KV is precomputed before timing and held in memory. For each question, all variants
+run side by side in one process; the table shows medians over questions, then one JSON object is
+printed as the last line of stdout (and written to --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from bench.metrics import argmax_agreement, best_f1, mean_kl, safe_mean, safe_median, token_f1
+from bench.musique import Question, load_questions
+from blend_engine.engine import BlendEngine
+from blend_engine.types import BlendConfig, PrefillMode, PrefillResult, Segment
+from configs import DeviationKind, SinkMode, load_settings
+
+DEFAULT_DATA = "../shared/data/musique_dev.json"
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    mode: PrefillMode
+    sink: SinkMode
+    blend: BlendConfig | None = None
+
+
+@dataclass
+class Record:
+    """One variant's figures on one question."""
+
+    ttft_ms: float
+    num_recomputed: int
+    num_prompt: int
+    first_token_agrees: bool
+    tf_agreement: float | None = None
+    tf_kl: float | None = None
+    f1_vs_full: float | None = None
+    f1_vs_gold: float | None = None
+    answer: str = ""
+
+
+@dataclass
+class Runs:
+    records: dict[str, list[Record]] = field(default_factory=dict)
+
+    def add(self, label: str, record: Record) -> None:
+        self.records.setdefault(label, []).append(record)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", default=DEFAULT_DATA, help="MuSiQue JSON (list of question/answers/ctxs)")
+    parser.add_argument("--questions", type=int, default=20)
+    parser.add_argument("--passages", type=int, default=5, help="passages per question, one chunk each")
+    parser.add_argument("--model", default=None, help="smollm2, a HF dir, a .gguf, or random:<shape>[:layers]")
+    parser.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--config", default=None, help="a YAML config file")
+    parser.add_argument("--ratios", default="0.05,0.15,0.30", help="blend recompute ratios")
+    parser.add_argument("--sink", default=None, choices=[s.value for s in SinkMode])
+    parser.add_argument("--check-layers", default=None, help="e.g. 1 or 1,2,3 (gradual filtering)")
+    parser.add_argument("--deviation", default=None, choices=[d.value for d in DeviationKind])
+    parser.add_argument("--answer-tokens", type=int, default=32, help="max tokens of the reference answer")
+    parser.add_argument("--sweep", action="store_true",
+                        help="add ablation rows at r=0.15: K vs V deviation, check layers, gradual filtering, sinks")
+    parser.add_argument("--out", default=None, help="also write the JSON summary here")
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    engine = BlendEngine.from_settings(settings)
+    questions = load_questions(args.data, args.questions, args.passages)
+    variants = main_variants(engine.blend, settings.blend.sink, _ratios(args.ratios))
+    if args.sweep:
+        variants += sweep_variants(engine.blend, settings.blend.sink)
+    is_quality = not engine.is_random
+    runs = Runs()
+    _warm_up(engine, questions[0], variants)
+    for i, question in enumerate(questions):
+        t0 = time.perf_counter()
+        bench_question(engine, question, variants, runs, args.answer_tokens, is_quality)
+        print(f"question {i + 1}/{len(questions)} done in {time.perf_counter() - t0:.1f} s", flush=True)
+    summary = summarize(runs, variants, args, engine, is_quality)
+    print_table(summary)
+    line = json.dumps(summary)
+    if args.out:
+        Path(args.out).write_text(line + "\n")
+    print(line)
+    return 0
+
+
+def _settings(args):
+    overrides: dict = {"model": {}, "blend": {}}
+    for key in ("model", "device", "dtype"):
+        value = getattr(args, key)
+        if value is not None:
+            overrides["model"]["name" if key == "model" else key] = value
+    if args.sink:
+        overrides["blend"]["sink"] = args.sink
+    if args.check_layers:
+        overrides["blend"]["check_layers"] = [int(x) for x in args.check_layers.split(",")]
+    if args.deviation:
+        overrides["blend"]["deviation"] = args.deviation
+    return load_settings(args.config, **overrides)
+
+
+def _ratios(text: str) -> list[float]:
+    ratios = [float(x) for x in text.split(",") if x.strip()]
+    if not ratios or any(not 0 <= r <= 1 for r in ratios):
+        raise ValueError(f"--ratios must be numbers in [0, 1], got {text!r}")
+    return ratios
+
+
+def main_variants(blend: BlendConfig, sink: SinkMode, ratios: list[float]) -> list[Variant]:
+    out = [Variant("full", PrefillMode.FULL, sink), Variant("prefix", PrefillMode.PREFIX, sink),
+           Variant("reuse", PrefillMode.REUSE, sink)]
+    out += [Variant(f"blend@{r:.2f}", PrefillMode.BLEND, sink, _with(blend, recompute_ratio=r)) for r in ratios]
+    return out
+
+
+def sweep_variants(blend: BlendConfig, sink: SinkMode) -> list[Variant]:
+    base = _with(blend, recompute_ratio=0.15)
+    out = []
+    for dev in DeviationKind:
+        out.append(Variant(f"blend@0.15 dev={dev.value}", PrefillMode.BLEND, sink, _with(base, deviation=dev)))
+    for layers in [(0,), (1,), (2,), (4,), (1, 2, 3)]:
+        label = "check=" + ",".join(map(str, layers))
+        out.append(Variant(f"blend@0.15 {label}", PrefillMode.BLEND, sink, _with(base, check_layers=layers)))
+    for other in SinkMode:
+        out.append(Variant(f"reuse sink={other.value}", PrefillMode.REUSE, other))
+        out.append(Variant(f"blend@0.15 sink={other.value}", PrefillMode.BLEND, other, base))
+    return out
+
+
+def _with(config: BlendConfig, **changes) -> BlendConfig:
+    return BlendConfig(**{**config.__dict__, **changes})
+
+
+def prompt_for(engine: BlendEngine, question: Question, sink: SinkMode, chunk_cache: dict) -> list[Segment]:
+    """The question's prompt with every passage's KV precomputed behind `sink` (cached per sink)."""
+    if sink not in chunk_cache:
+        context = engine.sink_ids(sink)
+        chunks = []
+        for text in question.passages:
+            ids = engine.tokenize(text)
+            chunks.append(Segment(tuple(ids), engine.precompute(ids, context)))
+        chunk_cache[sink] = engine.build_segments(question.question, chunks)
+    return chunk_cache[sink]
+
+
+def timed_prefill(engine: BlendEngine, segments, variant: Variant, extra: int) -> tuple[PrefillResult, float, int]:
+    """Prefill and pick the first token: the time to first token."""
+    t0 = time.perf_counter()
+    result = engine.prefill(segments, variant.mode, variant.blend, max_new_tokens=extra)
+    first = int(result.logits.argmax())
+    if result.logits.device.type == "cuda":
+        torch.cuda.synchronize()
+    return result, (time.perf_counter() - t0) * 1000, first
+
+
+def greedy_ids(engine: BlendEngine, result: PrefillResult, max_tokens: int) -> list[int]:
+    result.cache.truncate(len(result.token_ids))
+    ids, logits = [], result.logits
+    for _ in range(max_tokens):
+        token = int(logits.argmax())
+        if token in engine.eos_ids:
+            break
+        ids.append(token)
+        logits = engine.forward_tokens(result, [token])[0]
+    return ids
+
+
+def bench_question(engine, question: Question, variants, runs: Runs, answer_tokens: int, is_quality: bool) -> None:
+    chunk_cache: dict = {}
+    full_variant = variants[0]
+    segments = prompt_for(engine, question, full_variant.sink, chunk_cache)
+    full, full_ms, full_first = timed_prefill(engine, segments, full_variant, answer_tokens)
+    ref_ids = greedy_ids(engine, full, answer_tokens) if is_quality else []
+    ref_text = engine.tokenizer.decode(ref_ids, skip_special_tokens=True)
+    ref_logits = engine.score(full, ref_ids) if ref_ids else None
+    for variant in variants:
+        if variant is full_variant:
+            result, ms, first = full, full_ms, full_first
+        else:
+            segments = prompt_for(engine, question, variant.sink, chunk_cache)
+            result, ms, first = timed_prefill(engine, segments, variant, answer_tokens)
+        record = Record(ms, result.stats.num_recomputed_tokens, result.stats.num_prompt_tokens, first == full_first)
+        if is_quality:
+            _score(engine, result, record, ref_ids, ref_logits, ref_text, question, answer_tokens)
+        runs.add(variant.label, record)
+
+
+def _score(engine, result, record: Record, ref_ids, ref_logits, ref_text, question, answer_tokens) -> None:
+    if ref_ids:
+        logits = engine.score(result, ref_ids)
+        record.tf_agreement = argmax_agreement(logits, ref_ids)
+        record.tf_kl = mean_kl(ref_logits, logits)
+    answer = engine.tokenizer.decode(greedy_ids(engine, result, answer_tokens), skip_special_tokens=True)
+    record.answer = answer
+    record.f1_vs_full = token_f1(answer, ref_text)
+    record.f1_vs_gold = best_f1(answer, question.answers)
+
+
+def _warm_up(engine, question: Question, variants) -> None:
+    cache: dict = {}
+    for variant in variants[:1] + variants[-1:]:
+        engine.prefill(prompt_for(engine, question, variant.sink, cache), variant.mode, variant.blend)
+
+
+def summarize(runs: Runs, variants, args, engine: BlendEngine, is_quality: bool) -> dict:
+    full_ttft = safe_median(r.ttft_ms for r in runs.records["full"])
+    reuse_kl = {v.sink: safe_mean(r.tf_kl for r in runs.records[v.label] if r.tf_kl is not None)
+                for v in variants if v.mode == PrefillMode.REUSE}
+    rows = {}
+    for v in variants:
+        recs = runs.records[v.label]
+        ttft = safe_median(r.ttft_ms for r in recs)
+        kl = safe_mean(r.tf_kl for r in recs if r.tf_kl is not None)
+        ref_kl = reuse_kl.get(v.sink)
+        rows[v.label] = {
+            "mode": v.mode.value,
+            "recompute_ratio": v.blend.recompute_ratio if v.blend else None,
+            "check_layers": list(v.blend.check_layers) if v.blend else None,
+            "deviation": v.blend.deviation.value if v.blend else None,
+            "sink": v.sink.value,
+            "median_ttft_ms": ttft,
+            "speedup_vs_full": full_ttft / ttft if ttft else None,
+            "median_tokens_recomputed": safe_median(r.num_recomputed for r in recs),
+            "first_token_agreement": safe_mean(float(r.first_token_agrees) for r in recs),
+            "tf_agreement": safe_mean(r.tf_agreement for r in recs if r.tf_agreement is not None),
+            "tf_kl_mean": kl,
+            "kl_vs_reuse": (kl / ref_kl) if (kl is not None and ref_kl) else None,
+            "f1_vs_full": safe_mean(r.f1_vs_full for r in recs if r.f1_vs_full is not None),
+            "f1_vs_gold": safe_mean(r.f1_vs_gold for r in recs if r.f1_vs_gold is not None),
+        }
+    return {
+        "bench": "engine",
+        "model": engine.model_name,
+        "is_quality_meaningful": is_quality,
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "questions": args.questions,
+        "passages": args.passages,
+        "median_prompt_tokens": safe_median(r.num_prompt for r in runs.records["full"]),
+        "results": rows,
+    }
+
+
+def print_table(summary: dict) -> None:
+    print(f"\nmodel {summary['model']} on {summary['device']} ({summary['dtype']}), "
+          f"{summary['questions']} questions x {summary['passages']} passages, "
+          f"median prompt {summary['median_prompt_tokens']} tokens")
+    header = f"{'variant':<24}{'TTFT ms':>9}{'speedup':>9}{'recomp':>8}{'1st tok':>8}{'TF agr':>8}" \
+             f"{'TF KL':>8}{'KL/reuse':>9}{'F1 full':>8}{'F1 gold':>8}"
+    print(header)
+    print("-" * len(header))
+    for label, row in summary["results"].items():
+        print(f"{label:<24}{_f(row['median_ttft_ms'], 0):>9}{_f(row['speedup_vs_full'], 2):>9}"
+              f"{_f(row['median_tokens_recomputed'], 0):>8}{_f(row['first_token_agreement'], 2):>8}"
+              f"{_f(row['tf_agreement'], 3):>8}{_f(row['tf_kl_mean'], 3):>8}{_f(row['kl_vs_reuse'], 2):>9}"
+              f"{_f(row['f1_vs_full'], 2):>8}{_f(row['f1_vs_gold'], 2):>8}")
+    if not summary["is_quality_meaningful"]:
+        print("(random weights: quality columns are meaningless and left empty)")
+
+
+def _f(value, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
