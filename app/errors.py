@@ -58,6 +58,11 @@ class PayloadTooLargeError(ApiError):
     error_type = ErrorType.PAYLOAD_TOO_LARGE
 
 
+class ClientClosedError(ApiError):
+    status_code = 499  # nginx's "client closed request": nobody reads it, but logs and metrics do
+    error_type = ErrorType.INVALID_REQUEST
+
+
 class NotReadyError(ApiError):
     status_code = 503
     error_type = ErrorType.NOT_READY

@@ -64,10 +64,23 @@ def test_eight_parallel_streaming_clients_all_get_complete_answers(server):
         assert 0 < done["usage"]["completion_tokens"] <= 16
 
 
+LONG_STORY = {"question": "Write a very long story about the blue vault and its secret code.", "max_tokens": 1000,
+              "temperature": 1.0, "seed": 1}
+
+
+def wait_for_cancel(url: str, before: dict[str, float]) -> dict[str, float]:
+    started = time.monotonic()
+    while time.monotonic() - started < 20:
+        after = engine_jobs(url)
+        if after.get("cancelled", 0) > before.get("cancelled", 0) and after["busy"] == 0:
+            break
+        time.sleep(0.1)
+    return after
+
+
 def test_a_client_that_disconnects_mid_stream_frees_the_worker(server):
     before = engine_jobs(server.url)
-    body = {"question": "Write a very long story about the blue vault and its secret code.", "max_tokens": 1000,
-            "temperature": 1.0, "seed": 1, "stream": True}
+    body = {**LONG_STORY, "stream": True}
     with httpx.Client(base_url=server.url, timeout=120) as client:
         with client.stream("POST", "/v1/query", json=body) as response:
             lines = response.iter_lines()
@@ -76,12 +89,19 @@ def test_a_client_that_disconnects_mid_stream_frees_the_worker(server):
                 kinds.append(kind)
                 if kinds.count("token") == 3:
                     break  # leave after three tokens: the connection closes here
-    started = time.monotonic()
-    while time.monotonic() - started < 20:
-        after = engine_jobs(server.url)
-        if after.get("cancelled", 0) > before.get("cancelled", 0) and after["busy"] == 0:
-            break
-        time.sleep(0.1)
+    after = wait_for_cancel(server.url, before)
     assert after["cancelled"] == before.get("cancelled", 0) + 1 and after["busy"] == 0
     quick = httpx.post(f"{server.url}/v1/query", json={"question": QUESTION, "max_tokens": 8}, timeout=120)
     assert quick.status_code == 200 and quick.json()["usage"]["completion_tokens"] > 0
+
+
+@pytest.mark.parametrize("path", ["/v1/query", "/v1/chat/completions"])
+def test_a_non_streaming_client_that_gives_up_cancels_its_generation(server, path):
+    before = engine_jobs(server.url)
+    body = LONG_STORY if path == "/v1/query" else {
+        "messages": [{"role": "user", "content": LONG_STORY["question"]}], "max_tokens": 1000, "temperature": 1.0,
+        "seed": 1}
+    with pytest.raises(httpx.ReadTimeout):  # the client hangs up after 1.5 s, mid-generation
+        httpx.post(f"{server.url}{path}", json=body, timeout=httpx.Timeout(120, read=1.5))
+    after = wait_for_cancel(server.url, before)
+    assert after["cancelled"] == before.get("cancelled", 0) + 1 and after["busy"] == 0

@@ -86,6 +86,17 @@ def test_answer_and_sources_are_right_in_full_and_blend(client, mode):
         assert usage["reused_tokens"] == 0
 
 
+def test_prefix_mode_and_auto_ratio_answer_and_metrics_track_ttft_per_mode(client):
+    assert "4812" in ask(client, mode="prefix")["answer"]
+    body = ask(client, mode="blend", recompute_ratio="auto")
+    assert "4812" in body["answer"] and 0.15 <= body["recompute_ratio"] <= 1.0
+    metrics = client.get("/metrics").text
+    for mode in ("full", "blend", "prefix"):
+        assert f'ragblend_ttft_seconds_count{{mode="{mode}"}}' in metrics
+    assert 'ragblend_prompt_tokens_total{kind="reused"}' in metrics
+    assert 'ragblend_requests_total{method="POST",route="/v1/query",status="200"}' in metrics
+
+
 def test_streamed_query_sends_sources_tokens_then_done(client):
     with client.stream("POST", "/v1/query", json={"question": QUESTION, "max_tokens": 16, "stream": True}) as response:
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")

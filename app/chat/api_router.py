@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from app.chat.protocol import ChatCompletionRequest, ChatCompletionResponse
@@ -18,8 +18,8 @@ router = APIRouter(prefix="/v1", tags=["chat"], responses=ERROR_RESPONSES)
     response_model=ChatCompletionResponse,
     responses={200: {"content": {SSE_MEDIA_TYPE: {}}, "description": "JSON, or SSE chunks when stream=true"}},
 )
-async def chat_completions(body: ChatCompletionRequest, service: ChatDep):
+async def chat_completions(body: ChatCompletionRequest, service: ChatDep, http_request: Request):
     call = await service.prepare(body)
     if body.stream:
         return StreamingResponse(service.chunks(call), media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
-    return await service.complete(call)
+    return await service.complete(call, http_request.is_disconnected)

@@ -14,6 +14,7 @@ from app.chat.protocol import (
 from app.errors import InvalidRequestError, NotFoundError, error_body
 from app.query.protocol import TimingsOut
 from app.query.serving import build_rag_request, sources_out
+from app.rag.collect import IsDisconnected, collect
 from app.rag.pipeline import RagPipeline
 from app.rag.types import DoneEvent, RagContext, RagRequest, TokenEvent
 from app.sse import sse
@@ -52,21 +53,11 @@ class ChatService:
         stream = self.pipeline.start(request, context, t_start)
         return ChatCall(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_id, request, context, stream)
 
-    async def complete(self, call: ChatCall) -> ChatCompletionResponse:
-        pieces, done = [], None
-        try:
-            async for event in call.stream:
-                if isinstance(event, TokenEvent):
-                    pieces.append(event.text)
-                else:
-                    done = event
-        finally:
-            call.stream.cancel()
-        if done is None:
-            raise RuntimeError("generation ended without a result")
+    async def complete(self, call: ChatCall, is_disconnected: IsDisconnected) -> ChatCompletionResponse:
+        answer, done = await collect(call.stream, is_disconnected)
         return ChatCompletionResponse(
             id=call.id, created=call.created, model=call.model,
-            choices=[Choice(message=AssistantMessage(content="".join(pieces)), finish_reason=_finish(done))],
+            choices=[Choice(message=AssistantMessage(content=answer), finish_reason=_finish(done))],
             usage=_usage(done), sources=sources_out(call.context.sources), timings=TimingsOut(**asdict(done.timings)),
             mode=done.mode.value, warnings=call.context.warnings,
         )

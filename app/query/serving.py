@@ -8,6 +8,7 @@ from typing import AsyncIterator, Sequence
 
 from app.errors import InvalidRequestError, error_body
 from app.query.protocol import GenerationOptions, QueryRequest, QueryResponse, SourceOut, TimingsOut, UsageOut
+from app.rag.collect import IsDisconnected, collect
 from app.rag.pipeline import RagPipeline
 from app.rag.types import DoneEvent, RagContext, RagRequest, Source, TokenEvent
 from app.sse import sse
@@ -68,18 +69,9 @@ class QueryService:
         context = await self.pipeline.retrieve(request)
         return request, context, self.pipeline.start(request, context, t_start), t_start
 
-    async def answer(self, request: RagRequest, context: RagContext, stream: JobStream) -> QueryResponse:
-        pieces: list[str] = []
-        done: DoneEvent | None = None
-        try:
-            async for event in stream:
-                if isinstance(event, TokenEvent):
-                    pieces.append(event.text)
-                else:
-                    done = event
-        finally:
-            stream.cancel()
-        return _response("".join(pieces), context, done)
+    async def answer(self, context: RagContext, stream: JobStream, is_disconnected: IsDisconnected) -> QueryResponse:
+        answer, done = await collect(stream, is_disconnected)
+        return _response(answer, context, done)
 
     async def events(self, context: RagContext, stream: JobStream) -> AsyncIterator[str]:
         """SSE: `sources`, then `token` events, then `done` (usage, timings) or `error`."""
@@ -102,9 +94,7 @@ def _done_payload(done: DoneEvent) -> dict:
             "recompute_ratio": done.recompute_ratio, "usage": asdict(done.usage), "timings": asdict(done.timings)}
 
 
-def _response(answer: str, context: RagContext, done: DoneEvent | None) -> QueryResponse:
-    if done is None:
-        raise RuntimeError("generation ended without a result")
+def _response(answer: str, context: RagContext, done: DoneEvent) -> QueryResponse:
     return QueryResponse(
         answer=answer, mode=done.mode, finish_reason=done.finish_reason.value if done.finish_reason else None,
         recompute_ratio=done.recompute_ratio, sources=sources_out(context.sources),
