@@ -1,0 +1,254 @@
+"""`ragblend bench kv`: blend TTFT with the chunk caches in memory, on disk and in Redis, each
+streamed with and without pipelining, against the `full` baseline; plus load throughput per tier.
+
+Prints a table, then one JSON object as the last line of stdout (same form as the engine bench).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from statistics import mean
+
+import torch
+
+from blend_engine.engine import BlendEngine
+from blend_engine.types import BlendConfig, PrefillMode, Segment
+from configs.settings import KVQuantization, StorageDtype, load_settings
+from kv_store import KVStore, StoreConfig, Tier
+
+# (row name, store name, pipelined)
+STREAMED = [("disk", "disk", False), ("disk+pipe", "disk", True), ("redis", "redis", False),
+            ("redis+pipe", "redis", True), ("disk-int8+pipe", "disk-int8", True)]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", default="../shared/data/musique_dev.json", help="MuSiQue-format JSON")
+    parser.add_argument("--questions", type=int, default=5, help="questions to run")
+    parser.add_argument("--passages", type=int, default=10, help="passages (chunks) per prompt")
+    parser.add_argument("--out", default=None, help="also write the JSON result here")
+    parser.add_argument("--model", default=None, help="model name (default: settings' model.name)")
+    parser.add_argument("--ratio", type=float, default=None, help="blend recompute ratio (default: settings)")
+    parser.add_argument("--dtype", default="float16", choices=[d.value for d in StorageDtype], help="storage dtype")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per measurement; the fastest is kept")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
+    parser.add_argument("--redis-url", default=None, help="Redis to use; default: start redis-server on loopback")
+
+
+class LocalRedis:
+    """A throw-away redis-server on 127.0.0.1 (no persistence) for the bench's Redis tier."""
+
+    def __init__(self, workdir: Path):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        cmd = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+               "--dir", str(workdir)]
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(200):
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.1).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        self.close()
+        raise RuntimeError("redis-server did not start")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def close(self) -> None:
+        self._proc.terminate()
+        self._proc.wait(timeout=10)
+
+
+def drop_page_cache(store: KVStore, keys: list[str]) -> None:
+    """Evict the entries' files from the page cache (per file: leaves other processes' cache alone)."""
+    disk = store.backend(Tier.DISK)
+    for key in keys:
+        fd = os.open(disk.path(key), os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def make_stores(fingerprint: str, dtype: StorageDtype, workdir: Path, redis_url: str | None) -> dict[str, KVStore]:
+    base = StoreConfig(dtype=dtype, max_memory_bytes=0, disk_dir=None, fsync=False)
+    configs = {
+        "memory": dataclasses.replace(base, max_memory_bytes=1 << 40),
+        "disk": dataclasses.replace(base, disk_dir=workdir / "disk"),
+        "disk-int8": dataclasses.replace(base, disk_dir=workdir / "disk-int8", quantization=KVQuantization.INT8),
+    }
+    if redis_url:
+        configs["redis"] = dataclasses.replace(base, redis_url=redis_url)
+    return {name: KVStore(fingerprint, config) for name, config in configs.items()}
+
+
+def best_of(num_repeats: int, fns: dict) -> tuple[dict, dict]:
+    """Run each measurement `num_repeats` times round-robin (contention hits all alike); keep the min ms."""
+    best: dict[str, float] = {}
+    results: dict = {}
+    for _ in range(num_repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            results[name] = fn()
+            best[name] = min(best.get(name, float("inf")), (time.perf_counter() - start) * 1000)
+    return best, results
+
+
+def run_question(engine, stores, item, args, blend, sink) -> dict:
+    chunk_ids = [tuple(engine.tokenize(c["text"])) for c in item["ctxs"][: args.passages]]
+    # keys differ per store: the storage format (dtype, int8) is part of every key
+    keys = {name: [store.key_for(ids, sink) for ids in chunk_ids] for name, store in stores.items()}
+    for idx, ids in enumerate(chunk_ids):
+        kv = engine.precompute(ids, sink)
+        for name, store in stores.items():
+            store.put(keys[name][idx], kv)
+    question, start_layer = item["question"], blend.check_layers[0]
+
+    def prompt(caches):
+        return engine.build_segments(question, [Segment(ids, c) for ids, c in zip(chunk_ids, caches)])
+
+    def streamed(store_name: str, pipelined: bool):
+        store, store_keys = stores[store_name], keys[store_name]
+
+        def fn():
+            if store_name != "redis":
+                drop_page_cache(store, store_keys)  # a cold read: the entries are not in the page cache
+            handles = [store.handle(k) for k in store_keys]
+            source = store.layer_source(handles, engine.device, engine.dtype, pipelined, start_layer, engine.precompute)
+            try:
+                return engine.prefill(prompt(handles), blend=blend, kv_source=source)
+            finally:
+                source.close()
+
+        return fn
+
+    mem_store, mem_keys = stores["memory"], keys["memory"]
+    # the baseline runs once: it is the slowest by far and only sets the scale
+    full = {"full": lambda: engine.prefill(prompt([None] * len(chunk_ids)), mode=PrefillMode.FULL)}
+    full_ms, full_results = best_of(1, full)
+    fns = {"memory": lambda: engine.prefill(prompt([mem_store.get(k) for k in mem_keys]), blend=blend)}
+    fns.update({name: streamed(store, pipe) for name, store, pipe in STREAMED if store in stores})
+    for tier in ("disk", "redis", "disk-int8"):
+        if tier in stores:
+            fns["load_alone:" + tier] = load_alone(engine, stores[tier], keys[tier], start_layer, tier != "redis")
+    row, results = best_of(args.repeats, fns)
+    row.update(full_ms)
+    results.update(full_results)
+    ref = results["memory"]
+    row["compute_alone"] = row["memory"]  # the KV is already in memory: the recompute alone
+    row["num_tokens"] = len(ref.token_ids)
+    agree = {"full": int(results["full"].logits.argmax() == ref.logits.argmax())}
+    for name, store, _ in STREAMED:
+        if store in stores:
+            agree[name] = int(results[name].logits.argmax() == ref.logits.argmax())
+            row[name + ":kv_wait"] = results[name].stats.kv_load_ms
+            row[name + ":max_logit_diff"] = float((results[name].logits - ref.logits).abs().max())
+    for tier in ("disk", "redis", "disk-int8"):
+        if tier in stores:
+            row["bytes:" + tier] = results["load_alone:" + tier]
+    row["agree"] = agree
+    return row
+
+
+def load_alone(engine, store, keys, start_layer, is_disk):
+    """Reads the layers the blend prefill reads, with no compute (cold page cache on disk); -> bytes."""
+
+    def fn() -> int:
+        if is_disk:
+            drop_page_cache(store, keys)
+        handles = [store.handle(k) for k in keys]
+        source = store.layer_source(handles, engine.device, engine.dtype, pipelined=False)
+        for layer in range(start_layer, engine.num_layers):
+            source.layer(layer)
+        source.close()
+        return source.stats.num_bytes_loaded
+
+    return fn
+
+
+def summarize(rows: list[dict]) -> dict:
+    summary = {k: mean(r[k] for r in rows) for k in rows[0] if k != "agree" and all(k in r for r in rows)}
+    summary["top1_agreement_vs_memory_blend"] = {k: mean(r["agree"][k] for r in rows) for k in rows[0]["agree"]}
+    for tier in ("disk", "redis", "disk-int8"):
+        if "load_alone:" + tier in summary:
+            summary["throughput_MBps:" + tier] = summary["bytes:" + tier] / summary["load_alone:" + tier] / 1e3
+    for tier in ("disk", "redis"):
+        if tier + "+pipe" not in summary:
+            continue
+        load, compute = summary["load_alone:" + tier], summary["compute_alone"]
+        summary[f"target:{tier}+pipe<=1.1*max"] = summary[tier + "+pipe"] <= 1.1 * max(load, compute)
+        summary[f"ratio:{tier}+pipe/memory"] = summary[tier + "+pipe"] / summary["memory"]
+    return summary
+
+
+def print_table(s: dict) -> None:
+    print(f"{'config':<16}{'TTFT ms':>10}{'kv wait ms':>12}{'top1=mem':>10}")
+    print(f"{'full':<16}{s['full']:>10.1f}{'-':>12}{s['top1_agreement_vs_memory_blend']['full']:>10.2f}")
+    print(f"{'blend memory':<16}{s['memory']:>10.1f}{'-':>12}{1.0:>10.2f}")
+    for name, _, _ in STREAMED:
+        if name in s:
+            agree = s["top1_agreement_vs_memory_blend"][name]
+            print(f"{'blend ' + name:<16}{s[name]:>10.1f}{s[name + ':kv_wait']:>12.1f}{agree:>10.2f}")
+    print()
+    print(f"{'tier':<12}{'load alone ms':>15}{'MB/s':>10}{'compute alone ms':>18}{'1.1*max ms':>12}")
+    for tier in ("disk", "redis", "disk-int8"):
+        if "load_alone:" + tier in s:
+            load = s["load_alone:" + tier]
+            bound = 1.1 * max(load, s["compute_alone"])
+            rate = s["throughput_MBps:" + tier]
+            print(f"{tier:<12}{load:>15.1f}{rate:>10.0f}{s['compute_alone']:>18.1f}{bound:>12.1f}")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    overrides = {"model": {"name": args.model}} if args.model else {}
+    settings = load_settings(**overrides)
+    engine = BlendEngine.from_settings(settings)
+    blend = BlendConfig.from_settings(settings.blend)
+    if args.ratio is not None:
+        blend = dataclasses.replace(blend, recompute_ratio=args.ratio)
+    items = json.loads(Path(args.data).read_text())[: args.questions]
+    workdir = Path(tempfile.mkdtemp(prefix="ragblend-kv-bench-"))
+    redis = None
+    redis_url = args.redis_url
+    if redis_url is None and shutil.which("redis-server"):
+        redis = LocalRedis(workdir)
+        redis_url = redis.url
+    stores = make_stores(engine.fingerprint, StorageDtype(args.dtype), workdir, redis_url)
+    sink = engine.sink_ids(settings.blend.sink)
+    try:
+        warm_up = argparse.Namespace(**{**vars(args), "repeats": 1, "passages": 2})
+        run_question(engine, stores, items[0], warm_up, blend, sink)  # first calls are slow: not counted
+        rows = [run_question(engine, stores, item, args, blend, sink) for item in items]
+    finally:
+        for store in stores.values():
+            store.close()
+        if redis is not None:
+            redis.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    summary = summarize(rows)
+    summary.update(
+        bench="kv", model=engine.model_name, device=str(engine.device), dtype=str(engine.dtype),
+        storage_dtype=args.dtype, questions=len(rows), passages=args.passages, recompute_ratio=blend.recompute_ratio,
+        cpu_threads=torch.get_num_threads(), machine=platform.machine(), has_redis=bool(redis_url),
+        repeats=args.repeats, load_average=os.getloadavg()[0],
+        page_cache="posix_fadvise(DONTNEED) per entry file before each disk run",
+    )
+    print_table(summary)
+    line = json.dumps(summary, default=float)
+    if args.out:
+        Path(args.out).write_text(line + "\n")
+    print(line)
+    return 0
