@@ -24,11 +24,12 @@ import torch
 from blend_engine.engine import BlendEngine
 from blend_engine.types import BlendConfig, PrefillMode, Segment
 from configs.settings import KVQuantization, StorageDtype, load_settings
-from kv_store import KVStore, StoreConfig, Tier
+from kv_store import EngineProfile, KVStore, StoreConfig, Tier
 
-# (row name, store name, pipelined)
-STREAMED = [("disk", "disk", False), ("disk+pipe", "disk", True), ("redis", "redis", False),
-            ("redis+pipe", "redis", True), ("disk-int8+pipe", "disk-int8", True)]
+# (row name, store name, pipelined, ratio chosen by the loading controller)
+STREAMED = [("disk", "disk", False, False), ("disk+pipe", "disk", True, False), ("redis", "redis", False, False),
+            ("redis+pipe", "redis", True, False), ("disk-int8+pipe", "disk-int8", True, False),
+            ("disk+pipe+auto", "disk", True, True)]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,7 +106,7 @@ def best_of(num_repeats: int, fns: dict) -> tuple[dict, dict]:
     return best, results
 
 
-def run_question(engine, stores, item, args, blend, sink) -> dict:
+def run_question(engine, stores, item, args, blend, sink, profile) -> dict:
     chunk_ids = [tuple(engine.tokenize(c["text"])) for c in item["ctxs"][: args.passages]]
     # keys differ per store: the storage format (dtype, int8) is part of every key
     keys = {name: [store.key_for(ids, sink) for ids in chunk_ids] for name, store in stores.items()}
@@ -118,16 +119,21 @@ def run_question(engine, stores, item, args, blend, sink) -> dict:
     def prompt(caches):
         return engine.build_segments(question, [Segment(ids, c) for ids, c in zip(chunk_ids, caches)])
 
-    def streamed(store_name: str, pipelined: bool):
+    def streamed(store_name: str, pipelined: bool, is_auto: bool):
         store, store_keys = stores[store_name], keys[store_name]
 
         def fn():
             if store_name != "redis":
                 drop_page_cache(store, store_keys)  # a cold read: the entries are not in the page cache
             handles = [store.handle(k) for k in store_keys]
+            segments = prompt(handles)
+            config = blend
+            if is_auto:  # ratio="auto": what the loads can hide, never below the floor
+                num_fresh = sum(len(seg.token_ids) for seg in segments) - sum(h.num_tokens for h in handles)
+                config = dataclasses.replace(blend, recompute_ratio=store.choose_ratio(handles, profile, num_fresh))
             source = store.layer_source(handles, engine.device, engine.dtype, pipelined, start_layer, engine.precompute)
             try:
-                return engine.prefill(prompt(handles), blend=blend, kv_source=source)
+                return engine.prefill(segments, blend=config, kv_source=source)
             finally:
                 source.close()
 
@@ -138,7 +144,7 @@ def run_question(engine, stores, item, args, blend, sink) -> dict:
     full = {"full": lambda: engine.prefill(prompt([None] * len(chunk_ids)), mode=PrefillMode.FULL)}
     full_ms, full_results = best_of(1, full)
     fns = {"memory": lambda: engine.prefill(prompt([mem_store.get(k) for k in mem_keys]), blend=blend)}
-    fns.update({name: streamed(store, pipe) for name, store, pipe in STREAMED if store in stores})
+    fns.update({name: streamed(store, pipe, auto) for name, store, pipe, auto in STREAMED if store in stores})
     for tier in ("disk", "redis", "disk-int8"):
         if tier in stores:
             fns["load_alone:" + tier] = load_alone(engine, stores[tier], keys[tier], start_layer, tier != "redis")
@@ -149,7 +155,8 @@ def run_question(engine, stores, item, args, blend, sink) -> dict:
     row["compute_alone"] = row["memory"]  # the KV is already in memory: the recompute alone
     row["num_tokens"] = len(ref.token_ids)
     agree = {"full": int(results["full"].logits.argmax() == ref.logits.argmax())}
-    for name, store, _ in STREAMED:
+    row["auto_ratio"] = results["disk+pipe+auto"].stats.recompute_ratio
+    for name, store, _, _ in STREAMED:
         if store in stores:
             agree[name] = int(results[name].logits.argmax() == ref.logits.argmax())
             row[name + ":kv_wait"] = results[name].stats.kv_load_ms
@@ -193,13 +200,15 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def print_table(s: dict) -> None:
-    print(f"{'config':<16}{'TTFT ms':>10}{'kv wait ms':>12}{'top1=mem':>10}")
-    print(f"{'full':<16}{s['full']:>10.1f}{'-':>12}{s['top1_agreement_vs_memory_blend']['full']:>10.2f}")
-    print(f"{'blend memory':<16}{s['memory']:>10.1f}{'-':>12}{1.0:>10.2f}")
-    for name, _, _ in STREAMED:
+    agree = s["top1_agreement_vs_memory_blend"]
+    print(f"{'config':<22}{'TTFT ms':>10}{'x memory':>10}{'kv wait ms':>12}{'top1=mem':>10}")
+    print(f"{'full':<22}{s['full']:>10.1f}{s['full'] / s['memory']:>10.2f}{'-':>12}{agree['full']:>10.2f}")
+    print(f"{'blend memory':<22}{s['memory']:>10.1f}{1.0:>10.2f}{'-':>12}{1.0:>10.2f}")
+    for name, *_ in STREAMED:
         if name in s:
-            agree = s["top1_agreement_vs_memory_blend"][name]
-            print(f"{'blend ' + name:<16}{s[name]:>10.1f}{s[name + ':kv_wait']:>12.1f}{agree:>10.2f}")
+            ratio, wait = s[name] / s["memory"], s[name + ":kv_wait"]
+            print(f"{'blend ' + name:<22}{s[name]:>10.1f}{ratio:>10.2f}{wait:>12.1f}{agree[name]:>10.2f}")
+    print(f"(auto: loading controller chose recompute ratio {s['auto_ratio']:.3f})")
     print()
     print(f"{'tier':<12}{'load alone ms':>15}{'MB/s':>10}{'compute alone ms':>18}{'1.1*max ms':>12}")
     for tier in ("disk", "redis", "disk-int8"):
@@ -228,10 +237,11 @@ def run(args: argparse.Namespace) -> int:
         redis_url = redis.url
     stores = make_stores(engine.fingerprint, StorageDtype(args.dtype), workdir, redis_url)
     sink = engine.sink_ids(settings.blend.sink)
+    profile = EngineProfile.measure(engine)
     try:
         warm_up = argparse.Namespace(**{**vars(args), "repeats": 1, "passages": 2})
-        run_question(engine, stores, items[0], warm_up, blend, sink)  # first calls are slow: not counted
-        rows = [run_question(engine, stores, item, args, blend, sink) for item in items]
+        run_question(engine, stores, items[0], warm_up, blend, sink, profile)  # first calls are slow: not counted
+        rows = [run_question(engine, stores, item, args, blend, sink, profile) for item in items]
     finally:
         for store in stores.values():
             store.close()
@@ -245,6 +255,7 @@ def run(args: argparse.Namespace) -> int:
         cpu_threads=torch.get_num_threads(), machine=platform.machine(), has_redis=bool(redis_url),
         repeats=args.repeats, load_average=os.getloadavg()[0],
         page_cache="posix_fadvise(DONTNEED) per entry file before each disk run",
+        min_recompute_ratio=StoreConfig().min_recompute_ratio, profile_s_per_token_layer=profile.seconds_per_token_layer,
     )
     print_table(summary)
     line = json.dumps(summary, default=float)
