@@ -74,8 +74,9 @@ class StoreLayerSource:
         self._side_stream = torch.cuda.Stream(self._device) if (self._is_cuda and is_pipelined) else None
         self.stats = SourceStats()
         self._cond = threading.Condition()
-        self._ready: dict[int, object] = {}  # layer -> (pairs, event) or the exception raised
+        self._ready: dict[int, tuple[LayerPairs, torch.cuda.Event | None]] = {}  # prefetched layers
         self._wanted = start_layer  # the layer the engine asked for last
+        self._error: BaseException | None = None  # what stopped the reader thread, raised to the engine
         self._is_closed = False
         self._thread: threading.Thread | None = None
         self._start_layer, self._prefetch_depth = start_layer, prefetch_depth
@@ -110,11 +111,11 @@ class StoreLayerSource:
                 del self._ready[old]  # skipped by the engine
             self._cond.notify_all()
             while layer_idx not in self._ready:
+                if self._error is not None:  # the thread stopped before reaching this layer
+                    raise self._error
                 self._cond.wait()
             result = self._ready.pop(layer_idx)
             self._cond.notify_all()
-        if isinstance(result, BaseException):
-            raise result
         return result  # type: ignore[return-value]
 
     # --- the reader thread ------------------------------------------------------------------------
@@ -128,14 +129,15 @@ class StoreLayerSource:
                     return
                 layer_idx = max(layer_idx, self._wanted)  # the engine skipped ahead
             try:
-                result: object = self._load(layer_idx)
+                result = self._load(layer_idx)
             except BaseException as exc:  # handed to the engine's thread, raised there
-                result = exc
+                with self._cond:
+                    self._error = exc
+                    self._cond.notify_all()
+                return
             with self._cond:
                 self._ready[layer_idx] = result
                 self._cond.notify_all()
-            if isinstance(result, BaseException):
-                return
             layer_idx += 1
 
     def _load(self, layer_idx: int) -> tuple[LayerPairs, torch.cuda.Event | None]:

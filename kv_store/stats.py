@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,6 @@ class StoreStats:
     last_auto_ratio: float | None = None
     last_predicted_load_s: float | None = None
     last_predicted_compute_s: float | None = None
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class TierCounters:

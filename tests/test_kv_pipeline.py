@@ -179,3 +179,18 @@ def test_reader_error_reaches_the_engine_thread():
     with pytest.raises(OSError, match="disk gone"):
         source.layer(0)
     source.close()
+
+
+def test_reader_error_on_a_skipped_layer_still_reaches_the_engine():
+    class BrokenAtOne(SlowReader):
+        def read_layer(self, layer_idx, pinned=False):
+            if layer_idx == 1:
+                raise OSError("bad sector")
+            return super().read_layer(layer_idx, pinned)
+
+    source = StoreLayerSource([BrokenAtOne(0.0)], "cpu", torch.float32, _never_recover, True, prefetch_depth=2)
+    source.layer(0)
+    time.sleep(0.05)  # the thread reaches layer 1 and stops there
+    with pytest.raises(OSError, match="bad sector"):
+        source.layer(2)  # must raise, not wait forever for a layer the thread will never read
+    source.close()
