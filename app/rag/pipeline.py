@@ -62,7 +62,11 @@ class RagPipeline:
             dropped.append(kept.pop(worst).chunk_id)
 
     def _segments(self, request: RagRequest, sources: Sequence[Source], with_kv: bool) -> list[Segment]:
+        """The prompt's segments. Without KV (for counting, off the worker) no model work is done:
+        the engine's own build_segments may compute a prompt prefix's KV, so only the worker calls it."""
         chunks = [Segment(s.token_ids, self._handle(s) if with_kv else None) for s in sources]
+        if not with_kv:
+            return self.engine.prompts.segments(request.question, chunks, list(request.history))
         return self.engine.build_segments(request.question, chunks, list(request.history))
 
     def _handle(self, source: Source) -> Any:
