@@ -147,6 +147,21 @@ def test_prompt_is_fitted_to_the_context_by_dropping_the_lowest_scored(server, c
     assert "dropped 2 lowest-ranked" in first["warnings"][0]
 
 
+def test_long_documents_are_chunked_by_llm_tokens_and_uncached_chunks_still_answer(server, client, engine):
+    sentences = " ".join(f"Fact number {i}: the lighthouse keeper counted {i * 7} gulls on day {i}." for i in range(150))
+    body = {"documents": [{"id": "gulls", "text": sentences}], "precompute": False}
+    chunks = client.post("/v1/documents", json=body).json()["documents"][0]["chunks"]
+    limit = server.settings.retrieval.chunk_tokens
+    assert len(chunks) >= 3 and all(0 < c["num_tokens"] <= limit and not c["kv_cached"] for c in chunks)
+    stored = client.get("/v1/documents/gulls").json()["chunks"]
+    assert all(c["text"].startswith("Fact number") and c["text"].endswith(".") for c in stored)
+    assert len(engine.tokenize(stored[0]["text"])) == stored[0]["num_tokens"]
+    body = ask(client, question=QUESTION, chunk_ids=["vault#0", "gulls#0"], mode="reuse")
+    num_vault = len(engine.tokenize(DOCUMENTS[0]["text"]))
+    assert body["answer"] and body["usage"]["reused_tokens"] == len(engine.prompts.prefix_ids()) + num_vault
+    assert client.delete("/v1/documents/gulls").status_code == 200
+
+
 def test_deleted_and_replaced_documents_are_never_retrieved_and_their_kv_is_gone(server, client):
     kv_store = server.components.kv_store
     client.post("/v1/documents", json={"documents": [{"id": "pet", "text": "The green parrot is named Kiwi."}]})
