@@ -23,8 +23,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 class LiveServer:
     """`with LiveServer(settings) as server:` starts uvicorn and waits for /readyz; leaving stops it."""
 
-    def __init__(self, settings: Settings, engine: Any | None = None, ready_timeout_s: float = 300.0):
+    def __init__(
+        self, settings: Settings, engine: Any | None = None, ready_timeout_s: float = 300.0, is_waiting: bool = True
+    ):
         self.settings, self.engine, self.ready_timeout_s = settings, engine, ready_timeout_s
+        self.is_waiting = is_waiting  # False: return once uvicorn listens, ready or not
         self.port = free_port()
         self.app = create_app(settings, engine)
         self._server = uvicorn.Server(
@@ -42,8 +45,18 @@ class LiveServer:
 
     def __enter__(self) -> LiveServer:
         self._thread.start()
-        self.wait_ready()
+        if self.is_waiting:
+            self.wait_ready()
+        else:
+            self._wait_listening()
         return self
+
+    def _wait_listening(self) -> None:
+        deadline = time.monotonic() + 60
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("server did not start listening")
+            time.sleep(0.05)
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
