@@ -191,3 +191,22 @@ def test_restart_keeps_documents_and_loads_their_kv_from_disk(engine, tmp_path):
         body = ask(http, mode="blend")
         assert "4812" in body["answer"] and body["sources"][0]["document_id"] == "vault"
         assert body["usage"]["reused_tokens"] > 0 and kv_hits(http, "disk") >= 3  # loaded, not recomputed
+
+
+def test_cli_ingest_and_ask_talk_to_the_server(server, client, tmp_path, capsys):
+    from app.cli import main
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "owl.md").write_text("# Owls\n\nThe snowy owl of the north tower is called Hedwig.\n")
+    (tmp_path / "docs" / "more.jsonl").write_text(json.dumps({"id": "fox", "text": "The red fox sleeps in the barn."}))
+    assert main(["ingest", str(tmp_path / "docs"), "--url", server.url]) == 0
+    assert "ingested 2 documents, 2 chunks" in capsys.readouterr().out
+    assert client.get("/v1/documents/owl").json()["title"] == "Owls"
+    assert main(["ask", "What is the snowy owl of the north tower called?", "--url", server.url,
+                 "--max-tokens", "16", "--top-k", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "Hedwig" in out.split("Sources:")[0] and "[1] owl#0 Owls" in out
+    assert main(["ask", "anything", "--url", server.url, "--top-k", "100000"]) == 1
+    assert "top_k" in capsys.readouterr().err
+    for doc_id in ("owl", "fox"):
+        client.delete(f"/v1/documents/{doc_id}")
