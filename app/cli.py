@@ -38,19 +38,18 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = sys.argv[1:] if argv is None else argv
-    parser = _build_parser()
-    known, _ = parser.parse_known_args(argv)
-    module_name = getattr(known, "_module", None)
-    if module_name is None:
+    # The longest command path that argv starts with; else the top-level parser answers (help, errors).
+    path = max((p for p in COMMANDS if tuple(argv[: len(p)]) == p), key=len, default=None)
+    if path is None:
+        parser = _build_parser()
+        parser.parse_args(argv)
         parser.print_help()
         return 2
+    module_name, help_text = COMMANDS[path]
     module = importlib.import_module(module_name)
-    # Re-parse with the subcommand's own arguments added.
-    path = next(p for p, (m, _) in COMMANDS.items() if m == module_name)
-    sub = argparse.ArgumentParser(prog="ragblend " + " ".join(path), description=COMMANDS[path][1])
+    sub = argparse.ArgumentParser(prog="ragblend " + " ".join(path), description=help_text)
     module.add_arguments(sub)
-    args = sub.parse_args(argv[len(path):])
-    return int(module.run(args) or 0)
+    return int(module.run(sub.parse_args(argv[len(path) :])) or 0)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+MAX_QUERY_GROUPS = 8
+MIN_QUERIES_PER_GROUP = 64
 _REQUIRED = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
 
 
@@ -83,18 +85,27 @@ class ModelRunner:
     ) -> torch.Tensor:
         """q [H, n, D] (rotated) over keys/values [H_kv, N, D] -> [n, H*D].
 
-        `query_pos` None means the queries are exactly positions 0..N-1 (plain causal).
+        `query_pos` [n] must ascend; None means the queries are exactly positions 0..N-1 (plain causal).
         """
         if query_pos is None:
             out = F.scaled_dot_product_attention(
                 q[None], keys[None], values[None], is_causal=True, scale=self.scaling, enable_gqa=True
             )
-        else:
-            mask = causal_mask(query_pos, keys.shape[1])  # [n, N]
-            out = F.scaled_dot_product_attention(
-                q[None], keys[None], values[None], attn_mask=mask, scale=self.scaling, enable_gqa=True
-            )
-        return out[0].transpose(0, 1).reshape(q.shape[1], -1)
+            return out[0].transpose(0, 1).reshape(q.shape[1], -1)
+        # A masked call computes every key for every query; cut the keys at each group's last
+        # position instead, so early queries do not pay for keys they cannot see.
+        num_groups = max(1, min(MAX_QUERY_GROUPS, q.shape[1] // MIN_QUERIES_PER_GROUP))
+        outs = []
+        for rows in torch.arange(q.shape[1], device=q.device).tensor_split(num_groups):
+            pos = query_pos[rows]
+            num_keys = int(pos[-1]) + 1
+            mask = causal_mask(pos, num_keys)  # [g, num_keys]
+            outs.append(F.scaled_dot_product_attention(
+                q[None, :, rows], keys[None, :, :num_keys], values[None, :, :num_keys],
+                attn_mask=mask, scale=self.scaling, enable_gqa=True,
+            )[0])
+        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [H, n, D]
+        return out.transpose(0, 1).reshape(q.shape[1], -1)
 
     def finish(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Residual + o_proj, then the MLP block: hidden [n, hidden] -> [n, hidden]."""

@@ -58,6 +58,7 @@ class ModelSettings(BaseModel):
     )
     cache_dir: Path = Field(
         Path("~/.cache/ragblend/models"),
+        validate_default=True,  # so the default's "~" is expanded too
         description="Where a GGUF model's converted copy (safetensors + tokenizer) is kept for warm starts.",
     )
     system_prompt: str = Field(
@@ -83,7 +84,9 @@ class BlendSettings(BaseModel):
         2.0, ge=1.0, description="With several check layers, each earlier check keeps this many times more tokens."
     )
     deviation: DeviationKind = Field(DeviationKind.VALUE, description="Select tokens by K or V deviation.")
-    sink: SinkMode = Field(SinkMode.BOS, description="What a chunk is computed behind at precompute.")
+    sink: SinkMode = Field(
+        SinkMode.PREFIX, description="What a chunk is computed behind at precompute (measured: README)."
+    )
 
     @field_validator("check_layers")
     @classmethod

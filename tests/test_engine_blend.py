@@ -118,15 +118,16 @@ def test_select_top_and_deviation():
     assert token_deviation(a, b).tolist() == [0.0, 0.0, 4.0]
 
 
-def test_attention_mask_matches_brute_force_reference():
+@pytest.mark.parametrize("num_queries", [6, 300])  # 300: the grouped path (several key cut-offs)
+def test_attention_mask_matches_brute_force_reference(num_queries):
     engine = build_engine("llama-gqa")
     runner: ModelRunner = engine.runner
     g = torch.Generator().manual_seed(0)
-    num_keys, heads, kv_heads, dim = 40, runner.num_heads, runner.num_kv_heads, runner.head_dim
-    query_pos = torch.tensor([0, 3, 4, 17, 30, 39])
-    q = torch.randn(heads, len(query_pos), dim, generator=g)
+    num_keys, heads, kv_heads, dim = 400, runner.num_heads, runner.num_kv_heads, runner.head_dim
+    query_pos = torch.randperm(num_keys, generator=g)[:num_queries].sort().values
+    q = torch.randn(heads, num_queries, dim, generator=g)
     k, v = torch.randn(kv_heads, num_keys, dim, generator=g), torch.randn(kv_heads, num_keys, dim, generator=g)
-    out = runner.attend(q, k, v, query_pos).view(len(query_pos), heads, dim)
+    out = runner.attend(q, k, v, query_pos).view(num_queries, heads, dim)
     group = heads // kv_heads
     for i, p in enumerate(query_pos.tolist()):
         for h in range(heads):
