@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Sequence
 
 import redis
 import torch
@@ -115,15 +116,24 @@ class RedisBackend(Backend):
         self.counters.add(corrupt=1, misses=1)
 
     def get(self, key: str) -> ChunkKV | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[str]) -> list[ChunkKV | None]:
+        """One MGET round trip for all `keys`."""
         start = time.perf_counter()
         try:
-            blob = self._client.get(self._name(key))
+            blobs = self._client.mget([self._name(key) for key in keys]) if keys else []
         except redis.RedisError as exc:
             self._failed("get", exc)
-            return None
+            return [None] * len(keys)
+        seconds = (time.perf_counter() - start) / max(len(keys), 1)  # the round trip, shared
+        return [self._decode(key, blob, seconds) for key, blob in zip(keys, blobs)]
+
+    def _decode(self, key: str, blob: bytes | None, fetch_seconds: float) -> ChunkKV | None:
         if blob is None:
             self.counters.add(misses=1)
             return None
+        start = time.perf_counter()
         data = bytearray(blob)  # writable, so tensors can view it without a warning
         try:
             header = codec.parse_header(data[: codec.header_size(data)], len(data), key, self._fingerprint, self._fmt)
@@ -131,7 +141,8 @@ class RedisBackend(Backend):
         except CorruptEntryError as exc:
             self.discard_corrupt(key, exc)
             return None
-        self.counters.add(hits=1, bytes_read=len(data), load_seconds=time.perf_counter() - start)
+        seconds = fetch_seconds + time.perf_counter() - start
+        self.counters.add(hits=1, bytes_read=len(data), load_seconds=seconds)
         return kv
 
     def contains(self, key: str) -> bool:

@@ -82,6 +82,22 @@ class KVStore:
                 return kv
         return None
 
+    def get_many(self, keys: Sequence[str]) -> list[ChunkKV | None]:
+        """`get` for several keys, one batched read per tier (e.g. one MGET) for those still missing."""
+        for key in keys:
+            self._check_key(key)
+        found: dict[str, ChunkKV] = {}
+        for idx, b in enumerate(self._backends):
+            missing = [key for key in dict.fromkeys(keys) if key not in found]
+            if not missing:
+                break
+            for key, kv in zip(missing, b.get_many(missing)):
+                if kv is not None:
+                    found[key] = kv
+                    for faster in self._backends[:idx]:
+                        faster.put(key, kv)
+        return [found.get(key) for key in keys]
+
     def put(self, key: str, kv: ChunkKV) -> None:
         self._check_key(key)
         if kv.num_tokens == 0:

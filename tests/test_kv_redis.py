@@ -146,3 +146,15 @@ def test_server_restart_mid_run_is_a_miss_not_a_crash(server, client, tmp_path, 
     assert store.get(key) is None
     store.put(key, kv)
     assert torch.equal(store.get(key).keys, kv.keys)
+
+
+def test_get_many_is_batched_and_promotes(server, client, tmp_path):
+    kvs = [random_kv(seed) for seed in range(3)]
+    remote = redis_only(server)
+    keys = [put(remote, kv) for kv in kvs]
+    store = KVStore(FP, StoreConfig(dtype=StorageDtype.FLOAT32, disk_dir=None, redis_url=server.url))
+    absent = store.key_for((999,), (1,))
+    out = store.get_many([keys[0], absent, keys[2], keys[0]])
+    assert out[1] is None and torch.equal(out[2].keys, kvs[2].keys) and torch.equal(out[3].values, kvs[0].values)
+    assert store.backend(Tier.MEMORY).contains(keys[2]) and not store.backend(Tier.MEMORY).contains(keys[1])
+    assert store.stats().tiers["redis"].hits == 2  # keys[0] fetched once

@@ -209,3 +209,14 @@ def test_config_rejects_bad_bounds():
         StoreConfig(min_recompute_ratio=0.5, max_recompute_ratio=0.2)
     with pytest.raises(ValueError, match="prefetch_depth"):
         StoreConfig(prefetch_depth=0)
+
+
+def test_get_many_reads_each_tier_once_for_the_missing(tmp_path):
+    kvs = [random_kv(seed=i) for i in range(3)]
+    store = make_store(tmp_path, write_tiers=frozenset({Tier.DISK}))
+    keys = [put(store, kv) for kv in kvs]
+    store.get(keys[0])  # now in memory too
+    out = store.get_many(keys + [store.key_for((5, 6), (1,))])
+    assert [torch.equal(o.keys, kv.keys) for o, kv in zip(out, kvs)] == [True] * 3 and out[3] is None
+    tiers = store.stats().tiers
+    assert tiers["memory"].hits == 1 and tiers["disk"].hits == 3  # 1 by get, 2 by get_many
