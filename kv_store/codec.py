@@ -81,7 +81,7 @@ def _layer_tensors(kv: ChunkKV, layer_idx: int, fmt: StorageFormat) -> list[tupl
 def _crc(buffers: list) -> int:
     crc = 0
     for buf in buffers:
-        crc = zlib.crc32(buf, crc)
+        crc = zlib.crc32(buf.numpy() if isinstance(buf, torch.Tensor) else buf, crc)
     return crc
 
 
@@ -172,7 +172,9 @@ def _numel(shape: list[int]) -> int:
 def decode_layer(header: EntryHeader, layer_idx: int, buffers: list) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify and decode one layer from its ranges' bytes -> keys, values [H, n, D] (CPU, storage dtype).
 
-    The tensors share memory with `buffers` (writable bytearray / numpy / pinned uint8 tensors).
+    The tensors share memory with `buffers` (writable bytearray / numpy / uint8 tensors). Pass a pinned
+    buffer as the tensor itself: views of it keep the pinned allocator's block, so an async copy from
+    them is tracked and the block is not reused before the copy completes.
     """
     if _crc(buffers) != header.checksums[layer_idx]:
         raise CorruptEntryError(f"layer {layer_idx} of {header.key[:16]} fails its checksum")

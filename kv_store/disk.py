@@ -37,7 +37,7 @@ class DiskReader(LayerReader):
     def read_layer(self, layer_idx: int, pinned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         start = time.perf_counter()
         buffers = [self._pread(begin, end, pinned) for begin, end in self.header.layer_ranges[layer_idx]]
-        k, v = codec.decode_layer(self.header, layer_idx, [b.numpy() if pinned else b for b in buffers])
+        k, v = codec.decode_layer(self.header, layer_idx, buffers)
         self._backend.counters.add(bytes_read=self.header.layer_nbytes(layer_idx), load_seconds=time.perf_counter() - start)
         return k, v
 

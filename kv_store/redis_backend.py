@@ -39,7 +39,7 @@ class RedisReader(LayerReader):
                 raise EntryLostError(f"{self.header.key[:16]} changed or expired mid-read")
             buf = torch.empty(len(data), dtype=torch.uint8, pin_memory=pinned)
             buf.numpy()[:] = memoryview(data)  # one copy, into a writable (optionally pinned) buffer
-            buffers.append(buf.numpy())
+            buffers.append(buf)
         k, v = codec.decode_layer(self.header, layer_idx, buffers)
         self._backend.counters.add(bytes_read=self.header.layer_nbytes(layer_idx), load_seconds=time.perf_counter() - start)
         return k, v
