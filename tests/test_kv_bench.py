@@ -1,0 +1,31 @@
+"""`ragblend bench kv` end to end on a tiny random model and synthetic passages: table, then JSON."""
+
+import argparse
+import json
+
+from bench import kv_bench
+
+
+def test_bench_kv_prints_table_then_json(tmp_path, capsys):
+    words = "the river flows past an old mill near the town of harlow where people trade wool".split()
+    item = {
+        "question": "where is the old mill?",
+        "answers": ["harlow"],
+        "ctxs": [{"title": "", "text": " ".join(words[i:] + words[:i]) * 3} for i in range(3)],
+    }
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps([item, item]))
+    parser = argparse.ArgumentParser()
+    kv_bench.add_arguments(parser)
+    args = parser.parse_args(["--data", str(data), "--questions", "1", "--passages", "3", "--repeats", "1",
+                              "--model", "random:tiny-llama", "--out", str(tmp_path / "out.json")])
+    assert kv_bench.run(args) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert lines[0].startswith("config") and any(line.startswith("blend disk+pipe") for line in lines)
+    assert json.loads((tmp_path / "out.json").read_text()) == summary
+    assert summary["bench"] == "kv" and summary["passages"] == 3 and summary["bytes:disk"] > 0
+    # fp16 in every tier: streamed logits equal the memory tier's exactly
+    assert summary["disk+pipe:max_logit_diff"] == 0.0 and summary["disk:max_logit_diff"] == 0.0
+    assert summary["top1_agreement_vs_memory_blend"]["disk+pipe"] == 1
+    assert summary["min_recompute_ratio"] <= summary["auto_ratio"] <= 1.0
