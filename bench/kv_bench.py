@@ -26,10 +26,19 @@ from blend_engine.types import BlendConfig, PrefillMode, Segment
 from configs.settings import KVQuantization, StorageDtype, load_settings
 from kv_store import EngineProfile, KVStore, StoreConfig, Tier
 
-# (row name, store name, pipelined, ratio chosen by the loading controller)
-STREAMED = [("disk", "disk", False, False), ("disk+pipe", "disk", True, False), ("redis", "redis", False, False),
-            ("redis+pipe", "redis", True, False), ("disk-int8+pipe", "disk-int8", True, False),
-            ("disk+pipe+auto", "disk", True, True)]
+@dataclasses.dataclass(frozen=True)
+class Streamed:
+    """A blend run whose chunk caches stream from one store."""
+
+    name: str
+    store: str
+    is_pipelined: bool
+    is_auto: bool = False  # ratio chosen by the loading controller
+
+
+STREAMED = [Streamed("disk", "disk", False), Streamed("disk+pipe", "disk", True), Streamed("redis", "redis", False),
+            Streamed("redis+pipe", "redis", True), Streamed("disk-int8+pipe", "disk-int8", True),
+            Streamed("disk+pipe+auto", "disk", True, is_auto=True)]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -121,24 +130,25 @@ def run_question(engine, stores, item, args, blend, sink, profile) -> dict:
 
     source_wait_ms: dict[str, float] = {}  # time the engine blocked on the store's source (last run)
 
-    def streamed(name: str, store_name: str, pipelined: bool, is_auto: bool):
-        store, store_keys = stores[store_name], keys[store_name]
+    def streamed(spec: Streamed):
+        store, store_keys = stores[spec.store], keys[spec.store]
 
         def fn():
-            if store_name != "redis":
+            if spec.store != "redis":
                 drop_page_cache(store, store_keys)  # a cold read: the entries are not in the page cache
             handles = [store.handle(k) for k in store_keys]
             segments = prompt(handles)
             config = blend
-            if is_auto:  # ratio="auto": what the loads can hide, never below the floor
+            if spec.is_auto:  # ratio="auto": what the loads can hide, never below the floor
                 num_fresh = sum(len(seg.token_ids) for seg in segments) - sum(h.num_tokens for h in handles)
                 config = dataclasses.replace(blend, recompute_ratio=store.choose_ratio(handles, profile, num_fresh))
-            source = store.layer_source(handles, engine.device, engine.dtype, pipelined, start_layer, engine.precompute)
+            source = store.layer_source(handles, engine.device, engine.dtype, spec.is_pipelined, start_layer,
+                                        engine.precompute)
             try:
                 return engine.prefill(segments, blend=config, kv_source=source)
             finally:
                 source.close()
-                source_wait_ms[name] = source.stats.wait_seconds * 1000
+                source_wait_ms[spec.name] = source.stats.wait_seconds * 1000
 
         return fn
 
@@ -147,7 +157,7 @@ def run_question(engine, stores, item, args, blend, sink, profile) -> dict:
     full = {"full": lambda: engine.prefill(prompt([None] * len(chunk_ids)), mode=PrefillMode.FULL)}
     full_ms, full_results = best_of(1, full)
     fns = {"memory": lambda: engine.prefill(prompt([mem_store.get(k) for k in mem_keys]), blend=blend)}
-    fns.update({name: streamed(name, *spec) for name, *spec in STREAMED if spec[0] in stores})
+    fns.update({spec.name: streamed(spec) for spec in STREAMED if spec.store in stores})
     for tier in ("disk", "redis", "disk-int8"):
         if tier in stores:
             fns["load_alone:" + tier] = load_alone(engine, stores[tier], keys[tier], start_layer, tier != "redis")
@@ -159,12 +169,11 @@ def run_question(engine, stores, item, args, blend, sink, profile) -> dict:
     row["num_tokens"] = len(ref.token_ids)
     agree = {"full": int(results["full"].logits.argmax() == ref.logits.argmax())}
     row["auto_ratio"] = results["disk+pipe+auto"].stats.recompute_ratio
-    for name, store, _, _ in STREAMED:
-        if store in stores:
-            agree[name] = int(results[name].logits.argmax() == ref.logits.argmax())
-            row[name + ":kv_wait"] = results[name].stats.kv_load_ms  # engine side: includes its concat
-            row[name + ":source_wait"] = source_wait_ms[name]  # blocked on loads alone
-            row[name + ":max_logit_diff"] = float((results[name].logits - ref.logits).abs().max())
+    for name in (spec.name for spec in STREAMED if spec.store in stores):
+        agree[name] = int(results[name].logits.argmax() == ref.logits.argmax())
+        row[name + ":kv_wait"] = results[name].stats.kv_load_ms  # engine side: includes its concat
+        row[name + ":source_wait"] = source_wait_ms[name]  # blocked on loads alone
+        row[name + ":max_logit_diff"] = float((results[name].logits - ref.logits).abs().max())
     for tier in ("disk", "redis", "disk-int8"):
         if tier in stores:
             row["bytes:" + tier] = results["load_alone:" + tier]
@@ -208,10 +217,9 @@ def print_table(s: dict) -> None:
     print(f"{'config':<22}{'TTFT ms':>10}{'x memory':>10}{'load wait ms':>14}{'top1=mem':>10}")
     print(f"{'full':<22}{s['full']:>10.1f}{s['full'] / s['memory']:>10.2f}{'-':>14}{agree['full']:>10.2f}")
     print(f"{'blend memory':<22}{s['memory']:>10.1f}{1.0:>10.2f}{'-':>14}{1.0:>10.2f}")
-    for name, *_ in STREAMED:
-        if name in s:
-            ratio, wait = s[name] / s["memory"], s[name + ":source_wait"]
-            print(f"{'blend ' + name:<22}{s[name]:>10.1f}{ratio:>10.2f}{wait:>14.1f}{agree[name]:>10.2f}")
+    for name in (spec.name for spec in STREAMED if spec.name in s):
+        ratio, wait = s[name] / s["memory"], s[name + ":source_wait"]
+        print(f"{'blend ' + name:<22}{s[name]:>10.1f}{ratio:>10.2f}{wait:>14.1f}{agree[name]:>10.2f}")
     print(f"(auto: loading controller chose recompute ratio {s['auto_ratio']:.3f})")
     print()
     print(f"{'tier':<12}{'load alone ms':>15}{'MB/s':>10}{'compute alone ms':>18}{'1.1*max ms':>12}")
