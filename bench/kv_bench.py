@@ -91,8 +91,10 @@ def drop_page_cache(store: KVStore, keys: list[str]) -> None:
         os.close(fd)
 
 
-def make_stores(fingerprint: str, dtype: StorageDtype, workdir: Path, redis_url: str | None) -> dict[str, KVStore]:
-    base = StoreConfig(dtype=dtype, max_memory_bytes=0, disk_dir=None, fsync=False)
+def make_stores(fingerprint: str, base: StoreConfig, workdir: Path, redis_url: str | None) -> dict[str, KVStore]:
+    """One store per tier (so each row reads from exactly one), with the settings' other choices."""
+    base = dataclasses.replace(base, max_memory_bytes=0, disk_dir=None, redis_url=None, fsync=False,
+                               quantization=KVQuantization.NONE, write_tiers=frozenset(Tier))
     configs = {
         "memory": dataclasses.replace(base, max_memory_bytes=1 << 40),
         "disk": dataclasses.replace(base, disk_dir=workdir / "disk"),
@@ -247,7 +249,8 @@ def run(args: argparse.Namespace) -> int:
     if redis_url is None and shutil.which("redis-server"):
         redis = LocalRedis(workdir)
         redis_url = redis.url
-    stores = make_stores(engine.fingerprint, StorageDtype(args.dtype), workdir, redis_url)
+    base = dataclasses.replace(StoreConfig.from_settings(settings), dtype=StorageDtype(args.dtype))
+    stores = make_stores(engine.fingerprint, base, workdir, redis_url)
     sink = engine.sink_ids(settings.blend.sink)
     profile = EngineProfile.measure(engine)
     try:
@@ -267,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
         cpu_threads=torch.get_num_threads(), machine=platform.machine(), has_redis=bool(redis_url),
         repeats=args.repeats, load_average=os.getloadavg()[0],
         page_cache="posix_fadvise(DONTNEED) per entry file before each disk run",
-        min_recompute_ratio=StoreConfig().min_recompute_ratio,
+        min_recompute_ratio=base.min_recompute_ratio,
         profile_s_per_token_layer=profile.seconds_per_token_layer,
     )
     print_table(summary)
