@@ -1,0 +1,58 @@
+"""`ragblend bench engine` end to end on a tiny random model and synthetic passages."""
+
+import argparse
+import json
+
+from bench import engine_bench
+from bench.metrics import best_f1, mean_kl, token_f1
+
+import torch
+
+
+def test_bench_engine_prints_table_then_json(tmp_path, capsys):
+    words = "the old mill stands by the river near the town of harlow where wool is traded".split()
+    item = {"question": "where is the old mill?", "answers": ["harlow"],
+            "ctxs": [{"title": f"t{i}", "text": " ".join(words[i:] + words[:i]) * 2} for i in range(3)]}
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps([item, item]))
+    parser = argparse.ArgumentParser()
+    engine_bench.add_arguments(parser)
+    args = parser.parse_args(["--data", str(data), "--questions", "2", "--passages", "3", "--ratios", "0.1,0.5",
+                              "--model", "random:tiny-llama", "--sweep", "--out", str(tmp_path / "out.json")])
+    assert engine_bench.run(args) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert json.loads((tmp_path / "out.json").read_text()) == summary
+    rows = summary["results"]
+    assert {"full", "prefix", "reuse", "blend@0.10", "blend@0.50", "blend@0.15 K check=1,2,3"} <= set(rows)
+    assert rows["full"]["speedup_vs_full"] == 1.0
+    assert rows["reuse"]["median_tokens_recomputed"] < rows["blend@0.50"]["median_tokens_recomputed"]
+    assert not summary["is_quality_meaningful"] and rows["reuse"]["tf_kl_mean"] is None  # random weights
+    assert any(line.startswith("blend@0.10") for line in lines)
+
+
+def test_metrics():
+    assert token_f1("The Exeter College", "exeter college") == 1.0
+    assert token_f1("paris", "london") == 0.0
+    assert best_f1("in 1832", ["1901", "1832"]) == 2 / 3
+    logits = torch.randn(4, 10)
+    assert abs(mean_kl(logits, logits)) < 1e-6
+    assert mean_kl(logits, torch.zeros(4, 10)) > 0
+
+
+def test_bench_engine_quality_columns_on_smollm2(tmp_path, capsys):
+    item = {"question": "Where was Ilsa Varn born?", "answers": ["Kettering"],
+            "ctxs": [{"title": "Ilsa Varn", "text": "Ilsa Varn was an engineer born in Kettering."},
+                     {"title": "Aster", "text": "The river Aster flows through Brindlemoor."}]}
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps([item]))
+    parser = argparse.ArgumentParser()
+    engine_bench.add_arguments(parser)
+    args = parser.parse_args(["--data", str(data), "--questions", "1", "--passages", "2", "--ratios", "1.0",
+                              "--answer-tokens", "6"])
+    assert engine_bench.run(args) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]
+    # blend at r=1 is a full prefill: perfect fidelity; reuse is scored too
+    assert rows["blend@1.00"]["tf_agreement"] == 1.0 and rows["blend@1.00"]["tf_kl_mean"] < 1e-6
+    assert rows["blend@1.00"]["f1_vs_full"] == 1.0 and rows["blend@1.00"]["first_token_agreement"] == 1.0
+    assert rows["reuse"]["tf_kl_mean"] is not None and rows["full"]["f1_vs_full"] == 1.0
