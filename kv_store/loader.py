@@ -84,6 +84,11 @@ class StoreLayerSource:
             self._thread = threading.Thread(target=self._prefetch, name="kv-prefetch", daemon=True)
             self._thread.start()
 
+    @property
+    def is_pipelined(self) -> bool:
+        """Whether a reader thread prefetches layers ahead of the engine."""
+        return self._thread is not None
+
     # --- the engine's side ------------------------------------------------------------------------
     def layer(self, layer_idx: int) -> LayerPairs:
         if not 0 <= layer_idx < self._num_layers and self._readers:

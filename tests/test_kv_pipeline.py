@@ -194,3 +194,20 @@ def test_reader_error_on_a_skipped_layer_still_reaches_the_engine():
     with pytest.raises(OSError, match="bad sector"):
         source.layer(2)  # must raise, not wait forever for a layer the thread will never read
     source.close()
+
+
+def test_default_pipelining_only_when_a_chunk_is_below_memory(engine, chunks, tmp_path):
+    """Memory-tier reads are copies: no reader thread by default; disk or Redis ones are pipelined."""
+    store = make_store(engine, tmp_path)
+    keys = put_all(store, chunks)
+    handles = [store.handle(k) for k in keys]
+    assert {h.tier for h in handles} == {Tier.MEMORY}
+    source = store.layer_source(handles, "cpu", torch.float32)
+    assert not source.is_pipelined
+    source.close()
+    disk_only = make_store(engine, tmp_path, max_memory_bytes=0)
+    disk_handles = [disk_only.handle(k) for k in keys]
+    assert {h.tier for h in disk_handles} == {Tier.DISK}
+    source = disk_only.layer_source(disk_handles, "cpu", torch.float32)
+    assert source.is_pipelined
+    source.close()
