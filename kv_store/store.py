@@ -4,7 +4,8 @@
 - write where configured: `put` writes to each enabled tier in `write_tiers`;
 - a damaged or mismatched entry is a miss: logged, deleted from its tier, and recomputed by the caller
   (or, mid-request, by the `recompute` function given to `layer_source`);
-- stream: `handle` reads headers only; `layer_source` streams layers to the engine, pipelined.
+- stream: `handle` reads headers only; `layer_source` streams layers to the engine, pipelined;
+  `promote` then copies streamed chunks up, off the latency path.
 """
 
 from __future__ import annotations
@@ -180,6 +181,15 @@ class KVStore:
         kv = recompute(h.token_ids, h.context_ids)
         self.put(h.key, kv)  # heal the store for the next request
         return MemoryReader(h.key, kv)
+
+    def promote(self, handles: Sequence[StoredChunk]) -> int:
+        """Copy streamed chunks up into the faster tiers (streaming itself leaves them where they are).
+
+        A read through `get`; call it off the latency path (e.g. after the answer). Returns how many
+        chunks were copied up.
+        """
+        fastest = self._backends[0].tier if self._backends else None
+        return sum(1 for h in handles if h.tier != fastest and self.get(h.key) is not None)
 
     # --- the loading controller -------------------------------------------------------------------
     def decide_ratio(self, handles: Sequence[StoredChunk], profile: EngineProfile, num_fresh_tokens: int = 0) -> RatioDecision:

@@ -70,6 +70,16 @@ def test_disk_hit_is_promoted_to_memory(tmp_path):
     assert stats["memory"].misses == 1 and stats["disk"].hits == 1 and stats["disk"].bytes_read > 0
 
 
+def test_streamed_chunks_are_promoted_on_request(tmp_path):
+    store = make_store(tmp_path, write_tiers=frozenset({Tier.DISK}))
+    keys = [put(store, random_kv(seed)) for seed in range(3)]
+    handles = [store.handle(k) for k in keys]
+    assert {h.tier for h in handles} == {Tier.DISK}
+    assert store.promote(handles) == 3
+    assert [store.handle(k).tier for k in keys] == [Tier.MEMORY] * 3
+    assert store.promote([store.handle(k) for k in keys]) == 0  # already in the fastest tier
+
+
 def test_put_rejects_wrong_key_and_empty_chunk(tmp_path):
     store = make_store(tmp_path)
     kv = random_kv()

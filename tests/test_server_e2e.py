@@ -191,6 +191,10 @@ def test_restart_keeps_documents_and_loads_their_kv_from_disk(engine, tmp_path):
         body = ask(http, mode="blend")
         assert "4812" in body["answer"] and body["sources"][0]["document_id"] == "vault"
         assert body["usage"]["reused_tokens"] > 0 and kv_hits(http, "disk") >= 3  # loaded, not recomputed
+        # streamed from disk, then promoted: the next question finds them in memory
+        memory_hits = kv_hits(http, "memory")
+        assert "4812" in ask(http, mode="blend")["answer"]
+        assert kv_hits(http, "memory") >= memory_hits + 3
 
 
 def test_cli_ingest_and_ask_talk_to_the_server(server, client, tmp_path, capsys):

@@ -100,6 +100,9 @@ class RagPipeline:
         done = DoneEvent(usage, timings, finish, request.mode, stats.recompute_ratio)
         self._observe(done)
         emit(done)
+        if request.mode is not PrefillMode.FULL:
+            # chunks streamed from disk or Redis: copy them into memory for the next question
+            self.kv_store.promote([h for h in map(self._handle, context.sources) if h is not None])
 
     def _prefill(self, request: RagRequest, context: RagContext) -> PrefillResult:
         is_reusing = request.mode is not PrefillMode.FULL
