@@ -80,7 +80,7 @@ class RagPipeline:
 
     def _run_generation(self, job: Job, emit, request: RagRequest, context: RagContext, t_start: float) -> None:
         job.check()
-        result = self._prefill(request, context)
+        result, handles = self._prefill(request, context)
         stats, usage = result.stats, Usage(
             prompt_tokens=result.stats.num_prompt_tokens,
             reused_tokens=result.stats.num_reused_tokens,
@@ -100,11 +100,11 @@ class RagPipeline:
         done = DoneEvent(usage, timings, finish, request.mode, stats.recompute_ratio)
         self._observe(done)
         emit(done)
-        if request.mode is not PrefillMode.FULL:
-            # chunks streamed from disk or Redis: copy them into memory for the next question
-            self.kv_store.promote([h for h in map(self._handle, context.sources) if h is not None])
+        # chunks streamed from disk or Redis: copy them into memory for the next question
+        self.kv_store.promote(handles)
 
-    def _prefill(self, request: RagRequest, context: RagContext) -> PrefillResult:
+    def _prefill(self, request: RagRequest, context: RagContext) -> tuple[PrefillResult, list]:
+        """The prefill, and the store handles its KV was streamed from."""
         is_reusing = request.mode is not PrefillMode.FULL
         segments = self._segments(request, context.sources, with_kv=is_reusing)
         handles = [s.kv for s in segments if s.kv is not None and not isinstance(s.kv, ChunkKV)]  # store handles
@@ -116,10 +116,11 @@ class RagPipeline:
                 recompute=self.engine.precompute,
             )
         try:
-            return self.engine.prefill(
+            result = self.engine.prefill(
                 segments, mode=request.mode, blend=self._blend_config(request, handles),
                 kv_source=source, max_new_tokens=request.sampling.max_tokens,
             )
+            return result, handles
         finally:
             if source is not None:
                 source.close()
