@@ -8,10 +8,13 @@ from typing import Iterator, Sequence
 
 import torch
 
+from blend_engine.attention import AttentionBackend, attend, causal_meta, last_meta, subset_meta
+from blend_engine.decode import Decoder
 from blend_engine.generate import decode_loop
 from blend_engine.kv import ChunkKV, LayerKVSource, MemoryKVSource, MergedKVSource
 from blend_engine.loader import LoadedModel, load_model
-from blend_engine.prefill import plan_prefill, run_prefill
+from blend_engine.plan import plan_prefill
+from blend_engine.prefill import run_prefill
 from blend_engine.prompt import PromptBuilder
 from blend_engine.runner import ModelRunner, apply_rope
 from blend_engine.types import BlendConfig, Delta, PrefillMode, PrefillResult, SamplingParams, Segment
@@ -36,6 +39,8 @@ class BlendEngine:
         self.is_random = loaded.is_random
         self.blend = blend
         self.runner = ModelRunner(self.model)
+        self.attention_backend = AttentionBackend.for_device(self.runner.device)
+        self.is_decode_graphed = self.runner.device.type == "cuda"  # CUDA-graph the decode step
         self.prompts = PromptBuilder(self.tokenizer, system_prompt) if self.tokenizer is not None else None
         self.fingerprint = _fingerprint(self)
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
@@ -121,7 +126,7 @@ class BlendEngine:
                 keys[layer], values[layer] = k[:, n_ctx:], v[:, n_ctx:]
                 if layer == runner.num_layers - 1:
                     break  # the last layer's output feeds nothing stored
-                out = runner.attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, None)
+                out = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, causal_meta(ids.numel()), runner.scaling)
                 hidden = runner.finish(layer, hidden, out)
         return ChunkKV(token_ids, context_ids, keys, values)
 
@@ -133,14 +138,16 @@ class BlendEngine:
         blend: BlendConfig | None = None,
         kv_source: LayerKVSource | None = None,
         max_new_tokens: int = 0,
+        is_profiled: bool = False,
     ) -> PrefillResult:
         """Prefill the prompt.
 
         A segment's cache is either a ChunkKV in memory or a handle (e.g. the store's) whose layers
         `kv_source` delivers: it yields pairs for the non-ChunkKV segments only, in prompt order.
+        `is_profiled` times each stage on CUDA (events); on CPU stages are always timed.
         """
-        segments = list(segments)
-        plan = plan_prefill(segments, PrefillMode(mode), self.device)
+        segments, blend = list(segments), blend or self.blend
+        plan = plan_prefill(segments, PrefillMode(mode), blend, self.num_layers)
         if plan.num_tokens + max_new_tokens > self.max_context:
             raise ValueError(f"prompt of {plan.num_tokens} tokens + {max_new_tokens} new exceeds "
                              f"the model's context of {self.max_context}")
@@ -152,22 +159,32 @@ class BlendEngine:
         else:
             source = MergedKVSource(caches, kv_source, self.device, self.dtype)
         try:
-            return run_prefill(self.runner, plan, PrefillMode(mode), blend or self.blend, source, max_new_tokens)
+            return run_prefill(self.runner, plan, blend, source, max_new_tokens, self.attention_backend, is_profiled)
         finally:
             source.close()  # a merged source leaves the caller's kv_source open
 
     @torch.inference_mode()
     def forward_tokens(self, result: PrefillResult, token_ids: Sequence[int]) -> torch.Tensor:
         """Feed tokens after the cache's current end; logits [n, vocab] (float32) for each."""
-        runner, cache = self.runner, result.cache
-        positions = cache.extend(len(token_ids))  # [n]
+        runner, cache, num_new = self.runner, result.cache, len(token_ids)
+        start = cache.extend(num_new)
+        positions = torch.arange(start, start + num_new, device=self.device)  # [n]
         hidden = runner.embed(torch.tensor(list(token_ids), dtype=torch.long, device=self.device))
         cos, sin = runner.rope(positions)
+        meta = last_meta(start + 1) if num_new == 1 else subset_meta(
+            positions, start + num_new, self.attention_backend, runner.num_heads // runner.num_kv_heads,
+            list(range(start, start + num_new)))
         for layer in range(runner.num_layers):
             q, k, v = runner.qkv(layer, hidden)
-            keys, values = cache.update(layer, positions, apply_rope(k, cos, sin), v)
-            hidden = runner.finish(layer, hidden, runner.attend(apply_rope(q, cos, sin), keys, values, positions))
+            keys, values = cache.update(layer, slice(start, start + num_new), apply_rope(k, cos, sin), v)
+            hidden = runner.finish(layer, hidden, attend(apply_rope(q, cos, sin), keys, values, meta, runner.scaling))
         return runner.logits(hidden)
+
+    def decoder(self, result: PrefillResult, is_graphed: bool | None = None) -> Decoder:
+        """A one-token-at-a-time decoder from the prompt's end (the cache is rewound there first);
+        CUDA-graphed on CUDA unless `is_graphed` says otherwise."""
+        result.cache.truncate(len(result.token_ids))
+        return Decoder(self.runner, result.cache, self.is_decode_graphed if is_graphed is None else is_graphed)
 
     def score(self, result: PrefillResult, target_ids: Sequence[int]) -> torch.Tensor:
         """Teacher forcing: logits [T, vocab] predicting each of `target_ids` after the prompt."""
@@ -184,11 +201,8 @@ class BlendEngine:
         if room <= 0:
             raise ValueError(f"the prompt fills the model's context of {self.max_context} tokens")
 
-        def step(token: int) -> torch.Tensor:
-            return self.forward_tokens(result, [token])[0]
-
-        # forward_tokens runs in inference mode itself: no grad-mode context held across yields
-        yield from decode_loop(result.logits, step, self.tokenizer, self.eos_ids, sampling, room)
+        # the decoder's step runs in inference mode itself: no grad-mode context held across yields
+        yield from decode_loop(result.logits, self.decoder(result).step, self.tokenizer, self.eos_ids, sampling, room)
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:

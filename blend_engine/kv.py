@@ -4,7 +4,7 @@ and the per-layer source the prefill reads reused KV from (`LayerKVSource`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -68,8 +68,17 @@ class LayerKVSource(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class WholeKVSource(Protocol):
+    """A source holding every layer at once: the prefill lays all of them out before its loop."""
+
+    def layers_from(self, start: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per cached segment, (keys_pre_rope, values) [num_layers - start, num_kv_heads, n, head_dim]."""
+        ...
+
+
 class MemoryKVSource:
-    """A `LayerKVSource` over ChunkKVs already in memory."""
+    """A `LayerKVSource` (and `WholeKVSource`) over ChunkKVs already in memory."""
 
     def __init__(self, chunks: Sequence[ChunkKV], device: torch.device, dtype: torch.dtype):
         self._chunks = list(chunks)
@@ -80,6 +89,10 @@ class MemoryKVSource:
             (c.keys[layer_idx].to(self._device, self._dtype), c.values[layer_idx].to(self._device, self._dtype))
             for c in self._chunks
         ]
+
+    def layers_from(self, start: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        # no copy here: the prefill copies each chunk straight into its slice of the fused cache
+        return [(c.keys[start:], c.values[start:]) for c in self._chunks]
 
     def close(self) -> None:
         self._chunks = []
@@ -127,12 +140,12 @@ class KVCache:
     def capacity(self) -> int:
         return self.keys.shape[2]
 
-    def extend(self, num_tokens: int) -> torch.Tensor:
-        """Reserve the next `num_tokens` slots (growing if needed); returns their positions [num_tokens]."""
+    def extend(self, num_tokens: int) -> int:
+        """Reserve the next `num_tokens` slots (growing if needed); returns the first one's position."""
         if self.length + num_tokens > self.capacity:
             self._grow(max(self.length + num_tokens, 2 * self.capacity))
         start, self.length = self.length, self.length + num_tokens
-        return torch.arange(start, self.length, device=self.keys.device)
+        return start
 
     def truncate(self, length: int) -> None:
         """Forget every slot from `length` on (e.g. to decode again from the prompt's end)."""
@@ -149,9 +162,9 @@ class KVCache:
         self.keys, self.values = grown(self.keys), grown(self.values)
 
     def update(
-        self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, layer: int, index: torch.Tensor | slice, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [H_kv, n, D] at slots `index` [n]; returns this layer's K, V [H_kv, length, D]."""
+        """Write k, v [H_kv, n, D] at slots `index` ([n] or a slice); returns this layer's K, V [H_kv, length, D]."""
         self.keys[layer, :, index] = k
         self.values[layer, :, index] = v
         return self.keys[layer, :, : self.length], self.values[layer, :, : self.length]

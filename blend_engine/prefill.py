@@ -1,9 +1,12 @@
 """Prefill over [prefix, chunk_1 .. chunk_n, suffix] in one of four modes (see PrefillMode).
 
-One loop serves every mode. Each layer computes an *active* set of tokens; every other token keeps
-its reused KV (re-rotated to its absolute position). `full` keeps all tokens active; `prefix` and
-`reuse` only the tokens without a usable cache; `blend` keeps all tokens active up to the first
-check layer, then only the most deviating cached tokens plus every uncached one (CacheBlend).
+One loop serves every mode, in three parts a reader can follow: the host `PrefillPlan` (what is
+reused, every count), the layer step (compute the active tokens against the fused cache) and, in
+blend mode, the check step at each check layer (keep the fresh tokens plus the most deviating
+cached ones). `full` keeps all tokens active; `prefix` and `reuse` only the tokens without a usable
+cache; `blend` all tokens up to its first check layer. Reused KV is laid into the cache once per
+request (all layers at once when it is in memory) and never gathered or concatenated per layer.
+No value is read back from the device inside the loop: the selection is read once at the end.
 """
 
 from __future__ import annotations
@@ -13,175 +16,112 @@ from dataclasses import dataclass
 
 import torch
 
-from blend_engine.kv import KVCache, LayerKVSource
+from blend_engine.active import ActiveContext, ActiveSet, RopeTable, check_step, initial_active
+from blend_engine.attention import AttentionBackend, attend, last_meta
+from blend_engine.kv import KVCache, LayerKVSource, WholeKVSource
+from blend_engine.layout import layout_all, layout_layer
+from blend_engine.plan import PrefillPlan
 from blend_engine.runner import ModelRunner, apply_rope
-from blend_engine.selector import select_top, token_deviation
-from blend_engine.types import BlendConfig, DeviationKind, PrefillMode, PrefillResult, PrefillStats, Segment
+from blend_engine.timing import StageTimer, host_ms
+from blend_engine.types import BlendConfig, PrefillResult, PrefillStats
 
 
-@dataclass(frozen=True)
-class PrefillPlan:
-    """Where the prompt's reused tokens are; fixed before the layer loop runs."""
+@dataclass
+class _Loop:
+    """Per-request state the layer loop carries from one layer to the next."""
 
-    token_ids: tuple[int, ...]
-    is_source_used: tuple[bool, ...]  # per segment with a kv, in prompt order: is its cache used?
-    cached_pos: torch.Tensor  # [M] positions whose reused KV is used (ascending)
-    num_source_tokens: int  # tokens delivered per layer by the used sources (M, or M+1 if the last was dropped)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
+    hidden: torch.Tensor  # [A, hidden] hidden states of the active tokens
+    active: ActiveSet
+    selected: torch.Tensor | None = None  # [K] cached positions kept at the last check so far
+    kv_wait_ms: float = 0.0  # host time blocked on a streamed source
 
 
-def plan_prefill(segments: list[Segment], mode: PrefillMode, device: torch.device) -> PrefillPlan:
-    token_ids: list[int] = []
-    used: list[bool] = []
-    cached: list[int] = []
-    is_prefix_intact = True
-    for seg in segments:
-        start = len(token_ids)
-        token_ids.extend(seg.token_ids)
-        if seg.kv is None:
-            is_prefix_intact = is_prefix_intact and not seg.token_ids
-            continue
-        if mode == PrefillMode.FULL:
-            is_used = False
-        elif mode == PrefillMode.PREFIX:
-            # Exact only if computed behind exactly the tokens that precede it here.
-            is_used = is_prefix_intact and tuple(seg.kv.context_ids) == tuple(token_ids[:start])
-            is_prefix_intact = is_used
-        else:
-            is_used = True
-        used.append(is_used)
-        if is_used:
-            cached.extend(range(start, len(token_ids)))
-    num_source_tokens = len(cached)
-    if cached and cached[-1] == len(token_ids) - 1:
-        cached.pop()  # the last token is always computed: its hidden state gives the logits
-    return PrefillPlan(
-        token_ids=tuple(token_ids),
-        is_source_used=tuple(used),
-        cached_pos=torch.tensor(cached, dtype=torch.long, device=device),
-        num_source_tokens=num_source_tokens,
-    )
-
-
-class _Timer:
-    def __init__(self) -> None:
-        self.totals: dict[str, float] = {}
-
-    def add(self, stage: str, start: float) -> None:
-        self.totals[stage] = self.totals.get(stage, 0.0) + (time.perf_counter() - start) * 1000
-
-
-def run_prefill(
-    runner: ModelRunner,
-    plan: PrefillPlan,
-    mode: PrefillMode,
-    blend: BlendConfig,
-    source: LayerKVSource | None,
-    max_new_tokens: int,
-) -> PrefillResult:
+def run_prefill(runner: ModelRunner, plan: PrefillPlan, blend: BlendConfig, source: LayerKVSource | None,
+                max_new_tokens: int, backend: AttentionBackend, is_profiled: bool = False) -> PrefillResult:
     t_start = time.perf_counter()
-    timer = _Timer()
     device, num_tokens = runner.device, plan.num_tokens
-    if num_tokens == 0:
-        raise ValueError("cannot prefill an empty prompt")
-    ids = torch.tensor(plan.token_ids, dtype=torch.long, device=device)  # [N]
-    cos, sin = runner.rope(torch.arange(num_tokens, device=device))  # [N, D]
+    timer = StageTimer(device, is_profiled)
+    if plan.cached_pos and source is None:
+        raise ValueError("segments carry caches but no KV source was given")
     cache = KVCache(runner.num_layers, runner.num_kv_heads, runner.head_dim, num_tokens + max_new_tokens,
                     device, runner.dtype)
     cache.extend(num_tokens)
-
-    cached_pos = plan.cached_pos
-    num_cached = cached_pos.numel()
-    is_cached = torch.zeros(num_tokens, dtype=torch.bool, device=device)
-    is_cached[cached_pos] = True
-    check_layers = blend.check_layers if (mode == PrefillMode.BLEND and num_cached) else ()
-    if check_layers and check_layers[-1] >= runner.num_layers:
-        raise ValueError(f"check layer {check_layers[-1]} out of range for {runner.num_layers} layers")
-    # Tokens computed at the current layer (ascending positions).
-    active = torch.arange(num_tokens, device=device) if (check_layers or not num_cached) else (~is_cached).nonzero()[:, 0]
-    stats = PrefillStats(mode=mode, num_prompt_tokens=num_tokens, num_cached_tokens=num_cached)
-    hidden = runner.embed(ids[active])  # [A, hidden]
-
+    rope = RopeTable(*runner.rope(torch.arange(num_tokens, device=device)))  # [N, D] each
+    ctx = ActiveContext(plan, rope, backend, runner.num_heads // runner.num_kv_heads, device)
+    is_whole = isinstance(source, WholeKVSource)
+    if plan.cached_pos and is_whole:
+        with timer.stage("rope"):
+            layout_all(cache, plan, source.layers_from(plan.first_reused_layer), rope.cos, rope.sin)
+    with timer.stage("compute"):
+        active = initial_active(ctx)
+        ids = torch.tensor(plan.token_ids, dtype=torch.long, device=device)  # [N]
+        state = _Loop(runner.embed(ids if isinstance(active.slots, slice) else ids[active.pos]), active)
     for layer in range(runner.num_layers):
-        t0 = time.perf_counter()
-        q, k, v = runner.qkv(layer, hidden)  # [H, A, D], [H_kv, A, D] x2
-        timer.add("compute", t0)
-        is_check = layer in check_layers
-        num_cached_active = int(is_cached[active].sum())
-        keep_rows = None
-        if num_cached and (is_check or num_cached_active < num_cached):
-            t0 = time.perf_counter()
-            reused_k, reused_v = _reused_layer(source, plan, layer)  # [H_kv, M, D] pre-RoPE
-            timer.add("kv_load", t0)
-            if is_check:
-                t0 = time.perf_counter()
-                keep_rows = _select(blend, check_layers.index(layer), active, is_cached, cached_pos,
-                                    k, v, reused_k, reused_v, num_cached)
-                kept = active[keep_rows]
-                stats.selected_positions = kept[is_cached[kept]].tolist()
-                timer.add("select", t0)
-            t0 = time.perf_counter()
-            cache.update(layer, cached_pos, apply_rope(reused_k, cos[cached_pos], sin[cached_pos]), reused_v)
-            timer.add("rope", t0)
-        t0 = time.perf_counter()
-        cache.update(layer, active, apply_rope(k, cos[active], sin[active]), v)
-        if layer == runner.num_layers - 1:  # only the last token's output matters now
-            keep_rows = (keep_rows if keep_rows is not None else torch.arange(active.numel(), device=device))[-1:]
-        if keep_rows is not None:
-            q, hidden, active = q[:, keep_rows], hidden[keep_rows], active[keep_rows]
-        keys, values = cache.layer(layer)
-        is_plain_causal = active.numel() == num_tokens
-        out = runner.attend(apply_rope(q, cos[active], sin[active]), keys, values,
-                            None if is_plain_causal else active)
-        hidden = runner.finish(layer, hidden, out)
-        timer.add("compute", t0)
-
-    t0 = time.perf_counter()
-    logits = runner.logits(hidden[-1:])[0]  # [vocab]
-    timer.add("compute", t0)
-    _fill_stats(stats, blend, check_layers, num_tokens, num_cached, timer, t_start)
+        if plan.is_reused_at(layer) and not is_whole:
+            state.kv_wait_ms += _stream_layer(cache, plan, layer, source, rope, timer)
+        _layer_step(runner, ctx, blend, cache, layer, state, timer)
+    with timer.stage("compute"):
+        logits = runner.logits(state.hidden[-1:])[0]  # [vocab]
+    selected = state.selected.tolist() if state.selected is not None else []  # the one read-back
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # prefill_ms ends when the logits exist, not when they were queued
+    stats = _stats(plan, blend, selected, timer, state.kv_wait_ms, t_start)
     return PrefillResult(token_ids=list(plan.token_ids), cache=cache, logits=logits, stats=stats)
 
 
-def _reused_layer(source: LayerKVSource | None, plan: PrefillPlan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The used sources' layer KV, concatenated in position order: [H_kv, M, D] each."""
-    if source is None:
-        raise ValueError("segments carry caches but no KV source was given")
-    pairs = source.layer(layer)
-    if len(pairs) != len(plan.is_source_used):
-        raise ValueError(f"KV source gave {len(pairs)} caches for {len(plan.is_source_used)} cached segments")
-    used = [pair for pair, is_used in zip(pairs, plan.is_source_used) if is_used]
-    keys = torch.cat([k for k, _ in used], dim=1)
-    values = torch.cat([v for _, v in used], dim=1)
-    if keys.shape[1] != plan.num_source_tokens:
-        raise ValueError(f"KV source gave {keys.shape[1]} tokens, expected {plan.num_source_tokens}")
-    num_cached = plan.cached_pos.numel()  # drops the last token if the prompt ends in a cached chunk
-    return keys[:, :num_cached], values[:, :num_cached]
+def _stream_layer(cache: KVCache, plan: PrefillPlan, layer: int, source: LayerKVSource, rope: RopeTable,
+                  timer: StageTimer) -> float:
+    """Lay out one layer of a streamed source; returns the host ms spent waiting for it."""
+    t0 = time.perf_counter()
+    pairs = source.layer(layer)  # blocks until the loader has this layer
+    wait_ms = host_ms(t0)
+    with timer.stage("rope"):
+        layout_layer(cache, plan, layer, pairs, rope.cos, rope.sin)
+    return wait_ms
 
 
-def _select(blend, check_idx, active, is_cached, cached_pos, k, v, reused_k, reused_v, num_cached) -> torch.Tensor:
-    """Rows of `active` kept after this check: every uncached token plus the top deviating cached ones."""
-    cand_rows = is_cached[active].nonzero()[:, 0]  # rows of active that hold cached tokens
-    cand_idx = torch.searchsorted(cached_pos, active[cand_rows])  # their index into the reused tensors
-    fresh, reused = (k, reused_k) if blend.deviation == DeviationKind.KEY else (v, reused_v)
-    deviation = token_deviation(fresh[:, cand_rows], reused[:, cand_idx].to(fresh.dtype))  # [num_cand]
-    num_keep = min(round(blend.ratio_at_check(check_idx) * num_cached), cand_rows.numel())
-    kept = cand_rows[select_top(deviation, num_keep)]
-    uncached_rows = (~is_cached[active]).nonzero()[:, 0]
-    return torch.cat([uncached_rows, kept]).sort().values
+def _layer_step(runner: ModelRunner, ctx: ActiveContext, blend: BlendConfig, cache: KVCache, layer: int,
+                state: _Loop, timer: StageTimer) -> None:
+    plan, active = ctx.plan, state.active
+    with timer.stage("compute"):
+        q, k, v = runner.qkv(layer, state.hidden)  # [H, A, D], [H_kv, A, D] x2; q, k before RoPE
+        k = apply_rope(k, active.cos, active.sin)
+    rows = None
+    if layer in plan.check_layers:
+        with timer.stage("select"):
+            check_idx = plan.check_layers.index(layer)
+            new, rows = check_step(ctx, active, check_idx, layer, blend.deviation, k, v, cache)
+            state.selected = new.pos[new.cand_rows]
+    with timer.stage("compute"):
+        cache.update(layer, active.slots, k, v)  # the check above still saw the reused K/V there
+        hidden = state.hidden
+        if rows is not None:
+            q, hidden, active = q[:, rows], hidden[rows], new
+            state.active = active
+        cos, sin, meta = active.cos, active.sin, active.attention
+        if layer == runner.num_layers - 1:  # only the last token's output matters now
+            q, hidden, cos, sin, meta = q[:, -1:], hidden[-1:], cos[-1:], sin[-1:], last_meta(plan.num_tokens)
+        keys, values = cache.layer(layer)
+        out = attend(apply_rope(q, cos, sin), keys, values, meta, runner.scaling)
+        state.hidden = runner.finish(layer, hidden, out)
 
 
-def _fill_stats(stats, blend, check_layers, num_tokens, num_cached, timer, t_start) -> None:
-    num_selected = len(stats.selected_positions)
-    if check_layers:
-        stats.recompute_ratio = blend.recompute_ratio
-    stats.num_reused_tokens = num_cached - num_selected
-    stats.num_recomputed_tokens = num_tokens - stats.num_reused_tokens
-    stats.kv_load_ms = timer.totals.get("kv_load", 0.0)
-    stats.rope_ms = timer.totals.get("rope", 0.0)
-    stats.select_ms = timer.totals.get("select", 0.0)
-    stats.compute_ms = timer.totals.get("compute", 0.0)
-    stats.prefill_ms = (time.perf_counter() - t_start) * 1000
+def _stats(plan: PrefillPlan, blend: BlendConfig, selected: list[int], timer: StageTimer, kv_wait_ms: float,
+           t_start: float) -> PrefillStats:
+    totals = timer.totals()
+    num_reused = plan.num_cached - len(selected)
+    return PrefillStats(
+        mode=plan.mode,
+        num_prompt_tokens=plan.num_tokens,
+        num_cached_tokens=plan.num_cached,
+        num_reused_tokens=num_reused,
+        num_recomputed_tokens=plan.num_tokens - num_reused,
+        kv_load_ms=kv_wait_ms,
+        rope_ms=totals.get("rope", 0.0),
+        select_ms=totals.get("select", 0.0),
+        compute_ms=totals.get("compute", 0.0),
+        prefill_ms=host_ms(t_start),
+        recompute_ratio=blend.recompute_ratio if plan.check_layers else None,
+        selected_positions=selected,
+        is_timing_exact=timer.is_exact,
+    )

@@ -2,17 +2,14 @@
 
 The HF modules (embeddings, norms, projections, rotary embedding, MLP, lm_head) are called as they
 are; only the attention is ours, so any subset of tokens can be computed against a cache at
-arbitrary absolute positions. Batch size is 1 throughout, so tensors carry no batch dimension.
+arbitrary absolute positions (blend_engine/attention.py). Batch size is 1 throughout, so tensors carry no batch dimension.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-MAX_QUERY_GROUPS = 8
-MIN_QUERIES_PER_GROUP = 64
 _REQUIRED = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
 
 
@@ -24,11 +21,6 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [H, n, D] rotated by cos, sin [n, D] (from the model's own rotary embedding)."""
     return x * cos + rotate_half(x) * sin
-
-
-def causal_mask(query_pos: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """[n, num_keys] bool: query at absolute position p sees keys at positions <= p, never later."""
-    return query_pos[:, None] >= torch.arange(num_keys, device=query_pos.device)[None, :]
 
 
 class ModelRunner:
@@ -79,33 +71,6 @@ class ModelRunner:
         if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-
-    def attend(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query_pos: torch.Tensor | None
-    ) -> torch.Tensor:
-        """q [H, n, D] (rotated) over keys/values [H_kv, N, D] -> [n, H*D].
-
-        `query_pos` [n] must ascend; None means the queries are exactly positions 0..N-1 (plain causal).
-        """
-        if query_pos is None:
-            out = F.scaled_dot_product_attention(
-                q[None], keys[None], values[None], is_causal=True, scale=self.scaling, enable_gqa=True
-            )
-            return out[0].transpose(0, 1).reshape(q.shape[1], -1)
-        # A masked call computes every key for every query; cut the keys at each group's last
-        # position instead, so early queries do not pay for keys they cannot see.
-        num_groups = max(1, min(MAX_QUERY_GROUPS, q.shape[1] // MIN_QUERIES_PER_GROUP))
-        outs = []
-        for rows in torch.arange(q.shape[1], device=q.device).tensor_split(num_groups):
-            pos = query_pos[rows]
-            num_keys = int(pos[-1]) + 1
-            mask = causal_mask(pos, num_keys)  # [g, num_keys]
-            outs.append(F.scaled_dot_product_attention(
-                q[None, :, rows], keys[None, :, :num_keys], values[None, :, :num_keys],
-                attn_mask=mask, scale=self.scaling, enable_gqa=True,
-            )[0])
-        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [H, n, D]
-        return out.transpose(0, 1).reshape(q.shape[1], -1)
 
     def finish(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Residual + o_proj, then the MLP block: hidden [n, hidden] -> [n, hidden]."""

@@ -83,6 +83,7 @@ class PrefillStats:
     prefill_ms: float = 0.0  # wall time of the whole prefill (to the first token's logits)
     recompute_ratio: float | None = None  # the ratio used (blend), e.g. chosen by a loading controller
     selected_positions: list[int] = field(default_factory=list)  # cached-token positions recomputed (blend)
+    is_timing_exact: bool = True  # stage splits measured (CPU always; CUDA only when profiled)
 
 
 @dataclass

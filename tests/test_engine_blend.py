@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from blend_engine.runner import ModelRunner, causal_mask
+from blend_engine.attention import AttentionBackend, attend, causal_mask, subset_meta
+from blend_engine.runner import ModelRunner
 from blend_engine.selector import select_top, token_deviation
 from blend_engine.types import BlendConfig, DeviationKind, PrefillMode, Segment
 from engine_models import MODEL_BUILDERS, build_engine, random_ids
@@ -118,8 +119,9 @@ def test_select_top_and_deviation():
     assert token_deviation(a, b).tolist() == [0.0, 0.0, 4.0]
 
 
-@pytest.mark.parametrize("num_queries", [6, 300])  # 300: the grouped path (several key cut-offs)
-def test_attention_mask_matches_brute_force_reference(num_queries):
+@pytest.mark.parametrize("backend", list(AttentionBackend))
+@pytest.mark.parametrize("num_queries", [6, 300])  # 300: several key cut-offs in the grouped backend
+def test_attention_mask_matches_brute_force_reference(num_queries, backend):
     engine = build_engine("llama-gqa")
     runner: ModelRunner = engine.runner
     g = torch.Generator().manual_seed(0)
@@ -127,7 +129,8 @@ def test_attention_mask_matches_brute_force_reference(num_queries):
     query_pos = torch.randperm(num_keys, generator=g)[:num_queries].sort().values
     q = torch.randn(heads, num_queries, dim, generator=g)
     k, v = torch.randn(kv_heads, num_keys, dim, generator=g), torch.randn(kv_heads, num_keys, dim, generator=g)
-    out = runner.attend(q, k, v, query_pos).view(num_queries, heads, dim)
+    meta = subset_meta(query_pos, num_keys, backend, heads // kv_heads)
+    out = attend(q, k, v, meta, runner.scaling).view(num_queries, heads, dim)
     group = heads // kv_heads
     for i, p in enumerate(query_pos.tolist()):
         for h in range(heads):

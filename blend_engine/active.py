@@ -1,0 +1,90 @@
+"""The set of tokens a prefill computes at its current layers, and blend's check step that shrinks it.
+
+An `ActiveSet` is built before the layer loop (from the host plan) and again at each check layer
+(on the device, from the selection), never per layer: its positions, the rows the next check picks
+from, the RoPE rows and the attention metadata are then reused by every layer until the next check.
+Nothing here reads a value back from the device, except the GROUPED attention backend's cut-offs
+(CPU only, where there is no device to wait for).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blend_engine.attention import AttentionBackend, AttentionMeta, causal_meta, subset_meta
+from blend_engine.kv import KVCache
+from blend_engine.plan import PrefillPlan
+from blend_engine.selector import select_top, token_deviation
+from blend_engine.types import DeviationKind
+
+
+@dataclass(frozen=True)
+class RopeTable:
+    cos: torch.Tensor  # [N, D] for positions 0..N-1
+    sin: torch.Tensor  # [N, D]
+
+
+@dataclass(frozen=True)
+class ActiveSet:
+    pos: torch.Tensor  # [A] absolute positions, ascending
+    fresh_rows: torch.Tensor  # [F] rows of `pos` without a cache (always computed)
+    cand_rows: torch.Tensor  # [C] rows of `pos` with a cache: what the next check may drop
+    cos: torch.Tensor  # [A, D] RoPE rows for `pos`
+    sin: torch.Tensor  # [A, D]
+    attention: AttentionMeta
+    slots: torch.Tensor | slice  # where the layer's fresh K/V go in the cache (a slice when all tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.pos.shape[0]
+
+
+@dataclass(frozen=True)
+class ActiveContext:
+    """What building an active set needs: fixed for the whole prefill."""
+
+    plan: PrefillPlan
+    rope: RopeTable
+    backend: AttentionBackend
+    num_query_groups: int  # query heads per KV head
+    device: torch.device
+
+
+def initial_active(ctx: ActiveContext) -> ActiveSet:
+    """Every token until the first check (blend, full), else only the tokens without a cache."""
+    plan, device = ctx.plan, ctx.device
+    num_tokens = plan.num_tokens
+    if plan.check_layers or not plan.cached_pos:
+        pos = torch.arange(num_tokens, device=device)
+        return ActiveSet(pos, _tensor(plan.fresh_pos, device), _tensor(plan.cached_pos, device),
+                         ctx.rope.cos, ctx.rope.sin, causal_meta(num_tokens), slice(0, num_tokens))
+    pos = _tensor(plan.fresh_pos, device)
+    rows = torch.arange(len(plan.fresh_pos), device=device)
+    meta = subset_meta(pos, num_tokens, ctx.backend, ctx.num_query_groups, list(plan.fresh_pos))
+    return ActiveSet(pos, rows, rows[:0], ctx.rope.cos[pos], ctx.rope.sin[pos], meta, pos)
+
+
+def check_step(ctx: ActiveContext, active: ActiveSet, check_idx: int, layer: int, deviation: DeviationKind,
+               k: torch.Tensor, v: torch.Tensor, cache: KVCache) -> tuple[ActiveSet, torch.Tensor]:
+    """Keep every fresh token plus the cached ones whose fresh K or V deviates most from the reused.
+
+    k (rotated), v [H_kv, A, D]: this layer's fresh K/V for `active`; the cache holds the reused
+    (rotated) K/V at the candidates' slots, not yet overwritten. Returns the new set and the rows of
+    `active` it keeps (ascending), to cut the queries and hidden states with.
+    """
+    cand_pos = active.pos[active.cand_rows]  # [C]
+    fresh, stored = (k, cache.keys) if deviation == DeviationKind.KEY else (v, cache.values)
+    dev = token_deviation(fresh[:, active.cand_rows], stored[layer][:, cand_pos])  # [C]
+    kept_rows = active.cand_rows[select_top(dev, ctx.plan.num_keep[check_idx])]  # [K] ascending
+    rows = torch.cat([active.fresh_rows, kept_rows]).sort().values  # [F+K]; ascending rows = ascending positions
+    pos = active.pos[rows]
+    meta = subset_meta(pos, ctx.plan.num_tokens, ctx.backend, ctx.num_query_groups)
+    new = ActiveSet(pos, torch.searchsorted(rows, active.fresh_rows), torch.searchsorted(rows, kept_rows),
+                    active.cos[rows], active.sin[rows], meta, pos)
+    return new, rows
+
+
+def _tensor(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)

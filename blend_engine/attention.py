@@ -1,0 +1,127 @@
+"""Attention of any subset of queries over a cache, by absolute position, with its metadata built
+once per active set (before the layer loop and at each check layer), never per layer.
+
+A query at absolute position p sees keys 0..p, whatever the other queries are. Three layouts:
+- CAUSAL: the queries are exactly positions 0..N-1: SDPA's own causal kernel (flash on CUDA);
+- LAST: queries at the cache's last positions that see every key (decode, the last prefill
+  layer): no mask at all;
+- SUBSET: any ascending subset. `AttentionBackend.MASKED` runs one SDPA call with one mask (the
+  CUDA path: SDPA falls back to its slow math kernel for a masked GQA call, so query heads are
+  folded onto their KV head instead of repeating K/V); `AttentionBackend.GROUPED` cuts the queries
+  into up to 8 groups, each over the keys up to its last position only (the CPU path: early
+  queries do not pay for keys they cannot see; it needs those cut-offs on the host, read once
+  when the active set is built).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+import torch.nn.functional as F
+
+MAX_QUERY_GROUPS = 8
+MIN_QUERIES_PER_GROUP = 64
+
+
+class AttentionBackend(str, Enum):
+    MASKED = "masked"  # one masked call per layer (CUDA default)
+    GROUPED = "grouped"  # key cut-offs per query group (CPU default, measured faster there)
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> AttentionBackend:
+        return cls.MASKED if device.type == "cuda" else cls.GROUPED
+
+
+class AttentionLayout(str, Enum):
+    CAUSAL = "causal"
+    LAST = "last"
+    SUBSET = "subset"
+
+
+@dataclass(frozen=True)
+class QueryGroup:
+    rows: slice  # rows of the query block
+    num_keys: int  # keys 0..num_keys-1 (the group's last position + 1)
+    mask: torch.Tensor  # [rows, num_keys] bool
+
+
+@dataclass(frozen=True)
+class AttentionMeta:
+    layout: AttentionLayout
+    num_keys: int
+    mask: torch.Tensor | None = None  # SUBSET + MASKED: [G*A, num_keys] bool, query heads folded
+    groups: tuple[QueryGroup, ...] = ()  # SUBSET + GROUPED
+
+
+def causal_mask(query_pos: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """[n, num_keys] bool: query at absolute position p sees keys at positions <= p, never later."""
+    return query_pos[:, None] >= torch.arange(num_keys, device=query_pos.device)[None, :]
+
+
+def causal_meta(num_tokens: int) -> AttentionMeta:
+    return AttentionMeta(AttentionLayout.CAUSAL, num_tokens)
+
+
+def last_meta(num_keys: int) -> AttentionMeta:
+    return AttentionMeta(AttentionLayout.LAST, num_keys)
+
+
+def subset_meta(
+    query_pos: torch.Tensor,
+    num_keys: int,
+    backend: AttentionBackend,
+    num_groups_per_kv: int,
+    query_pos_host: list[int] | None = None,
+) -> AttentionMeta:
+    """Metadata for ascending `query_pos` [A] over keys 0..num_keys-1.
+
+    GROUPED needs the positions on the host; pass `query_pos_host` when the caller has them already,
+    else they are read back here (once per active set).
+    """
+    if backend == AttentionBackend.MASKED:
+        mask = causal_mask(query_pos, num_keys)  # [A, N]
+        # fold: the G query heads sharing a KV head become G blocks of rows
+        return AttentionMeta(AttentionLayout.SUBSET, num_keys, mask=mask.repeat(num_groups_per_kv, 1))
+    host = query_pos_host if query_pos_host is not None else query_pos.tolist()
+    num_queries = len(host)
+    num_groups = max(1, min(MAX_QUERY_GROUPS, num_queries // MIN_QUERIES_PER_GROUP))
+    bounds = [num_queries * i // num_groups for i in range(num_groups + 1)]
+    groups = []
+    for start, end in zip(bounds, bounds[1:]):
+        num_group_keys = host[end - 1] + 1
+        groups.append(QueryGroup(slice(start, end), num_group_keys, causal_mask(query_pos[start:end], num_group_keys)))
+    return AttentionMeta(AttentionLayout.SUBSET, num_keys, groups=tuple(groups))
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: AttentionMeta, scale: float) -> torch.Tensor:
+    """q [H, A, D] (rotated) over keys/values [H_kv, >=num_keys, D] -> [A, H*D]."""
+    num_heads, num_queries, head_dim = q.shape
+    keys, values = keys[:, : meta.num_keys], values[:, : meta.num_keys]
+    if meta.layout == AttentionLayout.SUBSET and meta.mask is not None:
+        out = _folded(q, keys, values, meta.mask, scale)
+    elif meta.layout == AttentionLayout.SUBSET:
+        out = torch.cat([
+            F.scaled_dot_product_attention(
+                q[None, :, g.rows], keys[None, :, : g.num_keys], values[None, :, : g.num_keys],
+                attn_mask=g.mask, scale=scale, enable_gqa=True,
+            )[0]
+            for g in meta.groups
+        ], dim=1)  # [H, A, D]
+    else:
+        out = F.scaled_dot_product_attention(
+            q[None], keys[None], values[None], is_causal=meta.layout == AttentionLayout.CAUSAL,
+            scale=scale, enable_gqa=True,
+        )[0]
+    return out.transpose(0, 1).reshape(num_queries, num_heads * head_dim)
+
+
+def _folded(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """One masked call with the query heads of each KV head stacked as rows: [H, A, D] -> [H, A, D]."""
+    num_heads, num_queries, head_dim = q.shape
+    num_kv_heads = keys.shape[0]
+    group = num_heads // num_kv_heads
+    folded = q.reshape(num_kv_heads, group * num_queries, head_dim)  # head h -> KV head h // group, as repeat_kv
+    out = F.scaled_dot_product_attention(folded[None], keys[None], values[None], attn_mask=mask, scale=scale)[0]
+    return out.reshape(num_heads, num_queries, head_dim)

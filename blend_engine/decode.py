@@ -1,0 +1,100 @@
+"""Decoding one token at a time after a prefill, doing no work a single token does not need.
+
+The new token at position p sees every key 0..p, so it needs no mask; its RoPE row comes from a
+table made once per request. On CPU the step runs eagerly over the cache's live length. On CUDA
+every shape is static (the whole cache capacity, with a mask made on the device from the position
+held in a device buffer), so the step is captured once as a CUDA graph and replayed: one launch per
+token instead of hundreds, which is what keeps a 7B decode near the memory-bandwidth limit.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from blend_engine.active import RopeTable
+from blend_engine.attention import AttentionLayout, AttentionMeta, attend, last_meta
+from blend_engine.kv import KVCache
+from blend_engine.runner import ModelRunner, apply_rope
+
+log = logging.getLogger(__name__)
+NUM_WARMUP_STEPS = 2  # eager runs on a side stream before capture (lazy cuBLAS/allocator set-up)
+
+
+class Decoder:
+    def __init__(self, runner: ModelRunner, cache: KVCache, is_graphed: bool | None = None):
+        self.runner, self.cache = runner, cache
+        self.is_graphed = runner.device.type == "cuda" if is_graphed is None else is_graphed
+        self._rope = self._table()
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._graph_keys_ptr = 0  # the cache storage the graph was captured on
+
+    def _table(self) -> RopeTable:
+        positions = torch.arange(self.cache.capacity, device=self.runner.device)
+        return RopeTable(*self.runner.rope(positions))  # [capacity, D] each
+
+    @torch.inference_mode()
+    def step(self, token_id: int) -> torch.Tensor:
+        """Feed one token after the cache's end; next-token logits [vocab] (float32)."""
+        pos = self.cache.extend(1)
+        if self._rope.cos.shape[0] < self.cache.capacity:  # the cache grew: longer table (and graph)
+            self._rope = self._table()
+        if not self.is_graphed:
+            return self._eager(token_id, pos)
+        if self._graph is None or self._graph_keys_ptr != self.cache.keys.data_ptr():
+            self._capture(pos)
+        self._token.fill_(token_id)
+        self._pos.fill_(pos)
+        self._graph.replay()
+        return self._logits.clone()  # the static buffer is overwritten by the next replay
+
+    def _eager(self, token_id: int, pos: int) -> torch.Tensor:
+        runner = self.runner
+        hidden = runner.embed(torch.tensor([token_id], device=runner.device))  # [1, hidden]
+        cos, sin = self._rope.cos[pos : pos + 1], self._rope.sin[pos : pos + 1]  # [1, D]
+        meta = last_meta(pos + 1)
+        for layer in range(runner.num_layers):
+            q, k, v = runner.qkv(layer, hidden)  # [H, 1, D], [H_kv, 1, D] x2
+            keys, values = self.cache.update(layer, slice(pos, pos + 1), apply_rope(k, cos, sin), v)
+            hidden = runner.finish(layer, hidden, attend(apply_rope(q, cos, sin), keys, values, meta, runner.scaling))
+        return runner.logits(hidden)[0]
+
+    # --- CUDA graph -------------------------------------------------------------------------------
+    def static_step(self) -> torch.Tensor:
+        """The step with static shapes, reading the token and position from device buffers."""
+        runner, cache = self.runner, self.cache
+        hidden = runner.embed(self._token)  # [1, hidden]
+        cos, sin = self._rope.cos.index_select(0, self._pos), self._rope.sin.index_select(0, self._pos)  # [1, D]
+        mask = self._slots[None, :] <= self._pos[:, None]  # [1, capacity]: slots 0..pos
+        meta = AttentionMeta(AttentionLayout.SUBSET, cache.capacity, mask=mask)  # broadcast over folded heads
+        for layer in range(runner.num_layers):
+            q, k, v = runner.qkv(layer, hidden)
+            cache.keys[layer].index_copy_(1, self._pos, apply_rope(k, cos, sin))
+            cache.values[layer].index_copy_(1, self._pos, v)
+            out = attend(apply_rope(q, cos, sin), cache.keys[layer], cache.values[layer], meta, runner.scaling)
+            hidden = runner.finish(layer, hidden, out)
+        return runner.logits(hidden)[0]
+
+    def prepare_static(self, pos: int) -> None:
+        """The device buffers the static step reads (token, position, slot numbers)."""
+        device = self.runner.device
+        self._token = torch.zeros(1, dtype=torch.long, device=device)
+        self._pos = torch.full((1,), pos, dtype=torch.long, device=device)
+        self._slots = torch.arange(self.cache.capacity, device=device)
+
+    def _capture(self, pos: int) -> None:
+        device = self.runner.device
+        self.prepare_static(pos)
+        # warm-up writes K/V at slot `pos` only, which the first replay then overwrites
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(NUM_WARMUP_STEPS):
+                self.static_step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._logits = self.static_step()
+        self._graph, self._graph_keys_ptr = graph, self.cache.keys.data_ptr()
+        log.debug("captured the decode step for a cache of %d slots", self.cache.capacity)

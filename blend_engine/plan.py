@@ -1,0 +1,97 @@
+"""The host-side plan of a prefill, fixed before the layer loop: which caches are used, where the
+reused tokens sit, and every count the loop needs (so the loop never asks the device for one)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from blend_engine.types import BlendConfig, PrefillMode, Segment
+
+
+@dataclass(frozen=True)
+class CachedSpan:
+    """A used cache's place in the prompt: its KV is written to slots start .. start+num_tokens-1."""
+
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    token_ids: tuple[int, ...]
+    mode: PrefillMode
+    is_source_used: tuple[bool, ...]  # per segment with a kv, in prompt order: is its cache used?
+    spans: tuple[CachedSpan, ...]  # the used caches, in prompt order
+    cached_pos: tuple[int, ...]  # positions whose reused KV is used, ascending (never the last token)
+    fresh_pos: tuple[int, ...]  # every other position, ascending (always ends with the last token)
+    check_layers: tuple[int, ...]  # blend's check layers (empty in other modes or with nothing cached)
+    num_keep: tuple[int, ...]  # per check layer: cached tokens kept from there on
+    first_reused_layer: int  # layers before it compute every token and read no reused KV
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.cached_pos)
+
+    @property
+    def num_source_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.spans)
+
+    def is_reused_at(self, layer: int) -> bool:
+        """Whether this layer keeps reused KV for some tokens (so the source must deliver it)."""
+        return bool(self.cached_pos) and layer >= self.first_reused_layer
+
+
+def plan_prefill(segments: list[Segment], mode: PrefillMode, blend: BlendConfig, num_layers: int) -> PrefillPlan:
+    token_ids, used, spans = _place(segments, mode)
+    num_tokens = len(token_ids)
+    if num_tokens == 0:
+        raise ValueError("cannot prefill an empty prompt")
+    is_cached = [False] * num_tokens
+    for span in spans:
+        is_cached[span.start : span.end] = [True] * span.num_tokens
+    is_cached[-1] = False  # the last token is always computed: its hidden state gives the logits
+    cached = tuple(p for p in range(num_tokens) if is_cached[p])
+    fresh = tuple(p for p in range(num_tokens) if not is_cached[p])
+    checks: tuple[int, ...] = ()
+    if mode == PrefillMode.BLEND and cached:
+        checks = blend.check_layers
+        if checks[-1] >= num_layers:
+            raise ValueError(f"check layer {checks[-1]} out of range for {num_layers} layers")
+    keep = tuple(min(round(blend.ratio_at_check(j) * len(cached)), len(cached)) for j in range(len(checks)))
+    # a later check can only keep a subset of what an earlier one kept
+    keep = tuple(min(keep[: j + 1]) for j in range(len(keep)))
+    first_reused = checks[0] if checks else (0 if cached else num_layers)
+    return PrefillPlan(tuple(token_ids), mode, tuple(used), tuple(spans), cached, fresh, checks, keep, first_reused)
+
+
+def _place(segments: list[Segment], mode: PrefillMode) -> tuple[list[int], list[bool], list[CachedSpan]]:
+    token_ids: list[int] = []
+    used: list[bool] = []
+    spans: list[CachedSpan] = []
+    is_prefix_intact = True
+    for seg in segments:
+        start = len(token_ids)
+        token_ids.extend(seg.token_ids)
+        if seg.kv is None:
+            is_prefix_intact = is_prefix_intact and not seg.token_ids
+            continue
+        if mode == PrefillMode.FULL:
+            is_used = False
+        elif mode == PrefillMode.PREFIX:
+            # Exact only if computed behind exactly the tokens that precede it here.
+            is_used = is_prefix_intact and tuple(seg.kv.context_ids) == tuple(token_ids[:start])
+            is_prefix_intact = is_used
+        else:
+            is_used = True
+        used.append(is_used)
+        if is_used:
+            spans.append(CachedSpan(start, len(seg.token_ids)))
+    return token_ids, used, spans

@@ -1,0 +1,146 @@
+"""The reshaped prefill: same selection as before, no host reads inside the layer loop, one
+attention call per layer on the CUDA path, both attention backends exact against a full prefill,
+and the decode step (eager and CUDA-graph-shaped) against forward_tokens."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from blend_engine.attention import AttentionBackend
+from blend_engine.engine import BlendEngine
+from blend_engine.types import BlendConfig, DeviationKind, PrefillMode, Segment
+from engine_models import MODEL_BUILDERS, build_engine, random_ids
+from host_reads import HostReadCounter
+from test_engine_blend import assert_same_prefill, rag_prompt
+
+RECORDED = Path(__file__).parent / "data" / "selected_positions.json"
+
+
+def golden_prompt(engine, seed=7):
+    """The prompt the recorded selections were made on (by the engine before the reshaping)."""
+    segments = [Segment(random_ids(6, seed))]
+    for i in range(4):
+        if i:
+            segments.append(Segment(random_ids(3, seed + 100 + i)))
+        ids = random_ids(37 + 11 * i, seed + i + 1)
+        segments.append(Segment(ids, engine.precompute(ids)))
+    segments.append(Segment(random_ids(9, seed + 50)))
+    return segments
+
+
+@pytest.mark.parametrize("backend", list(AttentionBackend))
+@pytest.mark.parametrize("family", list(MODEL_BUILDERS))
+def test_selected_positions_match_the_engine_before_reshaping(family, backend):
+    recorded = json.loads(RECORDED.read_text())
+    engine = build_engine(family)
+    engine.attention_backend = backend
+    segments = golden_prompt(engine)
+    num_checked = 0
+    for key, expected in recorded.items():
+        name, deviation, checks, ratio = key.split("|")
+        if name != family:
+            continue
+        config = BlendConfig(recompute_ratio=float(ratio), check_layers=tuple(int(c) for c in checks.split(",")),
+                             deviation=DeviationKind(deviation))
+        result = engine.prefill(segments, PrefillMode.BLEND, config)
+        assert result.stats.selected_positions == expected, key
+        num_checked += 1
+    assert num_checked == 24
+
+
+@pytest.mark.parametrize("family", list(MODEL_BUILDERS))
+@pytest.mark.parametrize("mode", [PrefillMode.REUSE, PrefillMode.PREFIX])
+def test_masked_backend_equals_grouped(family, mode):
+    engine = build_engine(family)
+    segments = rag_prompt(engine, chunk_len=90)  # long enough for several query groups
+    grouped = engine.prefill(segments, mode)
+    engine.attention_backend = AttentionBackend.MASKED
+    assert_same_prefill(engine.prefill(segments, mode), grouped)
+
+
+@pytest.mark.parametrize("family", list(MODEL_BUILDERS))
+def test_masked_backend_blend_at_ratio_one_equals_full(family):
+    engine = build_engine(family)
+    engine.attention_backend = AttentionBackend.MASKED
+    segments = rag_prompt(engine)
+    full = engine.prefill(segments, PrefillMode.FULL)
+    assert_same_prefill(engine.prefill(segments, PrefillMode.BLEND, BlendConfig(recompute_ratio=1.0)), full)
+
+
+def tiny_llama(num_layers: int) -> BlendEngine:
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096)
+    return BlendEngine.from_model(LlamaForCausalLM(config).eval(), name=f"tiny-{num_layers}")
+
+
+def count_blend_prefill(num_layers: int, backend: AttentionBackend, check_layers: tuple[int, ...]):
+    engine = tiny_llama(num_layers)
+    engine.attention_backend = backend
+    segments = [Segment(random_ids(8, 1))]
+    for i in range(5):
+        ids = random_ids(120, 2 + i)
+        segments.append(Segment(ids, engine.precompute(ids)))
+    segments.append(Segment(random_ids(12, 9)))
+    config = BlendConfig(recompute_ratio=0.15, check_layers=check_layers)
+    engine.prefill(segments, PrefillMode.BLEND, config)  # warm-up
+    counter = HostReadCounter(engine.model)
+    try:
+        with counter:
+            result = engine.prefill(segments, PrefillMode.BLEND, config)
+    finally:
+        counter.remove()
+    assert len(result.stats.selected_positions) == round(0.15 * 600)
+    return counter
+
+
+@pytest.mark.parametrize("check_layers", [(1,), (1, 2, 3)])
+def test_no_host_reads_in_the_layer_loop_on_the_cuda_path(check_layers):
+    for num_layers in (4, 12):
+        counter = count_blend_prefill(num_layers, AttentionBackend.MASKED, check_layers)
+        assert counter.reads["loop"] == 0, counter.reads
+        assert counter.reads["after"] == 1  # the selected positions, read once after the loop
+        assert counter.attention["loop"] == num_layers  # one attention call per layer
+
+
+def test_grouped_backend_reads_back_only_at_check_layers():
+    """The CPU backend reads the new active positions once per check (its key cut-offs), never per layer."""
+    for num_layers in (4, 12):
+        counter = count_blend_prefill(num_layers, AttentionBackend.GROUPED, (1, 2))
+        assert counter.reads["loop"] == 2, counter.reads
+
+
+@pytest.mark.parametrize("family", list(MODEL_BUILDERS))
+def test_decoder_steps_equal_forward_tokens(family):
+    engine = build_engine(family)
+    segments = rag_prompt(engine)
+    result = engine.prefill(segments, PrefillMode.BLEND, max_new_tokens=8)
+    tokens = random_ids(6, 77)
+    reference = engine.forward_tokens(result, tokens)  # [6, vocab], one multi-token pass
+    decoder = engine.decoder(result, is_graphed=False)
+    eager = torch.stack([decoder.step(t) for t in tokens])
+    torch.testing.assert_close(eager, reference, atol=1e-4, rtol=0)
+    # the CUDA graph's static-shape step (whole capacity, mask from a device position), run eagerly
+    decoder = engine.decoder(result, is_graphed=False)
+    static = []
+    for t in tokens:
+        pos = result.cache.extend(1)
+        decoder.prepare_static(pos)
+        decoder._token.fill_(t)
+        with torch.inference_mode():
+            static.append(decoder.static_step())
+    torch.testing.assert_close(torch.stack(static), reference, atol=1e-4, rtol=0)
+
+
+def test_decoder_grows_its_rope_table_with_the_cache():
+    engine = build_engine("llama-gqa")
+    ids = random_ids(30, 5)
+    result = engine.prefill([Segment(ids[:20])], PrefillMode.FULL)  # capacity 20: decoding must grow it
+    decoder = engine.decoder(result, is_graphed=False)
+    steps = torch.stack([decoder.step(t) for t in ids[20:]])
+    with torch.no_grad():
+        reference = engine.model(torch.tensor([ids])).logits[0, 20:]
+    torch.testing.assert_close(steps, reference, atol=1e-4, rtol=0)
