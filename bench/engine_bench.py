@@ -10,14 +10,17 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from bench.decode_bench import measure_decode
 from bench.engine_report import print_table, summarize
-from bench.metrics import argmax_agreement, best_f1, mean_kl, token_f1
+from bench.metrics import argmax_agreement, best_f1, mean_kl, safe_median, token_f1
 from bench.musique import Question, load_questions
+from bench.synthetic import synthetic_prompt
 from blend_engine.engine import BlendEngine
 from blend_engine.types import BlendConfig, PrefillMode, PrefillResult, Segment
 from configs import DeviationKind, SinkMode, load_settings
@@ -71,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--answer-tokens", type=int, default=32, help="max tokens of the reference answer")
     parser.add_argument("--sweep", action="store_true",
                         help="add ablation rows at r=0.15: K vs V deviation, check layers, gradual filtering, sinks")
+    parser.add_argument("--decode-tokens", type=int, default=64,
+                        help="decode ms/token over this many tokens, engine vs HF eager (0: skip)")
+    parser.add_argument("--decode-questions", type=int, default=3, help="questions the decode rows are measured on")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
     parser.add_argument("--out", default=None, help="also write the JSON summary here")
 
@@ -92,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         bench_question(engine, question, variants, runs, args.answer_tokens, is_quality)
         print(f"question {i + 1}/{len(questions)} done in {time.perf_counter() - t0:.1f} s", flush=True)
     summary = summarize(runs, variants, args, engine, is_quality)
+    summary["decode"] = _decode_rows(engine, questions, variants[0].sink, args)
     print_table(summary)
     line = json.dumps(summary)
     if args.out:
@@ -150,7 +157,10 @@ def _with(config: BlendConfig, **changes) -> BlendConfig:
 
 
 def prompt_for(engine: BlendEngine, question: Question, sink: SinkMode, chunk_cache: dict) -> list[Segment]:
-    """The question's prompt with every passage's KV precomputed behind `sink` (cached per sink)."""
+    """The question's prompt with every passage's KV precomputed behind `sink` (cached per sink);
+    random token ids of the same lengths when the model has no tokenizer."""
+    if sink not in chunk_cache and engine.tokenizer is None:
+        chunk_cache[sink] = synthetic_prompt(engine, question, sink, seed=zlib.crc32(question.question.encode()))
     if sink not in chunk_cache:
         context = engine.sink_ids(sink)
         chunks = []
@@ -172,14 +182,14 @@ def timed_prefill(engine: BlendEngine, segments, variant: Variant, extra: int) -
 
 
 def greedy_ids(engine: BlendEngine, result: PrefillResult, max_tokens: int) -> list[int]:
-    result.cache.truncate(len(result.token_ids))
+    decoder = engine.decoder(result)
     ids, logits = [], result.logits
     for _ in range(max_tokens):
         token = int(logits.argmax())
         if token in engine.eos_ids:
             break
         ids.append(token)
-        logits = engine.forward_tokens(result, [token])[0]
+        logits = decoder.step(token)
     return ids
 
 
@@ -189,7 +199,7 @@ def bench_question(engine, question: Question, variants, runs: Runs, answer_toke
     segments = prompt_for(engine, question, full_variant.sink, chunk_cache)
     full, full_ms, full_first = timed_prefill(engine, segments, full_variant, answer_tokens)
     ref_ids = greedy_ids(engine, full, answer_tokens) if is_quality else []
-    ref_text = engine.tokenizer.decode(ref_ids, skip_special_tokens=True)
+    ref_text = engine.tokenizer.decode(ref_ids, skip_special_tokens=True) if is_quality else ""
     ref_logits = engine.score(full, ref_ids) if ref_ids else None
     for variant in variants:
         if variant is full_variant:
@@ -212,6 +222,20 @@ def _score(engine, result, record: Record, ref_ids, ref_logits, ref_text, questi
     record.answer = answer
     record.f1_vs_full = token_f1(answer, ref_text)
     record.f1_vs_gold = best_f1(answer, question.answers)
+
+
+def _decode_rows(engine, questions: list[Question], sink, args) -> dict | None:
+    if args.decode_tokens <= 0:
+        return None
+    figures = [measure_decode(engine, prompt_for(engine, q, sink, {}), args.decode_tokens)
+               for q in questions[: args.decode_questions]]
+    return {
+        "num_tokens": args.decode_tokens,
+        "median_context_tokens": safe_median(f.context_tokens for f in figures),
+        "engine_ms_per_token": safe_median(f.engine_ms_per_token for f in figures),
+        "hf_eager_ms_per_token": safe_median(f.hf_ms_per_token for f in figures),
+        "is_cuda_graph": engine.is_decode_graphed,
+    }
 
 
 def _warm_up(engine, question: Question, variants) -> None:

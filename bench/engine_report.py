@@ -63,6 +63,12 @@ def print_table(summary: dict) -> None:
               f"{_f(row['median_tokens_recomputed'], 0):>8}{_f(row['first_token_agreement'], 2):>8}"
               f"{_f(row['tf_agreement'], 3):>8}{_f(row['tf_kl_mean'], 3):>8}{_f(row['kl_vs_reuse'], 2):>9}"
               f"{_f(row['f1_vs_full'], 2):>8}{_f(row['f1_vs_gold'], 2):>8}")
+    decode = summary.get("decode")
+    if decode:
+        graph = "CUDA graph" if decode["is_cuda_graph"] else "eager"
+        print(f"decode over {decode['num_tokens']} tokens at ~{_f(decode['median_context_tokens'], 0)} tokens of context: "
+              f"engine ({graph}) {_f(decode['engine_ms_per_token'], 2)} ms/token, "
+              f"HF eager {_f(decode['hf_eager_ms_per_token'], 2)} ms/token")
     if not summary["is_quality_meaningful"]:
         print("(random weights: quality columns are meaningless and left empty)")
 

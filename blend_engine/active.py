@@ -50,6 +50,7 @@ class ActiveContext:
     backend: AttentionBackend
     num_query_groups: int  # query heads per KV head
     device: torch.device
+    dtype: torch.dtype  # the attention's (for additive masks)
 
 
 def initial_active(ctx: ActiveContext) -> ActiveSet:
@@ -62,7 +63,7 @@ def initial_active(ctx: ActiveContext) -> ActiveSet:
                          ctx.rope.cos, ctx.rope.sin, causal_meta(num_tokens), slice(0, num_tokens))
     pos = _tensor(plan.fresh_pos, device)
     rows = torch.arange(len(plan.fresh_pos), device=device)
-    meta = subset_meta(pos, num_tokens, ctx.backend, ctx.num_query_groups, list(plan.fresh_pos))
+    meta = subset_meta(pos, num_tokens, ctx.backend, ctx.num_query_groups, list(plan.fresh_pos), ctx.dtype)
     return ActiveSet(pos, rows, rows[:0], ctx.rope.cos[pos], ctx.rope.sin[pos], meta, pos)
 
 
@@ -80,7 +81,7 @@ def check_step(ctx: ActiveContext, active: ActiveSet, check_idx: int, layer: int
     kept_rows = active.cand_rows[select_top(dev, ctx.plan.num_keep[check_idx])]  # [K] ascending
     rows = torch.cat([active.fresh_rows, kept_rows]).sort().values  # [F+K]; ascending rows = ascending positions
     pos = active.pos[rows]
-    meta = subset_meta(pos, ctx.plan.num_tokens, ctx.backend, ctx.num_query_groups)
+    meta = subset_meta(pos, ctx.plan.num_tokens, ctx.backend, ctx.num_query_groups, dtype=ctx.dtype)
     new = ActiveSet(pos, torch.searchsorted(rows, active.fresh_rows), torch.searchsorted(rows, kept_rows),
                     active.cos[rows], active.sin[rows], meta, pos)
     return new, rows

@@ -51,13 +51,27 @@ class QueryGroup:
 class AttentionMeta:
     layout: AttentionLayout
     num_keys: int
-    mask: torch.Tensor | None = None  # SUBSET + MASKED: [G*A, num_keys] bool, query heads folded
+    mask: torch.Tensor | None = None  # SUBSET + MASKED: [G*A, num_keys] additive (0 / -inf), query heads folded
     groups: tuple[QueryGroup, ...] = ()  # SUBSET + GROUPED
 
 
 def causal_mask(query_pos: torch.Tensor, num_keys: int) -> torch.Tensor:
     """[n, num_keys] bool: query at absolute position p sees keys at positions <= p, never later."""
     return query_pos[:, None] >= torch.arange(num_keys, device=query_pos.device)[None, :]
+
+
+def additive_causal_mask(query_pos: torch.Tensor, num_keys: int, num_repeats: int, dtype: torch.dtype) -> torch.Tensor:
+    """[num_repeats * n, num_keys] of 0 (seen) / -inf (hidden), made once per active set.
+
+    Additive in the attention's dtype, so SDPA does not convert a bool mask at every layer, and
+    stored with rows padded to a multiple of 16 elements, the alignment CUDA's memory-efficient
+    kernel wants (else SDPA pads a copy of it per call).
+    """
+    num_padded = -(-num_keys // 16) * 16
+    storage = torch.full((num_repeats * query_pos.shape[0], num_padded), float("-inf"), dtype=dtype,
+                         device=query_pos.device)
+    mask = storage[:, :num_keys]
+    return mask.masked_fill_(causal_mask(query_pos, num_keys).repeat(num_repeats, 1), 0.0)
 
 
 def causal_meta(num_tokens: int) -> AttentionMeta:
@@ -74,6 +88,7 @@ def subset_meta(
     backend: AttentionBackend,
     num_groups_per_kv: int,
     query_pos_host: list[int] | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> AttentionMeta:
     """Metadata for ascending `query_pos` [A] over keys 0..num_keys-1.
 
@@ -81,9 +96,9 @@ def subset_meta(
     else they are read back here (once per active set).
     """
     if backend == AttentionBackend.MASKED:
-        mask = causal_mask(query_pos, num_keys)  # [A, N]
         # fold: the G query heads sharing a KV head become G blocks of rows
-        return AttentionMeta(AttentionLayout.SUBSET, num_keys, mask=mask.repeat(num_groups_per_kv, 1))
+        mask = additive_causal_mask(query_pos, num_keys, num_groups_per_kv, dtype)  # [G*A, N]
+        return AttentionMeta(AttentionLayout.SUBSET, num_keys, mask=mask)
     host = query_pos_host if query_pos_host is not None else query_pos.tolist()
     num_queries = len(host)
     num_groups = max(1, min(MAX_QUERY_GROUPS, num_queries // MIN_QUERIES_PER_GROUP))

@@ -66,7 +66,7 @@ class Decoder:
         runner, cache = self.runner, self.cache
         hidden = runner.embed(self._token)  # [1, hidden]
         cos, sin = self._rope.cos.index_select(0, self._pos), self._rope.sin.index_select(0, self._pos)  # [1, D]
-        mask = self._slots[None, :] <= self._pos[:, None]  # [1, capacity]: slots 0..pos
+        mask = torch.where(self._slots[None, :] <= self._pos[:, None], self._zero, self._minus_inf)  # [1, capacity]
         meta = AttentionMeta(AttentionLayout.SUBSET, cache.capacity, mask=mask)  # broadcast over folded heads
         for layer in range(runner.num_layers):
             q, k, v = runner.qkv(layer, hidden)
@@ -82,6 +82,8 @@ class Decoder:
         self._token = torch.zeros(1, dtype=torch.long, device=device)
         self._pos = torch.full((1,), pos, dtype=torch.long, device=device)
         self._slots = torch.arange(self.cache.capacity, device=device)
+        self._zero = torch.zeros((), dtype=self.runner.dtype, device=device)
+        self._minus_inf = torch.full((), float("-inf"), dtype=self.runner.dtype, device=device)
 
     def _capture(self, pos: int) -> None:
         device = self.runner.device

@@ -173,7 +173,7 @@ class BlendEngine:
         cos, sin = runner.rope(positions)
         meta = last_meta(start + 1) if num_new == 1 else subset_meta(
             positions, start + num_new, self.attention_backend, runner.num_heads // runner.num_kv_heads,
-            list(range(start, start + num_new)))
+            list(range(start, start + num_new)), self.dtype)
         for layer in range(runner.num_layers):
             q, k, v = runner.qkv(layer, hidden)
             keys, values = cache.update(layer, slice(start, start + num_new), apply_rope(k, cos, sin), v)

@@ -24,23 +24,24 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CONVERTED_MARKER = ".ragblend-complete"
 
 # Real architectures' shapes (random weights): TTFT at production size where no weights can be had.
-# The vocabulary is the embedded tokenizer's so real prompts can be fed.
+# Each keeps its real vocabulary; where the embedded tokenizer is installed, the vocabulary grows to
+# cover it too (so real prompts can be fed), else the model has no tokenizer and callers feed ids.
 RANDOM_SHAPES: dict[str, dict] = {
     "tiny-llama": dict(
-        model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
     ),
     "llama-7b": dict(
-        model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096, rope_theta=10000.0,
     ),
     "mistral-7b": dict(
-        model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        model_type="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768, rope_theta=1e6,
         sliding_window=None,
     ),
     "llama-3-8b": dict(
-        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
         rope_theta=500000.0,
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -143,14 +144,26 @@ def _load_random(spec: str, cache_dir: Path, device: torch.device, dtype: torch.
     shape = dict(RANDOM_SHAPES[shape_name])
     if layers:
         shape["num_hidden_layers"] = int(layers)
-    tokenizer = AutoTokenizer.from_pretrained(converted_gguf_dir(embedded_gguf_path(), cache_dir))
+    tokenizer = _embedded_tokenizer(cache_dir)
+    if tokenizer is not None:
+        shape.update(vocab_size=max(shape["vocab_size"], len(tokenizer)), bos_token_id=tokenizer.bos_token_id,
+                     eos_token_id=tokenizer.eos_token_id)
     model_type = shape.pop("model_type")
-    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                                  eos_token_id=tokenizer.eos_token_id, **shape)
+    config = AutoConfig.for_model(model_type, **shape)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     return LoadedModel(model, tokenizer, identity=f"random:{spec}:seed0", is_random=True)
+
+
+def _embedded_tokenizer(cache_dir: Path):
+    """The embedded SmolLM2 tokenizer, or None where its package is not installed (a bare GPU host)."""
+    try:
+        gguf = embedded_gguf_path()
+    except FileNotFoundError:
+        log.info("%s not installed: random-weight model without a tokenizer (feed token ids)", EMBEDDED_PACKAGE)
+        return None
+    return AutoTokenizer.from_pretrained(converted_gguf_dir(gguf, cache_dir))
 
 
 def _dir_digest(directory: Path) -> str:

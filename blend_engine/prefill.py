@@ -43,11 +43,11 @@ def run_prefill(runner: ModelRunner, plan: PrefillPlan, blend: BlendConfig, sour
     timer = StageTimer(device, is_profiled)
     if plan.cached_pos and source is None:
         raise ValueError("segments carry caches but no KV source was given")
-    cache = KVCache(runner.num_layers, runner.num_kv_heads, runner.head_dim, num_tokens + max_new_tokens,
-                    device, runner.dtype)
+    capacity = -(-(num_tokens + max_new_tokens) // 16) * 16  # aligned rows for the decode step's masked attention
+    cache = KVCache(runner.num_layers, runner.num_kv_heads, runner.head_dim, capacity, device, runner.dtype)
     cache.extend(num_tokens)
     rope = RopeTable(*runner.rope(torch.arange(num_tokens, device=device)))  # [N, D] each
-    ctx = ActiveContext(plan, rope, backend, runner.num_heads // runner.num_kv_heads, device)
+    ctx = ActiveContext(plan, rope, backend, runner.num_heads // runner.num_kv_heads, device, runner.dtype)
     is_whole = isinstance(source, WholeKVSource)
     if plan.cached_pos and is_whole:
         with timer.stage("rope"):

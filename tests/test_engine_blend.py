@@ -7,7 +7,7 @@ from blend_engine.attention import AttentionBackend, attend, causal_mask, subset
 from blend_engine.runner import ModelRunner
 from blend_engine.selector import select_top, token_deviation
 from blend_engine.types import BlendConfig, DeviationKind, PrefillMode, Segment
-from engine_models import MODEL_BUILDERS, build_engine, random_ids
+from engine_models import cpu_exact, tol, MODEL_BUILDERS, build_engine, random_ids
 
 FAMILIES = list(MODEL_BUILDERS)
 
@@ -26,9 +26,9 @@ def rag_prompt(engine, num_chunks=3, chunk_len=20, seed=10):
 
 def assert_same_prefill(a, b, atol=1e-4):
     n = len(a.token_ids)
-    torch.testing.assert_close(a.logits, b.logits, atol=atol, rtol=0)
-    torch.testing.assert_close(a.cache.keys[:, :, :n], b.cache.keys[:, :, :n], atol=atol, rtol=0)
-    torch.testing.assert_close(a.cache.values[:, :, :n], b.cache.values[:, :, :n], atol=atol, rtol=0)
+    torch.testing.assert_close(a.logits, b.logits, **tol(atol))
+    torch.testing.assert_close(a.cache.keys[:, :, :n], b.cache.keys[:, :, :n], **tol(atol))
+    torch.testing.assert_close(a.cache.values[:, :, :n], b.cache.values[:, :, :n], **tol(atol))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -66,6 +66,7 @@ def test_prefix_mode_stops_at_first_inexact_cache():
     assert engine.prefill(exact, PrefillMode.PREFIX).stats.num_reused_tokens == len(a) + len(b)
 
 
+@cpu_exact
 @pytest.mark.parametrize("deviation", list(DeviationKind))
 @pytest.mark.parametrize("ratio", [0.0, 0.1, 0.3])
 def test_selector_picks_exactly_top_ratio_by_deviation(deviation, ratio):
@@ -86,7 +87,7 @@ def test_selector_picks_exactly_top_ratio_by_deviation(deviation, ratio):
             stored_v.append(seg.kv.values[check])
         pos += len(seg.token_ids)
     full_k, full_v = full.cache.layer(check)
-    cos, sin = engine.runner.rope(torch.tensor(cached_pos))
+    cos, sin = engine.runner.rope(torch.tensor(cached_pos, device=engine.device))
     from blend_engine.runner import apply_rope
     if deviation == DeviationKind.KEY:
         fresh, stored = full_k[:, cached_pos], apply_rope(torch.cat(stored_k, 1), cos, sin)
@@ -136,7 +137,7 @@ def test_attention_mask_matches_brute_force_reference(num_queries, backend):
         for h in range(heads):
             scores = (k[h // group, : p + 1] @ q[h, i]) * runner.scaling  # keys 0..p only
             ref = torch.softmax(scores, 0) @ v[h // group, : p + 1]
-            torch.testing.assert_close(out[i, h], ref, atol=1e-5, rtol=0)
+            torch.testing.assert_close(out[i, h], ref, **tol(1e-5))
     mask = causal_mask(query_pos, num_keys)
     assert mask.sum(1).tolist() == [p + 1 for p in query_pos.tolist()]
 
@@ -154,5 +155,5 @@ def test_recomputed_tokens_never_see_later_positions():
                          PrefillMode.BLEND, config)
     n = len(head.token_ids) + len(a)
     assert any(p < n for p in one.stats.selected_positions)
-    torch.testing.assert_close(one.cache.keys[:, :, :n], two.cache.keys[:, :, :n], atol=1e-6, rtol=0)
-    torch.testing.assert_close(one.cache.values[:, :, :n], two.cache.values[:, :, :n], atol=1e-6, rtol=0)
+    torch.testing.assert_close(one.cache.keys[:, :, :n], two.cache.keys[:, :, :n], **tol(1e-6))
+    torch.testing.assert_close(one.cache.values[:, :, :n], two.cache.values[:, :, :n], **tol(1e-6))

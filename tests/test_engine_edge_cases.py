@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from blend_engine.types import BlendConfig, PrefillMode, Segment
-from engine_models import build_engine, random_ids
+from engine_models import cpu_exact, tol, build_engine, random_ids
 
 ALL = BlendConfig(recompute_ratio=1.0)
 
@@ -16,7 +16,7 @@ def check_all_modes(engine, segments):
         assert torch.isfinite(result.logits).all()
         assert result.cache.length == len(full.token_ids)
     blend = engine.prefill(segments, PrefillMode.BLEND, ALL)
-    torch.testing.assert_close(blend.logits, full.logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(blend.logits, full.logits, **tol(1e-4))
     return full
 
 

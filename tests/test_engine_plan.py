@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from blend_engine.attention import AttentionBackend
 from blend_engine.engine import BlendEngine
 from blend_engine.types import BlendConfig, DeviationKind, PrefillMode, Segment
-from engine_models import MODEL_BUILDERS, build_engine, random_ids
+from engine_models import cpu_exact, tol, MODEL_BUILDERS, build_engine, random_ids
 from host_reads import HostReadCounter
 from test_engine_blend import assert_same_prefill, rag_prompt
 
@@ -31,6 +31,7 @@ def golden_prompt(engine, seed=7):
     return segments
 
 
+@cpu_exact
 @pytest.mark.parametrize("backend", list(AttentionBackend))
 @pytest.mark.parametrize("family", list(MODEL_BUILDERS))
 def test_selected_positions_match_the_engine_before_reshaping(family, backend):
@@ -122,7 +123,7 @@ def test_decoder_steps_equal_forward_tokens(family):
     reference = engine.forward_tokens(result, tokens)  # [6, vocab], one multi-token pass
     decoder = engine.decoder(result, is_graphed=False)
     eager = torch.stack([decoder.step(t) for t in tokens])
-    torch.testing.assert_close(eager, reference, atol=1e-4, rtol=0)
+    torch.testing.assert_close(eager, reference, **tol(1e-4))
     # the CUDA graph's static-shape step (whole capacity, mask from a device position), run eagerly
     decoder = engine.decoder(result, is_graphed=False)
     static = []
@@ -132,7 +133,7 @@ def test_decoder_steps_equal_forward_tokens(family):
         decoder._token.fill_(t)
         with torch.inference_mode():
             static.append(decoder.static_step())
-    torch.testing.assert_close(torch.stack(static), reference, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.stack(static), reference, **tol(1e-4))
 
 
 def test_decoder_grows_its_rope_table_with_the_cache():
@@ -142,5 +143,21 @@ def test_decoder_grows_its_rope_table_with_the_cache():
     decoder = engine.decoder(result, is_graphed=False)
     steps = torch.stack([decoder.step(t) for t in ids[20:]])
     with torch.no_grad():
-        reference = engine.model(torch.tensor([ids])).logits[0, 20:]
-    torch.testing.assert_close(steps, reference, atol=1e-4, rtol=0)
+        reference = engine.model(torch.tensor([ids], device=engine.device)).logits[0, 20:]
+    torch.testing.assert_close(steps, reference, **tol(1e-4))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA graph decode needs a CUDA device")
+def test_cuda_graph_decode_equals_eager():
+    engine = build_engine("llama-gqa")
+    if engine.device.type != "cuda":
+        engine.model.to("cuda", dtype=torch.bfloat16)
+        engine = type(engine).from_model(engine.model, name="llama-gqa-cuda")
+    segments = rag_prompt(engine)
+    result = engine.prefill(segments, PrefillMode.BLEND, max_new_tokens=8)
+    tokens = random_ids(6, 77)
+    eager_decoder = engine.decoder(result, is_graphed=False)
+    eager = torch.stack([eager_decoder.step(t) for t in tokens])
+    graphed_decoder = engine.decoder(result, is_graphed=True)
+    graphed = torch.stack([graphed_decoder.step(t) for t in tokens])
+    torch.testing.assert_close(graphed, eager, atol=5e-2, rtol=2e-2)
