@@ -23,7 +23,7 @@ from bench.musique import Question, load_questions
 from bench.synthetic import synthetic_prompt
 from blend_engine.engine import BlendEngine
 from blend_engine.types import BlendConfig, PrefillMode, PrefillResult, Segment
-from configs import DeviationKind, SinkMode, load_settings
+from configs import DeviationKind, SelectionKind, SinkMode, load_settings
 
 DEFAULT_DATA = "../shared/data/musique_dev.json"
 
@@ -71,6 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sink", default=None, choices=[s.value for s in SinkMode])
     parser.add_argument("--check-layers", default=None, help="e.g. 1 or 1,2,3 (gradual filtering)")
     parser.add_argument("--deviation", default=None, choices=[d.value for d in DeviationKind])
+    parser.add_argument("--selections", action="store_true",
+                        help="add a row per selection strategy at r=0.15 (deviation, chunk_start, query, ...)")
     parser.add_argument("--answer-tokens", type=int, default=32, help="max tokens of the reference answer")
     parser.add_argument("--sweep", action="store_true",
                         help="add ablation rows at r=0.15: K vs V deviation, check layers, gradual filtering, sinks")
@@ -90,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
     variants = main_variants(engine.blend, settings.blend.sink, _ratios(args.ratios))
     if args.sweep:
         variants += sweep_variants(engine.blend, settings.blend.sink)
+    if args.selections:
+        variants += selection_variants(engine.blend, settings.blend.sink)
     is_quality = not engine.is_random
     runs = Runs()
     _warm_up(engine, questions[0], variants)
@@ -149,6 +153,18 @@ def sweep_variants(blend: BlendConfig, sink: SinkMode) -> list[Variant]:
         if other != sink:
             out.append(Variant(f"reuse sink={other.value}", PrefillMode.REUSE, other))
             out.append(Variant(f"blend@0.15 sink={other.value}", PrefillMode.BLEND, other, base))
+    return out
+
+
+def selection_variants(blend: BlendConfig, sink: SinkMode) -> list[Variant]:
+    """Every selection strategy at r=0.15 (chunk starts: 8 and 32 tokens per chunk)."""
+    base = _with(blend, recompute_ratio=0.15)
+    out = []
+    for kind in SelectionKind:
+        for num_start in ((8, 32) if kind.is_forcing_chunk_starts else (0,)):
+            label = f"blend@0.15 sel={kind.value}" + (f" k={num_start}" if num_start else "")
+            config = _with(base, selection=kind, chunk_start_tokens=num_start or base.chunk_start_tokens)
+            out.append(Variant(label, PrefillMode.BLEND, sink, config))
     return out
 
 

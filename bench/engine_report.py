@@ -25,6 +25,8 @@ def summarize(runs, variants, args, engine, is_quality: bool) -> dict:
             "recompute_ratio": v.blend.recompute_ratio if v.blend else None,
             "check_layers": list(v.blend.check_layers) if v.blend else None,
             "deviation": v.blend.deviation.value if v.blend else None,
+            "selection": v.blend.selection.value if v.blend else None,
+            "chunk_start_tokens": v.blend.chunk_start_tokens if v.blend else None,
             "sink": v.sink.value,
             "median_ttft_ms": ttft,
             "speedup_vs_full": full_ttft / ttft if ttft else None,
@@ -54,12 +56,13 @@ def print_table(summary: dict) -> None:
     print(f"\nmodel {summary['model']} on {summary['device']} ({summary['dtype']}), "
           f"{summary['questions']} questions x {summary['passages']} passages, "
           f"median prompt {summary['median_prompt_tokens']} tokens")
-    header = f"{'variant':<28}{'TTFT ms':>9}{'speedup':>9}{'recomp':>8}{'1st tok':>8}{'TF agr':>8}" \
+    width = max(28, *(len(label) + 1 for label in summary["results"]))
+    header = f"{'variant':<{width}}{'TTFT ms':>9}{'speedup':>9}{'recomp':>8}{'1st tok':>8}{'TF agr':>8}" \
              f"{'TF KL':>8}{'KL/reuse':>9}{'F1 full':>8}{'F1 gold':>8}"
     print(header)
     print("-" * len(header))
     for label, row in summary["results"].items():
-        print(f"{label:<28}{_f(row['median_ttft_ms'], 0):>9}{_f(row['speedup_vs_full'], 2):>9}"
+        print(f"{label:<{width}}{_f(row['median_ttft_ms'], 0):>9}{_f(row['speedup_vs_full'], 2):>9}"
               f"{_f(row['median_tokens_recomputed'], 0):>8}{_f(row['first_token_agreement'], 2):>8}"
               f"{_f(row['tf_agreement'], 3):>8}{_f(row['tf_kl_mean'], 3):>8}{_f(row['kl_vs_reuse'], 2):>9}"
               f"{_f(row['f1_vs_full'], 2):>8}{_f(row['f1_vs_gold'], 2):>8}")

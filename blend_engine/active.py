@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from blend_engine.attention import AttentionBackend, AttentionMeta, causal_meta, subset_meta
+from blend_engine.attention import AttentionBackend, AttentionMeta, additive_causal_mask, causal_meta, subset_meta
 from blend_engine.kv import KVCache
 from blend_engine.plan import PrefillPlan
-from blend_engine.selector import select_top, token_deviation
-from blend_engine.types import DeviationKind
+from blend_engine.runner import apply_rope
+from blend_engine.selector import query_mass, select_top, token_deviation
+from blend_engine.types import BlendConfig, DeviationKind, SelectionKind
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,24 @@ class ActiveContext:
     num_query_groups: int  # query heads per KV head
     device: torch.device
     dtype: torch.dtype  # the attention's (for additive masks)
+    selection: SelectionKind
+    deviation: DeviationKind
+    scale: float  # the model's attention scaling
+    cached_pos: torch.Tensor  # [M] plan.cached_pos on the device
+    is_forced: torch.Tensor  # [M] bool: always recomputed (chunk starts)
+    query_mask: torch.Tensor | None  # [G*S, N] additive causal mask of the question's tokens (query selection)
+
+
+def active_context(plan: PrefillPlan, rope: RopeTable, backend: AttentionBackend, num_query_groups: int,
+                   device: torch.device, dtype: torch.dtype, blend: BlendConfig, scale: float) -> ActiveContext:
+    is_forced = torch.zeros(plan.num_cached, dtype=torch.bool, device=device)
+    is_forced[list(plan.forced_cached_idx)] = True
+    query_mask = None
+    if blend.selection.is_query and plan.check_layers:
+        query_mask = additive_causal_mask(_tensor(plan.query_pos, device), plan.num_tokens, num_query_groups,
+                                          torch.float32)
+    return ActiveContext(plan, rope, backend, num_query_groups, device, dtype, blend.selection, blend.deviation,
+                         scale, _tensor(plan.cached_pos, device), is_forced, query_mask)
 
 
 def initial_active(ctx: ActiveContext) -> ActiveSet:
@@ -67,24 +86,53 @@ def initial_active(ctx: ActiveContext) -> ActiveSet:
     return ActiveSet(pos, rows, rows[:0], ctx.rope.cos[pos], ctx.rope.sin[pos], meta, pos)
 
 
-def check_step(ctx: ActiveContext, active: ActiveSet, check_idx: int, layer: int, deviation: DeviationKind,
-               k: torch.Tensor, v: torch.Tensor, cache: KVCache) -> tuple[ActiveSet, torch.Tensor]:
-    """Keep every fresh token plus the cached ones whose fresh K or V deviates most from the reused.
+def candidate_deviation(ctx: ActiveContext, active: ActiveSet, layer: int, k: torch.Tensor, v: torch.Tensor,
+                        cache: KVCache) -> torch.Tensor | None:
+    """[C] fresh-vs-reused distance of the candidates, None when the selection does not use it.
 
-    k (rotated), v [H_kv, A, D]: this layer's fresh K/V for `active`; the cache holds the reused
-    (rotated) K/V at the candidates' slots, not yet overwritten. Returns the new set and the rows of
-    `active` it keeps (ascending), to cut the queries and hidden states with.
+    k (rotated), v [H_kv, A, D]: this layer's fresh K/V for `active`; call before they overwrite the
+    reused (rotated) K/V the cache holds at the candidates' slots.
+    """
+    if not ctx.selection.is_deviation:
+        return None
+    cand_pos = active.pos[active.cand_rows]  # [C]
+    fresh, stored = (k, cache.keys) if ctx.deviation == DeviationKind.KEY else (v, cache.values)
+    return token_deviation(fresh[:, active.cand_rows], stored[layer][:, cand_pos])
+
+
+def check_step(ctx: ActiveContext, active: ActiveSet, check_idx: int, layer: int, deviation: torch.Tensor | None,
+               q: torch.Tensor, cache: KVCache) -> tuple[ActiveSet, torch.Tensor]:
+    """Keep every fresh token plus the best-ranked cached ones (by `ctx.selection`).
+
+    q [H, A, D] (pre-RoPE): this layer's queries for `active`; the cache holds this layer's fused K
+    (fresh for `active`, reused elsewhere). Returns the new set and the rows of `active` it keeps
+    (ascending), to cut the queries and hidden states with.
     """
     cand_pos = active.pos[active.cand_rows]  # [C]
-    fresh, stored = (k, cache.keys) if deviation == DeviationKind.KEY else (v, cache.values)
-    dev = token_deviation(fresh[:, active.cand_rows], stored[layer][:, cand_pos])  # [C]
-    kept_rows = active.cand_rows[select_top(dev, ctx.plan.num_keep[check_idx])]  # [K] ascending
+    score = _score(ctx, active, deviation, q, cache.keys[layer], cand_pos)  # [C]
+    kept_rows = active.cand_rows[select_top(score, ctx.plan.num_keep[check_idx])]  # [K] ascending
     rows = torch.cat([active.fresh_rows, kept_rows]).sort().values  # [F+K]; ascending rows = ascending positions
     pos = active.pos[rows]
     meta = subset_meta(pos, ctx.plan.num_tokens, ctx.backend, ctx.num_query_groups, dtype=ctx.dtype)
     new = ActiveSet(pos, torch.searchsorted(rows, active.fresh_rows), torch.searchsorted(rows, kept_rows),
                     active.cos[rows], active.sin[rows], meta, pos)
     return new, rows
+
+
+def _score(ctx: ActiveContext, active: ActiveSet, deviation: torch.Tensor | None, q: torch.Tensor,
+           keys: torch.Tensor, cand_pos: torch.Tensor) -> torch.Tensor:
+    """[C] ranking score of the candidates (all >= 0); chunk starts ranked above every other."""
+    if ctx.selection.is_query:
+        num_query = ctx.plan.num_query_tokens  # the question: always the last rows of an active set
+        q_last = apply_rope(q[:, -num_query:], active.cos[-num_query:], active.sin[-num_query:])
+        mass = query_mass(q_last, keys[:, : ctx.plan.num_tokens], ctx.query_mask, ctx.scale)[cand_pos]
+        score = mass * deviation if deviation is not None else mass
+    else:
+        score = deviation
+    if ctx.plan.forced_cached_idx and cand_pos.numel():
+        is_forced = ctx.is_forced[torch.searchsorted(ctx.cached_pos, cand_pos)]  # [C]
+        score = score + is_forced * (score.max() + 1)  # stays on the device: no read-back
+    return score
 
 
 def _tensor(values: tuple[int, ...], device: torch.device) -> torch.Tensor:

@@ -31,6 +31,12 @@ class PrefillPlan:
     check_layers: tuple[int, ...]  # blend's check layers (empty in other modes or with nothing cached)
     num_keep: tuple[int, ...]  # per check layer: cached tokens kept from there on
     first_reused_layer: int  # layers before it compute every token and read no reused KV
+    forced_cached_idx: tuple[int, ...]  # indices into cached_pos always recomputed (chunk starts), if asked
+    num_query_tokens: int  # the prompt's tail after the last cached chunk (the question): query-aware selection
+
+    @property
+    def query_pos(self) -> tuple[int, ...]:
+        return tuple(range(self.num_tokens - self.num_query_tokens, self.num_tokens))
 
     @property
     def num_tokens(self) -> int:
@@ -69,7 +75,17 @@ def plan_prefill(segments: list[Segment], mode: PrefillMode, blend: BlendConfig,
     # a later check can only keep a subset of what an earlier one kept
     keep = tuple(min(keep[: j + 1]) for j in range(len(keep)))
     first_reused = checks[0] if checks else (0 if cached else num_layers)
-    return PrefillPlan(tuple(token_ids), mode, tuple(used), tuple(spans), cached, fresh, checks, keep, first_reused)
+    forced = _chunk_starts(spans, cached, blend.chunk_start_tokens) if blend.selection.is_forcing_chunk_starts else ()
+    num_query = max(1, num_tokens - (spans[-1].end if spans else 0))
+    return PrefillPlan(tuple(token_ids), mode, tuple(used), tuple(spans), cached, fresh, checks, keep, first_reused,
+                       forced, num_query)
+
+
+def _chunk_starts(spans: list[CachedSpan], cached: tuple[int, ...], num_first: int) -> tuple[int, ...]:
+    """Indices into `cached` of each used chunk's first `num_first` tokens."""
+    index = {p: i for i, p in enumerate(cached)}
+    starts = (p for s in spans for p in range(s.start, min(s.end, s.start + num_first)))
+    return tuple(index[p] for p in starts if p in index)
 
 
 def _place(segments: list[Segment], mode: PrefillMode) -> tuple[list[int], list[bool], list[CachedSpan]]:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from blend_engine.active import ActiveContext, ActiveSet, RopeTable, check_step, initial_active
+from blend_engine.active import (ActiveContext, ActiveSet, RopeTable, active_context, candidate_deviation, check_step,
+                                 initial_active)
 from blend_engine.attention import AttentionBackend, attend, last_meta
 from blend_engine.kv import KVCache, LayerKVSource, WholeKVSource
 from blend_engine.layout import layout_all, layout_layer
@@ -47,7 +48,8 @@ def run_prefill(runner: ModelRunner, plan: PrefillPlan, blend: BlendConfig, sour
     cache = KVCache(runner.num_layers, runner.num_kv_heads, runner.head_dim, capacity, device, runner.dtype)
     cache.extend(num_tokens)
     rope = RopeTable(*runner.rope(torch.arange(num_tokens, device=device)))  # [N, D] each
-    ctx = ActiveContext(plan, rope, backend, runner.num_heads // runner.num_kv_heads, device, runner.dtype)
+    ctx = active_context(plan, rope, backend, runner.num_heads // runner.num_kv_heads, device, runner.dtype, blend,
+                         runner.scaling)
     is_whole = isinstance(source, WholeKVSource)
     if plan.cached_pos and is_whole:
         with timer.stage("rope"):
@@ -86,14 +88,18 @@ def _layer_step(runner: ModelRunner, ctx: ActiveContext, blend: BlendConfig, cac
     with timer.stage("compute"):
         q, k, v = runner.qkv(layer, state.hidden)  # [H, A, D], [H_kv, A, D] x2; q, k before RoPE
         k = apply_rope(k, active.cos, active.sin)
-    rows = None
-    if layer in plan.check_layers:
+    is_check = layer in plan.check_layers
+    if is_check:
         with timer.stage("select"):
-            check_idx = plan.check_layers.index(layer)
-            new, rows = check_step(ctx, active, check_idx, layer, blend.deviation, k, v, cache)
+            deviation = candidate_deviation(ctx, active, layer, k, v, cache)  # before the reused K/V go
+    with timer.stage("compute"):
+        cache.update(layer, active.slots, k, v)
+    rows = None
+    if is_check:
+        with timer.stage("select"):
+            new, rows = check_step(ctx, active, plan.check_layers.index(layer), layer, deviation, q, cache)
             state.selected = new.pos[new.cand_rows]
     with timer.stage("compute"):
-        cache.update(layer, active.slots, k, v)  # the check above still saw the reused K/V there
         hidden = state.hidden
         if rows is not None:
             q, hidden, active = q[:, rows], hidden[rows], new

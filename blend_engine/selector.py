@@ -19,3 +19,16 @@ def select_top(deviation: torch.Tensor, num_keep: int) -> torch.Tensor:
     if num_keep <= 0:
         return torch.empty(0, dtype=torch.long, device=deviation.device)
     return torch.topk(deviation, num_keep, sorted=False).indices.sort().values
+
+
+def query_mass(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention mass each key receives from the question's tokens, summed over heads and tokens.
+
+    q [H, S, D] (rotated) over keys [H_kv, N, D]; mask [G*S, N] additive (0 / -inf), the query heads
+    of each KV head folded into rows as in the masked attention. Returns [N] (float32).
+    """
+    num_heads, num_query, head_dim = q.shape
+    num_kv_heads = keys.shape[0]
+    folded = q.float().reshape(num_kv_heads, num_heads // num_kv_heads * num_query, head_dim)
+    scores = folded @ keys.float().transpose(1, 2) * scale + mask  # [H_kv, G*S, N]
+    return torch.softmax(scores, dim=-1).sum(dim=(0, 1))

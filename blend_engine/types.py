@@ -8,7 +8,7 @@ from enum import Enum
 import torch
 
 from blend_engine.kv import CachedChunk, KVCache
-from configs.settings import BlendSettings, DeviationKind, PrefillMode
+from configs.settings import BlendSettings, DeviationKind, PrefillMode, SelectionKind
 
 __all__ = [
     "BlendConfig",
@@ -20,6 +20,7 @@ __all__ = [
     "PrefillStats",
     "SamplingParams",
     "Segment",
+    "SelectionKind",
 ]
 
 
@@ -31,8 +32,12 @@ class BlendConfig:
     check_layers: tuple[int, ...] = (1,)  # where deviation is measured; several = gradual filtering
     filter_growth: float = 2.0  # check j of n keeps ratio * growth**(n-1-j) (capped at 1)
     deviation: DeviationKind = DeviationKind.VALUE
+    selection: SelectionKind = SelectionKind.DEVIATION
+    chunk_start_tokens: int = 8  # chunk_start selections: each chunk's first tokens, always
 
     def __post_init__(self) -> None:
+        if self.chunk_start_tokens < 0:
+            raise ValueError("chunk_start_tokens must be >= 0")
         if not 0.0 <= self.recompute_ratio <= 1.0:
             raise ValueError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio}")
         if not self.check_layers or list(self.check_layers) != sorted(set(self.check_layers)):
@@ -49,6 +54,8 @@ class BlendConfig:
             check_layers=tuple(settings.check_layers),
             filter_growth=settings.filter_growth,
             deviation=settings.deviation,
+            selection=settings.selection,
+            chunk_start_tokens=settings.chunk_start_tokens,
         )
 
     def ratio_at_check(self, check_idx: int) -> float:

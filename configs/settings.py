@@ -38,6 +38,28 @@ class DeviationKind(str, Enum):
     VALUE = "value"
 
 
+class SelectionKind(str, Enum):
+    """How blend mode ranks the cached tokens it recomputes (same budget: a ratio of reused tokens)."""
+
+    DEVIATION = "deviation"  # CacheBlend: fresh-vs-reused K or V distance at the check layer
+    CHUNK_START = "chunk_start"  # each chunk's first tokens always (EPIC's sink fix), the rest by deviation
+    QUERY = "query"  # attention mass the question's tokens give each cached token at the check layer
+    QUERY_DEVIATION = "query_deviation"  # that mass times the deviation
+    QUERY_CHUNK_START = "query_chunk_start"  # each chunk's first tokens always, the rest by query mass
+
+    @property
+    def is_forcing_chunk_starts(self) -> bool:
+        return self in (SelectionKind.CHUNK_START, SelectionKind.QUERY_CHUNK_START)
+
+    @property
+    def is_query(self) -> bool:
+        return self in (SelectionKind.QUERY, SelectionKind.QUERY_DEVIATION, SelectionKind.QUERY_CHUNK_START)
+
+    @property
+    def is_deviation(self) -> bool:
+        return self in (SelectionKind.DEVIATION, SelectionKind.CHUNK_START, SelectionKind.QUERY_DEVIATION)
+
+
 class SinkMode(str, Enum):
     """What a chunk is computed behind at precompute (its KV is dropped afterwards)."""
 
@@ -84,6 +106,12 @@ class BlendSettings(BaseModel):
         2.0, ge=1.0, description="With several check layers, each earlier check keeps this many times more tokens."
     )
     deviation: DeviationKind = Field(DeviationKind.VALUE, description="Select tokens by K or V deviation.")
+    selection: SelectionKind = Field(
+        SelectionKind.DEVIATION, description="How cached tokens are ranked for recompute (README: measured)."
+    )
+    chunk_start_tokens: int = Field(
+        8, ge=0, le=256, description="chunk_start selections: each chunk's first tokens always recomputed."
+    )
     sink: SinkMode = Field(
         SinkMode.PREFIX, description="What a chunk is computed behind at precompute (measured: README)."
     )

@@ -18,13 +18,16 @@ def test_bench_engine_prints_table_then_json(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     engine_bench.add_arguments(parser)
     args = parser.parse_args(["--data", str(data), "--questions", "2", "--passages", "3", "--ratios", "0.1,0.5",
-                              "--model", "random:tiny-llama", "--sweep", "--out", str(tmp_path / "out.json")])
+                              "--model", "random:tiny-llama", "--sweep", "--selections",
+                              "--out", str(tmp_path / "out.json")])
     assert engine_bench.run(args) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(lines[-1])
     assert json.loads((tmp_path / "out.json").read_text()) == summary
     rows = summary["results"]
-    assert {"full", "prefix", "reuse", "blend@0.10", "blend@0.50", "blend@0.15 K check=1,2,3"} <= set(rows)
+    assert {"full", "prefix", "reuse", "blend@0.10", "blend@0.50", "blend@0.15 K check=1,2,3",
+            "blend@0.15 sel=query", "blend@0.15 sel=chunk_start k=32"} <= set(rows)
+    assert rows["blend@0.15 sel=query_chunk_start k=8"]["selection"] == "query_chunk_start"
     assert rows["full"]["speedup_vs_full"] == 1.0
     assert rows["reuse"]["median_tokens_recomputed"] < rows["blend@0.50"]["median_tokens_recomputed"]
     assert not summary["is_quality_meaningful"] and rows["reuse"]["tf_kl_mean"] is None  # random weights

@@ -1,0 +1,74 @@
+"""Selection strategies behind `BlendConfig.selection`: exact at ratio 1, the same budget as
+deviation, chunk starts always kept, and query-aware ranking against a brute-force reference
+(Hugging Face's own attention probabilities at the check layer)."""
+
+import pytest
+import torch
+
+from blend_engine.types import BlendConfig, PrefillMode, SelectionKind
+from engine_models import MODEL_BUILDERS, build_engine, cpu_exact
+from test_engine_blend import assert_same_prefill, rag_prompt
+
+
+def cached_positions(segments) -> list[int]:
+    out, pos = [], 0
+    for seg in segments:
+        if seg.kv is not None:
+            out += range(pos, pos + len(seg.token_ids))
+        pos += len(seg.token_ids)
+    return out
+
+
+@pytest.mark.parametrize("selection", list(SelectionKind))
+@pytest.mark.parametrize("family", list(MODEL_BUILDERS))
+def test_every_selection_at_ratio_one_equals_full(family, selection):
+    engine = build_engine(family)
+    segments = rag_prompt(engine)
+    full = engine.prefill(segments, PrefillMode.FULL)
+    blend = engine.prefill(segments, PrefillMode.BLEND, BlendConfig(recompute_ratio=1.0, selection=selection))
+    assert_same_prefill(blend, full)
+
+
+@pytest.mark.parametrize("selection", list(SelectionKind))
+@pytest.mark.parametrize("check_layers", [(1,), (1, 2, 3)])
+def test_every_selection_spends_the_same_budget(selection, check_layers):
+    engine = build_engine("llama-gqa")
+    segments = rag_prompt(engine, chunk_len=40)
+    config = BlendConfig(recompute_ratio=0.2, selection=selection, check_layers=check_layers, chunk_start_tokens=3)
+    result = engine.prefill(segments, PrefillMode.BLEND, config)
+    cached = cached_positions(segments)
+    assert len(result.stats.selected_positions) == round(0.2 * len(cached))
+    assert set(result.stats.selected_positions) <= set(cached)
+    if selection.is_forcing_chunk_starts:  # each chunk's first 3 tokens, whatever their score
+        starts = {p for seg_start in _chunk_starts(segments) for p in range(seg_start, seg_start + 3)}
+        assert starts <= set(result.stats.selected_positions)
+
+
+def _chunk_starts(segments) -> list[int]:
+    out, pos = [], 0
+    for seg in segments:
+        if seg.kv is not None:
+            out.append(pos)
+        pos += len(seg.token_ids)
+    return out
+
+
+@cpu_exact
+@pytest.mark.parametrize("check", [1, 2])
+def test_query_selection_ranks_by_the_questions_attention_mass(check):
+    engine = build_engine("llama-gqa")
+    segments = rag_prompt(engine, chunk_len=25)
+    ratio = 0.2
+    result = engine.prefill(segments, PrefillMode.BLEND,
+                            BlendConfig(recompute_ratio=ratio, check_layers=(check,), selection=SelectionKind.QUERY))
+    # Brute force: before the check layer every token is recomputed, so HF's own attention
+    # probabilities at the check layer are the engine's; the question = the tokens after the last chunk.
+    ids = [t for seg in segments for t in seg.token_ids]
+    engine.model.set_attn_implementation("eager")
+    with torch.no_grad():
+        probs = engine.model(torch.tensor([ids]), output_attentions=True).attentions[check][0]  # [H, N, N]
+    num_question = len(segments[-1].token_ids)
+    mass = probs[:, -num_question:].sum(dim=(0, 1))  # [N]
+    cached = cached_positions(segments)
+    top = torch.topk(mass[cached], round(ratio * len(cached))).indices
+    assert result.stats.selected_positions == sorted(cached[i] for i in top.tolist())
