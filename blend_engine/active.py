@@ -52,8 +52,7 @@ class ActiveContext:
     num_query_groups: int  # query heads per KV head
     device: torch.device
     dtype: torch.dtype  # the attention's (for additive masks)
-    selection: SelectionKind
-    deviation: DeviationKind
+    blend: BlendConfig
     scale: float  # the model's attention scaling
     cached_pos: torch.Tensor  # [M] plan.cached_pos on the device
     is_forced: torch.Tensor  # [M] bool: always recomputed (chunk starts)
@@ -68,8 +67,8 @@ def active_context(plan: PrefillPlan, rope: RopeTable, backend: AttentionBackend
     if blend.selection.is_query and plan.check_layers:
         query_mask = additive_causal_mask(_tensor(plan.query_pos, device), plan.num_tokens, num_query_groups,
                                           torch.float32)
-    return ActiveContext(plan, rope, backend, num_query_groups, device, dtype, blend.selection, blend.deviation,
-                         scale, _tensor(plan.cached_pos, device), is_forced, query_mask)
+    return ActiveContext(plan, rope, backend, num_query_groups, device, dtype, blend, scale,
+                         _tensor(plan.cached_pos, device), is_forced, query_mask)
 
 
 def initial_active(ctx: ActiveContext) -> ActiveSet:
@@ -93,46 +92,80 @@ def candidate_deviation(ctx: ActiveContext, active: ActiveSet, layer: int, k: to
     k (rotated), v [H_kv, A, D]: this layer's fresh K/V for `active`; call before they overwrite the
     reused (rotated) K/V the cache holds at the candidates' slots.
     """
-    if not ctx.selection.is_deviation:
+    if not ctx.blend.selection.is_deviation:
         return None
     cand_pos = active.pos[active.cand_rows]  # [C]
-    fresh, stored = (k, cache.keys) if ctx.deviation == DeviationKind.KEY else (v, cache.values)
+    fresh, stored = (k, cache.keys) if ctx.blend.deviation == DeviationKind.KEY else (v, cache.values)
     return token_deviation(fresh[:, active.cand_rows], stored[layer][:, cand_pos])
 
 
 def check_step(ctx: ActiveContext, active: ActiveSet, check_idx: int, layer: int, deviation: torch.Tensor | None,
-               q: torch.Tensor, cache: KVCache) -> tuple[ActiveSet, torch.Tensor]:
+               q: torch.Tensor, cache: KVCache) -> CheckResult:
     """Keep every fresh token plus the best-ranked cached ones (by `ctx.selection`).
 
     q [H, A, D] (pre-RoPE): this layer's queries for `active`; the cache holds this layer's fused K
     (fresh for `active`, reused elsewhere). Returns the new set and the rows of `active` it keeps
-    (ascending), to cut the queries and hidden states with.
+    (ascending), to cut the queries and hidden states with. Nothing is read back to the host, unless
+    the config decides the ratio at the check (adaptive, guard): then one count, once per request.
     """
     cand_pos = active.pos[active.cand_rows]  # [C]
-    score = _score(ctx, active, deviation, q, cache.keys[layer], cand_pos)  # [C]
-    kept_rows = active.cand_rows[select_top(score, ctx.plan.num_keep[check_idx])]  # [K] ascending
+    raw, score = _score(ctx, active, deviation, q, cache.keys[layer], cand_pos)  # [C] each
+    num_keep, unselected, is_guarded = ctx.plan.num_keep[check_idx], None, False
+    if check_idx == 0:
+        num_keep, unselected, is_guarded = decide_keep(ctx, raw, num_keep)
+    kept_rows = active.cand_rows[select_top(score, num_keep)]  # [K] ascending
     rows = torch.cat([active.fresh_rows, kept_rows]).sort().values  # [F+K]; ascending rows = ascending positions
     pos = active.pos[rows]
     meta = subset_meta(pos, ctx.plan.num_tokens, ctx.backend, ctx.num_query_groups, dtype=ctx.dtype)
     new = ActiveSet(pos, torch.searchsorted(rows, active.fresh_rows), torch.searchsorted(rows, kept_rows),
                     active.cos[rows], active.sin[rows], meta, pos)
-    return new, rows
+    return CheckResult(new, rows, unselected, is_guarded)
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    active: ActiveSet  # the tokens computed from here on
+    rows: torch.Tensor  # [A'] rows of the previous set kept (ascending)
+    unselected_mass: torch.Tensor | None  # 0-d: share of the raw score left out (first check only)
+    is_guarded: bool  # the quality guard raised the kept count
+
+
+def decide_keep(ctx: ActiveContext, raw: torch.Tensor, num_keep: int) -> tuple[int, torch.Tensor, bool]:
+    """The first check's kept count: the plan's, or adaptive / guarded (one host read, only then).
+
+    Returns (kept count, share of the raw score left unselected [0-d, on the device], is_guarded).
+    """
+    num_cand = raw.shape[0]
+    if num_cand == 0:
+        return num_keep, raw.new_zeros(()), False
+    covered = raw.sort(descending=True).values.cumsum(0) / raw.sum().clamp_min(1e-30)  # [C] ascending
+    blend, is_guarded = ctx.blend, False
+    if blend.adaptive_mass is not None:
+        needed = int(torch.searchsorted(covered, covered.new_tensor(blend.adaptive_mass))) + 1
+        num_keep = min(max(needed, round(blend.min_ratio * num_cand)), round(blend.max_ratio * num_cand), num_cand)
+    if blend.guard_unselected_mass is not None and num_keep < num_cand:
+        left = 1.0 - float(covered[num_keep - 1]) if num_keep else 1.0
+        if left > blend.guard_unselected_mass:
+            num_keep, is_guarded = max(num_keep, min(round(blend.guard_ratio * num_cand), num_cand)), True
+    unselected = 1.0 - covered[num_keep - 1] if num_keep else covered.new_ones(())
+    return num_keep, unselected, is_guarded
 
 
 def _score(ctx: ActiveContext, active: ActiveSet, deviation: torch.Tensor | None, q: torch.Tensor,
-           keys: torch.Tensor, cand_pos: torch.Tensor) -> torch.Tensor:
-    """[C] ranking score of the candidates (all >= 0); chunk starts ranked above every other."""
-    if ctx.selection.is_query:
+           keys: torch.Tensor, cand_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[C] raw score of the candidates (all >= 0) and the ranking score (chunk starts above every other)."""
+    if ctx.blend.selection.is_query:
         num_query = ctx.plan.num_query_tokens  # the question: always the last rows of an active set
         q_last = apply_rope(q[:, -num_query:], active.cos[-num_query:], active.sin[-num_query:])
         mass = query_mass(q_last, keys[:, : ctx.plan.num_tokens], ctx.query_mask, ctx.scale)[cand_pos]
         score = mass * deviation if deviation is not None else mass
     else:
         score = deviation
+    raw = score
     if ctx.plan.forced_cached_idx and cand_pos.numel():
         is_forced = ctx.is_forced[torch.searchsorted(ctx.cached_pos, cand_pos)]  # [C]
         score = score + is_forced * (score.max() + 1)  # stays on the device: no read-back
-    return score
+    return raw, score
 
 
 def _tensor(values: tuple[int, ...], device: torch.device) -> torch.Tensor:

@@ -35,6 +35,8 @@ class _Loop:
     active: ActiveSet
     selected: torch.Tensor | None = None  # [K] cached positions kept at the last check so far
     kv_wait_ms: float = 0.0  # host time blocked on a streamed source
+    unselected_mass: torch.Tensor | None = None  # 0-d, from the first check
+    is_guarded: bool = False
 
 
 def run_prefill(runner: ModelRunner, plan: PrefillPlan, blend: BlendConfig, source: LayerKVSource | None,
@@ -64,10 +66,11 @@ def run_prefill(runner: ModelRunner, plan: PrefillPlan, blend: BlendConfig, sour
         _layer_step(runner, ctx, blend, cache, layer, state, timer)
     with timer.stage("compute"):
         logits = runner.logits(state.hidden[-1:])[0]  # [vocab]
-    selected = state.selected.tolist() if state.selected is not None else []  # the one read-back
+    selected, unselected = _read_back(state)
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # prefill_ms ends when the logits exist, not when they were queued
     stats = _stats(plan, blend, selected, timer, state.kv_wait_ms, t_start)
+    stats.unselected_mass, stats.is_guarded = unselected, state.is_guarded
     return PrefillResult(token_ids=list(plan.token_ids), cache=cache, logits=logits, stats=stats)
 
 
@@ -97,8 +100,11 @@ def _layer_step(runner: ModelRunner, ctx: ActiveContext, blend: BlendConfig, cac
     rows = None
     if is_check:
         with timer.stage("select"):
-            new, rows = check_step(ctx, active, plan.check_layers.index(layer), layer, deviation, q, cache)
+            check = check_step(ctx, active, plan.check_layers.index(layer), layer, deviation, q, cache)
+            new, rows = check.active, check.rows
             state.selected = new.pos[new.cand_rows]
+            if check.unselected_mass is not None:
+                state.unselected_mass, state.is_guarded = check.unselected_mass, check.is_guarded
     with timer.stage("compute"):
         hidden = state.hidden
         if rows is not None:
@@ -127,7 +133,23 @@ def _stats(plan: PrefillPlan, blend: BlendConfig, selected: list[int], timer: St
         select_ms=totals.get("select", 0.0),
         compute_ms=totals.get("compute", 0.0),
         prefill_ms=host_ms(t_start),
-        recompute_ratio=blend.recompute_ratio if plan.check_layers else None,
+        recompute_ratio=_ratio_used(plan, blend, len(selected)),
         selected_positions=selected,
         is_timing_exact=timer.is_exact,
     )
+
+
+def _read_back(state: _Loop) -> tuple[list[int], float | None]:
+    """The selection and the guard's signal, in one device-to-host read (float64 holds positions exactly)."""
+    if state.selected is None:
+        return [], None
+    values = torch.cat([state.selected.double(), state.unselected_mass.double().reshape(1)]).tolist()
+    return [int(p) for p in values[:-1]], values[-1]
+
+
+def _ratio_used(plan: PrefillPlan, blend: BlendConfig, num_selected: int) -> float | None:
+    if not plan.check_layers:
+        return None
+    if blend.is_ratio_decided_at_check:
+        return num_selected / plan.num_cached
+    return blend.recompute_ratio

@@ -34,10 +34,27 @@ class BlendConfig:
     deviation: DeviationKind = DeviationKind.VALUE
     selection: SelectionKind = SelectionKind.DEVIATION
     chunk_start_tokens: int = 8  # chunk_start selections: each chunk's first tokens, always
+    # Adaptive ratio: recompute the fewest top-ranked tokens covering this share of the candidates'
+    # total score, within [min_ratio, max_ratio]; `recompute_ratio` is then unused.
+    adaptive_mass: float | None = None
+    min_ratio: float = 0.05
+    max_ratio: float = 0.5
+    # Quality guard: when the tokens left unselected hold more than this share of the score, the
+    # request is risky and its ratio is raised to `guard_ratio`.
+    guard_unselected_mass: float | None = None
+    guard_ratio: float = 0.5
 
     def __post_init__(self) -> None:
         if self.chunk_start_tokens < 0:
             raise ValueError("chunk_start_tokens must be >= 0")
+        for name in ("adaptive_mass", "guard_unselected_mass", "min_ratio", "max_ratio", "guard_ratio"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value}")
+        if self.min_ratio > self.max_ratio:
+            raise ValueError("min_ratio must be <= max_ratio")
+        if self.is_ratio_decided_at_check and len(self.check_layers) > 1:
+            raise ValueError("an adaptive ratio or a quality guard needs exactly one check layer")
         if not 0.0 <= self.recompute_ratio <= 1.0:
             raise ValueError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio}")
         if not self.check_layers or list(self.check_layers) != sorted(set(self.check_layers)):
@@ -57,6 +74,11 @@ class BlendConfig:
             selection=settings.selection,
             chunk_start_tokens=settings.chunk_start_tokens,
         )
+
+    @property
+    def is_ratio_decided_at_check(self) -> bool:
+        """The kept count is read back at the check layer (one host read per request)."""
+        return self.adaptive_mass is not None or self.guard_unselected_mass is not None
 
     def ratio_at_check(self, check_idx: int) -> float:
         """Share of reused tokens kept at the `check_idx`-th check layer."""
@@ -91,6 +113,8 @@ class PrefillStats:
     recompute_ratio: float | None = None  # the ratio used (blend), e.g. chosen by a loading controller
     selected_positions: list[int] = field(default_factory=list)  # cached-token positions recomputed (blend)
     is_timing_exact: bool = True  # stage splits measured (CPU always; CUDA only when profiled)
+    unselected_mass: float | None = None  # share of the ranking score left unselected at the first check (blend)
+    is_guarded: bool = False  # the quality guard raised the ratio
 
 
 @dataclass

@@ -72,3 +72,40 @@ def test_query_selection_ranks_by_the_questions_attention_mass(check):
     cached = cached_positions(segments)
     top = torch.topk(mass[cached], round(ratio * len(cached))).indices
     assert result.stats.selected_positions == sorted(cached[i] for i in top.tolist())
+
+
+def test_adaptive_ratio_covers_its_share_of_the_score():
+    engine = build_engine("llama-gqa")
+    segments = rag_prompt(engine, chunk_len=40)
+    num_cached = len(cached_positions(segments))
+    low = engine.prefill(segments, PrefillMode.BLEND, BlendConfig(adaptive_mass=0.3, min_ratio=0.0, max_ratio=1.0))
+    high = engine.prefill(segments, PrefillMode.BLEND, BlendConfig(adaptive_mass=0.9, min_ratio=0.0, max_ratio=1.0))
+    assert 0 < len(low.stats.selected_positions) < len(high.stats.selected_positions) <= num_cached
+    assert low.stats.unselected_mass <= 0.7 + 1e-6 and high.stats.unselected_mass <= 0.1 + 1e-6
+    assert low.stats.recompute_ratio == len(low.stats.selected_positions) / num_cached
+    # the bounds win over the mass
+    capped = engine.prefill(segments, PrefillMode.BLEND, BlendConfig(adaptive_mass=0.99, max_ratio=0.2))
+    assert len(capped.stats.selected_positions) == round(0.2 * num_cached)
+    # and at full coverage it is a full prefill
+    whole = engine.prefill(segments, PrefillMode.BLEND, BlendConfig(adaptive_mass=1.0, max_ratio=1.0))
+    assert_same_prefill(whole, engine.prefill(segments, PrefillMode.FULL))
+
+
+def test_quality_guard_raises_the_ratio_of_risky_requests_only():
+    engine = build_engine("llama-gqa")
+    segments = rag_prompt(engine, chunk_len=40)
+    num_cached = len(cached_positions(segments))
+    plain = engine.prefill(segments, PrefillMode.BLEND, BlendConfig(recompute_ratio=0.1))
+    left = plain.stats.unselected_mass
+    assert 0 < left < 1 and not plain.stats.is_guarded
+    risky = engine.prefill(segments, PrefillMode.BLEND, BlendConfig(
+        recompute_ratio=0.1, guard_unselected_mass=left - 0.01, guard_ratio=0.4))
+    assert risky.stats.is_guarded and len(risky.stats.selected_positions) == round(0.4 * num_cached)
+    calm = engine.prefill(segments, PrefillMode.BLEND, BlendConfig(
+        recompute_ratio=0.1, guard_unselected_mass=left + 0.01, guard_ratio=0.4))
+    assert not calm.stats.is_guarded and calm.stats.selected_positions == plain.stats.selected_positions
+
+
+def test_ratio_decided_at_check_needs_one_check_layer():
+    with pytest.raises(ValueError, match="one check layer"):
+        BlendConfig(adaptive_mass=0.5, check_layers=(1, 2))
