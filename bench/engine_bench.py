@@ -44,6 +44,8 @@ class Record:
     num_recomputed: int
     num_prompt: int
     first_token_agrees: bool
+    recompute_ratio: float | None = None  # the ratio used (adaptive: chosen per question)
+    unselected_mass: float | None = None  # the quality guard's signal (blend)
     tf_agreement: float | None = None
     tf_kl: float | None = None
     f1_vs_full: float | None = None
@@ -73,6 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deviation", default=None, choices=[d.value for d in DeviationKind])
     parser.add_argument("--selections", action="store_true",
                         help="add a row per selection strategy at r=0.15 (deviation, chunk_start, query, ...)")
+    parser.add_argument("--adaptive", default="",
+                        help="adaptive-ratio rows: score-mass shares to cover, e.g. 0.5,0.7")
     parser.add_argument("--answer-tokens", type=int, default=32, help="max tokens of the reference answer")
     parser.add_argument("--sweep", action="store_true",
                         help="add ablation rows at r=0.15: K vs V deviation, check layers, gradual filtering, sinks")
@@ -94,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
         variants += sweep_variants(engine.blend, settings.blend.sink)
     if args.selections:
         variants += selection_variants(engine.blend, settings.blend.sink)
+    variants += [Variant(f"blend@adaptive m={m:.2f}", PrefillMode.BLEND, settings.blend.sink,
+                         _with(engine.blend, adaptive_mass=m)) for m in _ratios(args.adaptive, allow_empty=True)]
     is_quality = not engine.is_random
     runs = Runs()
     _warm_up(engine, questions[0], variants)
@@ -126,10 +132,10 @@ def _settings(args):
     return load_settings(args.config, **overrides)
 
 
-def _ratios(text: str) -> list[float]:
+def _ratios(text: str, allow_empty: bool = False) -> list[float]:
     ratios = [float(x) for x in text.split(",") if x.strip()]
-    if not ratios or any(not 0 <= r <= 1 for r in ratios):
-        raise ValueError(f"--ratios must be numbers in [0, 1], got {text!r}")
+    if (not ratios and not allow_empty) or any(not 0 <= r <= 1 for r in ratios):
+        raise ValueError(f"ratios and shares must be numbers in [0, 1], got {text!r}")
     return ratios
 
 
@@ -223,7 +229,9 @@ def bench_question(engine, question: Question, variants, runs: Runs, answer_toke
         else:
             segments = prompt_for(engine, question, variant.sink, chunk_cache)
             result, ms, first = timed_prefill(engine, segments, variant, answer_tokens)
-        record = Record(ms, result.stats.num_recomputed_tokens, result.stats.num_prompt_tokens, first == full_first)
+        stats = result.stats
+        record = Record(ms, stats.num_recomputed_tokens, stats.num_prompt_tokens, first == full_first,
+                        stats.recompute_ratio, stats.unselected_mass)
         if is_quality:
             _score(engine, result, record, ref_ids, ref_logits, ref_text, question, answer_tokens)
         runs.add(variant.label, record)

@@ -31,6 +31,7 @@ def summarize(runs, variants, args, engine, is_quality: bool) -> dict:
             "median_ttft_ms": ttft,
             "speedup_vs_full": full_ttft / ttft if ttft else None,
             "median_tokens_recomputed": safe_median(r.num_recomputed for r in recs),
+            "mean_recompute_ratio": safe_mean(r.recompute_ratio for r in recs if r.recompute_ratio is not None),
             "first_token_agreement": safe_mean(float(r.first_token_agrees) for r in recs),
             "tf_agreement": safe_mean(r.tf_agreement for r in recs if r.tf_agreement is not None),
             "tf_kl_mean": kl,
@@ -49,7 +50,41 @@ def summarize(runs, variants, args, engine, is_quality: bool) -> dict:
         "passages": args.passages,
         "median_prompt_tokens": safe_median(r.num_prompt for r in runs.records["full"]),
         "results": rows,
+        "guard": guard_report(runs, variants),
     }
+
+
+def guard_report(runs, variants) -> dict | None:
+    """How well the guard's signal (score share left unselected at the check) flags the worst
+    questions of the default-config blend row: the share of the 10% worst-KL questions among the
+    20% with the highest signal, and the rank correlation of signal and KL."""
+    label = next((v.label for v in variants if v.label == "blend@0.15"), None)
+    recs = [r for r in runs.records.get(label, []) if r.tf_kl is not None and r.unselected_mass is not None]
+    if len(recs) < 5:
+        return None
+    num_worst, num_flagged = max(1, round(0.1 * len(recs))), max(1, round(0.2 * len(recs)))
+    worst = set(sorted(range(len(recs)), key=lambda i: -recs[i].tf_kl)[:num_worst])
+    by_signal = sorted(range(len(recs)), key=lambda i: -recs[i].unselected_mass)
+    flagged = set(by_signal[:num_flagged])
+    return {
+        "variant": label,
+        "threshold": recs[by_signal[num_flagged - 1]].unselected_mass,
+        "share_flagged": num_flagged / len(recs),
+        "worst_kl_recall": len(worst & flagged) / num_worst,
+        "spearman_signal_kl": _spearman([r.unselected_mass for r in recs], [r.tf_kl for r in recs]),
+    }
+
+
+def _spearman(xs: list[float], ys: list[float]) -> float:
+    def ranks(values):
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        for rank, i in enumerate(order):
+            out[i] = float(rank)
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    return float(torch.corrcoef(torch.tensor([rx, ry]))[0, 1])
 
 
 def print_table(summary: dict) -> None:
@@ -72,6 +107,11 @@ def print_table(summary: dict) -> None:
         print(f"decode over {decode['num_tokens']} tokens at ~{_f(decode['median_context_tokens'], 0)} tokens of context: "
               f"engine ({graph}) {_f(decode['engine_ms_per_token'], 2)} ms/token, "
               f"HF eager {_f(decode['hf_eager_ms_per_token'], 2)} ms/token")
+    guard = summary.get("guard")
+    if guard:
+        print(f"guard signal on {guard['variant']}: flagging the top {guard['share_flagged']:.0%} "
+              f"(unselected share > {guard['threshold']:.3f}) catches {guard['worst_kl_recall']:.0%} of the 10% "
+              f"worst-KL questions; Spearman(signal, KL) = {guard['spearman_signal_kl']:.2f}")
     if not summary["is_quality_meaningful"]:
         print("(random weights: quality columns are meaningless and left empty)")
 

@@ -18,7 +18,7 @@ def test_bench_engine_prints_table_then_json(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     engine_bench.add_arguments(parser)
     args = parser.parse_args(["--data", str(data), "--questions", "2", "--passages", "3", "--ratios", "0.1,0.5",
-                              "--model", "random:tiny-llama", "--sweep", "--selections",
+                              "--model", "random:tiny-llama", "--sweep", "--selections", "--adaptive", "0.5",
                               "--out", str(tmp_path / "out.json")])
     assert engine_bench.run(args) == 0
     lines = capsys.readouterr().out.strip().splitlines()
@@ -28,6 +28,7 @@ def test_bench_engine_prints_table_then_json(tmp_path, capsys):
     assert {"full", "prefix", "reuse", "blend@0.10", "blend@0.50", "blend@0.15 K check=1,2,3",
             "blend@0.15 sel=query", "blend@0.15 sel=chunk_start k=32"} <= set(rows)
     assert rows["blend@0.15 sel=query_chunk_start k=8"]["selection"] == "query_chunk_start"
+    assert 0.05 <= rows["blend@adaptive m=0.50"]["mean_recompute_ratio"] <= 0.5
     assert rows["full"]["speedup_vs_full"] == 1.0
     assert rows["reuse"]["median_tokens_recomputed"] < rows["blend@0.50"]["median_tokens_recomputed"]
     assert not summary["is_quality_meaningful"] and rows["reuse"]["tf_kl_mean"] is None  # random weights
@@ -85,3 +86,18 @@ def test_bench_engine_runs_without_the_embedded_tokenizer(tmp_path, capsys, monk
     assert summary["results"]["blend@0.15"]["median_tokens_recomputed"] < summary["median_prompt_tokens"]
     decode = summary["decode"]
     assert decode["engine_ms_per_token"] > 0 and decode["hf_eager_ms_per_token"] > 0
+
+
+def test_bench_plot_draws_the_frontier(tmp_path):
+    from bench import plot
+
+    rows = {label: {"mode": mode, "speedup_vs_full": speed, "kl_vs_reuse": kl}
+            for label, mode, speed, kl in [("full", "full", 1.0, 0.0), ("blend@0.15", "blend", 4.5, 0.7),
+                                           ("blend@adaptive m=0.50", "blend", 5.0, 0.6),
+                                           ("blend@0.15 sel=query", "blend", 4.4, 0.5)]}
+    source = tmp_path / "engine.json"
+    source.write_text(json.dumps({"model": "m", "questions": 2, "passages": 3, "results": rows}))
+    parser = argparse.ArgumentParser()
+    plot.add_arguments(parser)
+    assert plot.run(parser.parse_args(["--input", str(source), "--out", str(tmp_path / "f.png")])) == 0
+    assert (tmp_path / "f.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
