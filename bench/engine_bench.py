@@ -19,21 +19,14 @@ import torch
 from bench.decode_bench import measure_decode
 from bench.engine_report import print_table, summarize
 from bench.metrics import argmax_agreement, best_f1, mean_kl, safe_median, token_f1
+from bench.engine_variants import Variant, adaptive_variants, main_variants, selection_variants, sweep_variants
 from bench.musique import Question, load_questions
 from bench.synthetic import synthetic_prompt
 from blend_engine.engine import BlendEngine
-from blend_engine.types import BlendConfig, PrefillMode, PrefillResult, Segment
-from configs import DeviationKind, SelectionKind, SinkMode, load_settings
+from blend_engine.types import PrefillResult, Segment
+from configs import DeviationKind, SinkMode, load_settings
 
 DEFAULT_DATA = "../shared/data/musique_dev.json"
-
-
-@dataclass(frozen=True)
-class Variant:
-    label: str
-    mode: PrefillMode
-    sink: SinkMode
-    blend: BlendConfig | None = None
 
 
 @dataclass
@@ -78,6 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adaptive", default="",
                         help="adaptive-ratio rows: score-mass shares to cover, e.g. 0.5,0.7")
     parser.add_argument("--answer-tokens", type=int, default=32, help="max tokens of the reference answer")
+    parser.add_argument("--no-answers", action="store_true",
+                        help="skip each variant's free-running answer (F1 columns empty; teacher-forced ones kept)")
     parser.add_argument("--sweep", action="store_true",
                         help="add ablation rows at r=0.15: K vs V deviation, check layers, gradual filtering, sinks")
     parser.add_argument("--decode-tokens", type=int, default=64,
@@ -98,14 +93,13 @@ def run(args: argparse.Namespace) -> int:
         variants += sweep_variants(engine.blend, settings.blend.sink)
     if args.selections:
         variants += selection_variants(engine.blend, settings.blend.sink)
-    variants += [Variant(f"blend@adaptive m={m:.2f}", PrefillMode.BLEND, settings.blend.sink,
-                         _with(engine.blend, adaptive_mass=m)) for m in _ratios(args.adaptive, allow_empty=True)]
+    variants += adaptive_variants(engine.blend, settings.blend.sink, _ratios(args.adaptive, allow_empty=True))
     is_quality = not engine.is_random
     runs = Runs()
     _warm_up(engine, questions[0], variants)
     for i, question in enumerate(questions):
         t0 = time.perf_counter()
-        bench_question(engine, question, variants, runs, args.answer_tokens, is_quality)
+        bench_question(engine, question, variants, runs, args.answer_tokens, is_quality, not args.no_answers)
         print(f"question {i + 1}/{len(questions)} done in {time.perf_counter() - t0:.1f} s", flush=True)
     summary = summarize(runs, variants, args, engine, is_quality)
     summary["decode"] = _decode_rows(engine, questions, variants[0].sink, args)
@@ -137,45 +131,6 @@ def _ratios(text: str, allow_empty: bool = False) -> list[float]:
     if (not ratios and not allow_empty) or any(not 0 <= r <= 1 for r in ratios):
         raise ValueError(f"ratios and shares must be numbers in [0, 1], got {text!r}")
     return ratios
-
-
-def main_variants(blend: BlendConfig, sink: SinkMode, ratios: list[float]) -> list[Variant]:
-    out = [Variant("full", PrefillMode.FULL, sink), Variant("prefix", PrefillMode.PREFIX, sink),
-           Variant("reuse", PrefillMode.REUSE, sink)]
-    out += [Variant(f"blend@{r:.2f}", PrefillMode.BLEND, sink, _with(blend, recompute_ratio=r)) for r in ratios]
-    return out
-
-
-def sweep_variants(blend: BlendConfig, sink: SinkMode) -> list[Variant]:
-    """Ablations at r=0.15: K vs V deviation at each check-layer choice (one layer, or gradual
-    filtering over several), then each attention-sink choice with its own `reuse` reference."""
-    base = _with(blend, recompute_ratio=0.15)
-    out = []
-    for layers in [(0,), (1,), (2,), (1, 2), (1, 2, 3)]:
-        for dev in DeviationKind:
-            label = f"blend@0.15 {dev.value[0].upper()} check=" + ",".join(map(str, layers))
-            out.append(Variant(label, PrefillMode.BLEND, sink, _with(base, deviation=dev, check_layers=layers)))
-    for other in SinkMode:
-        if other != sink:
-            out.append(Variant(f"reuse sink={other.value}", PrefillMode.REUSE, other))
-            out.append(Variant(f"blend@0.15 sink={other.value}", PrefillMode.BLEND, other, base))
-    return out
-
-
-def selection_variants(blend: BlendConfig, sink: SinkMode) -> list[Variant]:
-    """Every selection strategy at r=0.15 (chunk starts: 8 and 32 tokens per chunk)."""
-    base = _with(blend, recompute_ratio=0.15)
-    out = []
-    for kind in SelectionKind:
-        for num_start in ((8, 32) if kind.is_forcing_chunk_starts else (0,)):
-            label = f"blend@0.15 sel={kind.value}" + (f" k={num_start}" if num_start else "")
-            config = _with(base, selection=kind, chunk_start_tokens=num_start or base.chunk_start_tokens)
-            out.append(Variant(label, PrefillMode.BLEND, sink, config))
-    return out
-
-
-def _with(config: BlendConfig, **changes) -> BlendConfig:
-    return BlendConfig(**{**config.__dict__, **changes})
 
 
 def prompt_for(engine: BlendEngine, question: Question, sink: SinkMode, chunk_cache: dict) -> list[Segment]:
@@ -215,7 +170,8 @@ def greedy_ids(engine: BlendEngine, result: PrefillResult, max_tokens: int) -> l
     return ids
 
 
-def bench_question(engine, question: Question, variants, runs: Runs, answer_tokens: int, is_quality: bool) -> None:
+def bench_question(engine, question: Question, variants, runs: Runs, answer_tokens: int, is_quality: bool,
+                   is_answered: bool = True) -> None:
     chunk_cache: dict = {}
     full_variant = variants[0]
     segments = prompt_for(engine, question, full_variant.sink, chunk_cache)
@@ -233,15 +189,18 @@ def bench_question(engine, question: Question, variants, runs: Runs, answer_toke
         record = Record(ms, stats.num_recomputed_tokens, stats.num_prompt_tokens, first == full_first,
                         stats.recompute_ratio, stats.unselected_mass)
         if is_quality:
-            _score(engine, result, record, ref_ids, ref_logits, ref_text, question, answer_tokens)
+            _score(engine, result, record, ref_ids, ref_logits, ref_text, question, answer_tokens, is_answered)
         runs.add(variant.label, record)
 
 
-def _score(engine, result, record: Record, ref_ids, ref_logits, ref_text, question, answer_tokens) -> None:
+def _score(engine, result, record: Record, ref_ids, ref_logits, ref_text, question, answer_tokens,
+           is_answered: bool) -> None:
     if ref_ids:
         logits = engine.score(result, ref_ids)
         record.tf_agreement = argmax_agreement(logits, ref_ids)
         record.tf_kl = mean_kl(ref_logits, logits)
+    if not is_answered:
+        return
     answer = engine.tokenizer.decode(greedy_ids(engine, result, answer_tokens), skip_special_tokens=True)
     record.answer = answer
     record.f1_vs_full = token_f1(answer, ref_text)

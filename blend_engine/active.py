@@ -18,7 +18,7 @@ from blend_engine.kv import KVCache
 from blend_engine.plan import PrefillPlan
 from blend_engine.runner import apply_rope
 from blend_engine.selector import query_mass, select_top, token_deviation
-from blend_engine.types import BlendConfig, DeviationKind, SelectionKind
+from blend_engine.types import BlendConfig, DeviationKind
 
 
 @dataclass(frozen=True)

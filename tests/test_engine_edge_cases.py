@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from blend_engine.types import BlendConfig, PrefillMode, Segment
-from engine_models import cpu_exact, tol, build_engine, random_ids
+from engine_models import tol, build_engine, random_ids
 
 ALL = BlendConfig(recompute_ratio=1.0)
 

@@ -5,7 +5,7 @@ import torch
 
 from blend_engine.runner import apply_rope
 from blend_engine.types import PrefillMode, Segment
-from engine_models import cpu_exact, tol, MODEL_BUILDERS, build_engine, random_ids
+from engine_models import tol, MODEL_BUILDERS, build_engine, random_ids
 
 FAMILIES = list(MODEL_BUILDERS)
 

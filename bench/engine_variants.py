@@ -1,0 +1,60 @@
+"""The engine bench's variants: modes and ratios, the ablation sweep, selection strategies, adaptive rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from blend_engine.types import BlendConfig, PrefillMode
+from configs import DeviationKind, SelectionKind, SinkMode
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    mode: PrefillMode
+    sink: SinkMode
+    blend: BlendConfig | None = None
+
+
+def main_variants(blend: BlendConfig, sink: SinkMode, ratios: list[float]) -> list[Variant]:
+    out = [Variant("full", PrefillMode.FULL, sink), Variant("prefix", PrefillMode.PREFIX, sink),
+           Variant("reuse", PrefillMode.REUSE, sink)]
+    out += [Variant(f"blend@{r:.2f}", PrefillMode.BLEND, sink, _with(blend, recompute_ratio=r)) for r in ratios]
+    return out
+
+
+def sweep_variants(blend: BlendConfig, sink: SinkMode) -> list[Variant]:
+    """Ablations at r=0.15: K vs V deviation at each check-layer choice (one layer, or gradual
+    filtering over several), then each attention-sink choice with its own `reuse` reference."""
+    base = _with(blend, recompute_ratio=0.15)
+    out = []
+    for layers in [(0,), (1,), (2,), (1, 2), (1, 2, 3)]:
+        for dev in DeviationKind:
+            label = f"blend@0.15 {dev.value[0].upper()} check=" + ",".join(map(str, layers))
+            out.append(Variant(label, PrefillMode.BLEND, sink, _with(base, deviation=dev, check_layers=layers)))
+    for other in SinkMode:
+        if other != sink:
+            out.append(Variant(f"reuse sink={other.value}", PrefillMode.REUSE, other))
+            out.append(Variant(f"blend@0.15 sink={other.value}", PrefillMode.BLEND, other, base))
+    return out
+
+
+def selection_variants(blend: BlendConfig, sink: SinkMode) -> list[Variant]:
+    """Every selection strategy at r=0.15 (chunk starts: 8 and 32 tokens per chunk)."""
+    base = _with(blend, recompute_ratio=0.15)
+    out = []
+    for kind in SelectionKind:
+        for num_start in ((8, 32) if kind.is_forcing_chunk_starts else (0,)):
+            label = f"blend@0.15 sel={kind.value}" + (f" k={num_start}" if num_start else "")
+            config = _with(base, selection=kind, chunk_start_tokens=num_start or base.chunk_start_tokens)
+            out.append(Variant(label, PrefillMode.BLEND, sink, config))
+    return out
+
+
+def _with(config: BlendConfig, **changes) -> BlendConfig:
+    return BlendConfig(**{**config.__dict__, **changes})
+
+
+def adaptive_variants(blend: BlendConfig, sink: SinkMode, shares: list[float]) -> list[Variant]:
+    """Adaptive-ratio rows: recompute until each share of the ranking score is covered."""
+    return [Variant(f"blend@adaptive m={m:.2f}", PrefillMode.BLEND, sink, _with(blend, adaptive_mass=m)) for m in shares]
