@@ -71,6 +71,7 @@ def guard_report(runs, variants) -> dict | None:
         "threshold": recs[by_signal[num_flagged - 1]].unselected_mass,
         "share_flagged": num_flagged / len(recs),
         "worst_kl_recall": len(worst & flagged) / num_worst,
+        "worst_kl_precision": len(worst & flagged) / num_flagged,
         "spearman_signal_kl": _spearman([r.unselected_mass for r in recs], [r.tf_kl for r in recs]),
     }
 
@@ -111,7 +112,7 @@ def print_table(summary: dict) -> None:
     if guard:
         print(f"guard signal on {guard['variant']}: flagging the top {guard['share_flagged']:.0%} "
               f"(unselected share > {guard['threshold']:.3f}) catches {guard['worst_kl_recall']:.0%} of the 10% "
-              f"worst-KL questions; Spearman(signal, KL) = {guard['spearman_signal_kl']:.2f}")
+              f"worst-KL questions (precision {guard['worst_kl_precision']:.0%}); Spearman(signal, KL) = {guard['spearman_signal_kl']:.2f}")
     if not summary["is_quality_meaningful"]:
         print("(random weights: quality columns are meaningless and left empty)")
 

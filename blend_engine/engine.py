@@ -41,6 +41,7 @@ class BlendEngine:
         self.runner = ModelRunner(self.model)
         self.attention_backend = AttentionBackend.for_device(self.runner.device)
         self.is_decode_graphed = self.runner.device.type == "cuda"  # CUDA-graph the decode step
+        self.is_bulk_layout = self.runner.device.type == "cuda"  # reused KV laid out for all layers at once
         self.prompts = PromptBuilder(self.tokenizer, system_prompt) if self.tokenizer is not None else None
         self.fingerprint = _fingerprint(self)
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
@@ -159,7 +160,8 @@ class BlendEngine:
         else:
             source = MergedKVSource(caches, kv_source, self.device, self.dtype)
         try:
-            return run_prefill(self.runner, plan, blend, source, max_new_tokens, self.attention_backend, is_profiled)
+            return run_prefill(self.runner, plan, blend, source, max_new_tokens, self.attention_backend, is_profiled,
+                               self.is_bulk_layout)
         finally:
             source.close()  # a merged source leaves the caller's kv_source open
 

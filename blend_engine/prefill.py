@@ -40,7 +40,10 @@ class _Loop:
 
 
 def run_prefill(runner: ModelRunner, plan: PrefillPlan, blend: BlendConfig, source: LayerKVSource | None,
-                max_new_tokens: int, backend: AttentionBackend, is_profiled: bool = False) -> PrefillResult:
+                max_new_tokens: int, backend: AttentionBackend, is_profiled: bool = False,
+                is_bulk_layout: bool = False) -> PrefillResult:
+    """`is_bulk_layout`: lay out in-memory chunks for all layers before the loop (pays on CUDA: fewer
+    launches; on CPU layer by layer is faster, its working set staying in the processor's caches)."""
     t_start = time.perf_counter()
     device, num_tokens = runner.device, plan.num_tokens
     timer = StageTimer(device, is_profiled)
@@ -52,7 +55,7 @@ def run_prefill(runner: ModelRunner, plan: PrefillPlan, blend: BlendConfig, sour
     rope = RopeTable(*runner.rope(torch.arange(num_tokens, device=device)))  # [N, D] each
     ctx = active_context(plan, rope, backend, runner.num_heads // runner.num_kv_heads, device, runner.dtype, blend,
                          runner.scaling)
-    is_whole = isinstance(source, WholeKVSource)
+    is_whole = is_bulk_layout and isinstance(source, WholeKVSource)
     if plan.cached_pos and is_whole:
         with timer.stage("rope"):
             layout_all(cache, plan, source.layers_from(plan.first_reused_layer), rope.cos, rope.sin)

@@ -63,6 +63,19 @@ def test_masked_backend_equals_grouped(family, mode):
 
 
 @pytest.mark.parametrize("family", list(MODEL_BUILDERS))
+@pytest.mark.parametrize("mode", [PrefillMode.REUSE, PrefillMode.PREFIX, PrefillMode.BLEND])
+def test_bulk_layout_equals_layer_by_layer(family, mode):
+    """The CUDA default (every layer's reused KV laid out before the loop) against the CPU one."""
+    engine = build_engine(family)
+    segments = rag_prompt(engine)
+    per_layer = engine.prefill(segments, mode)
+    engine.is_bulk_layout = True
+    bulk = engine.prefill(segments, mode)
+    assert_same_prefill(bulk, per_layer)
+    assert bulk.stats.selected_positions == per_layer.stats.selected_positions
+
+
+@pytest.mark.parametrize("family", list(MODEL_BUILDERS))
 def test_masked_backend_blend_at_ratio_one_equals_full(family):
     engine = build_engine(family)
     engine.attention_backend = AttentionBackend.MASKED
