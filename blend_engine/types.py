@@ -73,6 +73,10 @@ class BlendConfig:
             deviation=settings.deviation,
             selection=settings.selection,
             chunk_start_tokens=settings.chunk_start_tokens,
+            min_ratio=settings.adaptive_min_ratio,
+            max_ratio=settings.adaptive_max_ratio,
+            guard_unselected_mass=settings.guard_unselected_mass,
+            guard_ratio=settings.guard_ratio,
         )
 
     @property

@@ -112,6 +112,17 @@ class BlendSettings(BaseModel):
     chunk_start_tokens: int = Field(
         8, ge=0, le=256, description="chunk_start selections: each chunk's first tokens always recomputed."
     )
+    adaptive_mass: float = Field(
+        0.5, gt=0.0, le=1.0,
+        description="recompute_ratio='adaptive': recompute the fewest top-ranked tokens holding this share of the score.",
+    )
+    adaptive_min_ratio: float = Field(0.05, ge=0.0, le=1.0, description="Lower bound of an adaptive ratio.")
+    adaptive_max_ratio: float = Field(0.5, ge=0.0, le=1.0, description="Upper bound of an adaptive ratio.")
+    guard_unselected_mass: float | None = Field(
+        None, ge=0.0, le=1.0,
+        description="Quality guard (off when null): a request leaving more of the score unselected is risky",
+    )
+    guard_ratio: float = Field(0.5, ge=0.0, le=1.0, description="The ratio a risky request is recomputed at.")
     sink: SinkMode = Field(
         SinkMode.PREFIX, description="What a chunk is computed behind at precompute (measured: README)."
     )

@@ -229,3 +229,25 @@ def test_server_bench_reports_every_mode_and_ends_with_json(server, tmp_path, ca
     assert summary["results"]["full"]["f1_vs_full"] == 1.0 and summary["results"]["blend"]["throughput_rps"] > 0
     assert summary["results"]["blend"]["median_reused_tokens"] > 0 and summary["results"]["full"]["median_reused_tokens"] == 0
     assert json.loads((tmp_path / "b.json").read_text()) == summary
+
+
+def test_selection_and_adaptive_ratio_per_request(client):
+    body = ask(client, mode="blend", selection="query", recompute_ratio="adaptive")
+    assert "4812" in body["answer"] and 0.05 <= body["recompute_ratio"] <= 0.5 and not body["quality_guarded"]
+    chat = client.post("/v1/chat/completions", json={
+        "model": client.get("/v1/models").json()["data"][0]["id"], "messages": [{"role": "user", "content": QUESTION}],
+        "max_tokens": 12,
+        "selection": "query_chunk_start", "recompute_ratio": 0.3})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["recompute_ratio"] == 0.3
+    bad = client.post("/v1/query", json={"question": QUESTION, "selection": "random"})
+    assert bad.status_code in (400, 422) and "selection" in bad.text
+
+
+def test_quality_guard_says_when_it_raised_the_ratio(engine, tmp_path):
+    settings = make_settings(tmp_path, blend={"guard_unselected_mass": 0.0, "guard_ratio": 0.6})
+    with LiveServer(settings, engine=engine) as live, httpx.Client(base_url=live.url, timeout=300) as http:
+        assert http.post("/v1/documents", json={"documents": DOCUMENTS}).status_code == 201
+        body = ask(http, mode="blend")
+        assert body["quality_guarded"] and body["recompute_ratio"] == pytest.approx(0.6, abs=0.01)
+        assert "4812" in body["answer"]

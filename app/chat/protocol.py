@@ -67,6 +67,8 @@ class ChatCompletionResponse(BaseModel):
     sources: list[SourceOut]
     timings: TimingsOut
     mode: str
+    recompute_ratio: float | None = None
+    quality_guarded: bool = False  # the quality guard raised the recompute ratio
     warnings: list[str] = []
 
 
@@ -90,4 +92,6 @@ class ChatCompletionChunk(BaseModel):
     sources: list[SourceOut] | None = None  # on the first chunk
     usage: ChatUsage | None = None  # on the last chunk
     timings: TimingsOut | None = None  # on the last chunk
+    recompute_ratio: float | None = None  # on the last chunk
+    quality_guarded: bool | None = None  # on the last chunk
     warnings: list[str] | None = None

@@ -59,7 +59,8 @@ class ChatService:
             id=call.id, created=call.created, model=call.model,
             choices=[Choice(message=AssistantMessage(content=answer), finish_reason=_finish(done))],
             usage=_usage(done), sources=sources_out(call.context.sources), timings=TimingsOut(**asdict(done.timings)),
-            mode=done.mode.value, warnings=call.context.warnings,
+            mode=done.mode.value, recompute_ratio=done.recompute_ratio, quality_guarded=done.is_guarded,
+            warnings=call.context.warnings,
         )
 
     async def chunks(self, call: ChatCall) -> AsyncIterator[str]:
@@ -80,7 +81,8 @@ class ChatService:
                     yield chunk(DeltaMessage(content=event.text))
                 else:
                     yield chunk(DeltaMessage(), finish=_finish(event), usage=_usage(event),
-                                timings=TimingsOut(**asdict(event.timings)))
+                                timings=TimingsOut(**asdict(event.timings)), recompute_ratio=event.recompute_ratio,
+                                quality_guarded=event.is_guarded)
             yield sse("[DONE]")
         except Exception as exc:  # the headers are out: report in-band, as OpenAI does
             yield sse(error_body("server_error", f"generation failed: {exc}"))

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from blend_engine.types import PrefillMode
+from blend_engine.types import PrefillMode, SelectionKind
 
 Ratio = float
 
@@ -19,8 +19,12 @@ class GenerationOptions(BaseModel):
         None, min_length=1, description="Skip retrieval: use exactly these chunks, in this order."
     )
     mode: PrefillMode | None = Field(None, description="Prefill mode; default from config (blend).")
-    recompute_ratio: float | Literal["auto"] | None = Field(
-        None, description="Share of reused tokens recomputed in blend mode, in [0, 1], or 'auto'."
+    recompute_ratio: float | Literal["auto", "adaptive"] | None = Field(
+        None, description="Share of reused tokens recomputed in blend mode, in [0, 1]; 'auto' (loading "
+        "controller) or 'adaptive' (as many as hold blend.adaptive_mass of the ranking score).",
+    )
+    selection: SelectionKind | None = Field(
+        None, description="How blend ranks the cached tokens it recomputes; default from config."
     )
     max_tokens: int | None = Field(None, ge=1, description="Answer length cap (limit: limits.max_tokens).")
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -63,6 +67,7 @@ class QueryResponse(BaseModel):
     mode: PrefillMode
     finish_reason: str | None
     recompute_ratio: float | None = None
+    quality_guarded: bool = Field(False, description="The quality guard raised this answer's recompute ratio.")
     sources: list[SourceOut]
     usage: UsageOut
     timings: TimingsOut

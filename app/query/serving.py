@@ -37,7 +37,7 @@ def build_rag_request(
         raise InvalidRequestError(f"max_tokens={max_tokens} exceeds the limit of {limits.max_tokens}")
     ratio = options.recompute_ratio
     if isinstance(ratio, float) and not 0.0 <= ratio <= 1.0:
-        raise InvalidRequestError(f"recompute_ratio must be in [0, 1] or 'auto', got {ratio}")
+        raise InvalidRequestError(f"recompute_ratio must be in [0, 1], 'auto' or 'adaptive', got {ratio}")
     sampling = SamplingParams(
         max_tokens=max_tokens,
         temperature=gen.temperature if options.temperature is None else options.temperature,
@@ -48,7 +48,7 @@ def build_rag_request(
     return RagRequest(
         question=question, mode=options.mode or settings.blend.mode, sampling=sampling, top_k=top_k,
         chunk_ids=tuple(options.chunk_ids) if options.chunk_ids is not None else None,
-        recompute_ratio=ratio, history=tuple(history),
+        recompute_ratio=ratio, selection=options.selection, history=tuple(history),
     )
 
 
@@ -91,12 +91,12 @@ class QueryService:
 
 def _done_payload(done: DoneEvent) -> dict:
     return {"mode": done.mode.value, "finish_reason": done.finish_reason.value if done.finish_reason else None,
-            "recompute_ratio": done.recompute_ratio, "usage": asdict(done.usage), "timings": asdict(done.timings)}
+            "recompute_ratio": done.recompute_ratio, "quality_guarded": done.is_guarded, "usage": asdict(done.usage), "timings": asdict(done.timings)}
 
 
 def _response(answer: str, context: RagContext, done: DoneEvent) -> QueryResponse:
     return QueryResponse(
         answer=answer, mode=done.mode, finish_reason=done.finish_reason.value if done.finish_reason else None,
-        recompute_ratio=done.recompute_ratio, sources=sources_out(context.sources),
+        recompute_ratio=done.recompute_ratio, quality_guarded=done.is_guarded, sources=sources_out(context.sources),
         usage=UsageOut(**asdict(done.usage)), timings=TimingsOut(**asdict(done.timings)), warnings=context.warnings,
     )

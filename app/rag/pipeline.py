@@ -4,7 +4,7 @@ with the chunks' stored KV and decode on the engine worker."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import anyio
@@ -97,7 +97,7 @@ class RagPipeline:
                 emit(TokenEvent(delta.text))
             finish = delta.finish_reason or finish
         timings.total_ms = (time.perf_counter() - t_start) * 1000
-        done = DoneEvent(usage, timings, finish, request.mode, stats.recompute_ratio)
+        done = DoneEvent(usage, timings, finish, request.mode, stats.recompute_ratio, stats.is_guarded)
         self._observe(done)
         emit(done)
         # chunks streamed from disk or Redis: copy them into memory for the next question
@@ -127,12 +127,16 @@ class RagPipeline:
 
     def _blend_config(self, request: RagRequest, handles: list) -> BlendConfig:
         config = BlendConfig.from_settings(self.settings.blend)
+        if request.selection is not None:
+            config = replace(config, selection=request.selection)
         ratio = request.recompute_ratio
+        if ratio == "adaptive":
+            return replace(config, adaptive_mass=self.settings.blend.adaptive_mass)
         if ratio == "auto":
             ratio = self.kv_store.choose_ratio(handles, self._profile()) if handles else config.recompute_ratio
         if ratio is None:
             return config
-        return BlendConfig(float(ratio), config.check_layers, config.filter_growth, config.deviation)
+        return replace(config, recompute_ratio=float(ratio))
 
     def _profile(self) -> EngineProfile:
         """The engine's recompute speed for ratio='auto', measured once (on the worker)."""

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from blend_engine.types import FinishReason, PrefillMode, SamplingParams
+from blend_engine.types import FinishReason, PrefillMode, SamplingParams, SelectionKind
 
-RecomputeRatio = float | Literal["auto"] | None
+RecomputeRatio = float | Literal["auto", "adaptive"] | None
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,7 @@ class RagRequest:
     top_k: int = 5
     chunk_ids: tuple[str, ...] | None = None  # skip retrieval: exactly these chunks, in this order
     recompute_ratio: RecomputeRatio = None  # None: the configured ratio
+    selection: SelectionKind | None = None  # None: the configured selection
     history: tuple[dict[str, str], ...] = ()  # earlier chat messages
 
 
@@ -77,6 +78,7 @@ class DoneEvent:
     finish_reason: FinishReason
     mode: PrefillMode
     recompute_ratio: float | None = None
+    is_guarded: bool = False  # the quality guard raised the ratio
     kv_tiers: dict[str, int] = field(default_factory=dict)
 
 
