@@ -174,3 +174,12 @@ def test_cuda_graph_decode_equals_eager():
     graphed_decoder = engine.decoder(result, is_graphed=True)
     graphed = torch.stack([graphed_decoder.step(t) for t in tokens])
     torch.testing.assert_close(graphed, eager, atol=5e-2, rtol=2e-2)
+
+
+def test_stage_timers_are_exact_and_add_up():
+    """Host clock on CPU; CUDA events when profiled on CUDA (`pytest --device cuda`)."""
+    engine = build_engine("llama-gqa")
+    result = engine.prefill(rag_prompt(engine), PrefillMode.BLEND, is_profiled=True)
+    stats = result.stats
+    assert stats.is_timing_exact and stats.compute_ms > 0 and stats.select_ms > 0 and stats.rope_ms > 0
+    assert stats.compute_ms + stats.select_ms + stats.rope_ms <= stats.prefill_ms
