@@ -12,6 +12,7 @@ from app.documents.serving import DocumentService
 from app.metrics import Metrics
 from app.query.serving import QueryService
 from app.rag.pipeline import RagPipeline
+from app.rag.repair import KVRepairer
 from app.worker import EngineWorker
 from configs.settings import Settings
 from retrieval.chunker import Chunker
@@ -45,12 +46,16 @@ class Components:
         try:
             retriever = Retriever.open(settings.data_dir, settings.retrieval)
             kv_store = KVStore.from_settings(settings, engine.fingerprint)
+            num_orphans = kv_store.collect_garbage(retriever.store.kv_keys())  # e.g. an ingest killed mid-way
+            if num_orphans:
+                logger.warning("deleted %d KV entries no chunk points at", num_orphans)
             worker = EngineWorker(settings.server.max_queue, settings.server.retry_after_s)
-            metrics.watch_store(kv_store.stats)
+            repairer = KVRepairer(engine, kv_store, worker, retriever.store.is_kv_key_used)
+            metrics.watch_store(kv_store.stats, repairer.stats)
             metrics.watch_worker(worker)
             chunker = Chunker(engine.tokenize, engine.tokenizer.decode, settings.retrieval.chunk_tokens,
                               settings.retrieval.chunk_overlap)
-            pipeline = RagPipeline(settings, engine, retriever, kv_store, worker, metrics)
+            pipeline = RagPipeline(settings, engine, retriever, kv_store, worker, metrics, repairer)
             model_id = settings.server.model_id or _model_id(engine.model_name)
             return cls(
                 settings=settings, engine=engine, retriever=retriever, kv_store=kv_store, worker=worker,
@@ -63,7 +68,12 @@ class Components:
             raise
 
     def close(self) -> None:
-        _close_all(self.worker, self.kv_store, self.retriever)
+        """Stop the worker first (its job, e.g. an ingest, stops after the document it is writing);
+        the stores it writes are closed only once it has stopped."""
+        if self.worker.close():
+            _close_all(self.kv_store, self.retriever)
+        else:  # never close SQLite or the store under a running job: both survive a hard exit
+            logger.error("engine worker did not stop: the stores are left open to the process exit")
 
 
 def _model_id(model_name: str) -> str:

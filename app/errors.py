@@ -80,6 +80,23 @@ class QueueFullError(ApiError):
         return {"Retry-After": str(self.retry_after_s)}
 
 
+class IngestInterruptedError(ApiError):
+    """An ingest failed part-way: the documents before the failure are committed, the rest are not."""
+
+    status_code = 500
+    error_type = ErrorType.SERVER
+
+    def __init__(self, committed: list[str], failed_id: str, cause: Exception):
+        cause_text = cause.message if isinstance(cause, ApiError) else type(cause).__name__
+        super().__init__(
+            f"ingest stopped at document {failed_id} ({cause_text}); committed before it: "
+            f"{', '.join(committed) if committed else 'none'}; re-sending the request is safe"
+        )
+        self.committed, self.failed_id = committed, failed_id
+        if isinstance(cause, ApiError):  # the cause's own status (e.g. 4xx) stays
+            self.status_code, self.error_type = cause.status_code, cause.error_type
+
+
 def error_body(error_type: ErrorType | str, message: str) -> dict:
     return {"error": {"type": getattr(error_type, "value", error_type), "message": message}}
 

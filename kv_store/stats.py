@@ -31,6 +31,7 @@ class StoreStats:
     last_auto_ratio: float | None = None
     last_predicted_load_s: float | None = None
     last_predicted_compute_s: float | None = None
+    num_recovered: int = 0  # entries damaged or lost mid-request, recomputed inline and put back
 
 
 class TierCounters:

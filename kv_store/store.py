@@ -53,6 +53,7 @@ class KVStore:
         self._decision_lock = threading.Lock()
         self._num_decisions = 0
         self._last_decision: RatioDecision | None = None
+        self._num_recovered = 0  # entries recomputed mid-request (and put back)
 
     @classmethod
     def from_settings(cls, settings: Settings, fingerprint: str) -> KVStore:
@@ -118,6 +119,33 @@ class KVStore:
         for b in self._backends:
             b.delete(key)
 
+    def readable_many(self, keys: Sequence[str]) -> list[bool]:
+        """Whether some tier holds a sound entry for each key (headers checked on disk, one round
+        trip to Redis); a damaged entry found is deleted and counted, so the answer is the truth."""
+        for key in keys:
+            self._check_key(key)
+        found: set[str] = set()
+        for b in self._backends:
+            missing = [key for key in dict.fromkeys(keys) if key not in found]
+            if not missing:
+                break
+            found.update(key for key, ok in zip(missing, b.readable_many(missing)) if ok)
+        return [key in found for key in keys]
+
+    def collect_garbage(self, live_keys: set[str]) -> int:
+        """Delete the local entries (memory, disk) no chunk points at any more, e.g. those written by
+        an ingest killed before its commit. Redis is shared and expires by itself: left alone.
+        Returns how many entries were deleted."""
+        num_deleted = 0
+        for b in self._backends:
+            if b.tier is Tier.REDIS:
+                continue
+            for key in b.keys_lru_order():
+                if key not in live_keys:
+                    b.delete(key)
+                    num_deleted += 1
+        return num_deleted
+
     @staticmethod
     def _check_key(key: str) -> None:
         if not is_valid_key(key):
@@ -154,16 +182,20 @@ class KVStore:
         def recover(chunk_idx: int, exc: Exception) -> LayerReader:
             return self._recover(handles[chunk_idx], exc, recompute)
 
-        readers = []
-        for idx, h in enumerate(handles):
-            reader = self.backend(h.tier).open_reader(h.key, is_lookup=False)
-            readers.append(reader if reader is not None else recover(idx, EntryLostError(f"{h.key[:16]} is gone")))
-        if pipelined is None:
-            # Reading from the memory tier is a copy with nothing to hide, and a reader thread would
-            # only compete with the engine's compute threads for the cores (measured: ~8% slower).
-            pipelined = self.config.is_pipelined and any(h.tier != Tier.MEMORY for h in handles)
-        is_pipelined = pipelined
-        return StoreLayerSource(readers, device, dtype, recover, is_pipelined, self.config.prefetch_depth, start_layer)
+        readers: list[LayerReader] = []
+        try:
+            for idx, h in enumerate(handles):
+                reader = self.backend(h.tier).open_reader(h.key, is_lookup=False)
+                readers.append(reader if reader is not None else recover(idx, EntryLostError(f"{h.key[:16]} is gone")))
+            if pipelined is None:
+                # Reading from the memory tier is a copy with nothing to hide, and a reader thread would
+                # only compete with the engine's compute threads for the cores (measured: ~8% slower).
+                pipelined = self.config.is_pipelined and any(h.tier != Tier.MEMORY for h in handles)
+            return StoreLayerSource(readers, device, dtype, recover, pipelined, self.config.prefetch_depth, start_layer)
+        except BaseException:  # a recovery that raised: the readers already open must not leak
+            for reader in readers:
+                reader.close()
+            raise
 
     def _recover(self, h: StoredChunk, exc: Exception, recompute: RecomputeFn | None) -> LayerReader:
         """A reader for a chunk whose entry failed: another tier's copy, else recomputed KV."""
@@ -180,6 +212,8 @@ class KVStore:
             raise EntryLostError(f"chunk {h.key[:16]} failed ({exc}) and no recompute function was given")
         kv = recompute(h.token_ids, h.context_ids)
         self.put(h.key, kv)  # heal the store for the next request
+        with self._decision_lock:
+            self._num_recovered += 1
         return MemoryReader(h.key, kv)
 
     def promote(self, handles: Sequence[StoredChunk]) -> int:
@@ -210,8 +244,10 @@ class KVStore:
         with self._decision_lock:
             last = self._last_decision
             num = self._num_decisions
+            num_recovered = self._num_recovered
         return StoreStats(
             tiers=tiers,
+            num_recovered=num_recovered,
             num_auto_ratio_choices=num,
             last_auto_ratio=last.ratio if last else None,
             last_predicted_load_s=last.predicted_load_s if last else None,

@@ -28,12 +28,12 @@ async def list_documents(
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0, le=2**31)] = 0,
 ) -> DocumentList:
-    return documents.list(limit, offset)
+    return await documents.list(limit, offset)
 
 
 @router.get("/{document_id}")
 async def get_document(document_id: DocumentId, documents: DocumentsDep) -> DocumentDetail:
-    return documents.get(document_id)
+    return await documents.get(document_id)
 
 
 @router.delete("/{document_id}")

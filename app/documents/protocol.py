@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -46,13 +47,22 @@ class ChunkDetail(ChunkOut):
     text: str
 
 
+class DocumentStatus(str, Enum):
+    """What an ingest did with a document; each is committed (durable) once reported."""
+
+    CREATED = "created"
+    REPLACED = "replaced"
+    UNCHANGED = "unchanged"  # the same content was already stored: nothing redone (re-sends are safe)
+
+
 class DocumentOut(BaseModel):
     id: str
+    status: DocumentStatus
     chunks: list[ChunkOut]
 
 
 class IngestResponse(BaseModel):
-    documents: list[DocumentOut]
+    documents: list[DocumentOut] = Field(..., description="Every document of the request, committed, in order.")
 
 
 class DocumentDetail(BaseModel):

@@ -11,6 +11,7 @@ import anyio
 
 from app.errors import InvalidRequestError, NotFoundError
 from app.metrics import Metrics
+from app.rag.repair import KVRepairer
 from app.rag.types import DoneEvent, RagContext, RagRequest, Source, Timings, TokenEvent, Usage
 from app.worker import EngineWorker, Job, JobStream
 from blend_engine.kv import ChunkKV
@@ -28,6 +29,7 @@ class RagPipeline:
     kv_store: Any  # kv_store.KVStore
     worker: EngineWorker
     metrics: Metrics
+    repairer: KVRepairer | None = None  # recomputes, in the background, the entries found missing
     _engine_profile: EngineProfile | None = field(default=None, init=False)
 
     async def retrieve(self, request: RagRequest) -> RagContext:
@@ -72,7 +74,10 @@ class RagPipeline:
     def _handle(self, source: Source) -> Any:
         if source.kv_key is None:
             return None
-        return self.kv_store.handle(source.kv_key)
+        handle = self.kv_store.handle(source.kv_key)  # a damaged entry is deleted here: a miss
+        if handle is None and self.repairer is not None:  # this question recomputes it; later ones reuse it
+            self.repairer.schedule(source.kv_key, source.token_ids, self.engine.sink_ids(self.settings.blend.sink))
+        return handle
 
     def start(self, request: RagRequest, context: RagContext, t_start: float) -> JobStream:
         """Queue the generation (QueueFullError when full): TokenEvents, then one DoneEvent."""
