@@ -128,8 +128,9 @@ def _next_op(rng: random.Random, model: Model) -> tuple[str, dict, dict[str, Ver
         old = model.acked[doc_id]
         if old is not None and rng.random() < 0.2:
             version = old  # a re-send of what is stored: must be a no-op
-        else:
-            version = Version(model.next_version, " ".join(_sentence(rng) for _ in range(rng.randint(1, 4))))
+        else:  # most replaces keep the sentence count: same chunk count, the case counts cannot see
+            num_sentences = old.text.count(".") if old is not None and rng.random() < 0.7 else rng.randint(1, 4)
+            version = Version(model.next_version, " ".join(_sentence(rng) for _ in range(num_sentences)))
             model.next_version += 1
         targets[doc_id] = version
         documents.append({"id": doc_id, "text": version.text, "metadata": {"version": version.number}})
