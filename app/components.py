@@ -46,9 +46,7 @@ class Components:
         try:
             retriever = Retriever.open(settings.data_dir, settings.retrieval)
             kv_store = KVStore.from_settings(settings, engine.fingerprint)
-            num_orphans = kv_store.collect_garbage(retriever.store.kv_keys())  # e.g. an ingest killed mid-way
-            if num_orphans:
-                logger.warning("deleted %d KV entries no chunk points at", num_orphans)
+            _collect_kv_garbage(settings, kv_store, retriever)
             worker = EngineWorker(settings.server.max_queue, settings.server.retry_after_s)
             repairer = KVRepairer(engine, kv_store, worker, retriever.store.is_kv_key_used)
             metrics.watch_store(kv_store.stats, repairer.stats)
@@ -74,6 +72,17 @@ class Components:
             _close_all(self.kv_store, self.retriever)
         else:  # never close SQLite or the store under a running job: both survive a hard exit
             logger.error("engine worker did not stop: the stores are left open to the process exit")
+
+
+def _collect_kv_garbage(settings: Settings, kv_store: Any, retriever: Retriever) -> None:
+    """Delete the KV entries no chunk points at (e.g. of an ingest killed before its commit). Only
+    when this server owns the disk tier: a `store.disk_dir` set by hand may be shared."""
+    if settings.store.disk_enabled and settings.store.disk_dir is not None:
+        logger.info("store.disk_dir is set: it may be shared, so orphan KV entries are not collected")
+        return
+    num_orphans = kv_store.collect_garbage(retriever.store.kv_keys())
+    if num_orphans:
+        logger.warning("deleted %d KV entries no chunk points at", num_orphans)
 
 
 def _model_id(model_name: str) -> str:

@@ -93,3 +93,23 @@ def test_ingest_reports_each_document_and_a_resend_is_a_no_op(server):
         assert http.post("/v1/documents", json=batch).json()["documents"][0]["status"] == "replaced"
         listed = http.get("/v1/documents", params={"limit": 1000}).json()
         assert listed["total"] == len(listed["documents"]) and {"r1", first[1]["id"]} <= {d["id"] for d in listed["documents"]}
+
+
+def test_a_batch_failing_part_way_names_the_documents_committed_before(server, monkeypatch):
+    writer = server.components.documents.writer
+    real_write = writer.write
+
+    def failing_write(doc, chunking, precompute):
+        if doc.id == "second":
+            raise RuntimeError("disk on fire")
+        return real_write(doc, chunking, precompute)
+
+    monkeypatch.setattr(writer, "write", failing_write)
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        batch = {"documents": [{"id": "first", "text": "Owls hunt at night."}, {"id": "second", "text": "Bats too."}]}
+        response = http.post("/v1/documents", json=batch)
+        assert response.status_code == 500
+        message = response.json()["error"]["message"]
+        assert "stopped at document second" in message and "committed before it: first" in message
+        assert http.get("/v1/documents/first").status_code == 200
+        assert http.get("/v1/documents/second").status_code == 404

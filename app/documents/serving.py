@@ -11,7 +11,7 @@ from app.documents.protocol import (
     ChunkDetail, ChunkOut, DeleteResponse, DocumentDetail, DocumentList, DocumentOut, DocumentSummary,
     IngestRequest, IngestResponse,
 )
-from app.documents.writes import DocumentWriter, WrittenDocument
+from app.documents.writes import DocumentWriter, WrittenDocument, content_id
 from app.errors import IngestInterruptedError, InvalidRequestError, NotFoundError, PayloadTooLargeError
 from app.worker import EngineWorker, Job, JobCancelled
 from configs.settings import ChunkingMode, Settings
@@ -66,7 +66,7 @@ class DocumentService:
                 except Exception as exc:
                     if not written:
                         raise
-                    raise IngestInterruptedError([w.id for w in written], doc.id or "(new)", exc) from exc
+                    raise IngestInterruptedError([w.id for w in written], doc.id or content_id(doc), exc) from exc
         finally:
             self.retriever.index.save()
         return IngestResponse(documents=[self._document_out(w) for w in written])

@@ -71,13 +71,12 @@ class DocumentWriter:
 
     def _prepare(self, chunks: Sequence[TextChunk], context_ids: tuple[int, ...], precompute: bool) -> list[NewChunk]:
         embeddings = self.retriever.embedder.encode([c.text for c in chunks])
-        prepared = []
-        for chunk, embedding in zip(chunks, embeddings):
-            key = self.kv_store.key_for(chunk.token_ids, context_ids)
-            if precompute and not self.kv_store.contains(key):
-                self.kv_store.put(key, self.engine.precompute(list(chunk.token_ids), context_ids))
-            prepared.append(NewChunk(chunk.text, chunk.token_ids, embedding, key))
-        return prepared
+        keys = [self.kv_store.key_for(c.token_ids, context_ids) for c in chunks]
+        if precompute:  # a damaged entry reads as absent (and is deleted): computed again
+            for chunk, key, is_readable in zip(chunks, keys, self.kv_store.readable_many(keys)):
+                if not is_readable:
+                    self.kv_store.put(key, self.engine.precompute(list(chunk.token_ids), context_ids))
+        return [NewChunk(c.text, c.token_ids, e, key) for c, e, key in zip(chunks, embeddings, keys)]
 
     def _fill_kv(self, chunks: Sequence[StoredChunk], context_ids: tuple[int, ...]) -> None:
         """Precompute the entries an unchanged document lacks (never precomputed, evicted, damaged)."""
