@@ -196,3 +196,17 @@ def test_store_lists_with_counts_and_keeps_content_hashes(tmp_path):
     assert store.content_hash("a") == "h1" and store.content_hash("b") is None and store.content_hash("c") is None
     assert store.kv_keys() == {"k1", "k2"} and len(store.row_ids()) == 3
     store.close()
+
+
+@pytest.mark.parametrize("kind", list(IndexKind))
+def test_follow_a_replace_leaves_each_chunk_indexed_once(tmp_path, kind):
+    """HNSW cannot remove: the index is rebuilt from the store, which already holds the new chunks
+    (adding them again would index them twice)."""
+    retriever = Retriever.open(tmp_path, RetrievalSettings(index=kind))
+    (doc, _), vectors = _put(retriever, "a", ["Alpha one.", "Alpha two."])
+    retriever.follow([], [c.row_id for c in doc.chunks], list(vectors))
+    (doc2, replaced), vectors2 = _put(retriever, "a", ["Beta one.", "Beta two.", "Beta three."])
+    retriever.follow(replaced, [c.row_id for c in doc2.chunks], list(vectors2))
+    ids = retriever.index.ids().tolist()
+    assert sorted(ids) == sorted(retriever.store.row_ids()) and len(ids) == 3
+    retriever.close()
