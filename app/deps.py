@@ -13,6 +13,7 @@ from app.documents.serving import DocumentService
 from app.errors import AuthenticationError, NotReadyError
 from app.metrics import Metrics
 from app.query.serving import QueryService
+from app.uploads.serving import UploadService
 from configs.settings import Settings
 
 
@@ -49,7 +50,12 @@ def get_chat(components: ComponentsDep) -> ChatService:
     return components.chat
 
 
+def get_uploads(settings: SettingsDep, components: ComponentsDep) -> UploadService:
+    return UploadService(settings, components.documents)
+
+
 DocumentsDep = Annotated[DocumentService, Depends(get_documents)]
+UploadsDep = Annotated[UploadService, Depends(get_uploads)]
 QueryDep = Annotated[QueryService, Depends(get_query)]
 ChatDep = Annotated[ChatService, Depends(get_chat)]
 

@@ -21,6 +21,8 @@ from app.metrics import Metrics
 from app.middleware import BodySizeLimitMiddleware, MetricsMiddleware
 from app.models.api_router import router as models_router
 from app.query.api_router import router as query_router
+from app.uploads.api_router import router as uploads_router
+from app.web import install_web
 from configs.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -63,11 +65,15 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
     app.state.settings, app.state.preloaded_engine = settings, engine
     app.state.metrics = Metrics()
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.limits.max_body_bytes)
+    app.add_middleware(
+        BodySizeLimitMiddleware, max_bytes=settings.limits.max_body_bytes,
+        path_limits={"/v1/documents/files": settings.limits.max_upload_bytes},
+    )
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     app.include_router(health_router)
     app.include_router(metrics_router, dependencies=[Depends(require_api_key)])
     protected = [Depends(require_api_key)]
-    for router in (documents_router, query_router, chat_router, models_router):
+    for router in (uploads_router, documents_router, query_router, chat_router, models_router):
         app.include_router(router, dependencies=protected)
+    install_web(app)  # the chat page at /: no key needed to load it; it asks for the key
     return app

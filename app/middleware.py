@@ -15,18 +15,20 @@ class BodyTooLarge(Exception):
 
 
 class BodySizeLimitMiddleware:
-    """Answers 413 when Content-Length, or the bytes actually received, exceed `max_bytes`."""
+    """Answers 413 when Content-Length, or the bytes actually received, exceed `max_bytes` (or the
+    path's own limit in `path_limits`: file uploads are allowed more than JSON bodies)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, max_bytes: int, path_limits: dict[str, int] | None = None):
+        self.app, self.max_bytes, self.path_limits = app, max_bytes, dict(path_limits or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        max_bytes = self.path_limits.get(scope["path"], self.max_bytes)
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._reject(scope, receive, send)
+        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+            await self._reject(scope, receive, send, max_bytes)
             return
         num_received, is_rejected, is_started = 0, False, False
 
@@ -35,11 +37,11 @@ class BodySizeLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 num_received += len(message.get("body", b""))
-                if num_received > self.max_bytes and not is_rejected:
+                if num_received > max_bytes and not is_rejected:
                     is_rejected = True
                     if not is_started:
-                        await self._reject(scope, receive, send)
-                    raise BodyTooLarge(f"body over {self.max_bytes} bytes")
+                        await self._reject(scope, receive, send, max_bytes)
+                    raise BodyTooLarge(f"body over {max_bytes} bytes")
             return message
 
         async def guarded_send(message: Message) -> None:
@@ -54,9 +56,9 @@ class BodySizeLimitMiddleware:
         except BodyTooLarge:
             pass
 
-    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _reject(self, scope: Scope, receive: Receive, send: Send, max_bytes: int) -> None:
         response = error_response(
-            413, ErrorType.PAYLOAD_TOO_LARGE, f"request body exceeds the limit of {self.max_bytes} bytes"
+            413, ErrorType.PAYLOAD_TOO_LARGE, f"request body exceeds the limit of {max_bytes} bytes"
         )
         await response(scope, receive, send)
 

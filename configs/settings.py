@@ -183,6 +183,12 @@ class LimitsSettings(BaseModel):
     max_tokens: int = Field(1024, ge=1, description="Largest max_tokens a request may ask.")
     max_question_chars: int = Field(4000, ge=1, description="Longest question / user message.")
     max_chunk_ids: int = Field(32, ge=1, description="Longest chunk_ids list.")
+    max_upload_bytes: int = Field(
+        100_000_000, ge=1024, description="Largest request body of POST /v1/documents/files (413 above)."
+    )
+    max_unzipped_bytes: int = Field(
+        200_000_000, ge=1024, description="A DOCX expanding past this is refused (zip bombs; 413)."
+    )
 
 
 class StorageDtype(str, Enum):
