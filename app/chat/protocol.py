@@ -93,5 +93,6 @@ class ChatCompletionChunk(BaseModel):
     usage: ChatUsage | None = None  # on the last chunk
     timings: TimingsOut | None = None  # on the last chunk
     recompute_ratio: float | None = None  # on the last chunk
+    mode: str | None = None  # on the last chunk: the prefill mode used
     quality_guarded: bool | None = None  # on the last chunk
     warnings: list[str] | None = None

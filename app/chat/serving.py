@@ -81,7 +81,7 @@ class ChatService:
                     yield chunk(DeltaMessage(content=event.text))
                 else:
                     yield chunk(DeltaMessage(), finish=_finish(event), usage=_usage(event),
-                                timings=TimingsOut(**asdict(event.timings)), recompute_ratio=event.recompute_ratio,
+                                timings=TimingsOut(**asdict(event.timings)), recompute_ratio=event.recompute_ratio, mode=event.mode.value,
                                 quality_guarded=event.is_guarded)
             yield sse("[DONE]")
         except Exception as exc:  # the headers are out: report in-band, as OpenAI does

@@ -1,4 +1,5 @@
-"""`ragblend ingest PATH...`: post txt, md and jsonl files to a running server, with a progress bar.
+"""`ragblend ingest PATH...`: post txt, md and jsonl files to a running server, with a progress bar;
+PDF, HTML and DOCX files go to POST /v1/documents/files (the server extracts their text).
 
 A .txt/.md file is one document (id from the file name, title from the first heading or line).
 A .jsonl file holds one document per line: {"id"?, "title"?, "text", "metadata"?}.
@@ -14,12 +15,13 @@ from pathlib import Path
 from typing import Iterator
 
 from app.commands.client import add_client_arguments, error_message, make_client
+from app.commands.upload import UPLOAD_SUFFIXES, UploadFailed, is_upload, upload_files
 
-SUFFIXES = {".txt", ".md", ".markdown", ".jsonl"}
+SUFFIXES = {".txt", ".md", ".markdown", ".jsonl"} | UPLOAD_SUFFIXES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("paths", nargs="+", type=Path, help="files or directories (searched for txt, md, jsonl)")
+    parser.add_argument("paths", nargs="+", type=Path, help="files or directories (searched for txt, md, jsonl, pdf, html, docx)")
     parser.add_argument("--chunking", choices=["tokens", "none"], help="default from the server's config")
     parser.add_argument("--no-precompute", action="store_true", help="do not precompute chunk KV at ingestion")
     parser.add_argument("--batch-size", type=int, default=8, help="documents per request")
@@ -58,8 +60,10 @@ def _doc_id(path: Path) -> str:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    documents = [doc for path in iter_files(args.paths) for doc in documents_of(path)]
-    if not documents:
+    paths = list(iter_files(args.paths))
+    uploads = [path for path in paths if is_upload(path)]  # PDF, HTML, DOCX: extracted by the server
+    documents = [doc for path in paths if not is_upload(path) for doc in documents_of(path)]
+    if not documents and not uploads:
         print("no documents found", file=sys.stderr)
         return 1
     num_chunks = 0
@@ -75,5 +79,10 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             num_chunks += sum(len(d["chunks"]) for d in response.json()["documents"])
             bar.update(len(body["documents"]))
-    print(f"ingested {len(documents)} documents, {num_chunks} chunks")
+        try:
+            num_uploaded, num_upload_chunks = upload_files(client, uploads, args)
+        except UploadFailed as exc:
+            print(f"\n{exc}", file=sys.stderr)
+            return 1
+    print(f"ingested {len(documents) + num_uploaded} documents, {num_chunks + num_upload_chunks} chunks")
     return 0
