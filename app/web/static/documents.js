@@ -21,10 +21,11 @@ const docs = {
     for (const doc of docs.all) {
       const title = doc.title || doc.id;
       if (query && !title.toLowerCase().includes(query) && !doc.id.toLowerCase().includes(query)) continue;
-      const item = el("li", { dataset: { id: doc.id } },
+      const item = el("li", {},
         el("span", { className: "title", title: `${title} (${doc.id})`, textContent: title, onclick: () => docs.open(doc.id) }),
         el("span", { className: "meta", textContent: `${doc.num_chunks} ch` }),
         el("button", { type: "button", textContent: "Delete", className: "delete", onclick: () => docs.remove(doc) }));
+      item.dataset.id = doc.id;
       list.append(item);
     }
   },
