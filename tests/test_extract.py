@@ -32,14 +32,24 @@ def test_pdf_without_title_uses_its_first_line():
     assert extract_one("a.pdf", make_pdf([["Annual figures", "More text."]])).title == "Annual figures"
 
 
-def test_html_drops_scripts_and_markup_keeps_structure():
+def test_html_keeps_the_main_content_and_drops_boilerplate_scripts_and_markup():
     html = (b"<html><head><title>Bridge page</title><style>p{color:red}</style><script>var x = 1;</script></head>"
-            b"<body><h1>Bridges</h1><p>The <b>red</b> bridge was <a href='/y'>painted</a> in 1966.</p>"
-            b"<ul><li>Lisbon</li><li>Porto</li></ul></body></html>")
+            b"<body><nav><a href='/'>Home</a> <a href='/c'>Contact us today</a></nav><article><h1>Bridges</h1>"
+            b"<p>The <b>red</b> bridge was <a href='/y'>painted</a> in 1966 by a team of forty workers.</p>"
+            b"<ul><li>It crosses the Tagus river.</li><li>It is two kilometres long.</li></ul>"
+            b"<table><tr><td>opened</td><td>1966</td></tr></table></article>"
+            b"<footer>Copyright 2026 Example Corp. All rights reserved.</footer></body></html>")
     doc = extract_one("bridges.htm", html)
     assert doc.title == "Bridge page" and doc.file_format is FileFormat.HTML
-    assert "The red bridge was painted in 1966." in doc.text and "# Bridges" in doc.text
-    assert "* Lisbon" in doc.text and "var x" not in doc.text and "color" not in doc.text and "href" not in doc.text
+    for kept in ("The red bridge was painted in 1966", "It crosses the Tagus river.", "opened", "Bridges"):
+        assert kept in doc.text
+    for dropped in ("var x", "color", "href", "Contact us", "All rights reserved"):
+        assert dropped not in doc.text
+
+
+def test_a_page_too_short_for_content_detection_keeps_all_its_text():
+    doc = extract_one("tiny.html", b"<title>Tiny</title><table><tr><td>Hi.</td><td>2</td></tr></table>")
+    assert doc.title == "Tiny" and "Hi." in doc.text and "2" in doc.text
 
 
 def test_html_charset_from_meta():

@@ -1,11 +1,17 @@
-"""HTML to Markdown-like text (html2text: headings, lists and tables kept, no links or images)."""
+"""HTML to text: trafilatura finds the main content (navigation, footers, cookie banners left out;
+tables kept); a page where it finds none (a very short one) falls back to html2text's whole-page
+conversion. README "Formats" has the measurement behind this choice."""
 
 from __future__ import annotations
 
+import logging
 import re
 from html.parser import HTMLParser
 
 import html2text
+import trafilatura
+
+logging.getLogger("trafilatura").setLevel(logging.ERROR)  # it logs every page it finds too short
 
 _CHARSET = re.compile(rb"""<meta[^>]+charset\s*=\s*["']?([A-Za-z0-9._-]+)""", re.IGNORECASE)
 
@@ -27,12 +33,17 @@ def _declared(data: bytes) -> list[str]:
 
 def extract_html(markup: str) -> tuple[str | None, str]:
     """(title from <title> or the first <h1>, text)."""
+    text = trafilatura.extract(markup, include_tables=True, include_comments=False, include_images=False) or ""
+    return _Titles.of(markup), (text.strip() or _whole_page(markup))
+
+
+def _whole_page(markup: str) -> str:
+    """Every text of the page as Markdown-like text (headings, lists, tables; no links or images)."""
     converter = html2text.HTML2Text()
     converter.body_width = 0  # no hard wrapping: the chunker cuts at sentences
     converter.ignore_links = converter.ignore_images = converter.ignore_emphasis = True
     converter.unicode_snob = True  # keep non-ASCII characters as they are
-    text = converter.handle(markup)
-    return _Titles.of(markup), re.sub(r"\n{3,}", "\n\n", text).strip()
+    return re.sub(r"\n{3,}", "\n\n", converter.handle(markup)).strip()
 
 
 class _Titles(HTMLParser):
