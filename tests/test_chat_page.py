@@ -186,7 +186,8 @@ def test_search_by_title_then_delete(page, server):
 def test_an_oversized_upload_and_a_full_queue_show_clear_errors(page):
     page.set_input_files("#file-input", files=[{"name": "huge.txt", "mimeType": "text/plain", "buffer": b"x" * 1_100_000}])
     page.wait_for_selector("#uploads li.failed >> text=huge.txt")
-    assert "huge.txt" in page.locator("#uploads li.failed", has_text="huge.txt").inner_text()
+    failure = page.locator("#uploads li.failed", has_text="huge.txt").inner_text()
+    assert "Too large (413)" in failure and "1000000 bytes" in failure
     page.route("**/v1/chat/completions", lambda route: route.fulfill(
         status=503, headers={"Retry-After": "7", "Content-Type": "application/json"},
         body=json.dumps({"error": {"type": "overloaded_error", "message": "engine queue is full"}})))
@@ -195,3 +196,19 @@ def test_an_oversized_upload_and_a_full_queue_show_clear_errors(page):
     page.wait_for_function("document.querySelector('#error').textContent.includes('Retry in 7 s')")
     assert "503" in page.inner_text("#error")
     page.unroute("**/v1/chat/completions")
+
+
+def test_a_server_that_is_not_ready_says_so(browser, tmp_path):
+    settings = load_settings(data_dir=tmp_path, model={"name": str(tmp_path / "missing.gguf")})
+    with LiveServer(settings, is_waiting=False) as server:
+        context = browser.new_context()
+        page = context.new_page()
+        page.goto(server.url + "/")
+        page.wait_for_function("document.querySelector('#server-status').textContent.includes('failed to start')",
+                               timeout=60_000)
+        assert "missing.gguf" in page.inner_text("#server-status")
+        page.fill("#question", "Anything?")
+        page.press("#question", "Enter")
+        page.wait_for_selector("#error:not([hidden])")
+        assert "Server not ready (503)" in page.inner_text("#error")
+        context.close()
