@@ -49,10 +49,11 @@ def make_pdf(pages: list[list[str]], title: str | None = None) -> bytes:
 
 
 def encrypt_pdf(data: bytes, password: str = "secret") -> bytes:
+    """Encrypted with this user password (an empty one: anyone may open it, as with copy-protected PDFs)."""
     from pypdf import PdfReader, PdfWriter
 
     writer = PdfWriter(clone_from=PdfReader(io.BytesIO(data)))
-    writer.encrypt(user_password=password, owner_password=password, algorithm="RC4-128")
+    writer.encrypt(user_password=password, owner_password="owner-secret", algorithm="RC4-128")
     out = io.BytesIO()
     writer.write(out)
     return out.getvalue()

@@ -28,6 +28,12 @@ def test_pdf_keeps_pages_title_and_offsets():
     assert page_at(doc.page_starts, doc.text.index("cheese")) == 2
 
 
+def test_a_pdf_encrypted_only_against_copying_opens_and_long_titles_are_cut():
+    data = encrypt_pdf(make_pdf([["Readable text."]], title="T" * 2000), password="")
+    doc = extract_one("restricted.pdf", data)
+    assert doc.text == "Readable text." and doc.title == "T" * 512
+
+
 def test_pdf_without_title_uses_its_first_line():
     assert extract_one("a.pdf", make_pdf([["Annual figures", "More text."]])).title == "Annual figures"
 
@@ -95,6 +101,7 @@ def test_document_ids_from_file_names():
         ("fake.docx", b"just some text", "not a docx", False),
         ("other.docx", make_zip_bomb_docx(0).replace(b"word/document.xml", b"word/documenX.xml"), "no word/document.xml", False),
         ("bomb.docx", make_zip_bomb_docx(8 << 20), "zip bomb", True),
+        ("garbled.docx", make_zip_bomb_docx(0), "not a readable docx", False),
         ("really-a-pdf.txt", make_pdf([["x"]]), "is the extension right", False),
         ("really-a-zip.md", make_docx("t", "h", ["p"]), "is the extension right", False),
         ("binary.txt", b"abc\x00def", "nul bytes", False),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_right
+from dataclasses import replace
 from pathlib import PurePath
 from typing import Sequence
 
@@ -15,6 +16,7 @@ from app.extract.text import decode_text, first_line_title, markdown_title, pars
 from app.extract.types import SUFFIX_FORMATS, ExtractedDocument, ExtractionLimits, FileFormat, FileRejected
 
 _ZIP_MAGIC, _PDF_MAGIC = b"PK\x03\x04", b"%PDF-"
+MAX_TITLE_CHARS = 512  # DocumentIn.title's limit
 
 
 def file_format(name: str) -> FileFormat:
@@ -36,7 +38,7 @@ def extract_file(name: str, data: bytes, limits: ExtractionLimits) -> list[Extra
     if not data.strip():
         raise FileRejected(f"{name}: the file is empty")
     _check_magic(name, data, fmt)
-    docs = _extract(name, data, fmt, limits)
+    docs = [replace(doc, title=_clean_title(doc.title)) for doc in _extract(name, data, fmt, limits)]
     for doc in docs:
         if not doc.text.strip():
             raise FileRejected(f"{name}: no text found in the file")
@@ -46,6 +48,11 @@ def extract_file(name: str, data: bytes, limits: ExtractionLimits) -> list[Extra
                 is_too_large=True,
             )
     return docs
+
+
+def _clean_title(title: str | None) -> str | None:
+    """One line, at most MAX_TITLE_CHARS (a PDF's Title can be anything)."""
+    return " ".join((title or "").split())[:MAX_TITLE_CHARS] or None
 
 
 def _check_magic(name: str, data: bytes, fmt: FileFormat) -> None:

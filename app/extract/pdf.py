@@ -27,7 +27,7 @@ def extract_pdf(name: str, data: bytes) -> tuple[str | None, list[str]]:
         raise
     except (FileNotDecryptedError, DependencyError) as exc:
         raise FileRejected(f"{name}: the PDF is encrypted and cannot be read ({exc})") from exc
-    except (PdfReadError, ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError) as exc:
+    except Exception as exc:  # a damaged file can fail anywhere in the parser: it is the file's fault, not ours
         raise FileRejected(f"{name}: not a readable PDF ({type(exc).__name__}: {exc})") from exc
     if not any(text.strip() for text in pages):
         raise FileRejected(
