@@ -81,8 +81,8 @@ class ChatService:
                     yield chunk(DeltaMessage(content=event.text))
                 else:
                     yield chunk(DeltaMessage(), finish=_finish(event), usage=_usage(event),
-                                timings=TimingsOut(**asdict(event.timings)), recompute_ratio=event.recompute_ratio, mode=event.mode.value,
-                                quality_guarded=event.is_guarded)
+                                timings=TimingsOut(**asdict(event.timings)), recompute_ratio=event.recompute_ratio,
+                                quality_guarded=event.is_guarded, mode=event.mode.value)
             yield sse("[DONE]")
         except Exception as exc:  # the headers are out: report in-band, as OpenAI does
             yield sse(error_body("server_error", f"generation failed: {exc}"))

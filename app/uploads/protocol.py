@@ -8,7 +8,9 @@ from app.documents.protocol import ChunkOut
 
 
 class UploadedDocument(BaseModel):
-    id: str = Field(description="From the file name (a JSONL line's own id, else <file>:<line>); re-uploading replaces.")
+    id: str = Field(
+        description="From the file name (a JSONL line's own id, else <file>:<line>); re-uploading replaces."
+    )
     title: str | None
     source: str = Field(description="The uploaded file's name.")
     format: str = Field(description="pdf, html, docx, markdown, text or jsonl.")

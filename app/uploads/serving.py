@@ -8,6 +8,7 @@ from typing import Sequence
 
 import anyio
 from fastapi import UploadFile
+from pydantic import ValidationError
 
 from app.documents.protocol import DocumentIn, IngestRequest
 from app.documents.serving import DocumentService
@@ -30,16 +31,15 @@ class UploadService:
         limits = self.settings.limits
         return ExtractionLimits(limits.max_document_chars, limits.max_unzipped_bytes, limits.max_documents_per_request)
 
-    async def upload(self, files: Sequence[UploadFile], chunking: ChunkingMode | None, precompute: bool) -> UploadResponse:
+    async def upload(
+        self, files: Sequence[UploadFile], chunking: ChunkingMode | None, precompute: bool
+    ) -> UploadResponse:
         extracted = [doc for file in files for doc in await self._extract(file)]
         self._check(extracted)
         chunking = chunking or self.settings.retrieval.chunking
         metadata = [await self._metadata(doc, chunking) for doc in extracted]
-        request = IngestRequest(
-            documents=[DocumentIn(id=doc.id, title=doc.title, text=doc.text, metadata=meta)
-                       for doc, meta in zip(extracted, metadata)],
-            chunking=chunking, precompute=precompute,
-        )
+        request = IngestRequest(documents=[_document_in(doc, meta) for doc, meta in zip(extracted, metadata)],
+                                chunking=chunking, precompute=precompute)
         ingested = await self.documents.ingest(request)
         return UploadResponse(documents=[
             UploadedDocument(id=doc.id, title=doc.title, source=doc.metadata["source"], format=doc.file_format.value,
@@ -75,6 +75,15 @@ class UploadService:
         chunker = self.documents.chunker
         pages = await self.documents.worker.run(lambda job: chunk_pages(chunker, doc.text, chunking, doc.page_starts))
         return {**doc.metadata, "chunk_pages": pages}
+
+
+def _document_in(doc: ExtractedDocument, metadata: dict) -> DocumentIn:
+    """The JSON route's document; what its validation refuses is this file's 422, not a 500."""
+    try:
+        return DocumentIn(id=doc.id, title=doc.title, text=doc.text, metadata=metadata)
+    except ValidationError as exc:
+        reasons = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:3])
+        raise InvalidRequestError(f"{doc.metadata['source']}: document {doc.id!r} is invalid ({reasons})") from exc
 
 
 def chunk_pages(chunker: Chunker, text: str, chunking: ChunkingMode, page_starts: Sequence[int]) -> list[int]:

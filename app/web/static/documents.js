@@ -95,7 +95,7 @@ const docs = {
         const body = JSON.parse(xhr.responseText);
         const chunks = body.documents.reduce((n, d) => n + d.chunks.length, 0);
         const cached = body.documents.reduce((n, d) => n + d.chunks.filter((c) => c.kv_cached).length, 0);
-        line.textContent = `${file.name}: ingested, ${chunks} chunks (${cached} with KV cached)`;
+        line.textContent = `${file.name}: ingested, ${chunks} chunk${chunks === 1 ? "" : "s"} (${cached} with KV cached)`;
         line.className = "done";
         body.documents.forEach((d) => docs.details.delete(d.id));
         docs.refresh();
