@@ -15,7 +15,7 @@ from blend_engine.kv import ChunkKV, LayerKVSource, MemoryKVSource, MergedKVSour
 from blend_engine.loader import LoadedModel, load_model
 from blend_engine.plan import plan_prefill
 from blend_engine.prefill import run_prefill
-from blend_engine.prompt import PromptBuilder
+from blend_engine.prompt import PromptBuilder, encode_text
 from blend_engine.runner import ModelRunner, apply_rope
 from blend_engine.types import BlendConfig, Delta, PrefillMode, PrefillResult, SamplingParams, Segment
 from configs.settings import Settings, SinkMode
@@ -82,7 +82,8 @@ class BlendEngine:
 
     # --- prompts ----------------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        """Document text -> ids; special-token parsing off, so text never yields control tokens."""
+        return list(encode_text(self.tokenizer, text))
 
     def sink_ids(self, sink: SinkMode) -> tuple[int, ...]:
         """The context a chunk is precomputed behind (its KV is dropped)."""
