@@ -18,6 +18,7 @@ from blend_engine.prefill import run_prefill
 from blend_engine.prompt import PromptBuilder, encode_text
 from blend_engine.runner import ModelRunner, apply_rope
 from blend_engine.types import BlendConfig, Delta, PrefillMode, PrefillResult, SamplingParams, Segment
+from blend_engine.weights_id import weights_digest
 from configs.settings import Settings, SinkMode
 
 # Bump when what a ChunkKV means changes (pre-RoPE keys, sink handling): old caches then miss.
@@ -227,6 +228,7 @@ def _fingerprint(engine: BlendEngine) -> str:
         tokenizer_id = hashlib.sha256(json.dumps(vocab).encode()).hexdigest()
     parts = {
         "model": engine.model_name,
+        "weights": weights_digest(getattr(engine.model, "name_or_path", None)),  # content, not just names
         "dtype": str(engine.dtype),
         "layers": engine.num_layers,
         "heads": config.num_attention_heads,

@@ -173,6 +173,15 @@ class ServerSettings(BaseModel):
     max_queue: int = Field(16, ge=1, le=4096, description="Engine jobs waiting beyond this answer 503.")
     retry_after_s: int = Field(2, ge=1, le=3600, description="Retry-After of a 503 when the queue is full.")
     model_id: str | None = Field(None, description="Model id shown by /v1/models (default: the engine's name).")
+    allow_public_without_key: bool = Field(
+        False, description="Let `ragblend serve` listen on a non-loopback host with no api_key (refused otherwise)."
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0.0, le=3600.0, description="A connection whose request headers are not all in by then is closed."
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0.0, le=3600.0, description="A request body not all in by then (from its first byte read) is a 408."
+    )
 
 
 class LimitsSettings(BaseModel):
