@@ -9,6 +9,7 @@ from fastapi import Depends, Header, Request
 
 from app.chat.serving import ChatService
 from app.components import Components
+from app.documents.limits import KVBudget
 from app.documents.serving import DocumentService
 from app.errors import AuthenticationError, NotReadyError
 from app.metrics import Metrics
@@ -49,7 +50,12 @@ def get_chat(components: ComponentsDep) -> ChatService:
     return components.chat
 
 
+def get_kv_budget(components: ComponentsDep) -> KVBudget | None:
+    return KVBudget.of(components.settings, components.engine)
+
+
 DocumentsDep = Annotated[DocumentService, Depends(get_documents)]
+KVBudgetDep = Annotated[KVBudget | None, Depends(get_kv_budget)]
 QueryDep = Annotated[QueryService, Depends(get_query)]
 ChatDep = Annotated[ChatService, Depends(get_chat)]
 

@@ -186,7 +186,9 @@ class ServerSettings(BaseModel):
 
 class LimitsSettings(BaseModel):
     max_body_bytes: int = Field(8_000_000, ge=1024, description="Largest request body (413 above).")
-    max_document_chars: int = Field(1_000_000, ge=1, description="Largest document text.")
+    max_document_chars: int = Field(
+        500_000, ge=1, description="Largest document text; its KV (one token per char) must fit the store bound."
+    )
     max_documents_per_request: int = Field(64, ge=1, description="Documents in one POST /v1/documents.")
     max_top_k: int = Field(20, ge=1, le=1000, description="Largest top_k a request may ask.")
     max_tokens: int = Field(1024, ge=1, description="Largest max_tokens a request may ask.")

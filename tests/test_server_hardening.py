@@ -162,3 +162,13 @@ def test_stream_errors_send_an_id_not_the_internal_message(caplog):
     assert any(error_id in r.getMessage() and "secret internal detail" in str(r.exc_info[1]) for r in caplog.records)
     # an ApiError's message is meant for the client and is kept
     assert stream_error_body(InvalidRequestError("too long"))["error"]["message"] == "too long"
+
+
+def test_docker_compose_publishes_on_loopback_and_requires_a_key():
+    import yaml
+    from pathlib import Path
+
+    compose = yaml.safe_load((Path(__file__).parents[1] / "docker-compose.yml").read_text())
+    service = compose["services"]["ragblend"]
+    assert all(port.startswith("${RAGBLEND_PUBLISH_HOST:-127.0.0.1}:") for port in service["ports"])
+    assert ":?" in service["environment"]["RAGBLEND_SERVER__API_KEY"]  # compose stops when it is unset
