@@ -37,7 +37,6 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from app.main import create_app
     from app.server import ServeError, bind_socket, check_exposure, uvicorn_config
     from configs.settings import load_settings
 
@@ -49,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
     except ServeError as exc:
         print(f"ragblend serve: {exc}", file=sys.stderr)
         return ExitCode.CANNOT_START
+    from app.main import create_app  # torch and the rest: imported only once the port is ours
+
     config = uvicorn_config(create_app(settings), settings, settings.server.host, settings.server.port,
                             args.log_level)
     with sock:
