@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.chat.serving import ChatService
+from app.documents.limits import check_document_limit
 from app.documents.serving import DocumentService
 from app.metrics import Metrics
 from app.query.serving import QueryService
@@ -42,6 +43,7 @@ class Components:
 
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         engine = engine or BlendEngine.from_settings(settings)
+        check_document_limit(settings, engine)  # before any store opens: the limit must fit its bound
         retriever = kv_store = worker = None
         try:
             retriever = Retriever.open(settings.data_dir, settings.retrieval)

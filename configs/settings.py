@@ -173,16 +173,33 @@ class ServerSettings(BaseModel):
     max_queue: int = Field(16, ge=1, le=4096, description="Engine jobs waiting beyond this answer 503.")
     retry_after_s: int = Field(2, ge=1, le=3600, description="Retry-After of a 503 when the queue is full.")
     model_id: str | None = Field(None, description="Model id shown by /v1/models (default: the engine's name).")
+    allow_public_without_key: bool = Field(
+        False, description="Let `ragblend serve` listen on a non-loopback host with no api_key (refused otherwise)."
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0.0, le=3600.0, description="A connection whose request headers are not all in by then is closed."
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0.0, le=3600.0, description="A request body not all in by then (from its first byte read) is a 408."
+    )
 
 
 class LimitsSettings(BaseModel):
     max_body_bytes: int = Field(8_000_000, ge=1024, description="Largest request body (413 above).")
-    max_document_chars: int = Field(1_000_000, ge=1, description="Largest document text.")
+    max_document_chars: int = Field(
+        500_000, ge=1, description="Largest document text; its KV (one token per char) must fit the store bound."
+    )
     max_documents_per_request: int = Field(64, ge=1, description="Documents in one POST /v1/documents.")
     max_top_k: int = Field(20, ge=1, le=1000, description="Largest top_k a request may ask.")
     max_tokens: int = Field(1024, ge=1, description="Largest max_tokens a request may ask.")
     max_question_chars: int = Field(4000, ge=1, description="Longest question / user message.")
     max_chunk_ids: int = Field(32, ge=1, description="Longest chunk_ids list.")
+    max_upload_bytes: int = Field(
+        100_000_000, ge=1024, description="Largest request body of POST /v1/documents/files (413 above)."
+    )
+    max_unzipped_bytes: int = Field(
+        200_000_000, ge=1024, description="A DOCX expanding past this is refused (zip bombs; 413)."
+    )
 
 
 class StorageDtype(str, Enum):

@@ -11,7 +11,7 @@ from app.chat.protocol import (
     AssistantMessage, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatUsage, Choice,
     ChunkChoice, DeltaMessage,
 )
-from app.errors import InvalidRequestError, NotFoundError, error_body
+from app.errors import InvalidRequestError, NotFoundError, UnsupportedParameterError, stream_error_body
 from app.query.protocol import TimingsOut
 from app.query.serving import build_rag_request, sources_out
 from app.rag.collect import IsDisconnected, collect
@@ -40,6 +40,10 @@ class ChatService:
 
     async def prepare(self, body: ChatCompletionRequest) -> ChatCall:
         t_start = time.perf_counter()
+        unsupported = body.unsupported_parameters()
+        if unsupported:
+            raise UnsupportedParameterError(f"unsupported parameter(s): {', '.join(unsupported)}; ragblend answers "
+                                            "with one plain-text choice, without tools or log-probabilities")
         if body.model is not None and body.model != self.model_id:
             raise NotFoundError(f"model not found: {body.model!r}; this server serves {self.model_id!r}")
         if body.messages[-1].role != "user":
@@ -82,10 +86,10 @@ class ChatService:
                 else:
                     yield chunk(DeltaMessage(), finish=_finish(event), usage=_usage(event),
                                 timings=TimingsOut(**asdict(event.timings)), recompute_ratio=event.recompute_ratio,
-                                quality_guarded=event.is_guarded)
+                                quality_guarded=event.is_guarded, mode=event.mode.value)
             yield sse("[DONE]")
         except Exception as exc:  # the headers are out: report in-band, as OpenAI does
-            yield sse(error_body("server_error", f"generation failed: {exc}"))
+            yield sse(stream_error_body(exc))
         finally:
             call.stream.cancel()
 

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, status
 
-from app.deps import DocumentsDep
+from app.deps import DocumentsDep, KVBudgetDep
 from app.documents.protocol import (
     DOCUMENT_ID_PATTERN, DeleteResponse, DocumentDetail, DocumentList, IngestRequest, IngestResponse,
 )
@@ -18,7 +18,9 @@ DocumentId = Annotated[str, Path(pattern=DOCUMENT_ID_PATTERN)]
 
 
 @router.post("", status_code=status.HTTP_201_CREATED)
-async def ingest_documents(body: IngestRequest, documents: DocumentsDep) -> IngestResponse:
+async def ingest_documents(body: IngestRequest, documents: DocumentsDep, kv_budget: KVBudgetDep) -> IngestResponse:
+    if kv_budget is not None:
+        await kv_budget.check_request(body)
     return await documents.ingest(body)
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
+from app.text import is_blank
 from configs.settings import ChunkingMode
 
 DOCUMENT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
@@ -23,8 +24,8 @@ class DocumentIn(BaseModel):
     @field_validator("text")
     @classmethod
     def _not_blank(cls, value: str) -> str:
-        if not value.strip():
-            raise ValueError("text is empty")
+        if is_blank(value):
+            raise ValueError("text is empty (only whitespace, control or zero-width characters)")
         return value
 
 
@@ -33,7 +34,7 @@ class IngestRequest(BaseModel):
 
     documents: list[DocumentIn] = Field(..., min_length=1)
     chunking: ChunkingMode | None = Field(None, description="tokens (default) or none: one passage, one chunk.")
-    precompute: bool = Field(True, description="Precompute every chunk's KV into the store.")
+    precompute: StrictBool = Field(True, description="Precompute every chunk's KV into the store.")
 
 
 class ChunkOut(BaseModel):

@@ -2,35 +2,47 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections import Counter
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, field_validator
 
 from blend_engine.types import PrefillMode, SelectionKind
 
 Ratio = float
+# Strict numbers: JSON "3" or true is not an int (no coercion); an int is still a valid float.
+StrictInt = Annotated[int, Strict()]
+StrictFloat = Annotated[float, Strict()]
 
 
 class GenerationOptions(BaseModel):
     """Retrieval, prefill and sampling options shared by /v1/query and /v1/chat/completions."""
 
-    top_k: int | None = Field(None, ge=1, description="Chunks to retrieve (limit: limits.max_top_k).")
+    top_k: StrictInt | None = Field(None, ge=1, description="Chunks to retrieve (limit: limits.max_top_k).")
     chunk_ids: list[str] | None = Field(
         None, min_length=1, description="Skip retrieval: use exactly these chunks, in this order."
     )
     mode: PrefillMode | None = Field(None, description="Prefill mode; default from config (blend).")
-    recompute_ratio: float | Literal["auto", "adaptive"] | None = Field(
+    recompute_ratio: StrictFloat | Literal["auto", "adaptive"] | None = Field(
         None, description="Share of reused tokens recomputed in blend mode, in [0, 1]; 'auto' (loading "
         "controller) or 'adaptive' (as many as hold blend.adaptive_mass of the ranking score).",
     )
     selection: SelectionKind | None = Field(
         None, description="How blend ranks the cached tokens it recomputes; default from config."
     )
-    max_tokens: int | None = Field(None, ge=1, description="Answer length cap (limit: limits.max_tokens).")
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stream: bool = False
+    max_tokens: StrictInt | None = Field(None, ge=1, description="Answer length cap (limit: limits.max_tokens).")
+    temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
+    seed: StrictInt | None = Field(None, ge=0, le=2**63 - 1)
+    stream: StrictBool = False
+
+    @field_validator("chunk_ids")
+    @classmethod
+    def _unique(cls, value: list[str] | None) -> list[str] | None:
+        repeated = sorted(chunk_id for chunk_id, count in Counter(value or ()).items() if count > 1)
+        if repeated:
+            raise ValueError(f"chunk_ids repeat: {', '.join(repeated[:10])}")
+        return value
 
 
 class QueryRequest(GenerationOptions):

@@ -6,12 +6,13 @@ import time
 from dataclasses import asdict, dataclass
 from typing import AsyncIterator, Sequence
 
-from app.errors import InvalidRequestError, error_body
+from app.errors import InvalidRequestError, stream_error_body
 from app.query.protocol import GenerationOptions, QueryRequest, QueryResponse, SourceOut, TimingsOut, UsageOut
 from app.rag.collect import IsDisconnected, collect
 from app.rag.pipeline import RagPipeline
 from app.rag.types import DoneEvent, RagContext, RagRequest, Source, TokenEvent
 from app.sse import sse
+from app.text import is_blank
 from app.worker import JobStream
 from blend_engine.types import SamplingParams
 from configs.settings import Settings
@@ -23,7 +24,7 @@ def build_rag_request(
 ) -> RagRequest:
     """A RagRequest with defaults from config; raises InvalidRequestError for limits a user can break."""
     limits, gen = settings.limits, settings.generation
-    if not question.strip():
+    if is_blank(question):
         raise InvalidRequestError("the question is empty")
     if len(question) > limits.max_question_chars:
         raise InvalidRequestError(f"the question has {len(question)} characters; the limit is {limits.max_question_chars}")
@@ -84,7 +85,7 @@ class QueryService:
                 else:
                     yield sse(_done_payload(event), event="done")
         except Exception as exc:  # the headers are out: report in-band
-            yield sse(error_body("server_error", f"generation failed: {exc}"), event="error")
+            yield sse(stream_error_body(exc), event="error")
         finally:
             stream.cancel()
 

@@ -56,12 +56,21 @@ class RagPipeline:
             if num_tokens <= budget:
                 return kept, dropped
             if not kept:
-                raise InvalidRequestError(
-                    f"the question alone needs {num_tokens} prompt tokens; with max_tokens="
-                    f"{request.sampling.max_tokens} that exceeds the model's context of {self.engine.max_context}"
-                )
+                raise InvalidRequestError(self._too_long_message(request, num_tokens))
             worst = _lowest_ranked(kept)
             dropped.append(kept.pop(worst).chunk_id)
+
+    def _too_long_message(self, request: RagRequest, num_tokens: int) -> str:
+        """Why a prompt with no chunk left is still too long: the question, or the chat history."""
+        what = "the question alone"
+        if request.history:
+            alone = replace(request, history=())
+            num_question_tokens = sum(len(s.token_ids) for s in self._segments(alone, [], with_kv=False))
+            what = (f"the chat history ({len(request.history)} messages, {num_tokens - num_question_tokens} "
+                    f"tokens) with the question")
+        return (f"{what} needs {num_tokens} prompt tokens; with max_tokens={request.sampling.max_tokens} that "
+                f"exceeds the model's context of {self.engine.max_context}"
+                + ("; shorten the history" if request.history else ""))
 
     def _segments(self, request: RagRequest, sources: Sequence[Source], with_kv: bool) -> list[Segment]:
         """The prompt's segments. Without KV (for counting, off the worker) no model work is done:
