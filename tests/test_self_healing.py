@@ -95,6 +95,14 @@ def test_ingest_reports_each_document_and_a_resend_is_a_no_op(server):
         assert listed["total"] == len(listed["documents"]) and {"r1", first[1]["id"]} <= {d["id"] for d in listed["documents"]}
 
 
+def test_a_re_upload_of_the_same_file_is_unchanged(server):
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        files = {"files": ("herons.txt", b"Grey herons wait in shallow water.", "text/plain")}
+        first = http.post("/v1/documents/files", files=files).json()["documents"][0]
+        second = http.post("/v1/documents/files", files=files).json()["documents"][0]
+        assert (first["status"], second["status"]) == ("created", "unchanged") and first["id"] == second["id"]
+
+
 def test_a_batch_failing_part_way_names_the_documents_committed_before(server, monkeypatch):
     writer = server.components.documents.writer
     real_write = writer.write

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from app.documents.protocol import ChunkOut
+from app.documents.protocol import ChunkOut, DocumentStatus
 
 
 class UploadedDocument(BaseModel):
@@ -15,6 +15,7 @@ class UploadedDocument(BaseModel):
     source: str = Field(description="The uploaded file's name.")
     format: str = Field(description="pdf, html, docx, markdown, text or jsonl.")
     num_pages: int | None = Field(None, description="PDFs: pages; metadata.chunk_pages[i] is chunk i's first page.")
+    status: DocumentStatus = Field(description="created, replaced, or unchanged (the same content was already stored).")
     chunks: list[ChunkOut]
 
 

@@ -43,7 +43,8 @@ class UploadService:
         ingested = await self.documents.ingest(request)
         return UploadResponse(documents=[
             UploadedDocument(id=doc.id, title=doc.title, source=doc.metadata["source"], format=doc.file_format.value,
-                             num_pages=doc.metadata.get("num_pages"), chunks=out.chunks)
+                             num_pages=doc.metadata.get("num_pages"), status=out.status,
+                             chunks=out.chunks)
             for doc, out in zip(extracted, ingested.documents)
         ])
 
