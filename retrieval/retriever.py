@@ -90,7 +90,9 @@ class Retriever:
         missing = [cid for cid in chunk_ids if cid not in found]
         return [ScoredChunk(found[cid], None) for cid in chunk_ids if cid in found], missing
 
-    def follow(self, removed: Sequence[StoredChunk], added_row_ids: Sequence[int], added_vectors: Sequence[np.ndarray]) -> None:
+    def follow(
+        self, removed: Sequence[StoredChunk], added_row_ids: Sequence[int], added_vectors: Sequence[np.ndarray]
+    ) -> None:
         """Make the index follow a committed store write: drop `removed` chunks, add the new ones."""
         if removed and not self.index.supports_remove:
             self.index.rebuild(self.store.iter_embeddings())  # the store already holds the new chunks

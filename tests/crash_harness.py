@@ -227,7 +227,9 @@ def _check_files(data_dir: Path, docs: dict[str, dict]) -> list[str]:
         index = faiss.read_index(str(index_path))  # kept alive: id_map is a view into it
         indexed = set(faiss.vector_to_array(index.id_map).tolist())
     if indexed != row_ids:
-        violations.append(f"index/store differ: {len(row_ids - indexed)} chunks unindexed, {len(indexed - row_ids)} dead ids")
+        violations.append(
+            f"index/store differ: {len(row_ids - indexed)} chunks unindexed, {len(indexed - row_ids)} dead ids"
+        )
     live_keys = {r[2] for r in rows if r[2]}
     kv_dir = data_dir / "kv"
     files = {p.name[: -len(SUFFIX)]: p for p in kv_dir.glob("??/*" + SUFFIX)}
@@ -254,8 +256,8 @@ def _is_readable(path: Path | None) -> bool:
         meta = json.loads(table["__metadata__"][codec.META_KEY])
         version, dtype, quantization = meta["format"]
         fmt = StorageFormat(codec.StorageDtype(dtype), codec.KVQuantization(quantization), int(version))
-        header = codec.parse_header(bytes(data[: codec.header_size(bytes(data[:8]))]), len(data), path.name[: -len(SUFFIX)],
-                                    meta["fingerprint"], fmt)
+        head = bytes(data[: codec.header_size(bytes(data[:8]))])
+        header = codec.parse_header(head, len(data), path.name[: -len(SUFFIX)], meta["fingerprint"], fmt)
         codec.decode(header, lambda begin, end: memoryview(data)[begin:end])
     except (codec.CorruptEntryError, ValueError, KeyError):
         return False

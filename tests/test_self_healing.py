@@ -61,7 +61,8 @@ def test_an_entry_found_damaged_or_missing_at_a_question_is_rebuilt_in_the_backg
             path.write_bytes(bytes(data))
         else:
             path.unlink()
-        body = {"question": "Where does the zeppelin land?", "chunk_ids": [f"{doc_id}#0"], "max_tokens": 2, "mode": "reuse"}
+        body = {"question": "Where does the zeppelin land?", "chunk_ids": [f"{doc_id}#0"], "max_tokens": 2,
+                "mode": "reuse"}
         first = http.post("/v1/query", json=body)
         assert first.status_code == 200  # the chunk is computed fresh in this prompt (only the prefix is reused)
         assert _wait_cached(http, doc_id), "the entry was not rebuilt"
@@ -92,7 +93,8 @@ def test_ingest_reports_each_document_and_a_resend_is_a_no_op(server):
         batch["documents"][0]["text"] = "Red kites nest in Scotland now."
         assert http.post("/v1/documents", json=batch).json()["documents"][0]["status"] == "replaced"
         listed = http.get("/v1/documents", params={"limit": 1000}).json()
-        assert listed["total"] == len(listed["documents"]) and {"r1", first[1]["id"]} <= {d["id"] for d in listed["documents"]}
+        assert listed["total"] == len(listed["documents"])
+        assert {"r1", first[1]["id"]} <= {d["id"] for d in listed["documents"]}
 
 
 def test_a_re_upload_of_the_same_file_is_unchanged(server):

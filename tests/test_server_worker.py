@@ -155,6 +155,7 @@ def test_components_close_the_stores_only_after_the_worker_stopped():
     for stops, expected in ((True, ["worker", "kv_store", "retriever"]), (False, ["worker"])):
         closed.clear()
         components = object.__new__(Components)
-        components.worker, components.kv_store, components.retriever = Part("worker", stops), Part("kv_store"), Part("retriever")
+        components.worker, components.kv_store = Part("worker", stops), Part("kv_store")
+        components.retriever = Part("retriever")
         components.close()
         assert closed == expected
