@@ -27,7 +27,9 @@ from kv_store.errors import CorruptEntryError, EntryLostError
 from kv_store.keys import chunk_key, is_valid_key
 from kv_store.loader import StoredChunk, StoreLayerSource
 from kv_store.memory import MemoryBackend, MemoryReader
+from kv_store.planner import LoadPlan, LoadPlanner, PlanRequest
 from kv_store.stats import StoreStats
+from kv_store.throttle import ThrottledBackend
 
 log = logging.getLogger(__name__)
 RecomputeFn = Callable[[tuple[int, ...], tuple[int, ...]], ChunkKV]  # e.g. engine.precompute
@@ -50,9 +52,15 @@ class KVStore:
             from kv_store.redis_backend import RedisBackend  # redis-py only when a URL is configured
 
             self._backends.append(RedisBackend(config.redis_url, config.redis_ttl_s, fingerprint, config.remote_format))
+        self._backends = [self._throttled(b) for b in self._backends]
+        self.planner = LoadPlanner(config.min_recompute_ratio, config.max_recompute_ratio)
         self._decision_lock = threading.Lock()
         self._num_decisions = 0
         self._last_decision: RatioDecision | None = None
+
+    def _throttled(self, backend: Backend) -> Backend:
+        rate = self.config.throttle_bytes_per_s.get(backend.tier)
+        return backend if rate is None else ThrottledBackend(backend, rate)
 
     @classmethod
     def from_settings(cls, settings: Settings, fingerprint: str) -> KVStore:
@@ -203,6 +211,11 @@ class KVStore:
     def choose_ratio(self, handles: Sequence[StoredChunk], profile: EngineProfile, num_fresh_tokens: int = 0) -> float:
         """The recompute ratio for `ratio="auto"`: what the loads can hide, never below the floor."""
         return self.decide_ratio(handles, profile, num_fresh_tokens).ratio
+
+    def plan(self, request: PlanRequest, is_blend_only: bool = False) -> LoadPlan:
+        """The loading planner's choice for `request`, from the tiers' measured throughput."""
+        throughput = {b.tier: b.counters.snapshot(0).load_throughput for b in self._backends}
+        return self.planner.plan(request, throughput, is_blend_only)
 
     # --- bookkeeping ------------------------------------------------------------------------------
     def stats(self) -> StoreStats:

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.query.protocol import GenerationOptions, SourceOut, TimingsOut
+from app.query.protocol import GenerationOptions, PlanOut, SourceOut, TimingsOut
 
 
 class TextPart(BaseModel):
@@ -69,6 +69,7 @@ class ChatCompletionResponse(BaseModel):
     mode: str
     recompute_ratio: float | None = None
     quality_guarded: bool = False  # the quality guard raised the recompute ratio
+    plan: PlanOut | None = None  # the loading planner's choice (mode 'auto')
     warnings: list[str] = []
 
 
@@ -94,4 +95,5 @@ class ChatCompletionChunk(BaseModel):
     timings: TimingsOut | None = None  # on the last chunk
     recompute_ratio: float | None = None  # on the last chunk
     quality_guarded: bool | None = None  # on the last chunk
+    plan: PlanOut | None = None  # on the last chunk
     warnings: list[str] | None = None
