@@ -95,7 +95,8 @@ class QueryService:
 
 def _done_payload(done: DoneEvent) -> dict:
     return {"mode": done.mode.value, "finish_reason": done.finish_reason.value if done.finish_reason else None,
-            "recompute_ratio": done.recompute_ratio, "quality_guarded": done.is_guarded, "plan": plan_out(done),
+            "recompute_ratio": done.recompute_ratio, "quality_guarded": done.is_guarded,
+            "plan": asdict(done.plan) if done.plan else None,
             "usage": asdict(done.usage), "timings": asdict(done.timings)}
 
 
