@@ -36,7 +36,7 @@ class ThrottledBackend(Backend):
         if bytes_per_s <= 0 or latency_s < 0:
             raise ValueError(f"a throttle needs bytes_per_s > 0 and latency_s >= 0, got {bytes_per_s}, {latency_s}")
         self.tier, self.counters = inner.tier, inner.counters  # one set of counters for the tier
-        self._inner, self.bytes_per_s, self.latency_s = inner, bytes_per_s, latency_s
+        self.inner, self.bytes_per_s, self.latency_s = inner, bytes_per_s, latency_s
 
     def wait(self, num_bytes: int) -> None:
         seconds = self.latency_s + num_bytes / self.bytes_per_s
@@ -44,29 +44,29 @@ class ThrottledBackend(Backend):
         self.counters.add(load_seconds=seconds)
 
     def get(self, key: str) -> ChunkKV | None:
-        kv = self._inner.get(key)
+        kv = self.inner.get(key)
         if kv is not None:
             self.wait(kv.nbytes)
         return kv
 
     def put(self, key: str, kv: ChunkKV) -> None:
-        self._inner.put(key, kv)
+        self.inner.put(key, kv)
 
     def contains(self, key: str) -> bool:
-        return self._inner.contains(key)
+        return self.inner.contains(key)
 
     def delete(self, key: str) -> None:
-        self._inner.delete(key)
+        self.inner.delete(key)
 
     def info(self, key: str) -> ChunkInfo | None:
-        return self._inner.info(key)
+        return self.inner.info(key)
 
     def open_reader(self, key: str, is_lookup: bool = True) -> LayerReader | None:
-        reader = self._inner.open_reader(key, is_lookup)
+        reader = self.inner.open_reader(key, is_lookup)
         return None if reader is None else ThrottledReader(reader, self)
 
     def bytes_used(self) -> int:
-        return self._inner.bytes_used()
+        return self.inner.bytes_used()
 
     def close(self) -> None:
-        self._inner.close()
+        self.inner.close()
