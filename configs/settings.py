@@ -232,6 +232,10 @@ class StoreSettings(BaseModel):
         0.15, ge=0.0, le=1.0, description="Quality floor of ratio='auto' (the loading controller)."
     )
     max_recompute_ratio: float = Field(1.0, ge=0.0, le=1.0, description="Ceiling of ratio='auto'.")
+    max_prefetch_bytes: int = Field(
+        1 << 30, ge=0, description="Bytes of chunk KV copied up into the memory tier at once, started at "
+        "retrieval so queue wait hides the load; 0 disables prefetching.",
+    )
     planner_profile_tokens: list[int] = Field(
         [64, 256, 1024], min_length=1, description="Prompt lengths of the timed prefills the loading planner's "
         "cost model is fitted on at start-up (then refined by every answer).",

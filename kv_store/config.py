@@ -25,6 +25,7 @@ class StoreConfig:
     prefetch_depth: int = 2
     min_recompute_ratio: float = 0.15
     max_recompute_ratio: float = 1.0
+    max_prefetch_bytes: int = 1 << 30  # chunk bytes being copied up at once by prefetch (0: off)
     throttle_bytes_per_s: dict[Tier, float] = field(default_factory=dict)  # simulated slow tiers (tests, bench)
 
     def __post_init__(self) -> None:
@@ -69,5 +70,6 @@ class StoreConfig:
             prefetch_depth=s.prefetch_depth,
             min_recompute_ratio=s.min_recompute_ratio,
             max_recompute_ratio=s.max_recompute_ratio,
+            max_prefetch_bytes=s.max_prefetch_bytes,
             throttle_bytes_per_s={Tier(t): mbps * 1e6 for t, mbps in s.throttle_mbps.items()},
         )

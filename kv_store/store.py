@@ -28,6 +28,7 @@ from kv_store.keys import chunk_key, is_valid_key
 from kv_store.loader import StoredChunk, StoreLayerSource
 from kv_store.memory import MemoryBackend, MemoryReader
 from kv_store.planner import LoadPlan, LoadPlanner, PlanRequest
+from kv_store.prefetch import Prefetcher
 from kv_store.stats import StoreStats
 from kv_store.throttle import ThrottledBackend
 
@@ -54,6 +55,7 @@ class KVStore:
             self._backends.append(RedisBackend(config.redis_url, config.redis_ttl_s, fingerprint, config.remote_format))
         self._backends = [self._throttled(b) for b in self._backends]
         self.planner = LoadPlanner(config.min_recompute_ratio, config.max_recompute_ratio)
+        self._prefetcher = Prefetcher(self.get, config.max_prefetch_bytes) if config.max_memory_bytes > 0 else None
         self._decision_lock = threading.Lock()
         self._num_decisions = 0
         self._last_decision: RatioDecision | None = None
@@ -190,6 +192,21 @@ class KVStore:
         self.put(h.key, kv)  # heal the store for the next request
         return MemoryReader(h.key, kv)
 
+    def prefetch(self, keys: Sequence[str]) -> int:
+        """Start copying chunks that live below the memory tier up into it, in the background (at
+        retrieval, so queue wait hides the load). Bounded bytes in flight; returns how many started."""
+        if self._prefetcher is None or len(self._backends) < 2:
+            return 0
+        fastest = self._backends[0]
+        num_started = 0
+        for key in dict.fromkeys(keys):
+            if fastest.contains(key):
+                continue
+            handle = self.handle(key)
+            if handle is not None and self._prefetcher.submit(key, handle.layer_nbytes * handle.num_layers):
+                num_started += 1
+        return num_started
+
     def promote(self, handles: Sequence[StoredChunk]) -> int:
         """Copy streamed chunks up into the faster tiers (streaming itself leaves them where they are).
 
@@ -232,6 +249,8 @@ class KVStore:
         )
 
     def close(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.close()
         for b in self._backends:
             b.close()
         self._backends = []

@@ -148,3 +148,37 @@ def test_every_plan_computes_what_it_says(tmp_path):
     source.close()
     assert torch.allclose(got.logits, reference_mixed.logits, atol=1e-5)
     store.close()
+
+
+def test_prefetch_copies_chunks_up_to_memory_within_its_byte_bound(tmp_path):
+    engine = build_engine("llama-gqa")
+    parts = [tuple(range(10 + 20 * i, 30 + 20 * i)) for i in range(3)]
+    kvs = [engine.precompute(p) for p in parts]
+    config = StoreConfig(max_memory_bytes=1 << 30, disk_dir=tmp_path, fsync=False, dtype=StorageDtype.FLOAT32,
+                         write_tiers=frozenset({Tier.DISK}), max_prefetch_bytes=2 * kvs[0].nbytes)
+    store = KVStore("fp", config)
+    keys = [store.key_for(p) for p in parts]
+    for key, kv in zip(keys, kvs):
+        store.put(key, kv)
+    memory = store.backend(Tier.MEMORY)
+    assert not any(memory.contains(k) for k in keys)
+    num_started = store.prefetch(keys + keys[:1])  # a repeated key is fetched once
+    store._prefetcher.wait()
+    assert 1 <= num_started <= 3 and all(memory.contains(k) for k in keys[:num_started])
+    assert store.prefetch(keys) == 3 - num_started  # what is in memory already is skipped
+    store._prefetcher.wait()
+    assert all(memory.contains(k) for k in keys) and store.handle(keys[2]).tier is Tier.MEMORY
+    assert torch.equal(store.get(keys[1]).keys, kvs[1].keys)
+    store.close()
+
+
+def test_prefetch_never_exceeds_its_bound_in_flight(tmp_path):
+    engine = build_engine("llama-gqa")
+    ids = tuple(range(10, 74))
+    kv = engine.precompute(ids)
+    store = KVStore("fp", StoreConfig(max_memory_bytes=1 << 30, disk_dir=tmp_path, fsync=False,
+                                      write_tiers=frozenset({Tier.DISK}), max_prefetch_bytes=kv.nbytes // 4))
+    key = store.key_for(ids)
+    store.put(key, kv)
+    assert store.prefetch([key]) == 0 and not store.backend(Tier.MEMORY).contains(key)
+    store.close()

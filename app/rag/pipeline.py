@@ -38,6 +38,8 @@ class RagPipeline:
         scored = await anyio.to_thread.run_sync(self._scored_chunks, request)
         sources = [_source(s) for s in scored]
         kept, dropped = await anyio.to_thread.run_sync(self._fit_context, request, sources)
+        if request.mode is not RequestMode.FULL:  # start moving their KV up while the request queues
+            await anyio.to_thread.run_sync(self.kv_store.prefetch, [s.kv_key for s in kept if s.kv_key])
         return RagContext(kept, dropped, (time.perf_counter() - start) * 1000)
 
     def _scored_chunks(self, request: RagRequest) -> list[ScoredChunk]:
