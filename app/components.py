@@ -32,6 +32,7 @@ class Components:
     documents: DocumentService
     query: QueryService
     chat: ChatService
+    pipeline: RagPipeline
     model_id: str
     started_at: float
 
@@ -61,7 +62,7 @@ class Components:
                 settings=settings, engine=engine, retriever=retriever, kv_store=kv_store, worker=worker,
                 documents=DocumentService(settings, engine, retriever, kv_store, chunker, worker),
                 query=QueryService(settings, pipeline), chat=ChatService(settings, pipeline, model_id),
-                model_id=model_id, started_at=time.time(),
+                pipeline=pipeline, model_id=model_id, started_at=time.time(),
             )
         except BaseException:
             _close_all(worker, kv_store, retriever)

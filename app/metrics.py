@@ -64,6 +64,13 @@ class Metrics:
             "ragblend_prompt_tokens", "Prompt tokens by how their KV was obtained", ["kind"], registry=self.registry
         )
         self.completion_tokens = Counter("ragblend_completion_tokens", "Generated tokens", registry=self.registry)
+        self.load_plans = Counter(
+            "ragblend_load_plans", "Loading planner choices (mode or ratio 'auto')", ["plan"], registry=self.registry
+        )
+        self.plan_error = Histogram(
+            "ragblend_load_plan_error_ratio", "Actual prefill ms / predicted TTFT ms of planned answers",
+            buckets=(0.25, 0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0), registry=self.registry,
+        )
 
     def watch_store(self, get_stats: Callable[[], object], get_repairs: Callable[[], object] | None = None) -> None:
         self.registry.register(_StoreCollector(get_stats, get_repairs))
@@ -76,6 +83,11 @@ class Metrics:
         self.tokens.labels(kind="reused").inc(reused)
         self.tokens.labels(kind="recomputed").inc(recomputed)
         self.completion_tokens.inc(completion)
+
+    def observe_plan(self, plan: str, predicted_ms: float, actual_ms: float) -> None:
+        self.load_plans.labels(plan=plan).inc()
+        if predicted_ms > 0:
+            self.plan_error.observe(actual_ms / predicted_ms)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

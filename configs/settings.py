@@ -22,6 +22,17 @@ from pydantic_settings import (
 DEFAULT_CONFIG = Path(str(files("configs").joinpath("default.yaml")))
 
 
+class RequestMode(str, Enum):
+    """A request's mode: `auto` (the loading planner picks full, blend or mixed per request), or a
+    prefill mode the request insists on."""
+
+    AUTO = "auto"
+    FULL = "full"
+    PREFIX = "prefix"
+    REUSE = "reuse"
+    BLEND = "blend"
+
+
 class PrefillMode(str, Enum):
     """How a prompt's chunk caches are used (see blend_engine.engine)."""
 
@@ -95,7 +106,9 @@ class ModelSettings(BaseModel):
 
 
 class BlendSettings(BaseModel):
-    mode: PrefillMode = Field(PrefillMode.BLEND, description="Default prefill mode of a request.")
+    mode: RequestMode = Field(
+        RequestMode.AUTO, description="Default mode of a request: auto (the loading planner) or a prefill mode."
+    )
     recompute_ratio: float = Field(
         0.15, ge=0.0, le=1.0, description="Share of reused tokens recomputed in blend mode."
     )
@@ -236,6 +249,31 @@ class StoreSettings(BaseModel):
         0.15, ge=0.0, le=1.0, description="Quality floor of ratio='auto' (the loading controller)."
     )
     max_recompute_ratio: float = Field(1.0, ge=0.0, le=1.0, description="Ceiling of ratio='auto'.")
+    max_prefetch_bytes: int = Field(
+        1 << 30, ge=0, description="Bytes of chunk KV copied up into the memory tier at once, started at "
+        "retrieval so queue wait hides the load; 0 disables prefetching.",
+    )
+    planner_profile_tokens: list[int] = Field(
+        [64, 256, 1024], min_length=1, description="Prompt lengths of the timed prefills the loading planner's "
+        "cost model is fitted on at start-up (then refined by every answer).",
+    )
+    throttle_mbps: dict[Literal["memory", "disk", "redis"], float] = Field(
+        {}, description="Tests and benchmarks: slow a tier down to this many MB/s (simulates a cold disk, a remote tier).",
+    )
+
+    @field_validator("throttle_mbps")
+    @classmethod
+    def _positive_throttles(cls, v: dict[str, float]) -> dict[str, float]:
+        if any(mbps <= 0 for mbps in v.values()):
+            raise ValueError(f"throttle_mbps values must be > 0, got {v}")
+        return v
+
+    @field_validator("planner_profile_tokens")
+    @classmethod
+    def _positive_sizes(cls, v: list[int]) -> list[int]:
+        if any(n < 1 for n in v):
+            raise ValueError(f"planner_profile_tokens must be >= 1, got {v}")
+        return v
 
 
 class Settings(BaseSettings):

@@ -27,7 +27,10 @@ from kv_store.errors import CorruptEntryError, EntryLostError
 from kv_store.keys import chunk_key, is_valid_key
 from kv_store.loader import StoredChunk, StoreLayerSource
 from kv_store.memory import MemoryBackend, MemoryReader
+from kv_store.planner import LoadPlan, LoadPlanner, PlanRequest
+from kv_store.prefetch import Prefetcher
 from kv_store.stats import StoreStats
+from kv_store.throttle import ThrottledBackend
 
 log = logging.getLogger(__name__)
 RecomputeFn = Callable[[tuple[int, ...], tuple[int, ...]], ChunkKV]  # e.g. engine.precompute
@@ -50,10 +53,17 @@ class KVStore:
             from kv_store.redis_backend import RedisBackend  # redis-py only when a URL is configured
 
             self._backends.append(RedisBackend(config.redis_url, config.redis_ttl_s, fingerprint, config.remote_format))
+        self._backends = [self._throttled(b) for b in self._backends]
+        self.planner = LoadPlanner(config.min_recompute_ratio, config.max_recompute_ratio)
+        self._prefetcher = Prefetcher(self.get, config.max_prefetch_bytes) if config.max_memory_bytes > 0 else None
         self._decision_lock = threading.Lock()
         self._num_decisions = 0
         self._last_decision: RatioDecision | None = None
         self._num_recovered = 0  # entries recomputed mid-request (and put back)
+
+    def _throttled(self, backend: Backend) -> Backend:
+        rate = self.config.throttle_bytes_per_s.get(backend.tier)
+        return backend if rate is None else ThrottledBackend(backend, rate)
 
     @classmethod
     def from_settings(cls, settings: Settings, fingerprint: str) -> KVStore:
@@ -216,6 +226,21 @@ class KVStore:
             self._num_recovered += 1
         return MemoryReader(h.key, kv)
 
+    def prefetch(self, keys: Sequence[str]) -> int:
+        """Start copying chunks that live below the memory tier up into it, in the background (at
+        retrieval, so queue wait hides the load). Bounded bytes in flight; returns how many started."""
+        if self._prefetcher is None or len(self._backends) < 2:
+            return 0
+        fastest = self._backends[0]
+        num_started = 0
+        for key in dict.fromkeys(keys):
+            if fastest.contains(key):
+                continue
+            handle = self.handle(key)
+            if handle is not None and self._prefetcher.submit(key, handle.layer_nbytes * handle.num_layers):
+                num_started += 1
+        return num_started
+
     def promote(self, handles: Sequence[StoredChunk]) -> int:
         """Copy streamed chunks up into the faster tiers (streaming itself leaves them where they are).
 
@@ -238,6 +263,11 @@ class KVStore:
         """The recompute ratio for `ratio="auto"`: what the loads can hide, never below the floor."""
         return self.decide_ratio(handles, profile, num_fresh_tokens).ratio
 
+    def plan(self, request: PlanRequest, is_blend_only: bool = False) -> LoadPlan:
+        """The loading planner's choice for `request`, from the tiers' measured throughput."""
+        throughput = {b.tier: b.counters.snapshot(0).load_throughput for b in self._backends}
+        return self.planner.plan(request, throughput, is_blend_only)
+
     # --- bookkeeping ------------------------------------------------------------------------------
     def stats(self) -> StoreStats:
         tiers = {b.tier.value: b.counters.snapshot(b.bytes_used()) for b in self._backends}
@@ -255,6 +285,8 @@ class KVStore:
         )
 
     def close(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.close()
         for b in self._backends:
             b.close()
         self._backends = []

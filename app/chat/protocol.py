@@ -6,7 +6,7 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.query.protocol import GenerationOptions, SourceOut, StrictInt, TimingsOut
+from app.query.protocol import GenerationOptions, PlanOut, SourceOut, StrictInt, TimingsOut
 
 
 def _is_unset(value: Any) -> bool:
@@ -101,6 +101,7 @@ class ChatCompletionResponse(BaseModel):
     mode: str
     recompute_ratio: float | None = None
     quality_guarded: bool = False  # the quality guard raised the recompute ratio
+    plan: PlanOut | None = None  # the loading planner's choice (mode 'auto')
     warnings: list[str] = []
 
 
@@ -127,4 +128,5 @@ class ChatCompletionChunk(BaseModel):
     recompute_ratio: float | None = None  # on the last chunk
     mode: str | None = None  # on the last chunk: the prefill mode used
     quality_guarded: bool | None = None  # on the last chunk
+    plan: PlanOut | None = None  # on the last chunk
     warnings: list[str] | None = None

@@ -13,7 +13,7 @@ from app.chat.protocol import (
 )
 from app.errors import InvalidRequestError, NotFoundError, UnsupportedParameterError, stream_error_body
 from app.query.protocol import TimingsOut
-from app.query.serving import build_rag_request, sources_out
+from app.query.serving import build_rag_request, plan_out, sources_out
 from app.rag.collect import IsDisconnected, collect
 from app.rag.pipeline import RagPipeline
 from app.rag.types import DoneEvent, RagContext, RagRequest, TokenEvent
@@ -64,6 +64,7 @@ class ChatService:
             choices=[Choice(message=AssistantMessage(content=answer), finish_reason=_finish(done))],
             usage=_usage(done), sources=sources_out(call.context.sources), timings=TimingsOut(**asdict(done.timings)),
             mode=done.mode.value, recompute_ratio=done.recompute_ratio, quality_guarded=done.is_guarded,
+            plan=plan_out(done),
             warnings=call.context.warnings,
         )
 
@@ -86,7 +87,7 @@ class ChatService:
                 else:
                     yield chunk(DeltaMessage(), finish=_finish(event), usage=_usage(event),
                                 timings=TimingsOut(**asdict(event.timings)), recompute_ratio=event.recompute_ratio,
-                                quality_guarded=event.is_guarded, mode=event.mode.value)
+                                quality_guarded=event.is_guarded, mode=event.mode.value, plan=plan_out(event))
             yield sse("[DONE]")
         except Exception as exc:  # the headers are out: report in-band, as OpenAI does
             yield sse(stream_error_body(exc))

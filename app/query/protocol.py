@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, field_validator
 
 from blend_engine.types import PrefillMode, SelectionKind
+from configs.settings import RequestMode
 
 Ratio = float
 # Strict numbers: JSON "3" or true is not an int (no coercion); an int is still a valid float.
@@ -22,7 +23,10 @@ class GenerationOptions(BaseModel):
     chunk_ids: list[str] | None = Field(
         None, min_length=1, description="Skip retrieval: use exactly these chunks, in this order."
     )
-    mode: PrefillMode | None = Field(None, description="Prefill mode; default from config (blend).")
+    mode: RequestMode | None = Field(
+        None, description="auto (the loading planner picks full, blend or mixed) or a prefill mode; default from "
+        "config (auto).",
+    )
     recompute_ratio: StrictFloat | Literal["auto", "adaptive"] | None = Field(
         None, description="Share of reused tokens recomputed in blend mode, in [0, 1]; 'auto' (loading "
         "controller) or 'adaptive' (as many as hold blend.adaptive_mass of the ranking score).",
@@ -74,12 +78,26 @@ class TimingsOut(BaseModel):
     total_ms: float
 
 
+class PlanOut(BaseModel):
+    """The loading planner's choice for this answer (mode 'auto' or recompute_ratio 'auto'), in ms."""
+
+    plan: Literal["full", "blend", "mixed"]
+    recompute_ratio: float | None
+    num_chunks_recomputed: int = Field(description="Stored chunks computed as fresh tokens (mixed plans).")
+    predicted_load_ms: float
+    predicted_compute_ms: float
+    predicted_ttft_ms: float
+    actual_load_ms: float
+    actual_prefill_ms: float
+
+
 class QueryResponse(BaseModel):
     answer: str
     mode: PrefillMode
     finish_reason: str | None
     recompute_ratio: float | None = None
     quality_guarded: bool = Field(False, description="The quality guard raised this answer's recompute ratio.")
+    plan: PlanOut | None = None
     sources: list[SourceOut]
     usage: UsageOut
     timings: TimingsOut

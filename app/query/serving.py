@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import AsyncIterator, Sequence
 
 from app.errors import InvalidRequestError, stream_error_body
-from app.query.protocol import GenerationOptions, QueryRequest, QueryResponse, SourceOut, TimingsOut, UsageOut
+from app.query.protocol import GenerationOptions, PlanOut, QueryRequest, QueryResponse, SourceOut, TimingsOut, UsageOut
 from app.rag.collect import IsDisconnected, collect
 from app.rag.pipeline import RagPipeline
 from app.rag.types import DoneEvent, RagContext, RagRequest, Source, TokenEvent
@@ -53,6 +53,10 @@ def build_rag_request(
     )
 
 
+def plan_out(done: DoneEvent) -> PlanOut | None:
+    return None if done.plan is None else PlanOut(**asdict(done.plan))
+
+
 def sources_out(sources: Sequence[Source]) -> list[SourceOut]:
     return [SourceOut(chunk_id=s.chunk_id, document_id=s.document_id, title=s.title, score=s.score, text=s.text)
             for s in sources]
@@ -92,12 +96,15 @@ class QueryService:
 
 def _done_payload(done: DoneEvent) -> dict:
     return {"mode": done.mode.value, "finish_reason": done.finish_reason.value if done.finish_reason else None,
-            "recompute_ratio": done.recompute_ratio, "quality_guarded": done.is_guarded, "usage": asdict(done.usage), "timings": asdict(done.timings)}
+            "recompute_ratio": done.recompute_ratio, "quality_guarded": done.is_guarded,
+            "plan": asdict(done.plan) if done.plan else None,
+            "usage": asdict(done.usage), "timings": asdict(done.timings)}
 
 
 def _response(answer: str, context: RagContext, done: DoneEvent) -> QueryResponse:
     return QueryResponse(
         answer=answer, mode=done.mode, finish_reason=done.finish_reason.value if done.finish_reason else None,
-        recompute_ratio=done.recompute_ratio, quality_guarded=done.is_guarded, sources=sources_out(context.sources),
+        recompute_ratio=done.recompute_ratio, quality_guarded=done.is_guarded, plan=plan_out(done),
+        sources=sources_out(context.sources),
         usage=UsageOut(**asdict(done.usage)), timings=TimingsOut(**asdict(done.timings)), warnings=context.warnings,
     )
