@@ -246,9 +246,9 @@ class StoreSettings(BaseModel):
     pipelined: bool = Field(True, description="Read layer i+1 while the engine computes layer i.")
     prefetch_depth: int = Field(2, ge=1, le=16, description="Layers read ahead of the engine when pipelined.")
     min_recompute_ratio: float = Field(
-        0.15, ge=0.0, le=1.0, description="Quality floor of ratio='auto' (the loading controller)."
+        0.15, ge=0.0, le=1.0, description="Quality floor of the loading planner's blend ratio (mode or ratio 'auto')."
     )
-    max_recompute_ratio: float = Field(1.0, ge=0.0, le=1.0, description="Ceiling of ratio='auto'.")
+    max_recompute_ratio: float = Field(1.0, ge=0.0, le=1.0, description="Ceiling of the loading planner's blend ratio.")
     max_prefetch_bytes: int = Field(
         1 << 30, ge=0, description="Bytes of chunk KV copied up into the memory tier at once, started at "
         "retrieval so queue wait hides the load; 0 disables prefetching.",

@@ -21,7 +21,6 @@ from configs.settings import Settings
 from kv_store.backend import Backend, LayerReader, Tier
 from kv_store.codec import TORCH_DTYPES
 from kv_store.config import StoreConfig
-from kv_store.controller import EngineProfile, LoadingController, RatioDecision
 from kv_store.disk import DiskBackend
 from kv_store.errors import CorruptEntryError, EntryLostError
 from kv_store.keys import chunk_key, is_valid_key
@@ -41,7 +40,6 @@ class KVStore:
         if not fingerprint:
             raise ValueError("a model fingerprint is required")
         self.fingerprint, self.config = fingerprint, config
-        self.controller = LoadingController(config.min_recompute_ratio, config.max_recompute_ratio)
         self._backends: list[Backend] = []
         if config.max_memory_bytes > 0:
             self._backends.append(MemoryBackend(config.max_memory_bytes, TORCH_DTYPES[config.dtype]))
@@ -56,9 +54,7 @@ class KVStore:
         self._backends = [self._throttled(b) for b in self._backends]
         self.planner = LoadPlanner(config.min_recompute_ratio, config.max_recompute_ratio)
         self._prefetcher = Prefetcher(self.get, config.max_prefetch_bytes) if config.max_memory_bytes > 0 else None
-        self._decision_lock = threading.Lock()
-        self._num_decisions = 0
-        self._last_decision: RatioDecision | None = None
+        self._lock = threading.Lock()
         self._num_recovered = 0  # entries recomputed mid-request (and put back)
 
     def _throttled(self, backend: Backend) -> Backend:
@@ -222,7 +218,7 @@ class KVStore:
             raise EntryLostError(f"chunk {h.key[:16]} failed ({exc}) and no recompute function was given")
         kv = recompute(h.token_ids, h.context_ids)
         self.put(h.key, kv)  # heal the store for the next request
-        with self._decision_lock:
+        with self._lock:
             self._num_recovered += 1
         return MemoryReader(h.key, kv)
 
@@ -250,19 +246,7 @@ class KVStore:
         fastest = self._backends[0].tier if self._backends else None
         return sum(1 for h in handles if h.tier != fastest and self.get(h.key) is not None)
 
-    # --- the loading controller -------------------------------------------------------------------
-    def decide_ratio(self, handles: Sequence[StoredChunk], profile: EngineProfile, num_fresh_tokens: int = 0) -> RatioDecision:
-        throughput = {b.tier: b.counters.snapshot(0).load_throughput for b in self._backends}
-        decision = self.controller.choose(handles, profile, throughput, num_fresh_tokens)
-        with self._decision_lock:
-            self._num_decisions += 1
-            self._last_decision = decision
-        return decision
-
-    def choose_ratio(self, handles: Sequence[StoredChunk], profile: EngineProfile, num_fresh_tokens: int = 0) -> float:
-        """The recompute ratio for `ratio="auto"`: what the loads can hide, never below the floor."""
-        return self.decide_ratio(handles, profile, num_fresh_tokens).ratio
-
+    # --- the loading planner -------------------------------------------------------------------
     def plan(self, request: PlanRequest, is_blend_only: bool = False) -> LoadPlan:
         """The loading planner's choice for `request`, from the tiers' measured throughput."""
         throughput = {b.tier: b.counters.snapshot(0).load_throughput for b in self._backends}
@@ -271,17 +255,11 @@ class KVStore:
     # --- bookkeeping ------------------------------------------------------------------------------
     def stats(self) -> StoreStats:
         tiers = {b.tier.value: b.counters.snapshot(b.bytes_used()) for b in self._backends}
-        with self._decision_lock:
-            last = self._last_decision
-            num = self._num_decisions
+        with self._lock:
             num_recovered = self._num_recovered
         return StoreStats(
             tiers=tiers,
             num_recovered=num_recovered,
-            num_auto_ratio_choices=num,
-            last_auto_ratio=last.ratio if last else None,
-            last_predicted_load_s=last.predicted_load_s if last else None,
-            last_predicted_compute_s=last.predicted_compute_s if last else None,
         )
 
     def close(self) -> None:

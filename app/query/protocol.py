@@ -29,7 +29,7 @@ class GenerationOptions(BaseModel):
     )
     recompute_ratio: StrictFloat | Literal["auto", "adaptive"] | None = Field(
         None, description="Share of reused tokens recomputed in blend mode, in [0, 1]; 'auto' (loading "
-        "controller) or 'adaptive' (as many as hold blend.adaptive_mass of the ranking score).",
+        "planner: what the loads hide) or 'adaptive' (as many as hold blend.adaptive_mass of the ranking score).",
     )
     selection: SelectionKind | None = Field(
         None, description="How blend ranks the cached tokens it recomputes; default from config."
