@@ -44,4 +44,5 @@ def test_bench_kv_throttled_disk_makes_the_planner_fall_back(tmp_path, capsys):
     assert kv_bench.run(args) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["throttle_mbps"] == {"disk": 0.2}
-    assert summary["plans"]["disk+pipe+auto"] == ["full"] and summary["disk+pipe+auto"] < summary["disk+pipe"]
+    # planned full: nothing loaded, nothing waited for (timings are the bench's business, not a test's)
+    assert summary["plans"]["disk+pipe+auto"] == ["full"] and summary["disk+pipe+auto:source_wait"] == 0
