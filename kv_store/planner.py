@@ -121,10 +121,12 @@ class PlanRequest:
 class LoadPlanner:
     """Chooses a `LoadPlan`; learns the engine's cost from every prefill it is told about."""
 
-    def __init__(self, min_ratio: float, max_ratio: float = 1.0, max_samples: int = 64):
+    def __init__(self, min_ratio: float, max_ratio: float = 1.0, margin: float = 0.05, max_samples: int = 64):
         if not 0.0 <= min_ratio <= max_ratio <= 1.0:
             raise ValueError(f"need 0 <= min_ratio ({min_ratio}) <= max_ratio ({max_ratio}) <= 1")
-        self.min_ratio, self.max_ratio = min_ratio, max_ratio
+        if not 0.0 <= margin < 1.0:
+            raise ValueError(f"the planner's margin must be in [0, 1), got {margin}")
+        self.min_ratio, self.max_ratio, self.margin = min_ratio, max_ratio, margin
         self._samples: deque[tuple[PrefillShape, float]] = deque(maxlen=max_samples)
         self._model: CostModel | None = None
 
@@ -144,14 +146,18 @@ class LoadPlanner:
         self._model = CostModel.fit(list(self._samples))
 
     def plan(self, request: PlanRequest, throughput: Mapping[Tier, float | None], is_blend_only: bool = False) -> LoadPlan:
-        """The fastest plan (ties go to the one computing more); `is_blend_only` for an explicit blend."""
+        """The fastest plan; `is_blend_only` for an explicit blend. Reusing every chunk is the default:
+        another plan must be predicted faster by more than `margin` (the cost model's own error) to
+        replace it, so noise in the measurements does not flip plans."""
         tiers_fast_first = [t for t in Tier if any(c.tier == t for c in request.chunks)]
-        candidates = [self._reusing(request, frozenset(tiers_fast_first), throughput)]
-        if not is_blend_only:
-            candidates.append(self._full(request))
-            for k in range(1, len(tiers_fast_first)):
-                candidates.append(self._reusing(request, frozenset(tiers_fast_first[:k]), throughput))
-        return min(candidates, key=lambda p: (round(p.predicted_ttft_ms, 3), -_quality_rank(p)))
+        default = self._reusing(request, frozenset(tiers_fast_first), throughput)
+        if is_blend_only:
+            return default
+        others = [self._full(request)]
+        others += [self._reusing(request, frozenset(tiers_fast_first[:k]), throughput)
+                   for k in range(1, len(tiers_fast_first))]
+        best = min(others, key=lambda p: (round(p.predicted_ttft_ms, 3), -_quality_rank(p)))
+        return best if best.predicted_ttft_ms < (1 - self.margin) * default.predicted_ttft_ms else default
 
     def _full(self, request: PlanRequest) -> LoadPlan:
         n = request.num_prompt_tokens

@@ -182,3 +182,15 @@ def test_prefetch_never_exceeds_its_bound_in_flight(tmp_path):
     store.put(key, kv)
     assert store.prefetch([key]) == 0 and not store.backend(Tier.MEMORY).contains(key)
     store.close()
+
+
+def test_reuse_stays_unless_another_plan_is_clearly_faster():
+    # loads that make blend a little slower than full (within the margin) keep the default plan
+    planner = planner_with_model()
+    stored = chunks([Tier.DISK] * 5)
+    full_ms = planner._full(request(stored)).predicted_ttft_ms
+    bytes_per_chunk = stored[0].layer_nbytes * (NUM_LAYERS - 1)
+    for slower, expected in ((1.03, PlanKind.BLEND), (1.5, PlanKind.FULL)):
+        rate = 5 * bytes_per_chunk / (full_ms / 1000 * slower)  # the loads alone take `slower` x full
+        plan = LoadPlanner.plan(planner, request(stored), {Tier.DISK: rate})
+        assert plan.kind is expected, (slower, plan)
