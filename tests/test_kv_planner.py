@@ -190,7 +190,7 @@ def test_reuse_stays_unless_another_plan_is_clearly_faster():
     stored = chunks([Tier.DISK] * 5)
     full_ms = planner._full(request(stored)).predicted_ttft_ms
     bytes_per_chunk = stored[0].layer_nbytes * (NUM_LAYERS - 1)
-    for slower, expected in ((1.03, PlanKind.BLEND), (1.5, PlanKind.FULL)):
+    for slower, expected in ((0.98, PlanKind.BLEND), (1.5, PlanKind.FULL)):  # + read latencies ~4%
         rate = 5 * bytes_per_chunk / (full_ms / 1000 * slower)  # the loads alone take `slower` x full
         plan = LoadPlanner.plan(planner, request(stored), {Tier.DISK: rate})
         assert plan.kind is expected, (slower, plan)
