@@ -13,6 +13,7 @@ from app.documents.serving import DocumentService
 from app.metrics import Metrics
 from app.query.serving import QueryService
 from app.rag.pipeline import RagPipeline
+from app.documents.backfill import KVBackfill
 from app.rag.repair import KVRepairer
 from app.worker import EngineWorker
 from configs.settings import Settings
@@ -52,6 +53,8 @@ class Components:
             _collect_kv_garbage(settings, kv_store, retriever)
             worker = EngineWorker(settings.server.max_queue, settings.server.retry_after_s)
             repairer = KVRepairer(engine, kv_store, worker, retriever.store.is_kv_key_used)
+            backfill = KVBackfill(engine, kv_store, worker, retriever.store.is_kv_key_used,
+                                  engine.sink_ids(settings.blend.sink))
             metrics.watch_store(kv_store.stats, repairer.stats)
             metrics.watch_worker(worker)
             chunker = Chunker(engine.tokenize, engine.tokenizer.decode, settings.retrieval.chunk_tokens,
@@ -60,7 +63,7 @@ class Components:
             model_id = settings.server.model_id or _model_id(engine.model_name)
             return cls(
                 settings=settings, engine=engine, retriever=retriever, kv_store=kv_store, worker=worker,
-                documents=DocumentService(settings, engine, retriever, kv_store, chunker, worker),
+                documents=DocumentService(settings, engine, retriever, kv_store, chunker, worker, backfill),
                 query=QueryService(settings, pipeline), chat=ChatService(settings, pipeline, model_id),
                 pipeline=pipeline, model_id=model_id, started_at=time.time(),
             )

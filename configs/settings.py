@@ -177,6 +177,11 @@ class RetrievalSettings(BaseModel):
     hnsw_m: int = Field(32, ge=4, le=128, description="HNSW graph degree.")
     top_k: int = Field(5, ge=1, le=100, description="Default number of retrieved chunks.")
     embed_batch_size: int = Field(32, ge=1, le=1024, description="Sentences per embedding batch.")
+    max_inline_kv_chars: int = Field(
+        20_000, ge=0, description="Documents up to this size get their chunks' KV precomputed before the ingest "
+        "answers; larger ones are committed at once and their KV computed in the background, one chunk at a "
+        "time between questions (kv_cached fills in).",
+    )
 
 
 class ServerSettings(BaseModel):

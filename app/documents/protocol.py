@@ -60,6 +60,10 @@ class DocumentOut(BaseModel):
     id: str
     status: DocumentStatus
     chunks: list[ChunkOut]
+    kv_pending: bool = Field(
+        False, description="Its chunks' KV is being computed in the background (a large document): kv_cached "
+        "fills in, see GET /v1/documents/{id}; meanwhile questions recompute those chunks.",
+    )
 
 
 class IngestResponse(BaseModel):

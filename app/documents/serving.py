@@ -8,9 +8,10 @@ from typing import Any, Sequence
 import anyio
 
 from app.documents.protocol import (
-    ChunkDetail, ChunkOut, DeleteResponse, DocumentDetail, DocumentList, DocumentOut, DocumentSummary,
+    ChunkDetail, ChunkOut, DeleteResponse, DocumentDetail, DocumentIn, DocumentList, DocumentOut, DocumentSummary,
     IngestRequest, IngestResponse,
 )
+from app.documents.backfill import KVBackfill
 from app.documents.writes import DocumentWriter, WrittenDocument, content_id
 from app.errors import IngestInterruptedError, InvalidRequestError, NotFoundError, PayloadTooLargeError
 from app.worker import EngineWorker, Job, JobCancelled
@@ -28,6 +29,7 @@ class DocumentService:
     kv_store: Any  # kv_store.KVStore
     chunker: Chunker
     worker: EngineWorker
+    backfill: KVBackfill | None = None  # KV of large documents, between questions
     writer: DocumentWriter = field(init=False)
 
     def __post_init__(self) -> None:
@@ -60,7 +62,7 @@ class DocumentService:
             for doc in request.documents:
                 job.check()
                 try:
-                    written.append(self.writer.write(doc, chunking, request.precompute))
+                    written.append(self._write(doc, chunking, request.precompute))
                 except JobCancelled:
                     raise
                 except Exception as exc:
@@ -69,13 +71,26 @@ class DocumentService:
                     raise IngestInterruptedError([w.id for w in written], doc.id or content_id(doc), exc) from exc
         finally:
             self.retriever.index.save()
-        return IngestResponse(documents=[self._document_out(w) for w in written])
+        return IngestResponse(documents=[self._document_out(w, self._is_backfilled(d, request.precompute))
+                                         for w, d in zip(written, request.documents)])
 
-    def _document_out(self, written: WrittenDocument) -> DocumentOut:
+    def _is_backfilled(self, doc: DocumentIn, precompute: bool) -> bool:
+        """A large document: committed now, its KV computed in the background between questions."""
+        return precompute and self.backfill is not None and len(doc.text) > self.settings.retrieval.max_inline_kv_chars
+
+    def _write(self, doc: DocumentIn, chunking: ChunkingMode, precompute: bool) -> WrittenDocument:
+        is_backfilled = self._is_backfilled(doc, precompute)
+        written = self.writer.write(doc, chunking, precompute and not is_backfilled)
+        if is_backfilled:
+            self.backfill.schedule(written.chunks)
+        return written
+
+    def _document_out(self, written: WrittenDocument, is_backfilled: bool = False) -> DocumentOut:
         cached = self._cached(written.chunks)
         chunks = [ChunkOut(id=c.id, num_tokens=c.num_tokens, kv_cached=is_cached)
                   for c, is_cached in zip(written.chunks, cached)]
-        return DocumentOut(id=written.id, status=written.status, chunks=chunks)
+        return DocumentOut(id=written.id, status=written.status, chunks=chunks,
+                           kv_pending=is_backfilled and not all(cached))
 
     def _cached(self, chunks: Sequence[StoredChunk]) -> list[bool]:
         """Whether each chunk has a sound KV entry now (batched: one header check or round trip each tier)."""

@@ -98,6 +98,8 @@ const docs = {
         line.textContent = `${file.name}: ingested, ${chunks} chunk${chunks === 1 ? "" : "s"} (${cached} with KV cached)`;
         line.className = "done";
         body.documents.forEach((d) => docs.details.delete(d.id));
+        const pending = body.documents.filter((d) => d.kv_pending).map((d) => d.id);
+        if (pending.length) docs.watchKV(line, file.name, pending, chunks);
         docs.refresh();
         return;
       }
@@ -110,6 +112,24 @@ const docs = {
       docs.uploadFailed(line, file, error);
     };
     xhr.send(form);
+  },
+
+  // A large document's KV is computed in the background, between questions: show it filling in.
+  async watchKV(line, name, ids, numChunks) {
+    line.className = "pending";
+    for (;;) {
+      await new Promise((resolve) => setTimeout(resolve, 2000));
+      let cached = 0;
+      try {
+        for (const id of ids) {
+          const detail = await api.json(`/v1/documents/${encodeURIComponent(id)}`);
+          cached += detail.chunks.filter((c) => c.kv_cached).length;
+        }
+      } catch (err) { return; } // deleted meanwhile, or the server went away: stop watching
+      line.textContent = `${name}: ingested, ${numChunks} chunks; KV cached ${cached}/${numChunks}` +
+        (cached < numChunks ? " (computing between questions…)" : "");
+      if (cached >= numChunks) { line.className = "done"; return; }
+    }
   },
 
   uploadFailed(line, file, error) {
