@@ -38,6 +38,12 @@ class ThrottledBackend(Backend):
         self.tier, self.counters = inner.tier, inner.counters  # one set of counters for the tier
         self.inner, self.bytes_per_s, self.latency_s = inner, bytes_per_s, latency_s
 
+    def __getattr__(self, name: str):
+        # tier-specific methods (the disk tier's paths, its start-up garbage collection) are the inner tier's
+        if name == "inner":  # not set yet (e.g. mid-construction): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
     def wait(self, num_bytes: int) -> None:
         seconds = self.latency_s + num_bytes / self.bytes_per_s
         time.sleep(seconds)
