@@ -182,8 +182,10 @@ class LoadPlanner:
         return LoadPlan(kind, ratio, tiers, load_s * 1000, compute_s(ratio) * 1000, request.is_pipelined)
 
     def _hiding_ratio(self, compute_s, load_s: float) -> float:
-        """The largest ratio in [min, max] whose compute still fits under the load (bisection:
-        the cost is monotonic in the ratio); the floor when even that exceeds the load."""
+        """The largest ratio in [min, max] whose compute still fits under the load, with `margin`
+        headroom for the cost model's error (bisection: the cost is monotonic in the ratio); the
+        floor when even that exceeds the load."""
+        load_s *= 1 - self.margin
         lo, hi = self.min_ratio, self.max_ratio
         if compute_s(lo) >= load_s:
             return lo
