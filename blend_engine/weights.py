@@ -10,9 +10,9 @@ gets its own quantized copy: its 49152x576 matrix is SmolLM2's largest.
 int8: symmetric absmax per output channel, scales rounded to bf16 first so that `q * scale` is the
 exact dequantized weight. A few rows (decode) run `torch._weight_int8pack_mm` with bf16
 activations (measured ~3x faster than fp32 at batch 1; torchao's int8 weight-only linear
-dequantizes per call in eager mode, ~4x slower than this kernel there). Many rows (prefill)
-dequantize the weight per call, a small cost next to the GEMM, and multiply in bf16 where the CPU
-has native bf16 (oneDNN), else in fp32.
+dequantizes per call in eager mode, ~4x slower than this kernel there). Many rows (prefill) run a
+bf16 GEMM over a bf16 copy of the dequantized weight where the CPU has native bf16 (oneDNN; faster
+than fp32 there), else an fp32 GEMM over the weight dequantized per call.
 """
 
 from __future__ import annotations
@@ -36,7 +36,11 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scales)  # [out] bf16
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.in_features, self.out_features = qweight.shape[1], qweight.shape[0]
-        self.is_bf16_gemm = qweight.device.type != "cpu" or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        is_bf16_gemm = qweight.device.type != "cpu" or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        # prefill's weight: the dequantized weight kept in bf16 (2 more bytes a weight, still less than
+        # fp32's 4) where bf16 GEMMs are native; else dequantized to fp32 at each call
+        gemm_weight = self.dequantized(_COMPUTE) if is_bf16_gemm else None
+        self.register_buffer("gemm_weight", gemm_weight, persistent=False)  # [out, in] bf16 or None
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
@@ -52,12 +56,30 @@ class Int8Linear(nn.Module):
         rows = x.reshape(-1, x.shape[-1])  # [n, in]
         if rows.shape[0] <= MAX_PACKED_ROWS:
             out = torch._weight_int8pack_mm(rows.to(_COMPUTE).contiguous(), self.qweight, self.scales)
-        elif self.is_bf16_gemm:
-            out = F.linear(rows.to(_COMPUTE), self.dequantized(_COMPUTE))
+        elif self.gemm_weight is not None:
+            out = F.linear(rows.to(_COMPUTE), self.gemm_weight)
         else:
             out = F.linear(rows.float(), self.dequantized(torch.float32))
         out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
+
+    @classmethod
+    def fuse(cls, linears: list[nn.Module]) -> Int8Linear | None:
+        """One module over the rows of `linears` (same input), or None unless all are Int8Linear
+        (with biases all or none). Their int8 buffers become views of the fused ones: no weight
+        memory is added, and each still works alone (HF's own forward calls them)."""
+        num_biased = sum(isinstance(m, Int8Linear) and m.bias is not None for m in linears)
+        if not all(isinstance(m, Int8Linear) for m in linears) or num_biased not in (0, len(linears)):
+            return None
+        bias = torch.cat([m.bias.detach() for m in linears]) if num_biased else None
+        fused = cls(torch.cat([m.qweight for m in linears]), torch.cat([m.scales for m in linears]), bias)
+        start = 0
+        for m in linears:
+            rows = slice(start, start + m.out_features)
+            m.qweight, m.scales, start = fused.qweight[rows], fused.scales[rows], rows.stop
+            if fused.gemm_weight is not None:
+                m.gemm_weight = fused.gemm_weight[rows]
+        return fused
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
@@ -70,6 +92,7 @@ class Bf16Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight.detach().to(_COMPUTE), requires_grad=False)  # [out, in]
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x.to(_COMPUTE), self.weight).to(x.dtype)

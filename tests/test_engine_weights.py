@@ -27,14 +27,19 @@ def _quantized_engine(fmt: WeightFormat, family: str = "llama-gqa", seed: int = 
 
 
 @pytest.mark.parametrize("num_rows", [1, 3, MAX_PACKED_ROWS, MAX_PACKED_ROWS + 1, 300])
-def test_int8_linear_matches_its_dequantized_weight(num_rows):
-    """Both paths (int8 kernel for few rows, dequantized GEMM for many) multiply by q * scale,
-    with bf16 activations: equal to an fp32 product of those to bf16's resolution."""
+@pytest.mark.parametrize("is_bf16_gemm", [True, False])
+def test_int8_linear_matches_its_dequantized_weight(num_rows, is_bf16_gemm):
+    """Every path (int8 kernel for few rows; for many, a bf16 GEMM over the kept bf16 copy or an
+    fp32 one over the weight dequantized per call) multiplies by q * scale: equal to an fp32
+    product (bf16-rounded activations on the bf16 paths) to bf16's resolution."""
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 64) * 0.05, torch.randn(96)
     linear = Int8Linear.from_weight(weight, bias)
+    if not is_bf16_gemm:  # a CPU without native bf16
+        linear.gemm_weight = None
     x = torch.randn(num_rows, 64)
-    ref = F.linear(x.bfloat16().float(), linear.dequantized(), bias)
+    is_bf16_input = num_rows <= MAX_PACKED_ROWS or is_bf16_gemm
+    ref = F.linear(x.bfloat16().float() if is_bf16_input else x, linear.dequantized(), bias)
     out = linear(x)
     assert out.dtype == torch.float32 and out.shape == (num_rows, 96)
     # the kernels round their output to bf16: within half a bf16 step (2^-8 relative) of the largest value
@@ -72,6 +77,18 @@ def test_convert_replaces_every_projection_and_a_copy_of_the_tied_lm_head():
     assert torch.equal(model.get_input_embeddings().weight, embedding)  # the lookup stays exact
     torch.testing.assert_close(model.lm_head.dequantized(), embedding, atol=float(model.lm_head.scales.max()), rtol=0)
     assert convert_linears(MODEL_BUILDERS["llama-gqa"](), WeightFormat.FP32) == 0
+
+
+def test_fused_int8_projections_equal_the_separate_ones_and_share_their_memory():
+    torch.manual_seed(4)
+    parts = [Int8Linear.from_weight(torch.randn(n, 32), torch.randn(n)) for n in (48, 16, 16)]
+    x = torch.randn(5, 32)
+    separate = torch.cat([p(x) for p in parts], dim=-1)
+    fused = Int8Linear.fuse(parts)
+    torch.testing.assert_close(fused(x), separate, atol=0, rtol=0)
+    assert parts[1].qweight.data_ptr() == fused.qweight.data_ptr() + 48 * 32  # views, no copy
+    torch.testing.assert_close(torch.cat([p(x) for p in parts], dim=-1), separate, atol=0, rtol=0)
+    assert Int8Linear.fuse([parts[0], torch.nn.Linear(32, 8)]) is None
 
 
 @pytest.mark.parametrize("family", ["llama-gqa", "qwen2-bias"])
