@@ -23,7 +23,7 @@ from torch import nn
 
 from configs.settings import WeightFormat
 
-MAX_PACKED_ROWS = 32  # above: dequantize + GEMM (measured crossover of the int8 kernel on CPU)
+MAX_PACKED_ROWS = 32  # above: the GEMM path (measured crossover of the int8 kernel on CPU)
 _COMPUTE = torch.bfloat16
 
 
