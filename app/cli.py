@@ -50,7 +50,20 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(module_name)
     sub = argparse.ArgumentParser(prog="ragblend " + " ".join(path), description=help_text)
     module.add_arguments(sub)
-    return int(module.run(sub.parse_args(argv[len(path) :])) or 0)
+    try:
+        return int(module.run(sub.parse_args(argv[len(path) :])) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a server that cannot be reached is one line, not a traceback
+        from app.commands.client import describe_transport_error
+        from app.commands.exit_codes import ExitCode
+
+        message = describe_transport_error(exc)
+        if message is None:
+            raise
+        print(f"ragblend {' '.join(path)}: {message}", file=sys.stderr)
+        return ExitCode.UNREACHABLE
 
 
 if __name__ == "__main__":

@@ -8,10 +8,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.chat.serving import ChatService
+from app.documents.limits import check_document_limit
 from app.documents.serving import DocumentService
 from app.metrics import Metrics
 from app.query.serving import QueryService
 from app.rag.pipeline import RagPipeline
+from app.documents.backfill import KVBackfill
+from app.rag.repair import KVRepairer
 from app.worker import EngineWorker
 from configs.settings import Settings
 from retrieval.chunker import Chunker
@@ -30,6 +33,7 @@ class Components:
     documents: DocumentService
     query: QueryService
     chat: ChatService
+    pipeline: RagPipeline
     model_id: str
     started_at: float
 
@@ -41,29 +45,50 @@ class Components:
 
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         engine = engine or BlendEngine.from_settings(settings)
+        check_document_limit(settings, engine)  # before any store opens: the limit must fit its bound
         retriever = kv_store = worker = None
         try:
             retriever = Retriever.open(settings.data_dir, settings.retrieval)
             kv_store = KVStore.from_settings(settings, engine.fingerprint)
+            _collect_kv_garbage(settings, kv_store, retriever)
             worker = EngineWorker(settings.server.max_queue, settings.server.retry_after_s)
-            metrics.watch_store(kv_store.stats)
+            repairer = KVRepairer(engine, kv_store, worker, retriever.store.is_kv_key_used)
+            backfill = KVBackfill(engine, kv_store, worker, retriever.store.is_kv_key_used,
+                                  engine.sink_ids(settings.blend.sink))
+            metrics.watch_store(kv_store.stats, repairer.stats)
             metrics.watch_worker(worker)
             chunker = Chunker(engine.tokenize, engine.tokenizer.decode, settings.retrieval.chunk_tokens,
                               settings.retrieval.chunk_overlap)
-            pipeline = RagPipeline(settings, engine, retriever, kv_store, worker, metrics)
+            pipeline = RagPipeline(settings, engine, retriever, kv_store, worker, metrics, repairer)
             model_id = settings.server.model_id or _model_id(engine.model_name)
             return cls(
                 settings=settings, engine=engine, retriever=retriever, kv_store=kv_store, worker=worker,
-                documents=DocumentService(settings, engine, retriever, kv_store, chunker, worker),
+                documents=DocumentService(settings, engine, retriever, kv_store, chunker, worker, backfill),
                 query=QueryService(settings, pipeline), chat=ChatService(settings, pipeline, model_id),
-                model_id=model_id, started_at=time.time(),
+                pipeline=pipeline, model_id=model_id, started_at=time.time(),
             )
         except BaseException:
             _close_all(worker, kv_store, retriever)
             raise
 
     def close(self) -> None:
-        _close_all(self.worker, self.kv_store, self.retriever)
+        """Stop the worker first (its job, e.g. an ingest, stops after the document it is writing);
+        the stores it writes are closed only once it has stopped."""
+        if self.worker.close():
+            _close_all(self.kv_store, self.retriever)
+        else:  # never close SQLite or the store under a running job: both survive a hard exit
+            logger.error("engine worker did not stop: the stores are left open to the process exit")
+
+
+def _collect_kv_garbage(settings: Settings, kv_store: Any, retriever: Retriever) -> None:
+    """Delete the KV entries no chunk points at (e.g. of an ingest killed before its commit). Only
+    when this server owns the disk tier: a `store.disk_dir` set by hand may be shared."""
+    if settings.store.disk_enabled and settings.store.disk_dir is not None:
+        logger.info("store.disk_dir is set: it may be shared, so orphan KV entries are not collected")
+        return
+    num_orphans = kv_store.collect_garbage(retriever.store.kv_keys())
+    if num_orphans:
+        logger.warning("deleted %d KV entries no chunk points at", num_orphans)
 
 
 def _model_id(model_name: str) -> str:

@@ -9,10 +9,12 @@ from fastapi import Depends, Header, Request
 
 from app.chat.serving import ChatService
 from app.components import Components
+from app.documents.limits import KVBudget
 from app.documents.serving import DocumentService
 from app.errors import AuthenticationError, NotReadyError
 from app.metrics import Metrics
 from app.query.serving import QueryService
+from app.uploads.serving import UploadService
 from configs.settings import Settings
 
 
@@ -49,7 +51,17 @@ def get_chat(components: ComponentsDep) -> ChatService:
     return components.chat
 
 
+def get_uploads(settings: SettingsDep, components: ComponentsDep) -> UploadService:
+    return UploadService(settings, components.documents)
+
+
+def get_kv_budget(components: ComponentsDep) -> KVBudget | None:
+    return KVBudget.of(components.settings, components.engine)
+
+
 DocumentsDep = Annotated[DocumentService, Depends(get_documents)]
+UploadsDep = Annotated[UploadService, Depends(get_uploads)]
+KVBudgetDep = Annotated[KVBudget | None, Depends(get_kv_budget)]
 QueryDep = Annotated[QueryService, Depends(get_query)]
 ChatDep = Annotated[ChatService, Depends(get_chat)]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import uuid
 from enum import Enum
 
 from fastapi import FastAPI, Request
@@ -38,6 +39,12 @@ class ApiError(Exception):
 
 class InvalidRequestError(ApiError):
     status_code = 422
+
+
+class UnsupportedParameterError(ApiError):
+    """An OpenAI parameter ragblend does not implement (400, as vLLM answers)."""
+
+    status_code = 400
 
 
 class NotFoundError(ApiError):
@@ -80,8 +87,36 @@ class QueueFullError(ApiError):
         return {"Retry-After": str(self.retry_after_s)}
 
 
+class IngestInterruptedError(ApiError):
+    """An ingest failed part-way: the documents before the failure are committed, the rest are not."""
+
+    status_code = 500
+    error_type = ErrorType.SERVER
+
+    def __init__(self, committed: list[str], failed_id: str, cause: Exception):
+        cause_text = cause.message if isinstance(cause, ApiError) else type(cause).__name__
+        super().__init__(
+            f"ingest stopped at document {failed_id} ({cause_text}); committed before it: "
+            f"{', '.join(committed) if committed else 'none'}; re-sending the request is safe"
+        )
+        self.committed, self.failed_id = committed, failed_id
+        if isinstance(cause, ApiError):  # the cause's own status (e.g. 4xx) stays
+            self.status_code, self.error_type = cause.status_code, cause.error_type
+
+
 def error_body(error_type: ErrorType | str, message: str) -> dict:
     return {"error": {"type": getattr(error_type, "value", error_type), "message": message}}
+
+
+def stream_error_body(exc: Exception) -> dict:
+    """The in-band error of a stream whose headers are out. An ApiError's message is meant for the
+    client; anything else is internal: a generic message with an id, the details go to the log."""
+    if isinstance(exc, ApiError):
+        return error_body(exc.error_type, exc.message)
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("generation failed (error id %s)", error_id, exc_info=exc)
+    return error_body(ErrorType.SERVER, f"generation failed: internal error {type(exc).__name__} "
+                                        f"(error id {error_id}; the server log has the details)")
 
 
 def error_response(status_code: int, error_type: ErrorType | str, message: str, headers=None) -> JSONResponse:

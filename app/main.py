@@ -11,6 +11,7 @@ from typing import Any, AsyncIterator
 import anyio
 from fastapi import Depends, FastAPI
 
+from app.apidocs.api_router import router as apidocs_router
 from app.chat.api_router import router as chat_router
 from app.components import Components
 from app.deps import require_api_key
@@ -18,9 +19,11 @@ from app.documents.api_router import router as documents_router
 from app.errors import install_error_handlers
 from app.health.api_router import metrics_router, router as health_router
 from app.metrics import Metrics
-from app.middleware import BodySizeLimitMiddleware, MetricsMiddleware
+from app.middleware import BodyGuardMiddleware, MetricsMiddleware
 from app.models.api_router import router as models_router
 from app.query.api_router import router as query_router
+from app.uploads.api_router import router as uploads_router
+from app.web import install_web
 from configs.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -34,6 +37,9 @@ async def _load(app: FastAPI, settings: Settings, engine: Any | None) -> None:
         app.state.load_error = f"{type(exc).__name__}: {exc}"
         return
     app.state.components = components
+    # The loading planner's cost model, measured once on the worker before any question (which
+    # queue behind it) rather than inside the first one.
+    components.worker.submit(lambda job: components.pipeline.measure_engine())
     logger.info("ready: model %s, %d chunks indexed", components.model_id, components.retriever.index.num_vectors)
 
 
@@ -59,15 +65,21 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
         version="0.1.0",
         description="RAG server with a CacheBlend engine: stored chunk KV caches fused with selective recompute.",
         lifespan=_lifespan,
+        # served by apidocs_router, behind the API key and without a CDN
+        openapi_url=None, docs_url=None, redoc_url=None,
     )
     app.state.settings, app.state.preloaded_engine = settings, engine
     app.state.metrics = Metrics()
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.limits.max_body_bytes)
+    app.add_middleware(
+        BodyGuardMiddleware, max_bytes=settings.limits.max_body_bytes, read_timeout_s=settings.server.body_timeout_s,
+        path_limits={"/v1/documents/files": settings.limits.max_upload_bytes},
+    )
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     app.include_router(health_router)
     app.include_router(metrics_router, dependencies=[Depends(require_api_key)])
     protected = [Depends(require_api_key)]
-    for router in (documents_router, query_router, chat_router, models_router):
+    for router in (uploads_router, documents_router, query_router, chat_router, models_router, apidocs_router):
         app.include_router(router, dependencies=protected)
+    install_web(app)  # the chat page at /: no key needed to load it; it asks for the key
     return app

@@ -15,8 +15,8 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 12
 class _StoreCollector(Collector):
     """Reads the KV store's counters at scrape time."""
 
-    def __init__(self, get_stats: Callable[[], object]):
-        self._get_stats = get_stats
+    def __init__(self, get_stats: Callable[[], object], get_repairs: Callable[[], object] | None = None):
+        self._get_stats, self._get_repairs = get_stats, get_repairs
 
     def collect(self) -> Iterator:
         stats = self._get_stats()  # kv_store.StoreStats
@@ -26,11 +26,24 @@ class _StoreCollector(Collector):
             "evictions": CounterMetricFamily("ragblend_kv_evictions", "KV store evictions per tier", labels=["tier"]),
             "bytes_used": GaugeMetricFamily("ragblend_kv_bytes", "Bytes held per tier", labels=["tier"]),
             "load_seconds": CounterMetricFamily("ragblend_kv_load_seconds", "Time loading KV per tier", labels=["tier"]),
+            "corrupt": CounterMetricFamily(
+                "ragblend_kv_corrupt", "KV entries found damaged per tier (deleted, then recomputed)", labels=["tier"]
+            ),
         }
         for tier, tier_stats in stats.tiers.items():
             for name, family in families.items():
                 family.add_metric([tier], float(getattr(tier_stats, name)))
         yield from families.values()
+        repairs = CounterMetricFamily(
+            "ragblend_kv_repairs", "Damaged or missing KV entries recomputed, by how", labels=["how"]
+        )
+        repairs.add_metric(["inline"], float(stats.num_recovered))  # mid-request, by the request itself
+        if self._get_repairs is not None:
+            repair_stats = self._get_repairs()  # app.rag.repair.RepairStats
+            repairs.add_metric(["background"], float(repair_stats.num_repaired))
+            repairs.add_metric(["background_failed"], float(repair_stats.num_failed))
+            repairs.add_metric(["background_dropped"], float(repair_stats.num_dropped))
+        yield repairs
 
 
 class Metrics:
@@ -51,9 +64,16 @@ class Metrics:
             "ragblend_prompt_tokens", "Prompt tokens by how their KV was obtained", ["kind"], registry=self.registry
         )
         self.completion_tokens = Counter("ragblend_completion_tokens", "Generated tokens", registry=self.registry)
+        self.load_plans = Counter(
+            "ragblend_load_plans", "Loading planner choices (mode or ratio 'auto')", ["plan"], registry=self.registry
+        )
+        self.plan_error = Histogram(
+            "ragblend_load_plan_error_ratio", "Actual prefill ms / predicted TTFT ms of planned answers",
+            buckets=(0.25, 0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0), registry=self.registry,
+        )
 
-    def watch_store(self, get_stats: Callable[[], object]) -> None:
-        self.registry.register(_StoreCollector(get_stats))
+    def watch_store(self, get_stats: Callable[[], object], get_repairs: Callable[[], object] | None = None) -> None:
+        self.registry.register(_StoreCollector(get_stats, get_repairs))
 
     def watch_worker(self, worker: object) -> None:
         self.registry.register(_WorkerCollector(worker))
@@ -63,6 +83,11 @@ class Metrics:
         self.tokens.labels(kind="reused").inc(reused)
         self.tokens.labels(kind="recomputed").inc(recomputed)
         self.completion_tokens.inc(completion)
+
+    def observe_plan(self, plan: str, predicted_ms: float, actual_ms: float) -> None:
+        self.load_plans.labels(plan=plan).inc()
+        if predicted_ms > 0:
+            self.plan_error.observe(actual_ms / predicted_ms)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,7 +1,9 @@
-"""ASGI middleware: request body size limit (413) and per-route request metrics."""
+"""ASGI middleware: request body guard (size 413, UTF-8 400, read timeout 408) and per-route metrics."""
 
 from __future__ import annotations
 
+import asyncio
+import codecs
 import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -10,55 +12,90 @@ from app.errors import ErrorType, error_response
 from app.metrics import Metrics
 
 
-class BodyTooLarge(Exception):
-    """Raised into the app when a body streams past the limit (the 413 is already sent)."""
+class BodyRejected(Exception):
+    """Raised into the app when a body turns out bad while it streams in (the error is already sent)."""
 
 
-class BodySizeLimitMiddleware:
-    """Answers 413 when Content-Length, or the bytes actually received, exceed `max_bytes`."""
+def _is_json(scope: Scope) -> bool:
+    content_type = dict(scope.get("headers") or []).get(b"content-type", b"").split(b";")[0].strip().lower()
+    return content_type == b"application/json" or content_type.endswith(b"+json")
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+
+def _too_large(max_bytes: int) -> str:
+    return f"request body exceeds the limit of {max_bytes} bytes"
+
+
+class BodyGuardMiddleware:
+    """Guards request bodies as they stream in: 413 past `max_bytes` (declared or received), 400 for a
+    JSON body that is not UTF-8 (a clear message instead of a parser's), and 408 when the body is not
+    all in within `read_timeout_s` of the first read (a slowloris body holds no connection for long).
+    `path_limits`: a path's own size limit (file uploads are allowed more than JSON bodies)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, read_timeout_s: float, path_limits: dict[str, int] | None = None):
+        self.app, self.max_bytes, self.read_timeout_s = app, max_bytes, read_timeout_s
+        self.path_limits = dict(path_limits or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        max_bytes = self.path_limits.get(scope["path"], self.max_bytes)
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._reject(scope, receive, send)
+        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+            await self._reject(scope, receive, send, 413, ErrorType.PAYLOAD_TOO_LARGE, _too_large(max_bytes))
             return
-        num_received, is_rejected, is_started = 0, False, False
+        decoder = codecs.getincrementaldecoder("utf-8")() if _is_json(scope) else None
+        num_received, deadline, is_body_done = 0, None, False
+        is_rejected, is_started = False, False
 
-        async def limited_receive() -> Message:
-            nonlocal num_received, is_rejected
-            message = await receive()
-            if message["type"] == "http.request":
-                num_received += len(message.get("body", b""))
-                if num_received > self.max_bytes and not is_rejected:
-                    is_rejected = True
-                    if not is_started:
-                        await self._reject(scope, receive, send)
-                    raise BodyTooLarge(f"body over {self.max_bytes} bytes")
+        async def reject(status: int, error_type: ErrorType, message: str) -> None:
+            nonlocal is_rejected
+            is_rejected = True
+            if not is_started:
+                await self._reject(scope, receive, send, status, error_type, message)
+            raise BodyRejected(message)
+
+        async def guarded_receive() -> Message:
+            nonlocal num_received, deadline, is_body_done
+            if is_body_done:  # past the body only http.disconnect comes, whenever it does
+                return await receive()
+            deadline = deadline or time.monotonic() + self.read_timeout_s
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.0))
+            except asyncio.TimeoutError:
+                await reject(408, ErrorType.INVALID_REQUEST,
+                             f"the request body was not received within {self.read_timeout_s:g} s")
+            if message["type"] != "http.request":
+                return message
+            body, is_body_done = message.get("body", b""), not message.get("more_body", False)
+            num_received += len(body)
+            if num_received > max_bytes:
+                await reject(413, ErrorType.PAYLOAD_TOO_LARGE, _too_large(max_bytes))
+            if decoder is not None:
+                try:
+                    decoder.decode(body, final=is_body_done)
+                except UnicodeDecodeError as exc:
+                    await reject(400, ErrorType.INVALID_REQUEST, f"the JSON body is not valid UTF-8: byte "
+                                 f"0x{exc.object[exc.start]:02x} at offset {num_received - len(body) + exc.start}")
             return message
 
         async def guarded_send(message: Message) -> None:
             nonlocal is_started
             if is_rejected:
-                return  # the 413 went out already
+                return  # the error went out already
             is_started = is_started or message["type"] == "http.response.start"
             await send(message)
 
         try:
-            await self.app(scope, limited_receive, guarded_send)
-        except BodyTooLarge:
+            await self.app(scope, guarded_receive, guarded_send)
+        except BodyRejected:
             pass
 
-    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = error_response(
-            413, ErrorType.PAYLOAD_TOO_LARGE, f"request body exceeds the limit of {self.max_bytes} bytes"
-        )
-        await response(scope, receive, send)
+    @staticmethod
+    async def _reject(scope: Scope, receive: Receive, send: Send, status: int, error_type: ErrorType,
+                      message: str) -> None:
+        # the rest of the body is never read: the connection cannot carry another request
+        await error_response(status, error_type, message, headers={"Connection": "close"})(scope, receive, send)
 
 
 class MetricsMiddleware:

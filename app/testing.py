@@ -11,6 +11,7 @@ import httpx
 import uvicorn
 
 from app.main import create_app
+from app.server import uvicorn_config
 from configs.settings import Settings
 
 
@@ -30,9 +31,7 @@ class LiveServer:
         self.is_waiting = is_waiting  # False: return once uvicorn listens, ready or not
         self.port = free_port()
         self.app = create_app(settings, engine)
-        self._server = uvicorn.Server(
-            uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
-        )
+        self._server = uvicorn.Server(uvicorn_config(self.app, settings, "127.0.0.1", self.port, "warning"))
         self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
 
     @property

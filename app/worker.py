@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -70,36 +70,52 @@ class WorkerStats:
 
 
 class EngineWorker:
-    def __init__(self, max_queue: int, retry_after_s: int = 2):
-        self.max_queue, self.retry_after_s = max_queue, retry_after_s
+    """Requests' jobs first, in order; background tasks (e.g. KV repairs) only when none waits, so
+    they never delay an answer by more than the one task already running, and never run beside
+    the engine's own forward on another thread."""
+
+    def __init__(self, max_queue: int, retry_after_s: int = 2, max_background: int = 64):
+        self.max_queue, self.retry_after_s, self.max_background = max_queue, retry_after_s, max_background
         self.stats = WorkerStats()
-        self._jobs: queue.Queue[Job | None] = queue.Queue()
-        self._lock = threading.Lock()
-        self._num_waiting = 0
-        self._is_busy = False
+        self._cond = threading.Condition()
+        self._jobs: deque[Job] = deque()
+        self._background: deque[Callable[[], None]] = deque()
+        self._current: Job | None = None
+        self._is_closing = False
         self._thread = threading.Thread(target=self._loop, name="engine-worker", daemon=True)
         self._thread.start()
 
     @property
     def num_waiting(self) -> int:
-        return self._num_waiting
+        return len(self._jobs)
 
     @property
     def is_busy(self) -> bool:
-        return self._is_busy
+        return self._current is not None
 
     def submit(self, fn: Callable[[Job], Any]) -> Job:
         """Queue `fn(job)`; await `job.future` for its result. Raises QueueFullError when full."""
         loop = asyncio.get_running_loop()
-        with self._lock:
-            if self._num_waiting >= self.max_queue:
-                self.stats.num_rejected += 1
-                raise QueueFullError(f"engine queue full ({self.max_queue} waiting)", self.retry_after_s)
-            self._num_waiting += 1
         job = Job(fn, loop, loop.create_future())
         job.future.add_done_callback(_retrieve)  # a stream left early never awaits its job: no warning then
-        self._jobs.put(job)
+        with self._cond:
+            if self._is_closing:
+                raise QueueFullError("server is shutting down", self.retry_after_s)
+            if len(self._jobs) >= self.max_queue:
+                self.stats.num_rejected += 1
+                raise QueueFullError(f"engine queue full ({self.max_queue} waiting)", self.retry_after_s)
+            self._jobs.append(job)
+            self._cond.notify()
         return job
+
+    def submit_background(self, fn: Callable[[], None]) -> bool:
+        """Queue a low-priority task (any thread); False when the background queue is full or closed."""
+        with self._cond:
+            if self._is_closing or len(self._background) >= self.max_background:
+                return False
+            self._background.append(fn)
+            self._cond.notify()
+        return True
 
     async def run(self, fn: Callable[[Job], Any]) -> Any:
         job = self.submit(fn)
@@ -125,19 +141,53 @@ class EngineWorker:
 
         return JobStream(self.submit(body), items)
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        self._jobs.put(None)
+    def close(self, timeout_s: float = 60.0) -> bool:
+        """Cancel the running and queued jobs (they stop at their next check: an ingest after the
+        document it is writing), drop background tasks, and wait for the thread. Returns whether it
+        stopped: only then may the stores it writes be closed."""
+        with self._cond:
+            self._is_closing = True
+            self._background.clear()
+            for job in [self._current, *self._jobs]:
+                if job is not None:
+                    job.cancelled.set()
+            self._cond.notify_all()
         self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            logger.error("engine worker still busy after %.0f s at shutdown", timeout_s)
+        return not self._thread.is_alive()
+
+    def _next(self) -> Job | Callable[[], None] | None:
+        with self._cond:
+            while True:
+                if self._jobs:
+                    self._current = self._jobs.popleft()
+                    return self._current
+                if self._is_closing:
+                    return None
+                if self._background:
+                    return self._background.popleft()
+                self._cond.wait()
 
     def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            with self._lock:
-                self._num_waiting -= 1
+        while (task := self._next()) is not None:
+            if isinstance(task, Job):
+                self._run_job(task)
+            else:
+                self._run_background(task)
+
+    def _run_background(self, task: Callable[[], None]) -> None:
+        try:
+            task()
+        except Exception:  # a background task's failure is its own business (it counts it)
+            logger.exception("background engine task failed")
+
+    def _run_job(self, job: Job) -> None:
+        try:
             if job.cancelled.is_set():
                 self.stats.num_cancelled += 1
                 job.loop.call_soon_threadsafe(_settle, job.future, None, JobCancelled("cancelled before start"))
-                continue
-            self._is_busy = True
+                return
             try:
                 result, error = job.fn(job), None
                 self.stats.num_completed += 1
@@ -148,9 +198,10 @@ class EngineWorker:
                 logger.exception("engine job failed")
                 result, error = None, exc
                 self.stats.num_failed += 1
-            finally:
-                self._is_busy = False
             job.loop.call_soon_threadsafe(_settle, job.future, result, error)
+        finally:
+            with self._cond:
+                self._current = None
 
 
 def _retrieve(future: asyncio.Future) -> None:

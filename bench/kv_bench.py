@@ -24,7 +24,8 @@ import torch
 from blend_engine.engine import BlendEngine
 from blend_engine.types import BlendConfig, PrefillMode, Segment
 from configs.settings import KVQuantization, StorageDtype, load_settings
-from kv_store import EngineProfile, KVStore, StoreConfig, Tier
+from bench.kv_plan import fit_planners, planned_prefill
+from kv_store import KVStore, StoreConfig, Tier
 
 @dataclasses.dataclass(frozen=True)
 class Streamed:
@@ -33,12 +34,12 @@ class Streamed:
     name: str
     store: str
     is_pipelined: bool
-    is_auto: bool = False  # ratio chosen by the loading controller
+    is_auto: bool = False  # plan=auto: the loading planner picks full, blend (its ratio) or mixed
 
 
 STREAMED = [Streamed("disk", "disk", False), Streamed("disk+pipe", "disk", True), Streamed("redis", "redis", False),
             Streamed("redis+pipe", "redis", True), Streamed("disk-int8+pipe", "disk-int8", True),
-            Streamed("disk+pipe+auto", "disk", True, is_auto=True)]
+            Streamed("disk+pipe+auto", "disk", True, is_auto=True), Streamed("redis+pipe+auto", "redis", True, is_auto=True)]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per measurement; the fastest is kept")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
     parser.add_argument("--redis-url", default=None, help="Redis to use; default: start redis-server on loopback")
+    parser.add_argument("--throttle-mbps", action="append", default=[], metavar="TIER=N",
+                        help="simulate a slow tier (disk or redis) at N MB/s; repeatable")
 
 
 class LocalRedis:
@@ -84,17 +87,19 @@ class LocalRedis:
 
 def drop_page_cache(store: KVStore, keys: list[str]) -> None:
     """Evict the entries' files from the page cache (per file: leaves other processes' cache alone)."""
-    disk = store.backend(Tier.DISK)
+    disk = store.backend(Tier.DISK)  # a throttled tier passes `path` through
     for key in keys:
         fd = os.open(disk.path(key), os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
 
 
-def make_stores(fingerprint: str, base: StoreConfig, workdir: Path, redis_url: str | None) -> dict[str, KVStore]:
+def make_stores(fingerprint: str, base: StoreConfig, workdir: Path, redis_url: str | None,
+                throttles: dict[Tier, float]) -> dict[str, KVStore]:
     """One store per tier (so each row reads from exactly one), with the settings' other choices."""
     base = dataclasses.replace(base, max_memory_bytes=0, disk_dir=None, redis_url=None, fsync=False,
-                               quantization=KVQuantization.NONE, write_tiers=frozenset(Tier))
+                               quantization=KVQuantization.NONE, write_tiers=frozenset(Tier),
+                               throttle_bytes_per_s=throttles)
     configs = {
         "memory": dataclasses.replace(base, max_memory_bytes=1 << 40),
         "disk": dataclasses.replace(base, disk_dir=workdir / "disk"),
@@ -117,7 +122,7 @@ def best_of(num_repeats: int, fns: dict) -> tuple[dict, dict]:
     return best, results
 
 
-def run_question(engine, stores, item, args, blend, sink, profile) -> dict:
+def run_question(engine, stores, item, args, blend, sink) -> dict:
     chunk_ids = [tuple(engine.tokenize(c["text"])) for c in item["ctxs"][: args.passages]]
     # keys differ per store: the storage format (dtype, int8) is part of every key
     keys = {name: [store.key_for(ids, sink) for ids in chunk_ids] for name, store in stores.items()}
@@ -131,6 +136,7 @@ def run_question(engine, stores, item, args, blend, sink, profile) -> dict:
         return engine.build_segments(question, [Segment(ids, c) for ids, c in zip(chunk_ids, caches)])
 
     source_wait_ms: dict[str, float] = {}  # time the engine blocked on the store's source (last run)
+    plans: dict[str, str] = {}  # plan=auto rows: what the planner chose (last run)
 
     def streamed(spec: Streamed):
         store, store_keys = stores[spec.store], keys[spec.store]
@@ -139,15 +145,14 @@ def run_question(engine, stores, item, args, blend, sink, profile) -> dict:
             if spec.store != "redis":
                 drop_page_cache(store, store_keys)  # a cold read: the entries are not in the page cache
             handles = [store.handle(k) for k in store_keys]
-            segments = prompt(handles)
-            config = blend
-            if spec.is_auto:  # ratio="auto": what the loads can hide, never below the floor
-                num_fresh = sum(len(seg.token_ids) for seg in segments) - sum(h.num_tokens for h in handles)
-                config = dataclasses.replace(blend, recompute_ratio=store.choose_ratio(handles, profile, num_fresh))
+            if spec.is_auto:
+                result, plan = planned_prefill(engine, store, handles, prompt, blend, start_layer, spec.is_pipelined)
+                plans[spec.name], source_wait_ms[spec.name] = plan.kind.value, result.stats.kv_load_ms
+                return result
             source = store.layer_source(handles, engine.device, engine.dtype, spec.is_pipelined, start_layer,
                                         engine.precompute)
             try:
-                return engine.prefill(segments, blend=config, kv_source=source)
+                return engine.prefill(prompt(handles), blend=blend, kv_source=source)
             finally:
                 source.close()
                 source_wait_ms[spec.name] = source.stats.wait_seconds * 1000
@@ -170,7 +175,8 @@ def run_question(engine, stores, item, args, blend, sink, profile) -> dict:
     row["compute_alone"] = row["memory"]  # the KV is already in memory: the recompute alone
     row["num_tokens"] = len(ref.token_ids)
     agree = {"full": int(results["full"].logits.argmax() == ref.logits.argmax())}
-    row["auto_ratio"] = results["disk+pipe+auto"].stats.recompute_ratio
+    row["auto_ratio"] = results["disk+pipe+auto"].stats.recompute_ratio or 1.0  # full: everything computed
+    row["plans"] = plans
     for name in (spec.name for spec in STREAMED if spec.store in stores):
         agree[name] = int(results[name].logits.argmax() == ref.logits.argmax())
         row[name + ":kv_wait"] = results[name].stats.kv_load_ms  # engine side: includes its concat
@@ -200,7 +206,8 @@ def load_alone(engine, store, keys, start_layer, is_disk):
 
 
 def summarize(rows: list[dict]) -> dict:
-    summary = {k: mean(r[k] for r in rows) for k in rows[0] if k != "agree" and all(k in r for r in rows)}
+    summary = {k: mean(r[k] for r in rows) for k in rows[0] if k not in ("agree", "plans") and all(k in r for r in rows)}
+    summary["plans"] = {name: sorted({r["plans"][name] for r in rows}) for name in rows[0]["plans"]}
     summary["top1_agreement_vs_memory_blend"] = {k: mean(r["agree"][k] for r in rows) for k in rows[0]["agree"]}
     for tier in ("disk", "redis", "disk-int8"):
         if "load_alone:" + tier in summary:
@@ -211,6 +218,9 @@ def summarize(rows: list[dict]) -> dict:
         load, compute = summary["load_alone:" + tier], summary["compute_alone"]
         summary[f"target:{tier}+pipe<=1.1*max"] = summary[tier + "+pipe"] <= 1.1 * max(load, compute)
         summary[f"ratio:{tier}+pipe/memory"] = summary[tier + "+pipe"] / summary["memory"]
+        if tier + "+pipe+auto" in summary:  # the planner's target: never worse than the best fixed plan
+            best = min(summary["full"], summary[tier + "+pipe"])
+            summary[f"target:{tier}+pipe+auto<=1.05*min(full,blend)"] = summary[tier + "+pipe+auto"] <= 1.05 * best
     return summary
 
 
@@ -222,7 +232,7 @@ def print_table(s: dict) -> None:
     for name in (spec.name for spec in STREAMED if spec.name in s):
         ratio, wait = s[name] / s["memory"], s[name + ":source_wait"]
         print(f"{'blend ' + name:<22}{s[name]:>10.1f}{ratio:>10.2f}{wait:>14.1f}{agree[name]:>10.2f}")
-    print(f"(auto: loading controller chose recompute ratio {s['auto_ratio']:.3f})")
+    print(f"(auto: the loading planner chose {s['plans']}; disk ratio {s['auto_ratio']:.3f})")
     print()
     print(f"{'tier':<12}{'load alone ms':>15}{'MB/s':>10}{'compute alone ms':>18}{'1.1*max ms':>12}")
     for tier in ("disk", "redis", "disk-int8"):
@@ -250,13 +260,14 @@ def run(args: argparse.Namespace) -> int:
         redis = LocalRedis(workdir)
         redis_url = redis.url
     base = dataclasses.replace(StoreConfig.from_settings(settings), dtype=StorageDtype(args.dtype))
-    stores = make_stores(engine.fingerprint, base, workdir, redis_url)
+    throttles = {Tier(t): float(n) * 1e6 for t, n in (spec.split("=", 1) for spec in args.throttle_mbps)}
+    stores = make_stores(engine.fingerprint, base, workdir, redis_url, throttles)
     sink = engine.sink_ids(settings.blend.sink)
-    profile = EngineProfile.measure(engine)
     try:
+        fit_planners(engine, stores, blend, settings.store.planner_profile_tokens)
         warm_up = argparse.Namespace(**{**vars(args), "repeats": 1, "passages": 2})
-        run_question(engine, stores, items[0], warm_up, blend, sink, profile)  # first calls are slow: not counted
-        rows = [run_question(engine, stores, item, args, blend, sink, profile) for item in items]
+        run_question(engine, stores, items[0], warm_up, blend, sink)  # first calls are slow: not counted
+        rows = [run_question(engine, stores, item, args, blend, sink) for item in items]
     finally:
         for store in stores.values():
             store.close()
@@ -271,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
         repeats=args.repeats, load_average=os.getloadavg()[0],
         page_cache="posix_fadvise(DONTNEED) per entry file before each disk run",
         min_recompute_ratio=base.min_recompute_ratio,
-        profile_s_per_token_layer=profile.seconds_per_token_layer,
+        throttle_mbps={t.value: r / 1e6 for t, r in throttles.items()},
     )
     print_table(summary)
     line = json.dumps(summary, default=float)

@@ -15,10 +15,11 @@ from blend_engine.kv import ChunkKV, LayerKVSource, MemoryKVSource, MergedKVSour
 from blend_engine.loader import LoadedModel, load_model
 from blend_engine.plan import plan_prefill
 from blend_engine.prefill import run_prefill
-from blend_engine.prompt import PromptBuilder
+from blend_engine.prompt import PromptBuilder, encode_text
 from blend_engine.runner import ModelRunner, apply_rope
 from blend_engine.types import BlendConfig, Delta, PrefillMode, PrefillResult, SamplingParams, Segment
 from blend_engine.weights import weight_format
+from blend_engine.weights_id import weights_digest
 from configs.settings import Settings, SinkMode
 
 # Bump when what a ChunkKV means changes (pre-RoPE keys, sink handling): old caches then miss.
@@ -84,7 +85,8 @@ class BlendEngine:
 
     # --- prompts ----------------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        """Document text -> ids; special-token parsing off, so text never yields control tokens."""
+        return list(encode_text(self.tokenizer, text))
 
     def sink_ids(self, sink: SinkMode) -> tuple[int, ...]:
         """The context a chunk is precomputed behind (its KV is dropped)."""
@@ -228,6 +230,7 @@ def _fingerprint(engine: BlendEngine) -> str:
         tokenizer_id = hashlib.sha256(json.dumps(vocab).encode()).hexdigest()
     parts = {
         "model": engine.model_name,
+        "weights": weights_digest(getattr(engine.model, "name_or_path", None)),  # content, not just names
         "dtype": str(engine.dtype),
         "layers": engine.num_layers,
         "heads": config.num_attention_heads,
@@ -237,6 +240,6 @@ def _fingerprint(engine: BlendEngine) -> str:
         "rope_theta": getattr(config, "rope_theta", None),
         "tokenizer": tokenizer_id,
         "format": KV_FORMAT_VERSION,
-        "weights": engine.weights.value,  # int8 weights make other KV than fp32 ones
+        "weight_format": engine.weights.value,  # int8 weights make other KV than fp32 ones
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]

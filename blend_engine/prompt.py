@@ -2,19 +2,32 @@
 
 The template is rendered once around a placeholder user message and split there, so any model's
 chat template works and the chunks' token ids are exactly their stored ones.
+
+Control tokens never come from text: every message's content is replaced by a slot before the
+template is rendered, so only the template's own structure is encoded with special-token parsing on;
+contents (documents, the question, history, the system prompt) are encoded as plain text, where
+`<|im_end|>` becomes ordinary tokens.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 from blend_engine.types import Segment
 
 _PLACEHOLDER = "\x00RAGBLEND_CONTENT\x00"
+_SLOT = "\x00RAGBLEND_SLOT_{}\x00"
+_SLOT_PATTERN = re.compile("\x00RAGBLEND_SLOT_([0-9]+)\x00")
 DOCUMENTS_INTRO = "Documents:\n\n"
 CHUNK_SEPARATOR = "\n\n"
 QUESTION_INTRO = "\n\nQuestion: "
 ANSWER_HINT = "\nAnswer briefly."
+
+
+def encode_text(tokenizer, text: str) -> tuple[int, ...]:
+    """Untrusted text -> token ids, special-token parsing off: `<|im_end|>` in text is plain text."""
+    return tuple(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
 
 
 class PromptBuilder:
@@ -25,39 +38,66 @@ class PromptBuilder:
         self.system_prompt = system_prompt
 
     def encode(self, text: str) -> tuple[int, ...]:
-        return tuple(self.tokenizer.encode(text, add_special_tokens=False))
+        """Text (a document, a question): never yields a special token."""
+        return encode_text(self.tokenizer, text)
 
-    def _template_halves(self, history: Sequence[dict]) -> tuple[str, str]:
+    def _encode_structure(self, text: str, contents: Sequence[str]) -> tuple[int, ...]:
+        """A rendered template: its own markup with special tokens parsed, its content slots as text."""
+        ids: list[int] = []
+        start = 0
+        for match in _SLOT_PATTERN.finditer(text):
+            ids += self.tokenizer.encode(text[start : match.start()], add_special_tokens=False)
+            ids += self.encode(contents[int(match.group(1))])
+            start = match.end()
+        ids += self.tokenizer.encode(text[start:], add_special_tokens=False)
+        return tuple(ids)
+
+    def _render(self, messages: Sequence[dict], is_generation_prompt: bool = True) -> tuple[str, list[str]]:
+        """The template rendered with each content replaced by a slot (the placeholder is kept)."""
+        contents: list[str] = []
+        slotted = []
+        for message in messages:
+            content = message["content"]
+            if content != _PLACEHOLDER:
+                contents.append(content)
+                content = _SLOT.format(len(contents) - 1)
+            slotted.append({**message, "content": content})
+        if getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template(slotted, tokenize=False,
+                                                      add_generation_prompt=is_generation_prompt)
+        else:  # a tokenizer with no template: plain role-prefixed lines
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in slotted) + "assistant: "
+        return text, contents
+
+    def _template_halves(self, history: Sequence[dict]) -> tuple[str, str, list[str]]:
         messages = []
         if self.system_prompt and not (history and history[0].get("role") == "system"):
             messages.append({"role": "system", "content": self.system_prompt})
         messages += [dict(m) for m in history]
         messages.append({"role": "user", "content": _PLACEHOLDER})
-        if getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        else:  # a tokenizer with no template: plain role-prefixed lines
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        text, contents = self._render(messages)
         before, _, after = text.partition(_PLACEHOLDER)
-        return before, after
+        return before, after, contents
 
     def prefix_ids(self, history: Sequence[dict] = ()) -> tuple[int, ...]:
         """The tokens before the first chunk (chat header, system prompt, history, documents intro)."""
-        before, _ = self._template_halves(history)
-        return self.encode(before + DOCUMENTS_INTRO)
+        before, _, contents = self._template_halves(history)
+        return self._encode_structure(before, contents) + self.encode(DOCUMENTS_INTRO)
 
     def segments(self, question: str, chunks: Sequence[Segment], history: Sequence[dict] = ()) -> list[Segment]:
         """Prompt segments; the chunks keep their token ids and caches, separators and the rest are fresh."""
-        _, after = self._template_halves(history)
+        _, after, contents = self._template_halves(history)
         separator = self.encode(CHUNK_SEPARATOR)
         out = [Segment(self.prefix_ids(history))]
         for i, chunk in enumerate(chunks):
             if i:
                 out.append(Segment(separator))
             out.append(chunk)
-        out.append(Segment(self.encode(QUESTION_INTRO + question + ANSWER_HINT + after)))
+        suffix = self.encode(QUESTION_INTRO + question + ANSWER_HINT) + self._encode_structure(after, contents)
+        out.append(Segment(suffix))
         return out
 
     def chat_ids(self, messages: Sequence[dict]) -> tuple[int, ...]:
         """A plain chat prompt (no documents), with the generation prompt appended."""
-        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-        return self.encode(text)
+        text, contents = self._render(list(messages))
+        return self._encode_structure(text, contents)

@@ -22,6 +22,17 @@ from pydantic_settings import (
 DEFAULT_CONFIG = Path(str(files("configs").joinpath("default.yaml")))
 
 
+class RequestMode(str, Enum):
+    """A request's mode: `auto` (the loading planner picks full, blend or mixed per request), or a
+    prefill mode the request insists on."""
+
+    AUTO = "auto"
+    FULL = "full"
+    PREFIX = "prefix"
+    REUSE = "reuse"
+    BLEND = "blend"
+
+
 class PrefillMode(str, Enum):
     """How a prompt's chunk caches are used (see blend_engine.engine)."""
 
@@ -107,7 +118,9 @@ class ModelSettings(BaseModel):
 
 
 class BlendSettings(BaseModel):
-    mode: PrefillMode = Field(PrefillMode.BLEND, description="Default prefill mode of a request.")
+    mode: RequestMode = Field(
+        RequestMode.AUTO, description="Default mode of a request: auto (the loading planner) or a prefill mode."
+    )
     recompute_ratio: float = Field(
         0.15, ge=0.0, le=1.0, description="Share of reused tokens recomputed in blend mode."
     )
@@ -176,6 +189,11 @@ class RetrievalSettings(BaseModel):
     hnsw_m: int = Field(32, ge=4, le=128, description="HNSW graph degree.")
     top_k: int = Field(5, ge=1, le=100, description="Default number of retrieved chunks.")
     embed_batch_size: int = Field(32, ge=1, le=1024, description="Sentences per embedding batch.")
+    max_inline_kv_chars: int = Field(
+        20_000, ge=0, description="Documents up to this size get their chunks' KV precomputed before the ingest "
+        "answers; larger ones are committed at once and their KV computed in the background, one chunk at a "
+        "time between questions (kv_cached fills in).",
+    )
 
 
 class ServerSettings(BaseModel):
@@ -185,16 +203,33 @@ class ServerSettings(BaseModel):
     max_queue: int = Field(16, ge=1, le=4096, description="Engine jobs waiting beyond this answer 503.")
     retry_after_s: int = Field(2, ge=1, le=3600, description="Retry-After of a 503 when the queue is full.")
     model_id: str | None = Field(None, description="Model id shown by /v1/models (default: the engine's name).")
+    allow_public_without_key: bool = Field(
+        False, description="Let `ragblend serve` listen on a non-loopback host with no api_key (refused otherwise)."
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0.0, le=3600.0, description="A connection whose request headers are not all in by then is closed."
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0.0, le=3600.0, description="A request body not all in by then (from its first byte read) is a 408."
+    )
 
 
 class LimitsSettings(BaseModel):
     max_body_bytes: int = Field(8_000_000, ge=1024, description="Largest request body (413 above).")
-    max_document_chars: int = Field(1_000_000, ge=1, description="Largest document text.")
+    max_document_chars: int = Field(
+        500_000, ge=1, description="Largest document text; its KV (one token per char) must fit the store bound."
+    )
     max_documents_per_request: int = Field(64, ge=1, description="Documents in one POST /v1/documents.")
     max_top_k: int = Field(20, ge=1, le=1000, description="Largest top_k a request may ask.")
     max_tokens: int = Field(1024, ge=1, description="Largest max_tokens a request may ask.")
     max_question_chars: int = Field(4000, ge=1, description="Longest question / user message.")
     max_chunk_ids: int = Field(32, ge=1, description="Longest chunk_ids list.")
+    max_upload_bytes: int = Field(
+        100_000_000, ge=1024, description="Largest request body of POST /v1/documents/files (413 above)."
+    )
+    max_unzipped_bytes: int = Field(
+        200_000_000, ge=1024, description="A DOCX expanding past this is refused (zip bombs; 413)."
+    )
 
 
 class StorageDtype(str, Enum):
@@ -228,9 +263,34 @@ class StoreSettings(BaseModel):
     pipelined: bool = Field(True, description="Read layer i+1 while the engine computes layer i.")
     prefetch_depth: int = Field(2, ge=1, le=16, description="Layers read ahead of the engine when pipelined.")
     min_recompute_ratio: float = Field(
-        0.15, ge=0.0, le=1.0, description="Quality floor of ratio='auto' (the loading controller)."
+        0.15, ge=0.0, le=1.0, description="Quality floor of the loading planner's blend ratio (mode or ratio 'auto')."
     )
-    max_recompute_ratio: float = Field(1.0, ge=0.0, le=1.0, description="Ceiling of ratio='auto'.")
+    max_recompute_ratio: float = Field(1.0, ge=0.0, le=1.0, description="Ceiling of the loading planner's blend ratio.")
+    max_prefetch_bytes: int = Field(
+        1 << 30, ge=0, description="Bytes of chunk KV copied up into the memory tier at once, started at "
+        "retrieval so queue wait hides the load; 0 disables prefetching.",
+    )
+    planner_profile_tokens: list[int] = Field(
+        [64, 256, 1024], min_length=1, description="Prompt lengths of the timed prefills the loading planner's "
+        "cost model is fitted on at start-up (then refined by every answer).",
+    )
+    throttle_mbps: dict[Literal["memory", "disk", "redis"], float] = Field(
+        {}, description="Tests and benchmarks: slow a tier down to this many MB/s (simulates a cold disk, a remote tier).",
+    )
+
+    @field_validator("throttle_mbps")
+    @classmethod
+    def _positive_throttles(cls, v: dict[str, float]) -> dict[str, float]:
+        if any(mbps <= 0 for mbps in v.values()):
+            raise ValueError(f"throttle_mbps values must be > 0, got {v}")
+        return v
+
+    @field_validator("planner_profile_tokens")
+    @classmethod
+    def _positive_sizes(cls, v: list[int]) -> list[int]:
+        if any(n < 1 for n in v):
+            raise ValueError(f"planner_profile_tokens must be >= 1, got {v}")
+        return v
 
 
 class Settings(BaseSettings):

@@ -2,7 +2,7 @@
 
 from kv_store.backend import Backend, LayerReader, Tier
 from kv_store.config import StoreConfig
-from kv_store.controller import EngineProfile, LoadingController, RatioDecision
+from kv_store.planner import CostModel, LoadPlan, LoadPlanner, PlanKind, PlanRequest, PrefillShape
 from kv_store.errors import CorruptEntryError, EntryLostError, KVStoreError
 from kv_store.loader import SourceStats, StoredChunk, StoreLayerSource
 from kv_store.stats import StoreStats, TierStats
@@ -11,13 +11,16 @@ from kv_store.store import KVStore
 __all__ = [
     "Backend",
     "CorruptEntryError",
-    "EngineProfile",
+    "CostModel",
     "EntryLostError",
     "KVStore",
     "KVStoreError",
     "LayerReader",
-    "LoadingController",
-    "RatioDecision",
+    "LoadPlan",
+    "LoadPlanner",
+    "PlanKind",
+    "PlanRequest",
+    "PrefillShape",
     "SourceStats",
     "StoreConfig",
     "StoreLayerSource",

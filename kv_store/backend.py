@@ -81,6 +81,17 @@ class Backend(abc.ABC):
     def get_many(self, keys: Sequence[str]) -> list[ChunkKV | None]:
         return [self.get(key) for key in keys]
 
+    def readable_many(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each entry is here and its header is sound (not counted as lookups). A damaged
+        entry found here is deleted, like at any read."""
+        found = []
+        for key in keys:
+            reader = self.open_reader(key, is_lookup=False)
+            if reader is not None:
+                reader.close()
+            found.append(reader is not None)
+        return found
+
     def info(self, key: str) -> ChunkInfo | None:
         """The entry's header alone (cheap), or None on a miss. Counts as a lookup (hit or miss)."""
         reader = self.open_reader(key)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from configs.settings import KVQuantization, Settings, StorageDtype
@@ -25,6 +25,8 @@ class StoreConfig:
     prefetch_depth: int = 2
     min_recompute_ratio: float = 0.15
     max_recompute_ratio: float = 1.0
+    max_prefetch_bytes: int = 1 << 30  # chunk bytes being copied up at once by prefetch (0: off)
+    throttle_bytes_per_s: dict[Tier, float] = field(default_factory=dict)  # simulated slow tiers (tests, bench)
 
     def __post_init__(self) -> None:
         if self.max_memory_bytes < 0 or self.max_disk_bytes < 0:
@@ -36,6 +38,8 @@ class StoreConfig:
                 f"need 0 <= min_recompute_ratio ({self.min_recompute_ratio}) <= "
                 f"max_recompute_ratio ({self.max_recompute_ratio}) <= 1"
             )
+        if any(rate <= 0 for rate in self.throttle_bytes_per_s.values()):
+            raise ValueError(f"throttles must be > 0 bytes/s, got {self.throttle_bytes_per_s}")
 
     @property
     def memory_format(self) -> StorageFormat:
@@ -66,4 +70,6 @@ class StoreConfig:
             prefetch_depth=s.prefetch_depth,
             min_recompute_ratio=s.min_recompute_ratio,
             max_recompute_ratio=s.max_recompute_ratio,
+            max_prefetch_bytes=s.max_prefetch_bytes,
+            throttle_bytes_per_s={Tier(t): mbps * 1e6 for t, mbps in s.throttle_mbps.items()},
         )

@@ -90,7 +90,7 @@ class DiskBackend(Backend):
         now = time.time()
         for tmp in (self.root / "tmp").iterdir():
             try:
-                if now - tmp.stat().st_mtime > _STALE_TEMP_S:
+                if now - tmp.stat().st_mtime > _STALE_TEMP_S or not _is_writer_alive(tmp.name):
                     tmp.unlink()
             except FileNotFoundError:
                 pass
@@ -200,3 +200,21 @@ class DiskBackend(Backend):
     def keys_lru_order(self) -> list[str]:
         with self._lock:
             return list(self._sizes)
+
+
+def _is_writer_alive(temp_name: str) -> bool:
+    """Whether the process that writes this temp file (`<key>.<pid>.<uuid>.part`) still runs: a
+    writer killed mid-write (kill -9) leaves its temp file behind, removed at the next start."""
+    parts = temp_name.split(".")
+    if len(parts) != 4 or not parts[1].isdigit():
+        return False
+    pid = int(parts[1])
+    if pid == os.getpid():
+        return True  # another store over this directory in this process may be writing it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True

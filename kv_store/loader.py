@@ -1,6 +1,8 @@
 """Layer sources over stored chunks: the engine's `LayerKVSource`, read synchronously or pipelined.
 
-Pipelined, a reader thread loads layer i+1.. (all chunks) while the engine computes layer i. Torch
+Pipelined, a reader thread loads layer i+1.. (all chunks) while the engine computes layer i. A
+chunk that fails there is never recomputed on that thread (that would run a forward beside the
+engine's own): the thread stops and the engine's thread loads, and recovers, from that layer on. Torch
 ops and file reads release the GIL, so the reads overlap the compute. On CUDA the thread reads
 into pinned buffers and copies on a side stream; the engine's stream waits on a per-layer event,
 so there is no device-wide synchronize.
@@ -24,6 +26,10 @@ log = logging.getLogger(__name__)
 LayerPairs = list[tuple[torch.Tensor, torch.Tensor]]  # per chunk: keys, values [H, n, D]
 # Called when a chunk's reader fails mid-request: returns a reader over fresh KV, or raises.
 RecoverFn = Callable[[int, Exception], LayerReader]
+
+
+class _RecoveryNeeded(Exception):
+    """The reader thread met a damaged or lost chunk; the engine's thread must recompute it."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,7 @@ class StoreLayerSource:
         self._ready: dict[int, tuple[LayerPairs, torch.cuda.Event | None]] = {}  # prefetched layers
         self._wanted = start_layer  # the layer the engine asked for last
         self._error: BaseException | None = None  # what stopped the reader thread, raised to the engine
+        self._sync_from: int | None = None  # the layer where the thread met a failed chunk and stopped
         self._is_closed = False
         self._thread: threading.Thread | None = None
         self._start_layer, self._prefetch_depth = start_layer, prefetch_depth
@@ -94,10 +101,10 @@ class StoreLayerSource:
         if not 0 <= layer_idx < self._num_layers and self._readers:
             raise IndexError(f"layer {layer_idx} of {self._num_layers}")
         start = time.perf_counter()
-        if self._thread is None or layer_idx < self._start_layer:
-            pairs, event = self._load(layer_idx)
-        else:
-            pairs, event = self._take(layer_idx)
+        taken = None
+        if self._thread is not None and layer_idx >= self._start_layer:
+            taken = self._take(layer_idx)
+        pairs, event = taken if taken is not None else self._load(layer_idx, may_recover=True)
         if event is not None:  # the copy ran on the side stream: order the engine's stream after it
             stream = torch.cuda.current_stream(self._device)
             stream.wait_event(event)
@@ -107,7 +114,7 @@ class StoreLayerSource:
         self.stats.wait_seconds += time.perf_counter() - start
         return pairs
 
-    def _take(self, layer_idx: int) -> tuple[LayerPairs, torch.cuda.Event | None]:
+    def _take(self, layer_idx: int) -> tuple[LayerPairs, torch.cuda.Event | None] | None:
         with self._cond:
             if layer_idx < self._wanted:
                 raise ValueError(f"layers must be asked in increasing order: {layer_idx} after {self._wanted}")
@@ -118,6 +125,8 @@ class StoreLayerSource:
             while layer_idx not in self._ready:
                 if self._error is not None:  # the thread stopped before reaching this layer
                     raise self._error
+                if self._sync_from is not None:  # the thread stopped at a failed chunk: load here
+                    return None
                 self._cond.wait()
             result = self._ready.pop(layer_idx)
             self._cond.notify_all()
@@ -134,7 +143,12 @@ class StoreLayerSource:
                     return
                 layer_idx = max(layer_idx, self._wanted)  # the engine skipped ahead
             try:
-                result = self._load(layer_idx)
+                result = self._load(layer_idx, may_recover=False)
+            except _RecoveryNeeded:  # recomputing is engine work: the engine's thread does it (in layer())
+                with self._cond:
+                    self._sync_from = layer_idx
+                    self._cond.notify_all()
+                return
             except BaseException as exc:  # handed to the engine's thread, raised there
                 with self._cond:
                     self._error = exc
@@ -145,9 +159,9 @@ class StoreLayerSource:
                 self._cond.notify_all()
             layer_idx += 1
 
-    def _load(self, layer_idx: int) -> tuple[LayerPairs, torch.cuda.Event | None]:
+    def _load(self, layer_idx: int, may_recover: bool) -> tuple[LayerPairs, torch.cuda.Event | None]:
         start = time.perf_counter()
-        host = [self._read(i, layer_idx) for i in range(len(self._readers))]
+        host = [self._read(i, layer_idx, may_recover) for i in range(len(self._readers))]
         event = None
         if self._side_stream is not None:
             with torch.cuda.stream(self._side_stream):
@@ -161,10 +175,12 @@ class StoreLayerSource:
         self.stats.load_seconds += time.perf_counter() - start
         return pairs, event
 
-    def _read(self, chunk_idx: int, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read(self, chunk_idx: int, layer_idx: int, may_recover: bool) -> tuple[torch.Tensor, torch.Tensor]:
         try:
             return self._readers[chunk_idx].read_layer(layer_idx, pinned=self._side_stream is not None)
         except (CorruptEntryError, EntryLostError) as exc:
+            if not may_recover:
+                raise _RecoveryNeeded() from exc
             log.warning("chunk %d failed at layer %d (%s): recomputing it", chunk_idx, layer_idx, exc)
             self._readers[chunk_idx].close()
             self._readers[chunk_idx] = self._recover(chunk_idx, exc)

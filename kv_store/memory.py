@@ -87,6 +87,9 @@ class MemoryBackend(Backend):
             if old is not None:
                 self._num_bytes -= old.nbytes
 
+    def readable_many(self, keys) -> list[bool]:
+        return [self.contains(key) for key in keys]
+
     def keys_lru_order(self) -> list[str]:
         """Least recently used first (for tests and debugging)."""
         with self._lock:

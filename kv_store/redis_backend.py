@@ -152,6 +152,19 @@ class RedisBackend(Backend):
             log.warning("redis exists failed (%s)", exc)
             return False
 
+    def readable_many(self, keys: Sequence[str]) -> list[bool]:
+        """One pipelined EXISTS round trip (entries are validated when read, not here)."""
+        if not keys:
+            return []
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(self._name(key))
+            return [bool(n) for n in pipe.execute()]
+        except redis.RedisError as exc:
+            log.warning("redis exists failed (%s)", exc)
+            return [False] * len(keys)
+
     def delete(self, key: str) -> None:
         try:
             self._client.delete(self._name(key))

@@ -27,10 +27,7 @@ class TierStats:
 @dataclass(frozen=True)
 class StoreStats:
     tiers: dict[str, TierStats]
-    num_auto_ratio_choices: int = 0
-    last_auto_ratio: float | None = None
-    last_predicted_load_s: float | None = None
-    last_predicted_compute_s: float | None = None
+    num_recovered: int = 0  # entries damaged or lost mid-request, recomputed inline and put back
 
 
 class TierCounters:

@@ -21,13 +21,15 @@ from configs.settings import Settings
 from kv_store.backend import Backend, LayerReader, Tier
 from kv_store.codec import TORCH_DTYPES
 from kv_store.config import StoreConfig
-from kv_store.controller import EngineProfile, LoadingController, RatioDecision
 from kv_store.disk import DiskBackend
 from kv_store.errors import CorruptEntryError, EntryLostError
 from kv_store.keys import chunk_key, is_valid_key
 from kv_store.loader import StoredChunk, StoreLayerSource
 from kv_store.memory import MemoryBackend, MemoryReader
+from kv_store.planner import LoadPlan, LoadPlanner, PlanRequest
+from kv_store.prefetch import Prefetcher
 from kv_store.stats import StoreStats
+from kv_store.throttle import ThrottledBackend
 
 log = logging.getLogger(__name__)
 RecomputeFn = Callable[[tuple[int, ...], tuple[int, ...]], ChunkKV]  # e.g. engine.precompute
@@ -38,7 +40,6 @@ class KVStore:
         if not fingerprint:
             raise ValueError("a model fingerprint is required")
         self.fingerprint, self.config = fingerprint, config
-        self.controller = LoadingController(config.min_recompute_ratio, config.max_recompute_ratio)
         self._backends: list[Backend] = []
         if config.max_memory_bytes > 0:
             self._backends.append(MemoryBackend(config.max_memory_bytes, TORCH_DTYPES[config.dtype]))
@@ -50,9 +51,15 @@ class KVStore:
             from kv_store.redis_backend import RedisBackend  # redis-py only when a URL is configured
 
             self._backends.append(RedisBackend(config.redis_url, config.redis_ttl_s, fingerprint, config.remote_format))
-        self._decision_lock = threading.Lock()
-        self._num_decisions = 0
-        self._last_decision: RatioDecision | None = None
+        self._backends = [self._throttled(b) for b in self._backends]
+        self.planner = LoadPlanner(config.min_recompute_ratio, config.max_recompute_ratio)
+        self._prefetcher = Prefetcher(self.get, config.max_prefetch_bytes) if config.max_memory_bytes > 0 else None
+        self._lock = threading.Lock()
+        self._num_recovered = 0  # entries recomputed mid-request (and put back)
+
+    def _throttled(self, backend: Backend) -> Backend:
+        rate = self.config.throttle_bytes_per_s.get(backend.tier)
+        return backend if rate is None else ThrottledBackend(backend, rate)
 
     @classmethod
     def from_settings(cls, settings: Settings, fingerprint: str) -> KVStore:
@@ -118,6 +125,33 @@ class KVStore:
         for b in self._backends:
             b.delete(key)
 
+    def readable_many(self, keys: Sequence[str]) -> list[bool]:
+        """Whether some tier holds a sound entry for each key (headers checked on disk, one round
+        trip to Redis); a damaged entry found is deleted and counted, so the answer is the truth."""
+        for key in keys:
+            self._check_key(key)
+        found: set[str] = set()
+        for b in self._backends:
+            missing = [key for key in dict.fromkeys(keys) if key not in found]
+            if not missing:
+                break
+            found.update(key for key, ok in zip(missing, b.readable_many(missing)) if ok)
+        return [key in found for key in keys]
+
+    def collect_garbage(self, live_keys: set[str]) -> int:
+        """Delete the local entries (memory, disk) no chunk points at any more, e.g. those written by
+        an ingest killed before its commit. Redis is shared and expires by itself: left alone.
+        Returns how many entries were deleted."""
+        num_deleted = 0
+        for b in self._backends:
+            if b.tier is Tier.REDIS:
+                continue
+            for key in b.keys_lru_order():
+                if key not in live_keys:
+                    b.delete(key)
+                    num_deleted += 1
+        return num_deleted
+
     @staticmethod
     def _check_key(key: str) -> None:
         if not is_valid_key(key):
@@ -154,16 +188,20 @@ class KVStore:
         def recover(chunk_idx: int, exc: Exception) -> LayerReader:
             return self._recover(handles[chunk_idx], exc, recompute)
 
-        readers = []
-        for idx, h in enumerate(handles):
-            reader = self.backend(h.tier).open_reader(h.key, is_lookup=False)
-            readers.append(reader if reader is not None else recover(idx, EntryLostError(f"{h.key[:16]} is gone")))
-        if pipelined is None:
-            # Reading from the memory tier is a copy with nothing to hide, and a reader thread would
-            # only compete with the engine's compute threads for the cores (measured: ~8% slower).
-            pipelined = self.config.is_pipelined and any(h.tier != Tier.MEMORY for h in handles)
-        is_pipelined = pipelined
-        return StoreLayerSource(readers, device, dtype, recover, is_pipelined, self.config.prefetch_depth, start_layer)
+        readers: list[LayerReader] = []
+        try:
+            for idx, h in enumerate(handles):
+                reader = self.backend(h.tier).open_reader(h.key, is_lookup=False)
+                readers.append(reader if reader is not None else recover(idx, EntryLostError(f"{h.key[:16]} is gone")))
+            if pipelined is None:
+                # Reading from the memory tier is a copy with nothing to hide, and a reader thread would
+                # only compete with the engine's compute threads for the cores (measured: ~8% slower).
+                pipelined = self.config.is_pipelined and any(h.tier != Tier.MEMORY for h in handles)
+            return StoreLayerSource(readers, device, dtype, recover, pipelined, self.config.prefetch_depth, start_layer)
+        except BaseException:  # a recovery that raised: the readers already open must not leak
+            for reader in readers:
+                reader.close()
+            raise
 
     def _recover(self, h: StoredChunk, exc: Exception, recompute: RecomputeFn | None) -> LayerReader:
         """A reader for a chunk whose entry failed: another tier's copy, else recomputed KV."""
@@ -180,7 +218,24 @@ class KVStore:
             raise EntryLostError(f"chunk {h.key[:16]} failed ({exc}) and no recompute function was given")
         kv = recompute(h.token_ids, h.context_ids)
         self.put(h.key, kv)  # heal the store for the next request
+        with self._lock:
+            self._num_recovered += 1
         return MemoryReader(h.key, kv)
+
+    def prefetch(self, keys: Sequence[str]) -> int:
+        """Start copying chunks that live below the memory tier up into it, in the background (at
+        retrieval, so queue wait hides the load). Bounded bytes in flight; returns how many started."""
+        if self._prefetcher is None or len(self._backends) < 2:
+            return 0
+        fastest = self._backends[0]
+        num_started = 0
+        for key in dict.fromkeys(keys):
+            if fastest.contains(key):
+                continue
+            handle = self.handle(key)
+            if handle is not None and self._prefetcher.submit(key, handle.layer_nbytes * handle.num_layers):
+                num_started += 1
+        return num_started
 
     def promote(self, handles: Sequence[StoredChunk]) -> int:
         """Copy streamed chunks up into the faster tiers (streaming itself leaves them where they are).
@@ -191,34 +246,25 @@ class KVStore:
         fastest = self._backends[0].tier if self._backends else None
         return sum(1 for h in handles if h.tier != fastest and self.get(h.key) is not None)
 
-    # --- the loading controller -------------------------------------------------------------------
-    def decide_ratio(self, handles: Sequence[StoredChunk], profile: EngineProfile, num_fresh_tokens: int = 0) -> RatioDecision:
+    # --- the loading planner -------------------------------------------------------------------
+    def plan(self, request: PlanRequest, is_blend_only: bool = False) -> LoadPlan:
+        """The loading planner's choice for `request`, from the tiers' measured throughput."""
         throughput = {b.tier: b.counters.snapshot(0).load_throughput for b in self._backends}
-        decision = self.controller.choose(handles, profile, throughput, num_fresh_tokens)
-        with self._decision_lock:
-            self._num_decisions += 1
-            self._last_decision = decision
-        return decision
-
-    def choose_ratio(self, handles: Sequence[StoredChunk], profile: EngineProfile, num_fresh_tokens: int = 0) -> float:
-        """The recompute ratio for `ratio="auto"`: what the loads can hide, never below the floor."""
-        return self.decide_ratio(handles, profile, num_fresh_tokens).ratio
+        return self.planner.plan(request, throughput, is_blend_only)
 
     # --- bookkeeping ------------------------------------------------------------------------------
     def stats(self) -> StoreStats:
         tiers = {b.tier.value: b.counters.snapshot(b.bytes_used()) for b in self._backends}
-        with self._decision_lock:
-            last = self._last_decision
-            num = self._num_decisions
+        with self._lock:
+            num_recovered = self._num_recovered
         return StoreStats(
             tiers=tiers,
-            num_auto_ratio_choices=num,
-            last_auto_ratio=last.ratio if last else None,
-            last_predicted_load_s=last.predicted_load_s if last else None,
-            last_predicted_compute_s=last.predicted_compute_s if last else None,
+            num_recovered=num_recovered,
         )
 
     def close(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.close()
         for b in self._backends:
             b.close()
         self._backends = []

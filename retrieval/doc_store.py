@@ -18,7 +18,8 @@ CREATE TABLE IF NOT EXISTS documents (
     title TEXT,
     metadata TEXT NOT NULL,
     num_chars INTEGER NOT NULL,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    content_hash TEXT          -- what the document was built from: re-sending it is a no-op
 );
 CREATE TABLE IF NOT EXISTS chunks (
     row_id INTEGER PRIMARY KEY AUTOINCREMENT,   -- the FAISS id; never reused
@@ -59,6 +60,15 @@ class StoredChunk:
 
 
 @dataclass(frozen=True)
+class DocumentSummaryRow:
+    id: str
+    title: str | None
+    num_chunks: int
+    num_chars: int
+    created_at: float
+
+
+@dataclass(frozen=True)
 class StoredDocument:
     id: str
     title: str | None
@@ -80,6 +90,9 @@ class DocumentStore:
         self._conn.execute("PRAGMA foreign_keys = ON")
         self._conn.execute("PRAGMA journal_mode = WAL")
         self._conn.executescript(_SCHEMA)
+        columns = {r["name"] for r in self._conn.execute("PRAGMA table_info(documents)")}
+        if "content_hash" not in columns:  # a store made before content hashes
+            self._conn.execute("ALTER TABLE documents ADD COLUMN content_hash TEXT")
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -87,16 +100,19 @@ class DocumentStore:
             self._conn.close()
 
     def put_document(
-        self, doc_id: str, title: str | None, metadata: dict[str, Any], num_chars: int, chunks: Sequence[NewChunk]
+        self, doc_id: str, title: str | None, metadata: dict[str, Any], num_chars: int, chunks: Sequence[NewChunk],
+        content_hash: str | None = None,
     ) -> tuple[StoredDocument, list[StoredChunk]]:
-        """Insert (or replace) a document and its chunks. Returns it and the chunks it replaced."""
+        """Insert (or replace) a document and its chunks in one transaction: after a crash either the
+        old or the new version is stored, never a mix. Returns it and the chunks it replaced."""
         with self._lock, self._transaction():
             replaced = self._chunks_where("c.document_id = ?", (doc_id,))
             self._conn.execute("DELETE FROM documents WHERE id = ?", (doc_id,))
             now = time.time()
             self._conn.execute(
-                "INSERT INTO documents (id, title, metadata, num_chars, created_at) VALUES (?, ?, ?, ?, ?)",
-                (doc_id, title, json.dumps(metadata), num_chars, now),
+                "INSERT INTO documents (id, title, metadata, num_chars, created_at, content_hash)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (doc_id, title, json.dumps(metadata), num_chars, now, content_hash),
             )
             for position, chunk in enumerate(chunks):
                 self._conn.execute(
@@ -125,12 +141,21 @@ class DocumentStore:
                 return None
             return _document(row, self._chunks_where("c.document_id = ?", (doc_id,)))
 
-    def list_documents(self, limit: int = 100, offset: int = 0) -> list[StoredDocument]:
+    def content_hash(self, doc_id: str) -> str | None:
+        """The hash a stored document was built from (None: no such document, or stored before hashes)."""
+        with self._lock:
+            row = self._conn.execute("SELECT content_hash FROM documents WHERE id = ?", (doc_id,)).fetchone()
+        return None if row is None else row["content_hash"]
+
+    def list_documents(self, limit: int = 100, offset: int = 0) -> list[DocumentSummaryRow]:
+        """One page of documents with their chunk counts, in one query (no chunk rows are read)."""
         with self._lock:
             rows = self._conn.execute(
-                "SELECT * FROM documents ORDER BY created_at, id LIMIT ? OFFSET ?", (limit, offset)
+                "SELECT d.id, d.title, d.num_chars, d.created_at,"
+                " (SELECT COUNT(*) FROM chunks c WHERE c.document_id = d.id) AS num_chunks"
+                " FROM documents d ORDER BY d.created_at, d.id LIMIT ? OFFSET ?", (limit, offset)
             ).fetchall()
-            return [_document(row, self._chunks_where("c.document_id = ?", (row["id"],))) for row in rows]
+        return [DocumentSummaryRow(r["id"], r["title"], r["num_chunks"], r["num_chars"], r["created_at"]) for r in rows]
 
     def chunks_by_row_ids(self, row_ids: Sequence[int]) -> dict[int, StoredChunk]:
         return {c.row_id: c for c in self._chunks_in("row_id", list(row_ids))}
@@ -154,6 +179,30 @@ class DocumentStore:
     def num_chunks(self) -> int:
         with self._lock:
             return int(self._conn.execute("SELECT COUNT(*) FROM chunks").fetchone()[0])
+
+    def row_ids(self) -> set[int]:
+        """Every chunk's row id: what the vector index must hold, exactly."""
+        with self._lock:
+            return {int(r[0]) for r in self._conn.execute("SELECT row_id FROM chunks")}
+
+    def kv_keys(self) -> set[str]:
+        """Every KV key a chunk points at: the KV entries that must not be garbage-collected."""
+        with self._lock:
+            return {r[0] for r in self._conn.execute("SELECT DISTINCT kv_key FROM chunks WHERE kv_key IS NOT NULL")}
+
+    def embeddings_of(self, row_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(row_ids [n] int64, embeddings [n, dim] float32) of these chunks (those that exist)."""
+        with self._lock:
+            rows = []
+            for start in range(0, len(row_ids), 500):  # SQLite caps the number of bound parameters
+                part = list(row_ids[start : start + 500])
+                marks = ",".join("?" * len(part))
+                rows += self._conn.execute(
+                    f"SELECT row_id, embedding FROM chunks WHERE row_id IN ({marks}) ORDER BY row_id", part
+                ).fetchall()
+        ids = np.array([r["row_id"] for r in rows], dtype=np.int64)
+        vectors = [np.frombuffer(r["embedding"], dtype=np.float32) for r in rows]
+        return ids, (np.stack(vectors) if vectors else np.zeros((0, 0), dtype=np.float32))
 
     def iter_embeddings(self, batch_size: int = 1024) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """(row_ids [n] int64, embeddings [n, dim] float32) batches of every chunk, for index rebuilds."""

@@ -5,6 +5,7 @@ FAISS ids are the document store's chunk row ids, so a hit maps straight to its 
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ import faiss
 import numpy as np
 
 from configs.settings import IndexKind
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,14 @@ class VectorIndex:
         """The kind of the index actually held (a loaded file may predate a config change)."""
         inner = faiss.downcast_index(self._index.index) if hasattr(self._index, "index") else self._index
         return IndexKind.HNSW if isinstance(inner, faiss.IndexHNSW) else IndexKind.FLAT
+
+    def ids(self) -> np.ndarray:
+        """Every id the index holds [n] int64 (the chunk row ids), for reconciling with the store."""
+        with self._lock:
+            id_map = getattr(self._index, "id_map", None)
+            if id_map is None:
+                raise TypeError("the index holds no id map; rebuild it")
+            return faiss.vector_to_array(id_map).astype(np.int64)
 
     @property
     def supports_remove(self) -> bool:
@@ -92,9 +103,15 @@ class VectorIndex:
 
     @classmethod
     def load_or_create(cls, path: Path, dim: int, kind: IndexKind, hnsw_m: int = 32) -> VectorIndex:
+        """The saved index, or an empty one when there is none or it cannot be read (the caller then
+        rebuilds it from the document store, the source of truth)."""
         index = cls(dim, kind, hnsw_m, path)
         if path.is_file():
-            loaded = faiss.read_index(str(path))
+            try:
+                loaded = faiss.read_index(str(path))
+            except RuntimeError as exc:
+                log.warning("index %s is unreadable (%s): starting empty, rebuilt from the store", path, exc)
+                return index
             if loaded.d != dim:
                 raise ValueError(f"index at {path} has dim {loaded.d}, embedder has {dim}; delete it to rebuild")
             index._index = loaded

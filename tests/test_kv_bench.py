@@ -29,3 +29,20 @@ def test_bench_kv_prints_table_then_json(tmp_path, capsys):
     assert summary["disk+pipe:max_logit_diff"] == 0.0 and summary["disk:max_logit_diff"] == 0.0
     assert summary["top1_agreement_vs_memory_blend"]["disk+pipe"] == 1
     assert summary["min_recompute_ratio"] <= summary["auto_ratio"] <= 1.0
+
+
+def test_bench_kv_throttled_disk_makes_the_planner_fall_back(tmp_path, capsys):
+    words = "a slow disk makes loading cost more than computing the whole prompt again".split()
+    item = {"question": "what is slow?", "answers": ["disk"],
+            "ctxs": [{"title": "", "text": " ".join(words[i:] + words[:i]) * 3} for i in range(3)]}
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps([item, item]))
+    parser = argparse.ArgumentParser()
+    kv_bench.add_arguments(parser)
+    args = parser.parse_args(["--data", str(data), "--questions", "1", "--passages", "3", "--repeats", "1",
+                              "--model", "random:tiny-llama", "--throttle-mbps", "disk=0.05"])
+    assert kv_bench.run(args) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["throttle_mbps"] == {"disk": 0.05}
+    # planned full: nothing loaded, nothing waited for (timings are the bench's business, not a test's)
+    assert summary["plans"]["disk+pipe+auto"] == ["full"] and summary["disk+pipe+auto:source_wait"] == 0

@@ -1,6 +1,7 @@
 """Streaming stored KV into the engine's prefill: bit-identical to memory, pipelined or not,
 recovery from entries that fail mid-request, prefetch order, and the overlap itself."""
 
+import threading
 import time
 
 import pytest
@@ -101,6 +102,45 @@ def test_entry_damaged_mid_stream_is_recomputed(engine, chunks, tmp_path, pipeli
     assert store.stats().tiers["disk"].corrupt == 1
     healed = store.get(keys[1])  # rewritten by the recovery
     assert healed is not None and torch.equal(healed.keys, chunks[1].keys)
+
+
+def test_pipelined_recovery_runs_on_the_engine_thread_not_the_prefetch_thread(engine, chunks, tmp_path):
+    """Recomputing is a forward: it must never run on the reader thread beside the engine's own."""
+    store = make_store(engine, tmp_path, max_memory_bytes=0)
+    keys = put_all(store, chunks)
+    handles = [store.handle(k) for k in keys]
+    _flip_last_layer(store.backend(Tier.DISK).path(keys[1]))
+    threads = []
+
+    def recompute(token_ids, context_ids):
+        threads.append(threading.current_thread().name)
+        return engine.precompute(token_ids, context_ids)
+
+    result, source = prefill_from(engine, store, handles, PrefillMode.BLEND, True, recompute=recompute)
+    assert threads == [threading.current_thread().name] and source.stats.num_recovered == 1
+    assert torch.equal(result.logits, engine.prefill(prompt(chunks), mode=PrefillMode.BLEND).logits)
+    assert store.stats().num_recovered == 1
+
+
+def test_readers_already_open_are_closed_when_a_recovery_raises(engine, chunks, tmp_path, monkeypatch):
+    store = make_store(engine, tmp_path, max_memory_bytes=0)
+    keys = put_all(store, chunks)
+    handles = [store.handle(k) for k in keys]
+    store.delete(keys[2])  # the last chunk is gone and there is no recompute: layer_source raises
+    opened = []
+    disk = store.backend(Tier.DISK)
+    real_open = disk.open_reader
+
+    def tracking_open(key, is_lookup=True):
+        reader = real_open(key, is_lookup)
+        if reader is not None:
+            opened.append(reader)
+        return reader
+
+    monkeypatch.setattr(disk, "open_reader", tracking_open)
+    with pytest.raises(EntryLostError):
+        store.layer_source(handles, engine.device, engine.dtype, pipelined=True)
+    assert len(opened) == 2 and all(r._fd == -1 for r in opened)  # both file descriptors closed
 
 
 def test_entry_damaged_without_recompute_raises_cleanly(engine, chunks, tmp_path):

@@ -145,5 +145,68 @@ def test_retriever_rebuilds_a_lost_index_from_the_store(retriever):
     assert reopened.index.num_vectors == 3 and reopened.index.loaded_kind is IndexKind.HNSW
     assert reopened.search("Which festival is in October?", 1)[0].chunk.document_id == "cheese"
     deleted = reopened.store.delete_document("cheese")
-    reopened.forget(deleted)
+    reopened.follow(deleted, [], [])
     assert "cheese" not in [h.chunk.document_id for h in reopened.search("Which festival is in October?", 3)]
+
+
+def _put(retriever, doc_id, texts):
+    vectors = retriever.embedder.encode(texts)
+    chunks = [NewChunk(t, (i + 1,), v) for i, (t, v) in enumerate(zip(texts, vectors))]
+    return retriever.store.put_document(doc_id, None, {}, sum(map(len, texts)), chunks), vectors
+
+
+@pytest.mark.parametrize("kind", list(IndexKind))
+def test_a_crash_between_the_commit_and_the_index_is_reconciled_by_id_sets(tmp_path, kind):
+    """A replace with as many chunks as before, killed after the SQLite commit and before the index
+    follows: the counts match, the ids do not. Start-up must swap the dead ids for the new chunks."""
+    settings = RetrievalSettings(index=kind)
+    retriever = Retriever.open(tmp_path, settings)
+    (doc, _), vectors = _put(retriever, "ships", ["Old ships sail at dawn.", "Old harbours smell of tar."])
+    retriever.follow([], [c.row_id for c in doc.chunks], list(vectors))
+    retriever.index.save()
+    _put(retriever, "ships", ["The violet zeppelin lands in Oslo.", "Zeppelins carry forty passengers."])
+    retriever.store.close()  # killed here: the index file still holds the old ids
+    reopened = Retriever.open(tmp_path, settings)
+    assert set(reopened.index.ids().tolist()) == reopened.store.row_ids()
+    hit = reopened.search("Where does the violet zeppelin land?", 1)[0]
+    assert hit.chunk.text == "The violet zeppelin lands in Oslo."
+    assert Retriever.open(tmp_path, settings).reconcile().is_changed is False  # now in step: nothing to do
+    reopened.close()
+
+
+def test_reconcile_adds_missing_removes_dead_and_survives_an_unreadable_index(tmp_path):
+    retriever = Retriever.open(tmp_path, RetrievalSettings())
+    (a, _), vectors = _put(retriever, "a", ["Alpha one.", "Alpha two."])
+    retriever.index.add([999], vectors[:1])  # a dead id: no chunk has it
+    result = retriever.reconcile()
+    assert (result.num_added, result.num_removed, result.is_rebuilt) == (2, 1, False)
+    assert set(retriever.index.ids().tolist()) == {c.row_id for c in a.chunks}
+    retriever.close()
+    (tmp_path / "index.faiss").write_bytes(b"not a faiss index")
+    reopened = Retriever.open(tmp_path, RetrievalSettings())
+    assert set(reopened.index.ids().tolist()) == {c.row_id for c in a.chunks}
+    reopened.close()
+
+
+def test_store_lists_with_counts_and_keeps_content_hashes(tmp_path):
+    store = DocumentStore(tmp_path / "docs.sqlite3")
+    store.put_document("a", "A", {}, 3, [_chunk("x", key="k1"), _chunk("y", key="k2")], content_hash="h1")
+    store.put_document("b", None, {}, 1, [_chunk("z")])
+    assert [(r.id, r.num_chunks) for r in store.list_documents()] == [("a", 2), ("b", 1)]
+    assert store.content_hash("a") == "h1" and store.content_hash("b") is None and store.content_hash("c") is None
+    assert store.kv_keys() == {"k1", "k2"} and len(store.row_ids()) == 3
+    store.close()
+
+
+@pytest.mark.parametrize("kind", list(IndexKind))
+def test_follow_a_replace_leaves_each_chunk_indexed_once(tmp_path, kind):
+    """HNSW cannot remove: the index is rebuilt from the store, which already holds the new chunks
+    (adding them again would index them twice)."""
+    retriever = Retriever.open(tmp_path, RetrievalSettings(index=kind))
+    (doc, _), vectors = _put(retriever, "a", ["Alpha one.", "Alpha two."])
+    retriever.follow([], [c.row_id for c in doc.chunks], list(vectors))
+    (doc2, replaced), vectors2 = _put(retriever, "a", ["Beta one.", "Beta two.", "Beta three."])
+    retriever.follow(replaced, [c.row_id for c in doc2.chunks], list(vectors2))
+    ids = retriever.index.ids().tolist()
+    assert sorted(ids) == sorted(retriever.store.row_ids()) and len(ids) == 3
+    retriever.close()

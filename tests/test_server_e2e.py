@@ -251,3 +251,28 @@ def test_quality_guard_says_when_it_raised_the_ratio(engine, tmp_path):
         body = ask(http, mode="blend")
         assert body["quality_guarded"] and body["recompute_ratio"] == pytest.approx(0.6, abs=0.01)
         assert "4812" in body["answer"]
+
+
+def test_auto_mode_is_the_default_and_reports_its_plan(client):
+    body = ask(client)  # no mode: the loading planner decides; chunks in memory load for free
+    plan = body["plan"]
+    assert body["mode"] == "blend" and plan["plan"] == "blend" and plan["recompute_ratio"] == pytest.approx(0.15)
+    assert plan["predicted_compute_ms"] > 0 and plan["actual_prefill_ms"] > 0 and plan["num_chunks_recomputed"] == 0
+    assert "4812" in body["answer"]
+    assert ask(client, mode="full")["plan"] is None  # an explicit mode is honoured, not planned
+    assert 'ragblend_load_plans_total{plan="blend"}' in client.get("/metrics").text
+
+
+def test_auto_mode_falls_back_to_full_when_the_tier_is_slow(engine, tmp_path):
+    # only a disk tier, slowed to 0.5 MB/s: the first answer measures it, the next ones skip loading
+    settings = make_settings(tmp_path, store={"max_memory_bytes": 0, "throttle_mbps": {"disk": 0.5}})
+    with LiveServer(settings, engine=engine) as live, httpx.Client(base_url=live.url, timeout=300) as http:
+        assert http.post("/v1/documents", json={"documents": DOCUMENTS}).status_code == 201
+        ask(http)
+        body = ask(http)
+        assert body["mode"] == "full" and body["plan"]["plan"] == "full" and body["plan"]["predicted_load_ms"] == 0
+        assert body["usage"]["reused_tokens"] == 0 and "4812" in body["answer"]
+        chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": QUESTION}],
+                                                       "max_tokens": 8}).json()
+        assert chat["plan"]["plan"] == "full"
+        assert 'ragblend_load_plans_total{plan="full"}' in http.get("/metrics").text

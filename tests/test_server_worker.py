@@ -85,3 +85,77 @@ def test_leaving_a_stream_cancels_its_job_and_frees_the_worker():
             worker.close()
 
     asyncio.run(main())
+
+
+def test_background_tasks_run_only_when_no_job_waits_and_are_bounded():
+    async def main():
+        worker = EngineWorker(max_queue=8, max_background=2)
+        order, release = [], threading.Event()
+        try:
+            first = worker.submit(lambda job: release.wait(5))
+            await asyncio.sleep(0.05)  # the first job runs: everything below waits
+            assert worker.submit_background(lambda: order.append("repair-1"))
+            assert worker.submit_background(lambda: order.append("repair-2"))
+            assert not worker.submit_background(lambda: order.append("repair-3"))  # bounded: dropped
+            second = worker.submit(lambda job: order.append("job"))
+            release.set()
+            await first.future
+            await second.future
+            deadline = time.monotonic() + 5
+            while len(order) < 3 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert order == ["job", "repair-1", "repair-2"]  # the request's job went first
+        finally:
+            worker.close()
+
+    asyncio.run(main())
+
+
+def test_close_stops_the_running_job_and_waits_for_it():
+    async def main():
+        worker = EngineWorker(max_queue=4)
+        steps, finished = [], threading.Event()
+
+        def ingest(job):
+            try:
+                for i in range(1000):
+                    job.check()  # between documents
+                    steps.append(i)
+                    time.sleep(0.01)
+            finally:
+                finished.set()  # e.g. the index saved: before the stores may close
+
+        running = worker.submit(ingest)
+        queued = worker.submit(lambda job: "never")
+        await asyncio.sleep(0.1)
+        assert await asyncio.to_thread(worker.close) is True
+        assert finished.is_set() and len(steps) < 100
+        with pytest.raises(JobCancelled):
+            await running.future
+        with pytest.raises(JobCancelled):
+            await queued.future
+        assert not worker.submit_background(lambda: None)
+
+    asyncio.run(main())
+
+
+def test_components_close_the_stores_only_after_the_worker_stopped():
+    from app.components import Components
+
+    closed = []
+
+    class Part:
+        def __init__(self, name, stops=True):
+            self.name, self.stops = name, stops
+
+        def close(self):
+            closed.append(self.name)
+            return self.stops
+
+    for stops, expected in ((True, ["worker", "kv_store", "retriever"]), (False, ["worker"])):
+        closed.clear()
+        components = object.__new__(Components)
+        components.worker, components.kv_store = Part("worker", stops), Part("kv_store")
+        components.retriever = Part("retriever")
+        components.close()
+        assert closed == expected

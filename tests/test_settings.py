@@ -3,11 +3,12 @@ from pydantic import ValidationError
 
 from blend_engine.types import BlendConfig
 from configs import DeviationKind, PrefillMode, load_settings
+from configs.settings import RequestMode
 
 
 def test_defaults_come_from_the_yaml():
     settings = load_settings()
-    assert settings.blend.mode == PrefillMode.BLEND
+    assert settings.blend.mode == RequestMode.AUTO
     assert settings.blend.recompute_ratio == 0.15
     assert settings.model.name == "smollm2"
 

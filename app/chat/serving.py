@@ -11,9 +11,9 @@ from app.chat.protocol import (
     AssistantMessage, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatUsage, Choice,
     ChunkChoice, DeltaMessage,
 )
-from app.errors import InvalidRequestError, NotFoundError, error_body
+from app.errors import InvalidRequestError, NotFoundError, UnsupportedParameterError, stream_error_body
 from app.query.protocol import TimingsOut
-from app.query.serving import build_rag_request, sources_out
+from app.query.serving import build_rag_request, plan_out, sources_out
 from app.rag.collect import IsDisconnected, collect
 from app.rag.pipeline import RagPipeline
 from app.rag.types import DoneEvent, RagContext, RagRequest, TokenEvent
@@ -40,6 +40,10 @@ class ChatService:
 
     async def prepare(self, body: ChatCompletionRequest) -> ChatCall:
         t_start = time.perf_counter()
+        unsupported = body.unsupported_parameters()
+        if unsupported:
+            raise UnsupportedParameterError(f"unsupported parameter(s): {', '.join(unsupported)}; ragblend answers "
+                                            "with one plain-text choice, without tools or log-probabilities")
         if body.model is not None and body.model != self.model_id:
             raise NotFoundError(f"model not found: {body.model!r}; this server serves {self.model_id!r}")
         if body.messages[-1].role != "user":
@@ -60,6 +64,7 @@ class ChatService:
             choices=[Choice(message=AssistantMessage(content=answer), finish_reason=_finish(done))],
             usage=_usage(done), sources=sources_out(call.context.sources), timings=TimingsOut(**asdict(done.timings)),
             mode=done.mode.value, recompute_ratio=done.recompute_ratio, quality_guarded=done.is_guarded,
+            plan=plan_out(done),
             warnings=call.context.warnings,
         )
 
@@ -82,10 +87,10 @@ class ChatService:
                 else:
                     yield chunk(DeltaMessage(), finish=_finish(event), usage=_usage(event),
                                 timings=TimingsOut(**asdict(event.timings)), recompute_ratio=event.recompute_ratio,
-                                quality_guarded=event.is_guarded)
+                                quality_guarded=event.is_guarded, mode=event.mode.value, plan=plan_out(event))
             yield sse("[DONE]")
         except Exception as exc:  # the headers are out: report in-band, as OpenAI does
-            yield sse(error_body("server_error", f"generation failed: {exc}"))
+            yield sse(stream_error_body(exc))
         finally:
             call.stream.cancel()
 

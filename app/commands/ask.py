@@ -9,6 +9,7 @@ import sys
 from typing import Iterable, Iterator
 
 from app.commands.client import add_client_arguments, error_message, make_client
+from app.commands.exit_codes import ExitCode
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         if response.status_code != 200:
             response.read()
             print(error_message(response), file=sys.stderr)
-            return 1
+            return ExitCode.FAILED
         for event, data in iter_events(response.iter_lines()):
             if event == "sources":
                 sources = data["sources"]
@@ -61,10 +62,10 @@ def run(args: argparse.Namespace) -> int:
                       f"{usage['reused_tokens']} reused / {usage['recomputed_tokens']} recomputed prompt tokens")
             elif event == "error":
                 print(f"\nerror: {data['error']['message']}", file=sys.stderr)
-                return 1
+                return ExitCode.FAILED
     print("\nSources:")
     for number, source in enumerate(sources, 1):
         score = "" if source["score"] is None else f" (score {source['score']:.3f})"
         title = f" {source['title']}" if source.get("title") else ""
         print(f"  [{number}] {source['chunk_id']}{title}{score}: {source['text'][:120]!r}")
-    return 0
+    return ExitCode.OK

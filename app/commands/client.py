@@ -27,3 +27,15 @@ def error_message(response: httpx.Response) -> str:
         return f"HTTP {response.status_code} {error['type']}: {error['message']}"
     except (ValueError, KeyError, TypeError):
         return f"HTTP {response.status_code}: {response.text[:300]}"
+
+
+def describe_transport_error(exc: BaseException) -> str | None:
+    """One line for a server that cannot be reached (down, wrong URL, too slow); None for other errors."""
+    if not isinstance(exc, httpx.TransportError):
+        return None
+    url = exc.request.url if getattr(exc, "_request", None) is not None else "the server"
+    if isinstance(exc, httpx.TimeoutException):
+        return f"no answer from {url} in time ({type(exc).__name__}); a larger --timeout may help"
+    if isinstance(exc, httpx.ConnectError):
+        return f"cannot reach the server at {url}: {exc} (is `ragblend serve` running? see --url)"
+    return f"connection to {url} failed: {type(exc).__name__}: {exc}"

@@ -1,79 +1,81 @@
-"""`ragblend ingest PATH...`: post txt, md and jsonl files to a running server, with a progress bar.
+"""`ragblend ingest PATH...`: post txt, md and jsonl files to a running server, with a progress bar;
+PDF, HTML and DOCX files go to POST /v1/documents/files (the server extracts their text).
 
-A .txt/.md file is one document (id from the file name, title from the first heading or line).
-A .jsonl file holds one document per line: {"id"?, "title"?, "text", "metadata"?}.
+Files are read by app.commands.ingest_files (ids from the path relative to the argument, empty files
+skipped with a warning). Bad input is reported, one line per problem, before anything is sent.
+Exit codes: app.commands.exit_codes.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import sys
 from pathlib import Path
-from typing import Iterator
 
 from app.commands.client import add_client_arguments, error_message, make_client
-
-SUFFIXES = {".txt", ".md", ".markdown", ".jsonl"}
+from app.commands.exit_codes import ExitCode
+from app.commands.ingest_files import READERS, collect
+from app.commands.upload import UploadFailed, upload_files
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("paths", nargs="+", type=Path, help="files or directories (searched for txt, md, jsonl)")
+    parser.add_argument("paths", nargs="+", type=Path,
+                        help=f"files or directories (searched for {', '.join(sorted(READERS))})")
     parser.add_argument("--chunking", choices=["tokens", "none"], help="default from the server's config")
     parser.add_argument("--no-precompute", action="store_true", help="do not precompute chunk KV at ingestion")
     parser.add_argument("--batch-size", type=int, default=8, help="documents per request")
     add_client_arguments(parser)
 
 
-def iter_files(paths: list[Path]) -> Iterator[Path]:
-    for path in paths:
-        if path.is_dir():
-            yield from sorted(p for p in path.rglob("*") if p.suffix.lower() in SUFFIXES and p.is_file())
-        elif path.is_file():
-            yield path
-        else:
-            raise FileNotFoundError(f"no such file or directory: {path}")
-
-
-def documents_of(path: Path) -> Iterator[dict]:
-    if path.suffix.lower() == ".jsonl":
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if line.strip():
-                doc = json.loads(line)
-                if not isinstance(doc, dict) or "text" not in doc:
-                    raise ValueError(f"{path}:{number}: each line must be an object with 'text'")
-                yield doc
-        return
-    text = path.read_text(encoding="utf-8")
-    first = next((line for line in text.splitlines() if line.strip()), path.stem)
-    yield {"id": _doc_id(path), "title": first.lstrip("# ").strip()[:200], "text": text,
-           "metadata": {"source": str(path)}}
-
-
-def _doc_id(path: Path) -> str:
-    return re.sub(r"[^A-Za-z0-9._:-]", "-", path.stem).lstrip("._:-")[:128] or "doc"
-
-
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    documents = [doc for path in iter_files(args.paths) for doc in documents_of(path)]
-    if not documents:
-        print("no documents found", file=sys.stderr)
-        return 1
-    num_chunks = 0
+    if args.batch_size < 1:
+        print("ragblend ingest: --batch-size must be >= 1", file=sys.stderr)
+        return ExitCode.USAGE
+    collected = collect(args.paths)
+    for warning in collected.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    for error in collected.errors:
+        print(f"error: {error}", file=sys.stderr)
+    if collected.errors:
+        print(f"nothing ingested: {len(collected.errors)} input error(s)", file=sys.stderr)
+        return ExitCode.USAGE
+    documents, uploads = collected.documents, collected.uploads
+    if not documents and not uploads:
+        print("nothing to ingest: no non-empty documents found", file=sys.stderr)
+        return ExitCode.USAGE
+    num_done, num_chunks = 0, 0
     with make_client(args) as client, tqdm(total=len(documents), unit="doc", desc="ingest") as bar:
         for start in range(0, len(documents), args.batch_size):
-            body: dict = {"documents": documents[start : start + args.batch_size],
-                          "precompute": not args.no_precompute}
+            batch = documents[start : start + args.batch_size]
+            body: dict = {"documents": batch, "precompute": not args.no_precompute}
             if args.chunking:
                 body["chunking"] = args.chunking
             response = client.post("/v1/documents", json=body)
             if response.status_code != 201:
-                print(f"\n{error_message(response)}", file=sys.stderr)
-                return 1
+                bar.close()
+                print(f"error: batch of {_describe(batch)}: {error_message(response)}", file=sys.stderr)
+                print(f"{num_done} of {len(documents)} documents ingested before the error", file=sys.stderr)
+                return ExitCode.FAILED
             num_chunks += sum(len(d["chunks"]) for d in response.json()["documents"])
-            bar.update(len(body["documents"]))
-    print(f"ingested {len(documents)} documents, {num_chunks} chunks")
-    return 0
+            num_done += len(batch)
+            bar.update(len(batch))
+        try:
+            num_uploaded, num_upload_chunks = upload_files(client, uploads, args)
+        except UploadFailed as exc:
+            bar.close()
+            print(f"error: {exc}", file=sys.stderr)
+            print(f"{num_done} of {len(documents)} documents ingested before the error", file=sys.stderr)
+            return ExitCode.FAILED
+    print(f"ingested {num_done + num_uploaded} documents, {num_chunks + num_upload_chunks} chunks")
+    return ExitCode.OK
+
+
+def _describe(batch: list[dict]) -> str:
+    """The batch's files (or ids), for an error line."""
+    names = []
+    for doc in batch:
+        metadata = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
+        names.append(str(metadata.get("source") or doc.get("id") or "(no id)"))
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from pathlib import Path
 from typing import Any
+
+from app.commands.exit_codes import ExitCode
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,13 +17,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", type=Path, help="documents, index and KV live here (default ./data)")
     parser.add_argument("--config", type=Path, help="a YAML file layered over configs/default.yaml")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--allow-insecure-public", action="store_true",
+                        help="listen on a non-loopback host without an API key (server.allow_public_without_key)")
 
 
 def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
     overrides: dict[str, Any] = {}
     if args.data_dir is not None:
         overrides["data_dir"] = args.data_dir
-    server = {name: value for name, value in (("host", args.host), ("port", args.port)) if value is not None}
+    server: dict[str, Any] = {name: value for name, value in (("host", args.host), ("port", args.port))
+                              if value is not None}
+    if args.allow_insecure_public:
+        server["allow_public_without_key"] = True
     if server:
         overrides["server"] = server
     return overrides
@@ -29,11 +37,21 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from app.main import create_app
+    from app.server import ServeError, bind_socket, check_exposure, uvicorn_config
     from configs.settings import load_settings
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = load_settings(args.config, **overrides_from(args))
-    app = create_app(settings)
-    uvicorn.run(app, host=settings.server.host, port=settings.server.port, log_level=args.log_level)
-    return 0
+    try:
+        check_exposure(settings.server)
+        sock = bind_socket(settings.server.host, settings.server.port)
+    except ServeError as exc:
+        print(f"ragblend serve: {exc}", file=sys.stderr)
+        return ExitCode.CANNOT_START
+    from app.main import create_app  # torch and the rest: imported only once the port is ours
+
+    config = uvicorn_config(create_app(settings), settings, settings.server.host, settings.server.port,
+                            args.log_level)
+    with sock:
+        uvicorn.Server(config).run(sockets=[sock])
+    return ExitCode.OK

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
+from app.text import is_blank
 from configs.settings import ChunkingMode
 
 DOCUMENT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
@@ -22,8 +24,8 @@ class DocumentIn(BaseModel):
     @field_validator("text")
     @classmethod
     def _not_blank(cls, value: str) -> str:
-        if not value.strip():
-            raise ValueError("text is empty")
+        if is_blank(value):
+            raise ValueError("text is empty (only whitespace, control or zero-width characters)")
         return value
 
 
@@ -32,7 +34,7 @@ class IngestRequest(BaseModel):
 
     documents: list[DocumentIn] = Field(..., min_length=1)
     chunking: ChunkingMode | None = Field(None, description="tokens (default) or none: one passage, one chunk.")
-    precompute: bool = Field(True, description="Precompute every chunk's KV into the store.")
+    precompute: StrictBool = Field(True, description="Precompute every chunk's KV into the store.")
 
 
 class ChunkOut(BaseModel):
@@ -46,13 +48,26 @@ class ChunkDetail(ChunkOut):
     text: str
 
 
+class DocumentStatus(str, Enum):
+    """What an ingest did with a document; each is committed (durable) once reported."""
+
+    CREATED = "created"
+    REPLACED = "replaced"
+    UNCHANGED = "unchanged"  # the same content was already stored: nothing redone (re-sends are safe)
+
+
 class DocumentOut(BaseModel):
     id: str
+    status: DocumentStatus
     chunks: list[ChunkOut]
+    kv_pending: bool = Field(
+        False, description="Its chunks' KV is being computed in the background (a large document): kv_cached "
+        "fills in, see GET /v1/documents/{id}; meanwhile questions recompute those chunks.",
+    )
 
 
 class IngestResponse(BaseModel):
-    documents: list[DocumentOut]
+    documents: list[DocumentOut] = Field(..., description="Every document of the request, committed, in order.")
 
 
 class DocumentDetail(BaseModel):

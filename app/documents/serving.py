@@ -1,20 +1,23 @@
-"""Ingestion and document management: chunk, embed, index and precompute KV; delete and replace."""
+"""Ingestion and document management (the write path itself: app/documents/writes.py)."""
 
 from __future__ import annotations
 
-import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import anyio
+
 from app.documents.protocol import (
-    ChunkDetail, ChunkOut, DeleteResponse, DocumentDetail, DocumentList, DocumentOut, DocumentSummary,
+    ChunkDetail, ChunkOut, DeleteResponse, DocumentDetail, DocumentIn, DocumentList, DocumentOut, DocumentSummary,
     IngestRequest, IngestResponse,
 )
-from app.errors import InvalidRequestError, NotFoundError, PayloadTooLargeError
-from app.worker import EngineWorker, Job
+from app.documents.backfill import KVBackfill
+from app.documents.writes import DocumentWriter, WrittenDocument, content_id
+from app.errors import IngestInterruptedError, InvalidRequestError, NotFoundError, PayloadTooLargeError
+from app.worker import EngineWorker, Job, JobCancelled
 from configs.settings import ChunkingMode, Settings
-from retrieval.chunker import Chunker, TextChunk
-from retrieval.doc_store import NewChunk, StoredChunk, StoredDocument
+from retrieval.chunker import Chunker
+from retrieval.doc_store import StoredChunk
 from retrieval.retriever import Retriever
 
 
@@ -26,6 +29,11 @@ class DocumentService:
     kv_store: Any  # kv_store.KVStore
     chunker: Chunker
     worker: EngineWorker
+    backfill: KVBackfill | None = None  # KV of large documents, between questions
+    writer: DocumentWriter = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.writer = DocumentWriter(self.settings, self.engine, self.retriever, self.kv_store, self.chunker)
 
     def validate(self, request: IngestRequest) -> None:
         limits = self.settings.limits
@@ -48,80 +56,78 @@ class DocumentService:
         return await self.worker.run(lambda job: self._ingest(job, request, chunking))
 
     def _ingest(self, job: Job, request: IngestRequest, chunking: ChunkingMode) -> IngestResponse:
-        out = []
+        """Each document is committed on its own; a failure names those committed before it."""
+        written: list[WrittenDocument] = []
         try:
             for doc in request.documents:
                 job.check()
-                doc_id = doc.id or uuid.uuid4().hex
-                chunks = self.chunker.split(doc.text, chunking)
-                new_chunks = self._prepare(chunks, request.precompute)
-                stored, replaced = self.retriever.store.put_document(
-                    doc_id, doc.title, doc.metadata or {}, len(doc.text), new_chunks
-                )
-                self.retriever.forget(replaced)
-                self.retriever.index.add(
-                    [c.row_id for c in stored.chunks], [n.embedding for n in new_chunks]
-                )
-                self._release_kv(replaced)
-                out.append(DocumentOut(id=doc_id, chunks=[self._chunk_out(c) for c in stored.chunks]))
+                try:
+                    written.append(self._write(doc, chunking, request.precompute))
+                except JobCancelled:
+                    raise
+                except Exception as exc:
+                    if not written:
+                        raise
+                    raise IngestInterruptedError([w.id for w in written], doc.id or content_id(doc), exc) from exc
         finally:
             self.retriever.index.save()
-        return IngestResponse(documents=out)
+        return IngestResponse(documents=[self._document_out(w, self._is_backfilled(d, request.precompute))
+                                         for w, d in zip(written, request.documents)])
 
-    def _prepare(self, chunks: Sequence[TextChunk], precompute: bool) -> list[NewChunk]:
-        embeddings = self.retriever.embedder.encode([c.text for c in chunks])
-        context_ids = tuple(self.engine.sink_ids(self.settings.blend.sink))
-        prepared = []
-        for chunk, embedding in zip(chunks, embeddings):
-            key = self.kv_store.key_for(chunk.token_ids, context_ids)
-            if precompute and not self.kv_store.contains(key):
-                self.kv_store.put(key, self.engine.precompute(list(chunk.token_ids), context_ids))
-            prepared.append(NewChunk(chunk.text, chunk.token_ids, embedding, key))
-        return prepared
+    def _is_backfilled(self, doc: DocumentIn, precompute: bool) -> bool:
+        """A large document: committed now, its KV computed in the background between questions."""
+        return precompute and self.backfill is not None and len(doc.text) > self.settings.retrieval.max_inline_kv_chars
 
-    def _release_kv(self, chunks: Sequence[StoredChunk]) -> None:
-        """Delete the KV of chunks that are gone, unless another chunk shares the same content."""
-        for key in {c.kv_key for c in chunks if c.kv_key}:
-            if not self.retriever.store.is_kv_key_used(key):
-                self.kv_store.delete(key)
+    def _write(self, doc: DocumentIn, chunking: ChunkingMode, precompute: bool) -> WrittenDocument:
+        is_backfilled = self._is_backfilled(doc, precompute)
+        written = self.writer.write(doc, chunking, precompute and not is_backfilled)
+        if is_backfilled:
+            self.backfill.schedule(written.chunks)
+        return written
 
-    def _chunk_out(self, chunk: StoredChunk) -> ChunkOut:
-        return ChunkOut(id=chunk.id, num_tokens=chunk.num_tokens, kv_cached=self._is_cached(chunk))
+    def _document_out(self, written: WrittenDocument, is_backfilled: bool = False) -> DocumentOut:
+        cached = self._cached(written.chunks)
+        chunks = [ChunkOut(id=c.id, num_tokens=c.num_tokens, kv_cached=is_cached)
+                  for c, is_cached in zip(written.chunks, cached)]
+        return DocumentOut(id=written.id, status=written.status, chunks=chunks,
+                           kv_pending=is_backfilled and not all(cached))
 
-    def _is_cached(self, chunk: StoredChunk) -> bool:
-        return chunk.kv_key is not None and bool(self.kv_store.contains(chunk.kv_key))
+    def _cached(self, chunks: Sequence[StoredChunk]) -> list[bool]:
+        """Whether each chunk has a sound KV entry now (batched: one header check or round trip each tier)."""
+        keys = [c.kv_key for c in chunks if c.kv_key is not None]
+        readable = dict(zip(keys, self.kv_store.readable_many(keys)))
+        return [c.kv_key is not None and readable[c.kv_key] for c in chunks]
 
     async def delete(self, doc_id: str) -> DeleteResponse:
         return await self.worker.run(lambda job: self._delete(doc_id))
 
     def _delete(self, doc_id: str) -> DeleteResponse:
-        chunks = self.retriever.store.delete_document(doc_id)
+        chunks = self.writer.delete(doc_id)
         if chunks is None:
             raise NotFoundError(f"document not found: {doc_id}")
-        self.retriever.forget(chunks)
-        self.retriever.index.save()
-        self._release_kv(chunks)
         return DeleteResponse(id=doc_id, deleted=True, num_chunks=len(chunks))
 
-    def get(self, doc_id: str) -> DocumentDetail:
+    async def get(self, doc_id: str) -> DocumentDetail:
+        return await anyio.to_thread.run_sync(self._get, doc_id)  # SQLite and KV headers: off the event loop
+
+    def _get(self, doc_id: str) -> DocumentDetail:
         doc = self.retriever.store.get_document(doc_id)
         if doc is None:
             raise NotFoundError(f"document not found: {doc_id}")
+        cached = self._cached(doc.chunks)
         return DocumentDetail(
             id=doc.id, title=doc.title, metadata=doc.metadata, num_chars=doc.num_chars, created_at=doc.created_at,
             chunks=[
-                ChunkDetail(id=c.id, num_tokens=c.num_tokens, kv_cached=self._is_cached(c), position=c.position,
-                            text=c.text)
-                for c in doc.chunks
+                ChunkDetail(id=c.id, num_tokens=c.num_tokens, kv_cached=is_cached, position=c.position, text=c.text)
+                for c, is_cached in zip(doc.chunks, cached)
             ],
         )
 
-    def list(self, limit: int, offset: int) -> DocumentList:
-        docs = self.retriever.store.list_documents(limit, offset)
-        return DocumentList(documents=[_summary(d) for d in docs], total=self.retriever.store.num_documents())
+    async def list(self, limit: int, offset: int) -> DocumentList:
+        return await anyio.to_thread.run_sync(self._list, limit, offset)
 
-
-def _summary(doc: StoredDocument) -> DocumentSummary:
-    return DocumentSummary(
-        id=doc.id, title=doc.title, num_chunks=len(doc.chunks), num_chars=doc.num_chars, created_at=doc.created_at
-    )
+    def _list(self, limit: int, offset: int) -> DocumentList:
+        rows = self.retriever.store.list_documents(limit, offset)
+        documents = [DocumentSummary(id=r.id, title=r.title, num_chunks=r.num_chunks, num_chars=r.num_chars,
+                                     created_at=r.created_at) for r in rows]
+        return DocumentList(documents=documents, total=self.retriever.store.num_documents())

@@ -2,35 +2,51 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections import Counter
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, field_validator
 
 from blend_engine.types import PrefillMode, SelectionKind
+from configs.settings import RequestMode
 
 Ratio = float
+# Strict numbers: JSON "3" or true is not an int (no coercion); an int is still a valid float.
+StrictInt = Annotated[int, Strict()]
+StrictFloat = Annotated[float, Strict()]
 
 
 class GenerationOptions(BaseModel):
     """Retrieval, prefill and sampling options shared by /v1/query and /v1/chat/completions."""
 
-    top_k: int | None = Field(None, ge=1, description="Chunks to retrieve (limit: limits.max_top_k).")
+    top_k: StrictInt | None = Field(None, ge=1, description="Chunks to retrieve (limit: limits.max_top_k).")
     chunk_ids: list[str] | None = Field(
         None, min_length=1, description="Skip retrieval: use exactly these chunks, in this order."
     )
-    mode: PrefillMode | None = Field(None, description="Prefill mode; default from config (blend).")
-    recompute_ratio: float | Literal["auto", "adaptive"] | None = Field(
+    mode: RequestMode | None = Field(
+        None, description="auto (the loading planner picks full, blend or mixed) or a prefill mode; default from "
+        "config (auto).",
+    )
+    recompute_ratio: StrictFloat | Literal["auto", "adaptive"] | None = Field(
         None, description="Share of reused tokens recomputed in blend mode, in [0, 1]; 'auto' (loading "
-        "controller) or 'adaptive' (as many as hold blend.adaptive_mass of the ranking score).",
+        "planner: what the loads hide) or 'adaptive' (as many as hold blend.adaptive_mass of the ranking score).",
     )
     selection: SelectionKind | None = Field(
         None, description="How blend ranks the cached tokens it recomputes; default from config."
     )
-    max_tokens: int | None = Field(None, ge=1, description="Answer length cap (limit: limits.max_tokens).")
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stream: bool = False
+    max_tokens: StrictInt | None = Field(None, ge=1, description="Answer length cap (limit: limits.max_tokens).")
+    temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
+    seed: StrictInt | None = Field(None, ge=0, le=2**63 - 1)
+    stream: StrictBool = False
+
+    @field_validator("chunk_ids")
+    @classmethod
+    def _unique(cls, value: list[str] | None) -> list[str] | None:
+        repeated = sorted(chunk_id for chunk_id, count in Counter(value or ()).items() if count > 1)
+        if repeated:
+            raise ValueError(f"chunk_ids repeat: {', '.join(repeated[:10])}")
+        return value
 
 
 class QueryRequest(GenerationOptions):
@@ -62,12 +78,26 @@ class TimingsOut(BaseModel):
     total_ms: float
 
 
+class PlanOut(BaseModel):
+    """The loading planner's choice for this answer (mode 'auto' or recompute_ratio 'auto'), in ms."""
+
+    plan: Literal["full", "blend", "mixed"]
+    recompute_ratio: float | None
+    num_chunks_recomputed: int = Field(description="Stored chunks computed as fresh tokens (mixed plans).")
+    predicted_load_ms: float
+    predicted_compute_ms: float
+    predicted_ttft_ms: float
+    actual_load_ms: float
+    actual_prefill_ms: float
+
+
 class QueryResponse(BaseModel):
     answer: str
     mode: PrefillMode
     finish_reason: str | None
     recompute_ratio: float | None = None
     quality_guarded: bool = Field(False, description="The quality guard raised this answer's recompute ratio.")
+    plan: PlanOut | None = None
     sources: list[SourceOut]
     usage: UsageOut
     timings: TimingsOut

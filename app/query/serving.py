@@ -6,12 +6,13 @@ import time
 from dataclasses import asdict, dataclass
 from typing import AsyncIterator, Sequence
 
-from app.errors import InvalidRequestError, error_body
-from app.query.protocol import GenerationOptions, QueryRequest, QueryResponse, SourceOut, TimingsOut, UsageOut
+from app.errors import InvalidRequestError, stream_error_body
+from app.query.protocol import GenerationOptions, PlanOut, QueryRequest, QueryResponse, SourceOut, TimingsOut, UsageOut
 from app.rag.collect import IsDisconnected, collect
 from app.rag.pipeline import RagPipeline
 from app.rag.types import DoneEvent, RagContext, RagRequest, Source, TokenEvent
 from app.sse import sse
+from app.text import is_blank
 from app.worker import JobStream
 from blend_engine.types import SamplingParams
 from configs.settings import Settings
@@ -23,7 +24,7 @@ def build_rag_request(
 ) -> RagRequest:
     """A RagRequest with defaults from config; raises InvalidRequestError for limits a user can break."""
     limits, gen = settings.limits, settings.generation
-    if not question.strip():
+    if is_blank(question):
         raise InvalidRequestError("the question is empty")
     if len(question) > limits.max_question_chars:
         raise InvalidRequestError(f"the question has {len(question)} characters; the limit is {limits.max_question_chars}")
@@ -50,6 +51,10 @@ def build_rag_request(
         chunk_ids=tuple(options.chunk_ids) if options.chunk_ids is not None else None,
         recompute_ratio=ratio, selection=options.selection, history=tuple(history),
     )
+
+
+def plan_out(done: DoneEvent) -> PlanOut | None:
+    return None if done.plan is None else PlanOut(**asdict(done.plan))
 
 
 def sources_out(sources: Sequence[Source]) -> list[SourceOut]:
@@ -84,19 +89,22 @@ class QueryService:
                 else:
                     yield sse(_done_payload(event), event="done")
         except Exception as exc:  # the headers are out: report in-band
-            yield sse(error_body("server_error", f"generation failed: {exc}"), event="error")
+            yield sse(stream_error_body(exc), event="error")
         finally:
             stream.cancel()
 
 
 def _done_payload(done: DoneEvent) -> dict:
     return {"mode": done.mode.value, "finish_reason": done.finish_reason.value if done.finish_reason else None,
-            "recompute_ratio": done.recompute_ratio, "quality_guarded": done.is_guarded, "usage": asdict(done.usage), "timings": asdict(done.timings)}
+            "recompute_ratio": done.recompute_ratio, "quality_guarded": done.is_guarded,
+            "plan": asdict(done.plan) if done.plan else None,
+            "usage": asdict(done.usage), "timings": asdict(done.timings)}
 
 
 def _response(answer: str, context: RagContext, done: DoneEvent) -> QueryResponse:
     return QueryResponse(
         answer=answer, mode=done.mode, finish_reason=done.finish_reason.value if done.finish_reason else None,
-        recompute_ratio=done.recompute_ratio, quality_guarded=done.is_guarded, sources=sources_out(context.sources),
+        recompute_ratio=done.recompute_ratio, quality_guarded=done.is_guarded, plan=plan_out(done),
+        sources=sources_out(context.sources),
         usage=UsageOut(**asdict(done.usage)), timings=TimingsOut(**asdict(done.timings)), warnings=context.warnings,
     )

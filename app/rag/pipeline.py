@@ -3,21 +3,26 @@ with the chunks' stored KV and decode on the engine worker."""
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import anyio
 
 from app.errors import InvalidRequestError, NotFoundError
 from app.metrics import Metrics
+from app.rag.repair import KVRepairer
+from app.rag.planning import PlanReport, compute_seconds, measure_engine, shape_of
 from app.rag.types import DoneEvent, RagContext, RagRequest, Source, Timings, TokenEvent, Usage
 from app.worker import EngineWorker, Job, JobStream
-from blend_engine.kv import ChunkKV
 from blend_engine.types import BlendConfig, PrefillMode, PrefillResult, Segment
-from configs.settings import Settings
-from kv_store import EngineProfile
+from configs.settings import RequestMode, Settings
+from kv_store.loader import StoredChunk
+from kv_store.planner import LoadPlan, PlanKind, PlanRequest
 from retrieval.retriever import Retriever, ScoredChunk
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -28,13 +33,15 @@ class RagPipeline:
     kv_store: Any  # kv_store.KVStore
     worker: EngineWorker
     metrics: Metrics
-    _engine_profile: EngineProfile | None = field(default=None, init=False)
+    repairer: KVRepairer | None = None  # recomputes, in the background, the entries found missing
 
     async def retrieve(self, request: RagRequest) -> RagContext:
         start = time.perf_counter()
         scored = await anyio.to_thread.run_sync(self._scored_chunks, request)
         sources = [_source(s) for s in scored]
         kept, dropped = await anyio.to_thread.run_sync(self._fit_context, request, sources)
+        if request.mode is not RequestMode.FULL:  # start moving their KV up while the request queues
+            await anyio.to_thread.run_sync(self.kv_store.prefetch, [s.kv_key for s in kept if s.kv_key])
         return RagContext(kept, dropped, (time.perf_counter() - start) * 1000)
 
     def _scored_chunks(self, request: RagRequest) -> list[ScoredChunk]:
@@ -54,12 +61,21 @@ class RagPipeline:
             if num_tokens <= budget:
                 return kept, dropped
             if not kept:
-                raise InvalidRequestError(
-                    f"the question alone needs {num_tokens} prompt tokens; with max_tokens="
-                    f"{request.sampling.max_tokens} that exceeds the model's context of {self.engine.max_context}"
-                )
+                raise InvalidRequestError(self._too_long_message(request, num_tokens))
             worst = _lowest_ranked(kept)
             dropped.append(kept.pop(worst).chunk_id)
+
+    def _too_long_message(self, request: RagRequest, num_tokens: int) -> str:
+        """Why a prompt with no chunk left is still too long: the question, or the chat history."""
+        what = "the question alone"
+        if request.history:
+            alone = replace(request, history=())
+            num_question_tokens = sum(len(s.token_ids) for s in self._segments(alone, [], with_kv=False))
+            what = (f"the chat history ({len(request.history)} messages, {num_tokens - num_question_tokens} "
+                    f"tokens) with the question")
+        return (f"{what} needs {num_tokens} prompt tokens; with max_tokens={request.sampling.max_tokens} that "
+                f"exceeds the model's context of {self.engine.max_context}"
+                + ("; shorten the history" if request.history else ""))
 
     def _segments(self, request: RagRequest, sources: Sequence[Source], with_kv: bool) -> list[Segment]:
         """The prompt's segments. Without KV (for counting, off the worker) no model work is done:
@@ -72,7 +88,10 @@ class RagPipeline:
     def _handle(self, source: Source) -> Any:
         if source.kv_key is None:
             return None
-        return self.kv_store.handle(source.kv_key)
+        handle = self.kv_store.handle(source.kv_key)  # a damaged entry is deleted here: a miss
+        if handle is None and self.repairer is not None:  # this question recomputes it; later ones reuse it
+            self.repairer.schedule(source.kv_key, source.token_ids, self.engine.sink_ids(self.settings.blend.sink))
+        return handle
 
     def start(self, request: RagRequest, context: RagContext, t_start: float) -> JobStream:
         """Queue the generation (QueueFullError when full): TokenEvents, then one DoneEvent."""
@@ -80,7 +99,7 @@ class RagPipeline:
 
     def _run_generation(self, job: Job, emit, request: RagRequest, context: RagContext, t_start: float) -> None:
         job.check()
-        result, handles = self._prefill(request, context)
+        result, handles, plan = self._prefill(request, context)
         stats, usage = result.stats, Usage(
             prompt_tokens=result.stats.num_prompt_tokens,
             reused_tokens=result.stats.num_reused_tokens,
@@ -97,54 +116,92 @@ class RagPipeline:
                 emit(TokenEvent(delta.text))
             finish = delta.finish_reason or finish
         timings.total_ms = (time.perf_counter() - t_start) * 1000
-        done = DoneEvent(usage, timings, finish, request.mode, stats.recompute_ratio, stats.is_guarded)
+        done = DoneEvent(usage, timings, finish, stats.mode, stats.recompute_ratio, stats.is_guarded, plan=plan)
         self._observe(done)
         emit(done)
         # chunks streamed from disk or Redis: copy them into memory for the next question
         self.kv_store.promote(handles)
 
-    def _prefill(self, request: RagRequest, context: RagContext) -> tuple[PrefillResult, list]:
-        """The prefill, and the store handles its KV was streamed from."""
-        is_reusing = request.mode is not PrefillMode.FULL
-        segments = self._segments(request, context.sources, with_kv=is_reusing)
-        handles = [s.kv for s in segments if s.kv is not None and not isinstance(s.kv, ChunkKV)]  # store handles
-        source = None
-        if handles:
-            start_layer = self.settings.blend.check_layers[0] if request.mode is PrefillMode.BLEND else 0
-            source = self.kv_store.layer_source(
-                handles, self.engine.device, self.engine.dtype, start_layer=start_layer,
-                recompute=self.engine.precompute,
-            )
+    def _prefill(self, request: RagRequest, context: RagContext) -> tuple[PrefillResult, list, PlanReport | None]:
+        """The prefill, the store handles its KV was streamed from, and the loading plan (if planned)."""
+        segments = self._segments(request, context.sources, with_kv=request.mode is not RequestMode.FULL)
+        handles = [s.kv for s in segments if isinstance(s.kv, StoredChunk)]
+        mode, plan = self._plan(request, segments, handles)
+        if plan is not None:
+            segments = [s if not isinstance(s.kv, StoredChunk) or plan.is_reused(s.kv) else Segment(s.token_ids)
+                        for s in segments]
+        used = [s.kv for s in segments if isinstance(s.kv, StoredChunk)]
+        source = self._layer_source(used, mode) if used else None
         try:
+            blend = self._blend_config(request, plan)
             result = self.engine.prefill(
-                segments, mode=request.mode, blend=self._blend_config(request, handles),
-                kv_source=source, max_new_tokens=request.sampling.max_tokens,
+                segments, mode=mode, blend=blend, kv_source=source, max_new_tokens=request.sampling.max_tokens,
             )
-            return result, handles
         finally:
             if source is not None:
                 source.close()
+        first_check = blend.check_layers[0] if blend.check_layers else 0
+        self.kv_store.planner.observe(shape_of(result.stats, self.engine.num_layers, first_check),
+                                      compute_seconds(result.stats))
+        if plan is None:
+            return result, used, None
+        load_s = source.stats.load_seconds if source is not None else 0.0
+        report = PlanReport.of(plan, len(handles) - len(used), load_s, result.stats)
+        logger.info("load plan %s", report)
+        # chunks computed fresh from slow tiers are promoted after the answer, like streamed ones
+        return result, handles, report
 
-    def _blend_config(self, request: RagRequest, handles: list) -> BlendConfig:
+    def _plan(self, request: RagRequest, segments: list[Segment], handles: list) -> tuple[PrefillMode, LoadPlan | None]:
+        """The prefill mode to run, and the loading planner's plan where the request leaves it the choice."""
+        is_auto = request.mode is RequestMode.AUTO
+        if not handles or not (is_auto or request.recompute_ratio == "auto"):
+            return (PrefillMode.BLEND if is_auto else PrefillMode(request.mode.value)), None
+        if is_auto or request.mode is RequestMode.BLEND:
+            self._ensure_planner()
+            blend = BlendConfig.from_settings(self.settings.blend)
+            plan_request = PlanRequest(
+                chunks=handles, num_prompt_tokens=sum(len(s.token_ids) for s in segments),
+                num_fresh_tokens=sum(len(s.token_ids) for s in segments if not isinstance(s.kv, StoredChunk)),
+                first_reused_layer=blend.check_layers[0] if blend.check_layers else 0,
+                num_layers=self.engine.num_layers,
+                is_pipelined=self.kv_store.config.is_pipelined,
+            )
+            plan = self.kv_store.plan(plan_request, is_blend_only=not is_auto)
+            return (PrefillMode.FULL if plan.kind is PlanKind.FULL else PrefillMode.BLEND), plan
+        return PrefillMode(request.mode.value), None  # 'auto' ratio outside blend: nothing to choose
+
+    def _layer_source(self, handles: list[StoredChunk], mode: PrefillMode):
+        start_layer = self.settings.blend.check_layers[0] if mode is PrefillMode.BLEND else 0
+        return self.kv_store.layer_source(
+            handles, self.engine.device, self.engine.dtype, start_layer=start_layer, recompute=self.engine.precompute,
+        )
+
+    def _blend_config(self, request: RagRequest, plan: LoadPlan | None) -> BlendConfig:
         config = BlendConfig.from_settings(self.settings.blend)
         if request.selection is not None:
             config = replace(config, selection=request.selection)
         ratio = request.recompute_ratio
         if ratio == "adaptive":
             return replace(config, adaptive_mass=self.settings.blend.adaptive_mass)
-        if ratio == "auto":
-            ratio = self.kv_store.choose_ratio(handles, self._profile()) if handles else config.recompute_ratio
-        if ratio is None:
+        if ratio in (None, "auto") and plan is not None and plan.ratio is not None:
+            return replace(config, recompute_ratio=plan.ratio)  # the planner's ratio: what loads hide
+        if ratio is None or ratio == "auto":
             return config
         return replace(config, recompute_ratio=float(ratio))
 
-    def _profile(self) -> EngineProfile:
-        """The engine's recompute speed for ratio='auto', measured once (on the worker)."""
-        if self._engine_profile is None:
-            self._engine_profile = EngineProfile.measure(self.engine)
-        return self._engine_profile
+    def measure_engine(self) -> None:
+        """Fit the planner's cost model on timed prefills; run on the worker at start-up."""
+        blend = BlendConfig.from_settings(self.settings.blend)
+        for shape, seconds in measure_engine(self.engine, self.settings.store.planner_profile_tokens, blend):
+            self.kv_store.planner.observe(shape, seconds)
+
+    def _ensure_planner(self) -> None:
+        if not self.kv_store.planner.is_ready:  # the start-up job did not run (e.g. it failed): measure now
+            self.measure_engine()
 
     def _observe(self, event: DoneEvent) -> None:
+        if event.plan is not None:
+            self.metrics.observe_plan(event.plan.plan, event.plan.predicted_ttft_ms, event.plan.actual_prefill_ms)
         self.metrics.observe_generation(
             event.mode.value, event.timings.ttft_ms / 1000, event.usage.reused_tokens,
             event.usage.recomputed_tokens, event.usage.completion_tokens,

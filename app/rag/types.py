@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from app.rag.planning import PlanReport
 from blend_engine.types import FinishReason, PrefillMode, SamplingParams, SelectionKind
+from configs.settings import RequestMode
 
 RecomputeRatio = float | Literal["auto", "adaptive"] | None
 
@@ -13,7 +15,7 @@ RecomputeRatio = float | Literal["auto", "adaptive"] | None
 @dataclass(frozen=True)
 class RagRequest:
     question: str
-    mode: PrefillMode
+    mode: RequestMode
     sampling: SamplingParams
     top_k: int = 5
     chunk_ids: tuple[str, ...] | None = None  # skip retrieval: exactly these chunks, in this order
@@ -80,6 +82,7 @@ class DoneEvent:
     recompute_ratio: float | None = None
     is_guarded: bool = False  # the quality guard raised the ratio
     kv_tiers: dict[str, int] = field(default_factory=dict)
+    plan: PlanReport | None = None  # the loading planner's choice (mode 'auto' or ratio 'auto')
 
 
 GenerationEvent = TokenEvent | DoneEvent

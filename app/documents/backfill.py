@@ -1,0 +1,79 @@
+"""KV of large documents, computed between questions: a document over `ingest.max_inline_kv_chars` is
+committed at once (its text is searchable and answerable right away, recomputed per question) and its
+chunks' KV is precomputed afterwards, one chunk per low-priority worker task. A question that arrives
+meanwhile waits for at most one chunk's precompute, never for the whole document; `kv_cached` in
+`GET /v1/documents/{id}` fills in as it goes."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from app.worker import EngineWorker
+from retrieval.doc_store import StoredChunk
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BackfillStats:
+    num_pending: int
+    num_done: int  # chunks whose KV was computed (or found present, or whose chunk is gone)
+    num_failed: int
+
+
+class KVBackfill:
+    def __init__(self, engine: Any, kv_store: Any, worker: EngineWorker, is_live: Callable[[str], bool],
+                 context_ids: Sequence[int]):
+        """`is_live(key)`: whether a stored chunk still points at the key (a replaced document's
+        chunks are skipped). `context_ids`: the attention sink chunks are precomputed behind."""
+        self._engine, self._kv_store, self._worker, self._is_live = engine, kv_store, worker, is_live
+        self._context_ids = tuple(context_ids)
+        self._lock = threading.Lock()
+        self._queue: deque[tuple[str, tuple[int, ...]]] = deque()  # (key, token ids), oldest first
+        self._is_scheduled = False  # one task in the worker's background queue at a time
+        self._num_done = self._num_failed = 0
+
+    def schedule(self, chunks: Sequence[StoredChunk]) -> None:
+        with self._lock:
+            self._queue.extend((c.kv_key, tuple(c.token_ids)) for c in chunks if c.kv_key)
+        self._submit_next()
+
+    def _submit_next(self) -> None:
+        with self._lock:
+            if self._is_scheduled or not self._queue:
+                return
+            self._is_scheduled = True
+        if not self._worker.submit_background(self._step):  # full or closing: the next schedule retries
+            with self._lock:
+                self._is_scheduled = False
+
+    def _step(self) -> None:
+        """One chunk (on the worker, when no request waits), then queue the next."""
+        with self._lock:
+            key, token_ids = self._queue.popleft()
+        try:
+            if self._is_live(key) and not self._kv_store.readable_many([key])[0]:
+                self._kv_store.put(key, self._engine.precompute(list(token_ids), self._context_ids))
+            self._count(is_failed=False)
+        except Exception:
+            logger.exception("precomputing KV %s in the background failed", key[:16])
+            self._count(is_failed=True)
+        finally:
+            with self._lock:
+                self._is_scheduled = False
+            self._submit_next()
+
+    def _count(self, is_failed: bool) -> None:
+        with self._lock:
+            if is_failed:
+                self._num_failed += 1
+            else:
+                self._num_done += 1
+
+    def stats(self) -> BackfillStats:
+        with self._lock:
+            return BackfillStats(len(self._queue), self._num_done, self._num_failed)

@@ -1,0 +1,101 @@
+"""Document limits against the KV store's bounds.
+
+A document's chunk caches live in the disk tier (or, without one, in memory): one whose KV is larger
+than that bound would evict itself while it is being stored. Start-up refuses a
+limits.max_document_chars whose KV cannot fit (counting one token per character, what hostile or
+unusual text reaches), and ingestion rejects, with the numbers, a document or batch that cannot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import anyio
+
+from app.documents.protocol import IngestRequest
+from app.errors import PayloadTooLargeError
+from configs.settings import ChunkingMode, KVQuantization, Settings, StorageDtype
+
+_ELEMENT_BYTES = {StorageDtype.FLOAT16: 2, StorageDtype.BFLOAT16: 2, StorageDtype.FLOAT32: 4}
+
+
+def _gb(num_bytes: float) -> str:
+    return f"{num_bytes / 1e9:.1f} GB"
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    bytes_per_token: int  # K and V of every layer, in the bounding tier's storage format
+    capacity_bytes: int
+    setting: str  # the bound: store.max_disk_bytes or store.max_memory_bytes
+    tokenize: Callable[[str], Sequence[int]]
+    settings: Settings
+
+    @classmethod
+    def of(cls, settings: Settings, engine: Any) -> KVBudget | None:
+        """The bound a document's KV must fit in; None when none is known (e.g. Redis holds it)."""
+        store, tiers = settings.store, set(settings.store.write_tiers)
+        if store.disk_enabled and "disk" in tiers and store.max_disk_bytes > 0:
+            capacity, setting, is_remote = store.max_disk_bytes, "store.max_disk_bytes", True
+        elif store.redis_url and "redis" in tiers:
+            return None  # Redis's own maxmemory bounds it, unknown here
+        elif store.max_memory_bytes > 0 and "memory" in tiers:
+            capacity, setting, is_remote = store.max_memory_bytes, "store.max_memory_bytes", False
+        else:
+            return None
+        is_int8 = is_remote and store.quantization is KVQuantization.INT8
+        element = 1 if is_int8 else _ELEMENT_BYTES[store.dtype]
+        bytes_per_token = 2 * engine.num_layers * engine.num_kv_heads * engine.head_dim * element
+        return cls(bytes_per_token, capacity, setting, engine.tokenize, settings)
+
+    def needed_bytes(self, num_tokens: int, chunking: ChunkingMode) -> int:
+        """KV bytes of a document of `num_tokens`; chunking repeats the overlap tokens in each chunk."""
+        retrieval = self.settings.retrieval
+        factor = 1.0
+        if chunking is ChunkingMode.TOKENS:
+            factor = retrieval.chunk_tokens / max(retrieval.chunk_tokens - retrieval.chunk_overlap, 1)
+        return int(num_tokens * factor) * self.bytes_per_token
+
+    def check_settings(self) -> None:
+        """Refuse a max document size whose KV cannot fit (at one token per character)."""
+        max_chars = self.settings.limits.max_document_chars
+        needed = self.needed_bytes(max_chars, self.settings.retrieval.chunking)
+        if needed > self.capacity_bytes:
+            fitting = self.capacity_bytes * max_chars // needed
+            raise ValueError(
+                f"limits.max_document_chars={max_chars} allows documents needing up to {_gb(needed)} of KV "
+                f"({self.bytes_per_token} bytes per token, one token per character), over {self.setting}="
+                f"{self.capacity_bytes} ({_gb(self.capacity_bytes)}): lower limits.max_document_chars to "
+                f"{fitting} or less, or raise {self.setting}"
+            )
+
+    async def check_request(self, request: IngestRequest) -> None:
+        """413 for a document (or batch) whose KV would not fit the store's bound."""
+        if not request.precompute:
+            return  # nothing is stored now; caches are made chunk by chunk as they are retrieved
+        chunking = request.chunking or self.settings.retrieval.chunking
+        # byte-level tokenizers make at most one token per UTF-8 byte: a cheap bound first
+        upper = [len(doc.text.encode("utf-8", "surrogatepass")) for doc in request.documents]
+        if self.needed_bytes(sum(upper), chunking) <= self.capacity_bytes:
+            return
+        counts = await anyio.to_thread.run_sync(lambda: [len(self.tokenize(d.text)) for d in request.documents])
+        for doc, num_tokens in zip(request.documents, counts):
+            self._check(f"document {doc.id or '(new)'} has {num_tokens} tokens", num_tokens, chunking)
+        self._check(f"the {len(counts)} documents have {sum(counts)} tokens", sum(counts), chunking)
+
+    def _check(self, what: str, num_tokens: int, chunking: ChunkingMode) -> None:
+        needed = self.needed_bytes(num_tokens, chunking)
+        if needed > self.capacity_bytes:
+            raise PayloadTooLargeError(
+                f"{what}: their KV needs {_gb(needed)} ({self.bytes_per_token} bytes per token), over the "
+                f"store's bound {self.setting}={self.capacity_bytes} ({_gb(self.capacity_bytes)}); split the "
+                f"document, ingest with precompute=false, or raise the bound"
+            )
+
+
+def check_document_limit(settings: Settings, engine: Any) -> None:
+    """Start-up: ValueError when limits.max_document_chars cannot fit the store's bound."""
+    budget = KVBudget.of(settings, engine)
+    if budget is not None:
+        budget.check_settings()

@@ -1,0 +1,109 @@
+"""The ordered, idempotent write path of documents (runs on the engine worker, one write at a time).
+
+SQLite is the one source of truth. Each document is written in this order:
+1. prepare: chunk, embed, precompute the chunks' KV into the store (content-addressed entries; if
+   the process dies here they are orphans, deleted by the start-up garbage collection);
+2. commit: one SQLite transaction replaces the document and its chunks (atomic per document);
+3. follow: the vector index drops the replaced chunks' ids and adds the new ones (saved at the end
+   of the request; start-up reconciles it with the store by id sets), and the KV of replaced
+   chunks no other chunk shares is deleted (orphans again if the process dies first).
+Every step can be redone, so re-sending a request is safe; a document whose content hash is
+already stored is left as it is ('unchanged').
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from app.documents.protocol import DocumentIn, DocumentStatus
+from configs.settings import ChunkingMode, Settings
+from retrieval.chunker import Chunker, TextChunk
+from retrieval.doc_store import NewChunk, StoredChunk
+from retrieval.retriever import Retriever
+
+
+@dataclass(frozen=True)
+class WrittenDocument:
+    id: str
+    status: DocumentStatus
+    chunks: list[StoredChunk]
+
+
+@dataclass
+class DocumentWriter:
+    settings: Settings
+    engine: Any  # blend_engine.engine.BlendEngine
+    retriever: Retriever
+    kv_store: Any  # kv_store.KVStore
+    chunker: Chunker
+
+    def write(self, doc: DocumentIn, chunking: ChunkingMode, precompute: bool) -> WrittenDocument:
+        store = self.retriever.store
+        context_ids = tuple(self.engine.sink_ids(self.settings.blend.sink))
+        doc_id = doc.id or content_id(doc)
+        content_hash = self._content_hash(doc, chunking, context_ids)
+        if store.content_hash(doc_id) == content_hash:
+            stored = store.get_document(doc_id)
+            if stored is not None:
+                if precompute:
+                    self._fill_kv(stored.chunks, context_ids)
+                return WrittenDocument(doc_id, DocumentStatus.UNCHANGED, stored.chunks)
+        new_chunks = self._prepare(self.chunker.split(doc.text, chunking), context_ids, precompute)
+        stored, replaced = store.put_document(  # the commit point
+            doc_id, doc.title, doc.metadata or {}, len(doc.text), new_chunks, content_hash
+        )
+        self.retriever.follow(replaced, [c.row_id for c in stored.chunks], [n.embedding for n in new_chunks])
+        self.release_kv(replaced)
+        status = DocumentStatus.REPLACED if replaced else DocumentStatus.CREATED
+        return WrittenDocument(doc_id, status, stored.chunks)
+
+    def delete(self, doc_id: str) -> list[StoredChunk] | None:
+        chunks = self.retriever.store.delete_document(doc_id)  # the commit point
+        if chunks is None:
+            return None
+        self.retriever.follow(chunks, [], [])
+        self.retriever.index.save()
+        self.release_kv(chunks)
+        return chunks
+
+    def _prepare(self, chunks: Sequence[TextChunk], context_ids: tuple[int, ...], precompute: bool) -> list[NewChunk]:
+        embeddings = self.retriever.embedder.encode([c.text for c in chunks])
+        keys = [self.kv_store.key_for(c.token_ids, context_ids) for c in chunks]
+        if precompute:  # a damaged entry reads as absent (and is deleted): computed again
+            for chunk, key, is_readable in zip(chunks, keys, self.kv_store.readable_many(keys)):
+                if not is_readable:
+                    self.kv_store.put(key, self.engine.precompute(list(chunk.token_ids), context_ids))
+        return [NewChunk(c.text, c.token_ids, e, key) for c, e, key in zip(chunks, embeddings, keys)]
+
+    def _fill_kv(self, chunks: Sequence[StoredChunk], context_ids: tuple[int, ...]) -> None:
+        """Precompute the entries an unchanged document lacks (never precomputed, evicted, damaged)."""
+        keyed = [c for c in chunks if c.kv_key is not None]
+        for chunk, is_readable in zip(keyed, self.kv_store.readable_many([c.kv_key for c in keyed])):
+            if not is_readable:
+                self.kv_store.put(chunk.kv_key, self.engine.precompute(list(chunk.token_ids), context_ids))
+
+    def release_kv(self, chunks: Sequence[StoredChunk]) -> None:
+        """Delete the KV of chunks that are gone, unless another chunk shares the same content."""
+        for key in {c.kv_key for c in chunks if c.kv_key}:
+            if not self.retriever.store.is_kv_key_used(key):
+                self.kv_store.delete(key)
+
+    def _content_hash(self, doc: DocumentIn, chunking: ChunkingMode, context_ids: tuple[int, ...]) -> str:
+        """What the stored document is built from: its content, the chunking, and (through an empty
+        chunk's key) the model fingerprint, KV format and precompute context."""
+        retrieval = self.settings.retrieval
+        parts = {
+            "content": content_id(doc), "chunking": chunking.value, "chunk_tokens": retrieval.chunk_tokens,
+            "chunk_overlap": retrieval.chunk_overlap, "embedder": retrieval.embedder,
+            "kv": self.kv_store.key_for((), context_ids),
+        }
+        return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def content_id(doc: DocumentIn) -> str:
+    """The id of a document sent without one: a hash of its content, so re-sending it is a no-op."""
+    payload = json.dumps({"text": doc.text, "title": doc.title, "metadata": doc.metadata or {}}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:32]

@@ -1,0 +1,114 @@
+"""`extract_file(name, data, limits)`: the file's format from its extension, checked against its
+bytes, then the format's extractor. Every refusal is a FileRejected naming the file."""
+
+from __future__ import annotations
+
+import re
+from bisect import bisect_right
+from dataclasses import replace
+from pathlib import PurePath
+from typing import Sequence
+
+from app.extract.docx import check_zip, extract_docx
+from app.extract.html import decode_html, extract_html
+from app.extract.pdf import extract_pdf
+from app.extract.text import decode_text, first_line_title, markdown_title, parse_jsonl
+from app.extract.types import SUFFIX_FORMATS, ExtractedDocument, ExtractionLimits, FileFormat, FileRejected
+
+_ZIP_MAGIC, _PDF_MAGIC = b"PK\x03\x04", b"%PDF-"
+MAX_TITLE_CHARS = 512  # DocumentIn.title's limit
+
+
+def file_format(name: str) -> FileFormat:
+    suffix = PurePath(name).suffix.lower()
+    if suffix not in SUFFIX_FORMATS:
+        known = ", ".join(sorted(SUFFIX_FORMATS))
+        raise FileRejected(f"{name}: unsupported file type {suffix or '(no extension)'!r}; supported: {known}")
+    return SUFFIX_FORMATS[suffix]
+
+
+def document_id(name: str) -> str:
+    """A document id from a file name ('My report.pdf' -> 'My-report.pdf'): re-uploading replaces it."""
+    base = PurePath(name.replace("\\", "/")).name
+    return re.sub(r"[^A-Za-z0-9._:-]", "-", base).lstrip("._:-")[:128] or "file"
+
+
+def extract_file(name: str, data: bytes, limits: ExtractionLimits) -> list[ExtractedDocument]:
+    fmt = file_format(name)
+    if not data.strip():
+        raise FileRejected(f"{name}: the file is empty")
+    _check_magic(name, data, fmt)
+    docs = [replace(doc, title=_clean_title(doc.title)) for doc in _extract(name, data, fmt, limits)]
+    for doc in docs:
+        if not doc.text.strip():
+            raise FileRejected(f"{name}: no text found in the file")
+        if len(doc.text) > limits.max_document_chars:
+            raise FileRejected(
+                f"{name}: {len(doc.text)} characters of text; the limit is {limits.max_document_chars}",
+                is_too_large=True,
+            )
+    return docs
+
+
+def _clean_title(title: str | None) -> str | None:
+    """One line, at most MAX_TITLE_CHARS (a PDF's Title can be anything)."""
+    return " ".join((title or "").split())[:MAX_TITLE_CHARS] or None
+
+
+def _check_magic(name: str, data: bytes, fmt: FileFormat) -> None:
+    """A PDF must start like one, a DOCX must be a zip, and a text format must be neither."""
+    head = data[:1024].lstrip()
+    if fmt is FileFormat.PDF and _PDF_MAGIC not in data[:1024]:
+        raise FileRejected(f"{name}: not a PDF (no %PDF- header); is the extension right?")
+    if fmt is FileFormat.DOCX and not data.startswith(_ZIP_MAGIC):
+        raise FileRejected(f"{name}: not a DOCX file (not a zip archive); is the extension right?")
+    if fmt not in (FileFormat.PDF, FileFormat.DOCX) and head.startswith((_PDF_MAGIC, _ZIP_MAGIC)):
+        kind = "a PDF" if head.startswith(_PDF_MAGIC) else "a zip archive (DOCX?)"
+        raise FileRejected(f"{name}: the content is {kind}, not {fmt.value}; is the extension right?")
+
+
+def _extract(name: str, data: bytes, fmt: FileFormat, limits: ExtractionLimits) -> list[ExtractedDocument]:
+    base = {"source": PurePath(name).name, "format": fmt.value}
+    doc_id = document_id(name)
+    if fmt is FileFormat.PDF:
+        title, pages = extract_pdf(name, data)
+        text, starts = join_pages(pages)
+        return [ExtractedDocument(doc_id, title or first_line_title(text), text, fmt,
+                                  {**base, "num_pages": len(pages)}, starts)]
+    if fmt is FileFormat.DOCX:
+        check_zip(name, data, limits.max_unzipped_bytes)
+        title, text = extract_docx(name, data)
+        return [ExtractedDocument(doc_id, title or first_line_title(text), text, fmt, base)]
+    if fmt is FileFormat.HTML:
+        markup = decode_html(data)
+        if markup is None:
+            raise FileRejected(f"{name}: not decodable HTML (neither UTF-8 nor its declared charset)")
+        title, text = extract_html(markup)
+        return [ExtractedDocument(doc_id, title or first_line_title(text), text, fmt, base)]
+    text = decode_text(name, data)
+    if fmt is FileFormat.JSONL:
+        return [_jsonl_document(row, doc_id, number, base) for number, row in
+                enumerate(parse_jsonl(name, text, limits.max_documents))]
+    title = markdown_title(text) if fmt is FileFormat.MARKDOWN else first_line_title(text)
+    return [ExtractedDocument(doc_id, title, text.strip(), fmt, base)]
+
+
+def _jsonl_document(row: dict, file_id: str, number: int, base: dict) -> ExtractedDocument:
+    metadata = row.get("metadata") if isinstance(row.get("metadata"), dict) else {}
+    doc_id = row["id"] if isinstance(row.get("id"), str) and row["id"] else f"{file_id}:{number}"
+    title = row["title"] if isinstance(row.get("title"), str) else None
+    return ExtractedDocument(document_id(doc_id), title, row["text"].strip(), FileFormat.JSONL, {**base, **metadata})
+
+
+def join_pages(pages: Sequence[str]) -> tuple[str, tuple[int, ...]]:
+    """The pages' text joined by blank lines, and the offset where each page starts in it."""
+    text, starts = "", []
+    for page in pages:
+        starts.append(len(text))
+        text += page + "\n\n"
+    return text.rstrip(), tuple(starts)
+
+
+def page_at(page_starts: Sequence[int], offset: int) -> int:
+    """The 1-based page holding character `offset`."""
+    return max(1, bisect_right(page_starts, offset))

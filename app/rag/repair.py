@@ -1,0 +1,73 @@
+"""Self-healing KV: an existing chunk whose entry a question found missing or damaged is recomputed
+in the background, as a low-priority task of the engine worker (never beside the engine's own
+forward, never ahead of a request), so the next question reuses it again."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from app.worker import EngineWorker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RepairStats:
+    num_scheduled: int = 0
+    num_repaired: int = 0
+    num_skipped: int = 0  # healed meanwhile, or the chunk is gone
+    num_failed: int = 0
+    num_dropped: int = 0  # the background queue was full: retried at the next miss
+
+
+class KVRepairer:
+    def __init__(self, engine: Any, kv_store: Any, worker: EngineWorker, is_live: Callable[[str], bool]):
+        """`is_live(key)`: whether a stored chunk still points at the key (checked when the task runs)."""
+        self._engine, self._kv_store, self._worker, self._is_live = engine, kv_store, worker, is_live
+        self._lock = threading.Lock()
+        self._pending: set[str] = set()
+        self._counts = dict.fromkeys(RepairStats.__dataclass_fields__, 0)
+
+    def schedule(self, key: str, token_ids: Sequence[int], context_ids: Sequence[int]) -> bool:
+        """Queue a repair of `key` (any thread; returns at once). False when already queued or full."""
+        with self._lock:
+            if key in self._pending:
+                return False
+            self._pending.add(key)
+        task = lambda: self._repair(key, tuple(token_ids), tuple(context_ids))  # noqa: E731
+        if not self._worker.submit_background(task):
+            with self._lock:
+                self._pending.discard(key)
+            self._count("num_dropped")
+            return False
+        self._count("num_scheduled")
+        return True
+
+    def _repair(self, key: str, token_ids: tuple[int, ...], context_ids: tuple[int, ...]) -> None:
+        try:
+            if not self._is_live(key) or self._kv_store.readable_many([key])[0]:
+                self._count("num_skipped")
+                return
+            if key != self._kv_store.key_for(token_ids, context_ids):  # the config changed since ingest
+                logger.warning("KV %s: not this chunk's key under the current config; not repaired", key[:16])
+                self._count("num_skipped")
+                return
+            self._kv_store.put(key, self._engine.precompute(list(token_ids), context_ids))
+            self._count("num_repaired")
+        except Exception:
+            logger.exception("repairing KV %s failed", key[:16])
+            self._count("num_failed")
+        finally:
+            with self._lock:
+                self._pending.discard(key)
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self._counts[name] += 1
+
+    def stats(self) -> RepairStats:
+        with self._lock:
+            return RepairStats(**self._counts)

@@ -1,0 +1,24 @@
+"""POST /v1/documents/files: multipart upload of PDF, HTML, DOCX, Markdown, text and JSONL files."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, File, Form, UploadFile, status
+
+from app.deps import UploadsDep
+from app.errors import ERROR_RESPONSES
+from app.uploads.protocol import UploadResponse
+from configs.settings import ChunkingMode
+
+router = APIRouter(prefix="/v1/documents", tags=["documents"], responses=ERROR_RESPONSES)
+
+
+@router.post("/files", status_code=status.HTTP_201_CREATED)
+async def upload_files(
+    files: Annotated[list[UploadFile], File(description="One or more files; the format comes from the extension.")],
+    uploads: UploadsDep,
+    chunking: Annotated[ChunkingMode | None, Form()] = None,
+    precompute: Annotated[bool, Form()] = True,
+) -> UploadResponse:
+    return await uploads.upload(files, chunking, precompute)

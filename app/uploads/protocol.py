@@ -1,0 +1,23 @@
+"""Response model of POST /v1/documents/files."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from app.documents.protocol import ChunkOut, DocumentStatus
+
+
+class UploadedDocument(BaseModel):
+    id: str = Field(
+        description="From the file name (a JSONL line's own id, else <file>:<line>); re-uploading replaces."
+    )
+    title: str | None
+    source: str = Field(description="The uploaded file's name.")
+    format: str = Field(description="pdf, html, docx, markdown, text or jsonl.")
+    num_pages: int | None = Field(None, description="PDFs: pages; metadata.chunk_pages[i] is chunk i's first page.")
+    status: DocumentStatus = Field(description="created, replaced, or unchanged (the same content was already stored).")
+    chunks: list[ChunkOut]
+
+
+class UploadResponse(BaseModel):
+    documents: list[UploadedDocument]

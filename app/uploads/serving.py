@@ -1,0 +1,98 @@
+"""Uploads: every file is read and extracted (off the event loop) before anything is ingested, so a
+bad file rejects the request with nothing stored; PDF chunks get their page in metadata.chunk_pages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import anyio
+from fastapi import UploadFile
+from pydantic import ValidationError
+
+from app.documents.protocol import DocumentIn, IngestRequest
+from app.documents.serving import DocumentService
+from app.errors import InvalidRequestError, PayloadTooLargeError
+from app.extract import ExtractedDocument, ExtractionLimits, FileFormat, extract_file
+from app.extract.dispatch import page_at
+from app.extract.types import FileRejected
+from app.uploads.protocol import UploadedDocument, UploadResponse
+from configs.settings import ChunkingMode, Settings
+from retrieval.chunker import Chunker
+
+
+@dataclass
+class UploadService:
+    settings: Settings
+    documents: DocumentService
+
+    @property
+    def limits(self) -> ExtractionLimits:
+        limits = self.settings.limits
+        return ExtractionLimits(limits.max_document_chars, limits.max_unzipped_bytes, limits.max_documents_per_request)
+
+    async def upload(
+        self, files: Sequence[UploadFile], chunking: ChunkingMode | None, precompute: bool
+    ) -> UploadResponse:
+        extracted = [doc for file in files for doc in await self._extract(file)]
+        self._check(extracted)
+        chunking = chunking or self.settings.retrieval.chunking
+        metadata = [await self._metadata(doc, chunking) for doc in extracted]
+        request = IngestRequest(documents=[_document_in(doc, meta) for doc, meta in zip(extracted, metadata)],
+                                chunking=chunking, precompute=precompute)
+        ingested = await self.documents.ingest(request)
+        return UploadResponse(documents=[
+            UploadedDocument(id=doc.id, title=doc.title, source=doc.metadata["source"], format=doc.file_format.value,
+                             num_pages=doc.metadata.get("num_pages"), status=out.status,
+                             chunks=out.chunks)
+            for doc, out in zip(extracted, ingested.documents)
+        ])
+
+    async def _extract(self, file: UploadFile) -> list[ExtractedDocument]:
+        name = file.filename or "(unnamed file)"
+        data = await file.read()
+        try:
+            return await anyio.to_thread.run_sync(extract_file, name, data, self.limits)
+        except FileRejected as exc:
+            raise (PayloadTooLargeError if exc.is_too_large else InvalidRequestError)(exc.message) from exc
+
+    def _check(self, docs: Sequence[ExtractedDocument]) -> None:
+        limit = self.settings.limits.max_documents_per_request
+        if len(docs) > limit:
+            raise InvalidRequestError(f"{len(docs)} documents in one upload; the limit is {limit}")
+        seen: dict[str, str] = {}
+        for doc in docs:
+            if doc.id in seen:
+                raise InvalidRequestError(
+                    f"{doc.metadata['source']} and {seen[doc.id]} both give document id {doc.id!r}; rename one"
+                )
+            seen[doc.id] = doc.metadata["source"]
+
+    async def _metadata(self, doc: ExtractedDocument, chunking: ChunkingMode) -> dict:
+        if doc.file_format is not FileFormat.PDF:
+            return doc.metadata
+        # The chunker runs on the engine worker (it shares the model's tokenizer) and cuts exactly as
+        # ingestion will, so chunk_pages[i] is the page where chunk i starts.
+        chunker = self.documents.chunker
+        pages = await self.documents.worker.run(lambda job: chunk_pages(chunker, doc.text, chunking, doc.page_starts))
+        return {**doc.metadata, "chunk_pages": pages}
+
+
+def _document_in(doc: ExtractedDocument, metadata: dict) -> DocumentIn:
+    """The JSON route's document; what its validation refuses is this file's 422, not a 500."""
+    try:
+        return DocumentIn(id=doc.id, title=doc.title, text=doc.text, metadata=metadata)
+    except ValidationError as exc:
+        reasons = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:3])
+        raise InvalidRequestError(f"{doc.metadata['source']}: document {doc.id!r} is invalid ({reasons})") from exc
+
+
+def chunk_pages(chunker: Chunker, text: str, chunking: ChunkingMode, page_starts: Sequence[int]) -> list[int]:
+    """The 1-based page where each chunk of `text` starts (chunks are found in order in the text)."""
+    pages, cursor = [], 0
+    for chunk in chunker.split(text, chunking):
+        found = text.find(chunk.text[:64], cursor)
+        offset = found if found >= 0 else cursor  # a detokenized over-long sentence may not match exactly
+        pages.append(page_at(page_starts, offset))
+        cursor = offset + 1
+    return pages

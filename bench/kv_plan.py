@@ -1,0 +1,41 @@
+"""The loading planner in `ragblend bench kv`: fit each store's cost model on the engine, then run a
+prefill the way the server's `mode: auto` does (full, blend or mixed, as planned)."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from app.rag.planning import measure_engine
+from blend_engine.types import BlendConfig, PrefillMode, PrefillResult, Segment
+from kv_store import KVStore
+from kv_store.loader import StoredChunk
+from kv_store.planner import LoadPlan, PlanKind, PlanRequest
+
+PromptFn = Callable[[Sequence[object]], list[Segment]]  # per-chunk caches (or None) -> prompt segments
+
+
+def fit_planners(engine, stores: dict[str, KVStore], blend: BlendConfig, sizes: Sequence[int]) -> None:
+    """One set of timed prefills, observed by every store's planner (they share the engine)."""
+    samples = measure_engine(engine, sizes, blend)
+    for store in stores.values():
+        for shape, seconds in samples:
+            store.planner.observe(shape, seconds)
+
+
+def planned_prefill(engine, store: KVStore, handles: list[StoredChunk], prompt: PromptFn, blend: BlendConfig,
+                    start_layer: int, is_pipelined: bool) -> tuple[PrefillResult, LoadPlan]:
+    segments = prompt(handles)
+    num_fresh = sum(len(s.token_ids) for s in segments) - sum(h.num_tokens for h in handles)
+    request = PlanRequest(handles, sum(len(s.token_ids) for s in segments), num_fresh, start_layer,
+                          engine.num_layers, is_pipelined)
+    plan = store.plan(request)
+    if plan.kind is PlanKind.FULL:
+        return engine.prefill(prompt([None] * len(handles)), mode=PrefillMode.FULL), plan
+    used = [h if plan.is_reused(h) else None for h in handles]
+    source = store.layer_source([h for h in used if h is not None], engine.device, engine.dtype, is_pipelined,
+                                start_layer, engine.precompute)
+    try:
+        config = BlendConfig(**{**blend.__dict__, "recompute_ratio": plan.ratio})
+        return engine.prefill(prompt(used), blend=config, kv_source=source), plan
+    finally:
+        source.close()

@@ -1,0 +1,51 @@
+"""A content identity of a model directory's weights, cheap on multi-GB files.
+
+File names and sizes alone miss a re-trained checkpoint of the same shape (its KV caches would be
+reused though stale). Per weight file this hashes its name, size and mtime, its safetensors header
+(tensor names, dtypes, shapes, offsets, metadata) and a sample of its bytes: NUM_SAMPLES blocks
+spread evenly over the file, about 1 MiB read whatever its size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from pathlib import Path
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
+NUM_SAMPLES = 16
+SAMPLE_BYTES = 64 << 10
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+
+
+def weights_digest(directory: str | Path | None) -> str:
+    """Hex digest of the weight files in `directory`; '' when it is not a directory (random weights)."""
+    if not directory or not Path(directory).is_dir():
+        return ""
+    h = hashlib.sha256()
+    for path in sorted(Path(directory).iterdir()):
+        if path.is_file() and path.suffix in WEIGHT_SUFFIXES:
+            h.update(_file_digest(path))
+    return h.hexdigest()[:32]
+
+
+def _file_digest(path: Path) -> bytes:
+    stat = path.stat()
+    h = hashlib.sha256(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    with path.open("rb") as f:
+        if path.suffix == ".safetensors":
+            h.update(_safetensors_header(f, stat.st_size))
+        step = max(stat.st_size // NUM_SAMPLES, 1)
+        for offset in range(0, stat.st_size, step)[:NUM_SAMPLES]:
+            f.seek(offset)
+            h.update(f.read(SAMPLE_BYTES))
+    return h.digest()
+
+
+def _safetensors_header(f, size: int) -> bytes:
+    """The JSON header (8-byte little-endian length, then the JSON); a damaged one hashes as read."""
+    head = f.read(8)
+    if len(head) < 8:
+        return head
+    (length,) = struct.unpack("<Q", head)
+    return f.read(min(length, MAX_HEADER_BYTES, max(size - 8, 0)))

@@ -1,0 +1,264 @@
+"""Crash harness: the real server (`ragblend serve`) in a child process, SIGKILLed at random moments
+of a random workload of ingest / replace / delete batches, restarted, and checked.
+
+Children are forked from a fork server that has imported the heavy modules once (torch,
+transformers, sentence-transformers: ~8 s a start on a busy 2-core machine), so a restart costs
+the server's own start-up only. The child runs `app.cli.main(["serve", ...])`, the console script.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import random
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import faiss
+import httpx
+
+from app import cli
+from app.testing import free_port
+from kv_store import codec
+from kv_store.disk import SUFFIX
+from kv_store.keys import StorageFormat
+
+PRELOAD = ["app.cli", "app.main", "app.commands.serve", "blend_engine.engine", "kv_store", "retrieval.retriever",
+           "sentence_transformers", "transformers", "uvicorn", "faiss", "torch"]
+CONFIG = """\
+model: {name: "random:tiny-llama", device: cpu}
+retrieval: {chunk_tokens: 32, chunk_overlap: 0}
+store: {max_memory_bytes: 0}
+"""
+NUM_DOC_IDS = 8
+_SYLLABLES = ["ka", "lo", "mi", "ren", "to", "vu", "zel", "qa", "dor", "pim", "sa", "tek", "bo", "ny", "fa", "gri"]
+
+
+def fork_context() -> multiprocessing.context.BaseContext:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+class ServerProcess:
+    """One run of `ragblend serve` on a free loopback port over `data_dir`."""
+
+    def __init__(self, ctx, data_dir: Path, config_path: Path):
+        self.port = free_port()
+        argv = ["serve", "--port", str(self.port), "--data-dir", str(data_dir), "--config", str(config_path),
+                "--log-level", "warning"]
+        self.process = ctx.Process(target=cli.main, args=(argv,), daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 180.0) -> None:
+        self.process.start()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.process.is_alive():
+                raise RuntimeError(f"server exited during start-up (code {self.process.exitcode})")
+            try:
+                ready = httpx.get(f"{self.url}/readyz", timeout=5)
+                if ready.status_code == 200:
+                    return
+                if ready.json().get("status") == "failed":
+                    raise RuntimeError(f"server failed to start: {ready.json().get('error')}")
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"server not ready after {timeout_s} s")
+
+    def kill(self) -> None:
+        self.process.kill()  # SIGKILL: no finally, no atexit, no flush
+        self.process.join(30)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.join(60)
+        if self.process.is_alive():
+            self.kill()
+
+
+@dataclass(frozen=True)
+class Version:
+    number: int
+    text: str
+
+
+@dataclass
+class Model:
+    """What the server must hold: acknowledged states, plus the targets of the op in flight."""
+
+    acked: dict[str, Version | None] = field(default_factory=lambda: {f"doc{i}": None for i in range(NUM_DOC_IDS)})
+    pending: dict[str, Version | None] = field(default_factory=dict)
+    next_version: int = 1
+    num_ops_acked: int = 0
+    op_seconds: list[float] = field(default_factory=list)  # of acknowledged ops
+
+    def allowed(self, doc_id: str) -> list[Version | None]:
+        return [self.acked[doc_id]] + ([self.pending[doc_id]] if doc_id in self.pending else [])
+
+    def settle(self, observed: dict[str, Version | None]) -> None:
+        """After a crash: the op in flight happened or not, per document, as the restarted server says."""
+        for doc_id in self.pending:
+            self.acked[doc_id] = observed.get(doc_id)
+        self.pending = {}
+
+
+def _sentence(rng: random.Random) -> str:
+    words = ["".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3))) for _ in range(rng.randint(4, 6))]
+    return " ".join(words).capitalize() + "."
+
+
+def _next_op(rng: random.Random, model: Model) -> tuple[str, dict, dict[str, Version | None]]:
+    """(method, request, targets): an ingest of 1-3 documents (new, replaced, or re-sent as they
+    are) or a delete."""
+    present = [d for d, v in model.acked.items() if v is not None]
+    if present and rng.random() < 0.25:
+        doc_id = rng.choice(present)
+        return "delete", {"id": doc_id}, {doc_id: None}
+    targets: dict[str, Version | None] = {}
+    documents = []
+    for doc_id in rng.sample(sorted(model.acked), rng.randint(1, 3)):
+        old = model.acked[doc_id]
+        if old is not None and rng.random() < 0.2:
+            version = old  # a re-send of what is stored: must be a no-op
+        else:  # most replaces keep the sentence count: same chunk count, the case counts cannot see
+            num_sentences = old.text.count(".") if old is not None and rng.random() < 0.7 else rng.randint(1, 4)
+            version = Version(model.next_version, " ".join(_sentence(rng) for _ in range(num_sentences)))
+            model.next_version += 1
+        targets[doc_id] = version
+        documents.append({"id": doc_id, "text": version.text, "metadata": {"version": version.number}})
+    return "ingest", {"documents": documents}, targets
+
+
+def run_workload(url: str, rng: random.Random, model: Model, errors: list[str]) -> None:
+    """Send ops back to back until the server dies; `model` tracks what was acknowledged."""
+    with httpx.Client(base_url=url, timeout=60) as http:
+        while True:
+            method, request, targets = _next_op(rng, model)
+            model.pending = targets
+            start = time.perf_counter()
+            try:
+                if method == "delete":
+                    response = http.delete(f"/v1/documents/{request['id']}")
+                else:
+                    response = http.post("/v1/documents", json=request)
+            except httpx.TransportError:
+                return  # killed mid-op: `pending` says what may or may not have happened
+            if response.status_code not in (200, 201):
+                errors.append(f"{method} answered {response.status_code}: {response.text[:200]}")
+                return
+            model.acked.update(targets)
+            model.pending = {}
+            model.num_ops_acked += 1
+            model.op_seconds.append(time.perf_counter() - start)
+
+
+def start_workload(url: str, rng: random.Random, model: Model, errors: list[str]) -> threading.Thread:
+    thread = threading.Thread(target=run_workload, args=(url, rng, model, errors), daemon=True)
+    thread.start()
+    return thread
+
+
+def _squash(text: str) -> str:
+    return "".join(text.split())  # chunk texts are decoded tokens: compare without whitespace
+
+
+def check_invariants(url: str, data_dir: Path, model: Model) -> list[str]:
+    """Every violation found on a freshly started (idle) server, as readable lines."""
+    violations: list[str] = []
+    with httpx.Client(base_url=url, timeout=60) as http:
+        listed = {d["id"] for d in http.get("/v1/documents", params={"limit": 1000}).json()["documents"]}
+        docs = {doc_id: http.get(f"/v1/documents/{doc_id}").json() for doc_id in listed}
+        found, observed = _check_documents(model, docs)
+        violations += found
+        violations += _check_files(data_dir, docs)
+        for doc_id, doc in docs.items():
+            question = doc["chunks"][0]["text"]
+            body = {"question": question, "top_k": 3, "mode": "full", "max_tokens": 1}
+            sources = http.post("/v1/query", json=body).json().get("sources", [])
+            if doc_id not in {s["document_id"] for s in sources}:
+                violations.append(f"{doc_id}: a query with its own first chunk does not retrieve it")
+    model.settle(observed)
+    return violations
+
+
+def _check_documents(model: Model, docs: dict[str, dict]) -> tuple[list[str], dict[str, Version | None]]:
+    """Each document is whole and in an allowed state: its acknowledged one, or the target of the op
+    in flight at the kill (atomic per document). Returns the violations and the states observed."""
+    violations, observed = [], {}
+    for doc_id in model.acked:
+        allowed = model.allowed(doc_id)
+        doc = docs.get(doc_id)
+        if doc is None:
+            if None not in allowed:
+                violations.append(f"{doc_id}: missing, expected version {[v.number for v in allowed if v]}")
+            continue
+        version = next((v for v in allowed if v is not None and v.number == doc["metadata"].get("version")), None)
+        observed[doc_id] = version
+        if version is None:
+            violations.append(f"{doc_id}: holds version {doc['metadata'].get('version')}, allowed {allowed}")
+        elif _squash("".join(c["text"] for c in doc["chunks"])) != _squash(version.text):
+            violations.append(f"{doc_id}: chunks are not exactly version {version.number} (a torn document)")
+    for doc_id in set(docs) - set(model.acked):
+        violations.append(f"{doc_id}: unexpected document")
+    return violations, observed
+
+
+def _check_files(data_dir: Path, docs: dict[str, dict]) -> list[str]:
+    """The index holds exactly the store's chunks; every KV file is live; every cached chunk's
+    entry reads back whole (every layer's checksum)."""
+    violations = []
+    conn = sqlite3.connect(f"file:{data_dir / 'documents.sqlite3'}?mode=ro", uri=True)
+    try:
+        rows = conn.execute("SELECT id, row_id, kv_key FROM chunks").fetchall()
+    finally:
+        conn.close()
+    row_ids = {r[1] for r in rows}
+    index_path = data_dir / "index.faiss"
+    indexed = set()
+    if index_path.exists():
+        index = faiss.read_index(str(index_path))  # kept alive: id_map is a view into it
+        indexed = set(faiss.vector_to_array(index.id_map).tolist())
+    if indexed != row_ids:
+        violations.append(
+            f"index/store differ: {len(row_ids - indexed)} chunks unindexed, {len(indexed - row_ids)} dead ids"
+        )
+    live_keys = {r[2] for r in rows if r[2]}
+    kv_dir = data_dir / "kv"
+    files = {p.name[: -len(SUFFIX)]: p for p in kv_dir.glob("??/*" + SUFFIX)}
+    orphans = set(files) - live_keys
+    if orphans:
+        violations.append(f"{len(orphans)} orphan KV files after start-up")
+    temps = list((kv_dir / "tmp").iterdir()) if (kv_dir / "tmp").exists() else []
+    if temps:
+        violations.append(f"{len(temps)} temp KV files left after start-up")
+    key_of = {r[0]: r[2] for r in rows}
+    for doc in docs.values():
+        for chunk in doc["chunks"]:
+            if chunk["kv_cached"] and not _is_readable(files.get(key_of.get(chunk["id"]) or "")):
+                violations.append(f"{chunk['id']}: kv_cached but its entry is missing or unreadable")
+    return violations
+
+
+def _is_readable(path: Path | None) -> bool:
+    if path is None:
+        return False
+    data = bytearray(path.read_bytes())  # writable: the decoded tensors view it
+    try:
+        table = json.loads(bytes(data[8 : codec.header_size(bytes(data[:8]))]))
+        meta = json.loads(table["__metadata__"][codec.META_KEY])
+        version, dtype, quantization = meta["format"]
+        fmt = StorageFormat(codec.StorageDtype(dtype), codec.KVQuantization(quantization), int(version))
+        head = bytes(data[: codec.header_size(bytes(data[:8]))])
+        header = codec.parse_header(head, len(data), path.name[: -len(SUFFIX)], meta["fingerprint"], fmt)
+        codec.decode(header, lambda begin, end: memoryview(data)[begin:end])
+    except (codec.CorruptEntryError, ValueError, KeyError):
+        return False
+    return True

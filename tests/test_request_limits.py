@@ -1,0 +1,80 @@
+"""Limits that depend on the model: a document's KV against the store's bound (start-up and ingest),
+and a prompt that cannot fit the context because of the chat history, said as such."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from transformers import AutoTokenizer
+
+from app.documents.limits import KVBudget, check_document_limit
+from app.documents.protocol import IngestRequest
+from app.errors import InvalidRequestError, PayloadTooLargeError
+from app.rag.pipeline import RagPipeline
+from app.rag.types import RagRequest
+from blend_engine.loader import converted_gguf_dir, embedded_gguf_path
+from blend_engine.prompt import PromptBuilder
+from blend_engine.types import PrefillMode, SamplingParams
+from configs import load_settings
+
+# SmolLM2-135M's KV shape: 30 layers, 3 KV heads of 64 -> 23 040 bytes per token in float16
+ENGINE = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64, tokenize=lambda text: text.split())
+BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 2
+
+
+def budget(**store) -> KVBudget | None:
+    return KVBudget.of(load_settings(store=store, retrieval={"chunking": "none"}), ENGINE)
+
+
+def test_the_bound_is_the_tier_chunk_caches_live_in():
+    disk = budget()
+    assert disk.setting == "store.max_disk_bytes" and disk.bytes_per_token == BYTES_PER_TOKEN
+    assert budget(quantization="int8").bytes_per_token == BYTES_PER_TOKEN // 2
+    memory = budget(disk_enabled=False)
+    assert memory.setting == "store.max_memory_bytes" and memory.capacity_bytes == 2 << 30
+    assert budget(disk_enabled=False, redis_url="redis://127.0.0.1:1/0") is None
+
+
+def test_start_up_refuses_a_document_limit_whose_kv_cannot_fit():
+    check_document_limit(load_settings(), ENGINE)  # the defaults fit
+    too_big = load_settings(limits={"max_document_chars": 1_000_000})
+    with pytest.raises(ValueError, match=r"max_document_chars=1000000 .* over store.max_disk_bytes=21474836480"):
+        check_document_limit(too_big, ENGINE)
+    with pytest.raises(ValueError, match="store.max_memory_bytes"):
+        check_document_limit(load_settings(store={"disk_enabled": False}), ENGINE)
+
+
+def ingest(*texts: str, precompute: bool = True) -> IngestRequest:
+    return IngestRequest(documents=[{"id": f"d{i}", "text": t} for i, t in enumerate(texts)], precompute=precompute)
+
+
+def test_ingest_rejects_a_document_or_batch_whose_kv_cannot_fit_with_the_numbers():
+    small = budget(max_disk_bytes=100 * BYTES_PER_TOKEN)  # room for 100 tokens
+    asyncio.run(small.check_request(ingest("word " * 100)))
+    with pytest.raises(PayloadTooLargeError, match=r"document d0 has 101 tokens: their KV needs 0.0 GB \(23040 "
+                                                   r"bytes per token\), over the store's bound store.max_disk_bytes"):
+        asyncio.run(small.check_request(ingest("word " * 101)))
+    with pytest.raises(PayloadTooLargeError, match="the 2 documents have 120 tokens"):
+        asyncio.run(small.check_request(ingest("word " * 60, "word " * 60)))
+    asyncio.run(small.check_request(ingest("word " * 500, precompute=False)))  # nothing stored at ingest
+
+
+def test_chunk_overlap_counts_against_the_bound():
+    settings = load_settings(retrieval={"chunk_tokens": 100, "chunk_overlap": 50})
+    assert KVBudget.of(settings, ENGINE).needed_bytes(1000, settings.retrieval.chunking) == 2000 * BYTES_PER_TOKEN
+
+
+def test_a_too_long_chat_history_is_reported_as_such():
+    tokenizer = AutoTokenizer.from_pretrained(converted_gguf_dir(embedded_gguf_path(), load_settings().model.cache_dir))
+    engine = SimpleNamespace(max_context=200, prompts=PromptBuilder(tokenizer, "Be brief."))
+    pipeline = RagPipeline(load_settings(), engine, retriever=None, kv_store=None, worker=None, metrics=None)
+    history = ({"role": "user", "content": "tell me more " * 80}, {"role": "assistant", "content": "ok"})
+    request = RagRequest("What is it?", PrefillMode.BLEND, SamplingParams(max_tokens=8), history=history)
+    with pytest.raises(InvalidRequestError, match=r"the chat history \(2 messages, \d+ tokens\) with the question "
+                                                  r"needs \d+ prompt tokens.*shorten the history"):
+        pipeline._fit_context(request, [])
+    long_question = RagRequest("why " * 300, PrefillMode.BLEND, SamplingParams(max_tokens=8))
+    with pytest.raises(InvalidRequestError, match="the question alone needs"):
+        pipeline._fit_context(long_question, [])
