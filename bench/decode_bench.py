@@ -17,10 +17,10 @@ class DecodeFigures:
     context_tokens: int
     num_tokens: int
     engine_ms_per_token: float
-    hf_ms_per_token: float
+    hf_ms_per_token: float | None  # None when HF was not measured
 
 
-def measure_decode(engine: BlendEngine, segments: list[Segment], num_tokens: int) -> DecodeFigures:
+def measure_decode(engine: BlendEngine, segments: list[Segment], num_tokens: int, with_hf: bool = True) -> DecodeFigures:
     result = engine.prefill(segments, PrefillMode.FULL, max_new_tokens=num_tokens + 1)
     decoder = engine.decoder(result)
     logits = decoder.step(int(result.logits.argmax()))  # untimed: captures the CUDA graph
@@ -29,7 +29,8 @@ def measure_decode(engine: BlendEngine, segments: list[Segment], num_tokens: int
         return decoder.step(token)
 
     engine_ms = _time_steps(engine_step, logits, num_tokens, engine.device)
-    return DecodeFigures(len(result.token_ids), num_tokens, engine_ms, _hf_ms_per_token(engine, result.token_ids, num_tokens))
+    hf_ms = _hf_ms_per_token(engine, result.token_ids, num_tokens) if with_hf else None
+    return DecodeFigures(len(result.token_ids), num_tokens, engine_ms, hf_ms)
 
 
 @torch.inference_mode()

@@ -18,13 +18,14 @@ import torch
 
 from bench.decode_bench import measure_decode
 from bench.engine_report import print_table, summarize
+from bench.format_bench import compare_formats, print_formats
 from bench.metrics import argmax_agreement, best_f1, mean_kl, safe_median, token_f1
 from bench.engine_variants import Variant, adaptive_variants, main_variants, selection_variants, sweep_variants
 from bench.musique import Question, load_questions
 from bench.synthetic import synthetic_prompt
 from blend_engine.engine import BlendEngine
 from blend_engine.types import PrefillResult, Segment
-from configs import DeviationKind, SinkMode, load_settings
+from configs import DeviationKind, SinkMode, WeightFormat, load_settings
 
 DEFAULT_DATA = "../shared/data/musique_dev.json"
 
@@ -61,6 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="smollm2, a HF dir, a .gguf, or random:<shape>[:layers]")
     parser.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"])
     parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--weights", default=None, choices=[w.value for w in WeightFormat],
+                        help="linear layers' weight format (model.weights; auto: int8 on CPU)")
+    parser.add_argument("--reference-weights", default=None, choices=[w.value for w in WeightFormat],
+                        help="also load the model in this format (e.g. fp32): side-by-side prefill and decode "
+                             "speed, and the format's own fidelity (TF KL of full vs the reference's full)")
     parser.add_argument("--config", default=None, help="a YAML config file")
     parser.add_argument("--ratios", default="0.05,0.15,0.30", help="blend recompute ratios")
     parser.add_argument("--sink", default=None, choices=[s.value for s in SinkMode])
@@ -103,7 +109,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"question {i + 1}/{len(questions)} done in {time.perf_counter() - t0:.1f} s", flush=True)
     summary = summarize(runs, variants, args, engine, is_quality)
     summary["decode"] = _decode_rows(engine, questions, variants[0].sink, args)
+    if args.reference_weights:
+        reference = BlendEngine.from_settings(settings.model_copy(
+            update={"model": settings.model.model_copy(update={"weights": WeightFormat(args.reference_weights)})}))
+        summary["formats"] = compare_formats(engine, reference, questions, variants[0].sink, args)
     print_table(summary)
+    if summary.get("formats"):
+        print_formats(summary["formats"])
     line = json.dumps(summary)
     if args.out:
         Path(args.out).write_text(line + "\n")
@@ -113,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _settings(args):
     overrides: dict = {"model": {}, "blend": {}}
-    for key in ("model", "device", "dtype"):
+    for key in ("model", "device", "dtype", "weights"):
         value = getattr(args, key)
         if value is not None:
             overrides["model"]["name" if key == "model" else key] = value
@@ -212,11 +224,16 @@ def _decode_rows(engine, questions: list[Question], sink, args) -> dict | None:
         return None
     figures = [measure_decode(engine, prompt_for(engine, q, sink, {}), args.decode_tokens)
                for q in questions[: args.decode_questions]]
+    engine_ms = safe_median(f.engine_ms_per_token for f in figures)
+    hf_ms = safe_median(f.hf_ms_per_token for f in figures)
     return {
         "num_tokens": args.decode_tokens,
+        "weights": engine.weights.value,  # HF eager runs the same converted modules
         "median_context_tokens": safe_median(f.context_tokens for f in figures),
-        "engine_ms_per_token": safe_median(f.engine_ms_per_token for f in figures),
-        "hf_eager_ms_per_token": safe_median(f.hf_ms_per_token for f in figures),
+        "engine_ms_per_token": engine_ms,
+        "hf_eager_ms_per_token": hf_ms,
+        "engine_tokens_per_s": 1000 / engine_ms,
+        "hf_eager_tokens_per_s": 1000 / hf_ms,
         "is_cuda_graph": engine.is_decode_graphed,
     }
 

@@ -45,6 +45,7 @@ def summarize(runs, variants, args, engine, is_quality: bool) -> dict:
         "is_quality_meaningful": is_quality,
         "device": str(engine.device),
         "dtype": str(engine.dtype).removeprefix("torch."),
+        "weights": engine.weights.value,
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
         "questions": args.questions,
         "passages": args.passages,
@@ -89,7 +90,7 @@ def _spearman(xs: list[float], ys: list[float]) -> float:
 
 
 def print_table(summary: dict) -> None:
-    print(f"\nmodel {summary['model']} on {summary['device']} ({summary['dtype']}), "
+    print(f"\nmodel {summary['model']} on {summary['device']} ({summary['dtype']}, {summary['weights']} weights), "
           f"{summary['questions']} questions x {summary['passages']} passages, "
           f"median prompt {summary['median_prompt_tokens']} tokens")
     width = max(28, *(len(label) + 1 for label in summary["results"]))
@@ -106,8 +107,9 @@ def print_table(summary: dict) -> None:
     if decode:
         graph = "CUDA graph" if decode["is_cuda_graph"] else "eager"
         print(f"decode over {decode['num_tokens']} tokens at ~{_f(decode['median_context_tokens'], 0)} tokens of context: "
-              f"engine ({graph}) {_f(decode['engine_ms_per_token'], 2)} ms/token, "
-              f"HF eager {_f(decode['hf_eager_ms_per_token'], 2)} ms/token")
+              f"engine ({graph}) {_f(decode['engine_tokens_per_s'], 1)} tok/s "
+              f"({_f(decode['engine_ms_per_token'], 2)} ms/token), HF eager {_f(decode['hf_eager_tokens_per_s'], 1)} tok/s "
+              f"({_f(decode['hf_eager_ms_per_token'], 2)} ms/token), {decode['weights']} weights both")
     guard = summary.get("guard")
     if guard:
         print(f"guard signal on {guard['variant']}: flagging the top {guard['share_flagged']:.0%} "

@@ -79,6 +79,11 @@ class Decoder:
     def prepare_static(self, pos: int) -> None:
         """The device buffers the static step reads (token, position, slot numbers)."""
         device = self.runner.device
+        # the static step attends over the whole capacity, masked: slots not written yet must hold
+        # finite values (uninitialised memory can be NaN, and NaN times a zero weight is NaN)
+        with torch.inference_mode():  # the cache was made in inference mode
+            self.cache.keys[:, :, pos:].zero_()
+            self.cache.values[:, :, pos:].zero_()
         self._token = torch.zeros(1, dtype=torch.long, device=device)
         self._pos = torch.full((1,), pos, dtype=torch.long, device=device)
         self._slots = torch.arange(self.cache.capacity, device=device)

@@ -18,6 +18,7 @@ from blend_engine.prefill import run_prefill
 from blend_engine.prompt import PromptBuilder, encode_text
 from blend_engine.runner import ModelRunner, apply_rope
 from blend_engine.types import BlendConfig, Delta, PrefillMode, PrefillResult, SamplingParams, Segment
+from blend_engine.weights import weight_format
 from blend_engine.weights_id import weights_digest
 from configs.settings import Settings, SinkMode
 
@@ -40,6 +41,7 @@ class BlendEngine:
         self.is_random = loaded.is_random
         self.blend = blend
         self.runner = ModelRunner(self.model)
+        self.weights = weight_format(self.model)  # what the linear layers hold (fp32: as loaded)
         self.attention_backend = AttentionBackend.for_device(self.runner.device)
         self.is_decode_graphed = self.runner.device.type == "cuda"  # CUDA-graph the decode step
         self.is_bulk_layout = self.runner.device.type == "cuda"  # reused KV laid out for all layers at once
@@ -238,5 +240,6 @@ def _fingerprint(engine: BlendEngine) -> str:
         "rope_theta": getattr(config, "rope_theta", None),
         "tokenizer": tokenizer_id,
         "format": KV_FORMAT_VERSION,
+        "weight_format": engine.weights.value,  # int8 weights make other KV than fp32 ones
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from blend_engine.weights import convert_linears, resolve_weight_format
 from configs.settings import ModelSettings
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,15 @@ def embedded_gguf_path() -> Path:
 
 
 def load_model(settings: ModelSettings) -> LoadedModel:
+    """The model with its linear layers in `settings.weights`' format (resolved for the device)."""
+    loaded = _load(settings)
+    fmt = resolve_weight_format(settings.weights, loaded.model.device)
+    num = convert_linears(loaded.model, fmt)
+    log.info("model %s: %d linear layers in %s weights", loaded.identity, num, fmt.value)
+    return loaded
+
+
+def _load(settings: ModelSettings) -> LoadedModel:
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
     name = settings.name

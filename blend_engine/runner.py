@@ -10,7 +10,13 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from blend_engine.weights import Int8Linear
+
 _REQUIRED = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
+
+
+def _is_gated(mlp: torch.nn.Module) -> bool:
+    return all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn"))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -40,6 +46,13 @@ class ModelRunner:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.scaling = attn.scaling
+        # int8 weights: q/k/v and the MLP's gate/up each as one matmul (one kernel call and one bf16
+        # cast of the input instead of three or two; the decode step is made of such small calls)
+        self.qkv_split = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
+        self.fused_qkv = [Int8Linear.fuse([b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj])
+                          for b in self.layers]
+        self.fused_gate_up = [Int8Linear.fuse([b.mlp.gate_proj, b.mlp.up_proj]) if _is_gated(b.mlp) else None
+                              for b in self.layers]
 
     @property
     def device(self) -> torch.device:
@@ -65,9 +78,11 @@ class ModelRunner:
         attn = block.self_attn
         x = block.input_layernorm(hidden)
         n = x.shape[0]
-        q = attn.q_proj(x).view(n, -1, self.head_dim)
-        k = attn.k_proj(x).view(n, -1, self.head_dim)
-        v = attn.v_proj(x).view(n, -1, self.head_dim)
+        if self.fused_qkv[layer] is not None:
+            q, k, v = self.fused_qkv[layer](x).split(self.qkv_split, dim=-1)
+        else:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        q, k, v = (t.reshape(n, -1, self.head_dim) for t in (q, k, v))
         if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
@@ -76,7 +91,13 @@ class ModelRunner:
         """Residual + o_proj, then the MLP block: hidden [n, hidden] -> [n, hidden]."""
         block = self.layers[layer]
         hidden = hidden + block.self_attn.o_proj(attn_out)
-        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+        x = block.post_attention_layernorm(hidden)
+        gate_up = self.fused_gate_up[layer]
+        if gate_up is None:
+            return hidden + block.mlp(x)
+        mlp = block.mlp  # a gated MLP: down(act(gate(x)) * up(x)), with gate and up in one matmul
+        gate, up = gate_up(x).chunk(2, dim=-1)
+        return hidden + mlp.down_proj(mlp.act_fn(gate) * up)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, vocab] in float32."""

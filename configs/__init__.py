@@ -9,6 +9,7 @@ from configs.settings import (
     SelectionKind,
     Settings,
     SinkMode,
+    WeightFormat,
     load_settings,
 )
 
@@ -21,5 +22,6 @@ __all__ = [
     "SelectionKind",
     "Settings",
     "SinkMode",
+    "WeightFormat",
     "load_settings",
 ]

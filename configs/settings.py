@@ -79,6 +79,15 @@ class SinkMode(str, Enum):
     PREFIX = "prefix"  # behind the prompt prefix (chat header + system prompt)
 
 
+class WeightFormat(str, Enum):
+    """Format of the model's linear layers (blend_engine/weights.py); the rest keeps model.dtype."""
+
+    AUTO = "auto"  # int8 on CPU (measured: README), as loaded on CUDA
+    FP32 = "fp32"  # as loaded, in model.dtype
+    BF16 = "bf16"  # bf16 weights, bf16 activations at the matmul
+    INT8 = "int8"  # int8 weight-only, per-output-channel scales
+
+
 class ModelSettings(BaseModel):
     name: str = Field(
         "smollm2",
@@ -88,6 +97,9 @@ class ModelSettings(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when present, else CPU.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: float32 on CPU, bfloat16 on CUDA."
+    )
+    weights: WeightFormat = Field(
+        WeightFormat.AUTO, description="Linear layers' weights: auto (int8 on CPU) | fp32 (as loaded) | bf16 | int8."
     )
     cache_dir: Path = Field(
         Path("~/.cache/ragblend/models"),

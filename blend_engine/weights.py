@@ -1,0 +1,143 @@
+"""Weight formats of the model's linear layers: fp32 (as loaded), bf16, or int8 weight-only.
+
+Decode reads every weight once per token, so its speed on CPU is the bytes of the weights: int8
+reads a quarter of fp32. The HF model is kept and its `nn.Linear` modules (attention and MLP
+projections of every decoder layer, and the lm_head) are swapped for the small modules below; the
+rest (embedding lookup, norms, residual stream, RoPE, attention, the KV cache) stays in the model's
+dtype. The tied embedding stays as loaded (a lookup reads one row per token), while the lm_head
+gets its own quantized copy: its 49152x576 matrix is SmolLM2's largest.
+
+int8: symmetric absmax per output channel, scales rounded to bf16 first so that `q * scale` is the
+exact dequantized weight. A few rows (decode) run `torch._weight_int8pack_mm` with bf16
+activations (measured ~3x faster than fp32 at batch 1; torchao's int8 weight-only linear
+dequantizes per call in eager mode, ~4x slower than this kernel there). Many rows (prefill) run a
+bf16 GEMM over a bf16 copy of the dequantized weight where the CPU has native bf16 (oneDNN; faster
+than fp32 there), else an fp32 GEMM over the weight dequantized per call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from configs.settings import WeightFormat
+
+MAX_PACKED_ROWS = 32  # above: the GEMM path (measured crossover of the int8 kernel on CPU)
+_COMPUTE = torch.bfloat16
+
+
+class Int8Linear(nn.Module):
+    """y = x @ (q * scale).T + bias with q int8 [out, in] and scale [out] (bf16)."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("qweight", qweight)  # [out, in] int8
+        self.register_buffer("scales", scales)  # [out] bf16
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.in_features, self.out_features = qweight.shape[1], qweight.shape[0]
+        is_bf16_gemm = qweight.device.type != "cpu" or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        # prefill's weight: the dequantized weight kept in bf16 (2 more bytes a weight, still less than
+        # fp32's 4) where bf16 GEMMs are native; else dequantized to fp32 at each call
+        gemm_weight = self.dequantized(_COMPUTE) if is_bf16_gemm else None
+        self.register_buffer("gemm_weight", gemm_weight, persistent=False)  # [out, in] bf16 or None
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+        scales = (weight.detach().float().abs().amax(dim=1).clamp_min(1e-8) / 127).to(_COMPUTE)
+        q = torch.round(weight.detach().float() / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+        return cls(q, scales, None if bias is None else bias.detach().clone())
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight this module multiplies by, [out, in]."""
+        return (self.qweight.to(dtype) * self.scales.to(dtype)[:, None]).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])  # [n, in]
+        if rows.shape[0] <= MAX_PACKED_ROWS:
+            out = torch._weight_int8pack_mm(rows.to(_COMPUTE).contiguous(), self.qweight, self.scales)
+        elif self.gemm_weight is not None:
+            out = F.linear(rows.to(_COMPUTE), self.gemm_weight)
+        else:
+            out = F.linear(rows.float(), self.dequantized(torch.float32))
+        out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    @classmethod
+    def fuse(cls, linears: list[nn.Module]) -> Int8Linear | None:
+        """One module over the rows of `linears` (same input), or None unless all are Int8Linear
+        (with biases all or none). Their int8 buffers become views of the fused ones: no weight
+        memory is added, and each still works alone (HF's own forward calls them)."""
+        num_biased = sum(isinstance(m, Int8Linear) and m.bias is not None for m in linears)
+        if not all(isinstance(m, Int8Linear) for m in linears) or num_biased not in (0, len(linears)):
+            return None
+        bias = torch.cat([m.bias.detach() for m in linears]) if num_biased else None
+        fused = cls(torch.cat([m.qweight for m in linears]), torch.cat([m.scales for m in linears]), bias)
+        start = 0
+        for m in linears:
+            rows = slice(start, start + m.out_features)
+            m.qweight, m.scales, start = fused.qweight[rows], fused.scales[rows], rows.stop
+            if fused.gemm_weight is not None:
+                m.gemm_weight = fused.gemm_weight[rows]
+        return fused
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
+
+
+class Bf16Linear(nn.Module):
+    """nn.Linear with bf16 weights and bf16 activations at the matmul only; output in x's dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().to(_COMPUTE), requires_grad=False)  # [out, in]
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x.to(_COMPUTE), self.weight).to(x.dtype)
+        return out if self.bias is None else out + self.bias
+
+
+_MODULES = {WeightFormat.INT8: Int8Linear, WeightFormat.BF16: Bf16Linear}
+
+
+def resolve_weight_format(fmt: WeightFormat, device: torch.device) -> WeightFormat:
+    """auto: int8 on CPU (measured: README), weights as loaded elsewhere."""
+    if fmt == WeightFormat.AUTO:
+        return WeightFormat.INT8 if device.type == "cpu" else WeightFormat.FP32
+    return fmt
+
+
+def convert_linears(model: nn.Module, fmt: WeightFormat) -> int:
+    """Swap the decoder layers' and the lm_head's nn.Linear modules for `fmt`'s; returns how many."""
+    if fmt == WeightFormat.FP32:
+        return 0
+    if fmt not in _MODULES:
+        raise ValueError(f"resolve weight format {fmt.value!r} to a concrete one first")
+    targets = [(name, module) for name, module in model.get_decoder().layers.named_modules()
+               if isinstance(module, nn.Linear)]
+    for name, linear in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_decoder().layers.get_submodule(parent_name)
+        setattr(parent, child, _convert(linear, fmt))
+    lm_head = model.get_output_embeddings()
+    if isinstance(lm_head, nn.Linear):  # tied or not: a converted copy (the embedding lookup stays)
+        model.set_output_embeddings(_convert(lm_head, fmt))
+        targets.append(("lm_head", lm_head))
+    return len(targets)
+
+
+def _convert(linear: nn.Linear, fmt: WeightFormat) -> nn.Module:
+    if fmt == WeightFormat.INT8:
+        return Int8Linear.from_weight(linear.weight, linear.bias)
+    return Bf16Linear(linear.weight, linear.bias)
+
+
+def weight_format(model: nn.Module) -> WeightFormat:
+    """The format of the model's linear layers (what the KV fingerprint records)."""
+    found = {type(m) for m in model.get_decoder().layers.modules()} | {type(model.get_output_embeddings())}
+    formats = {fmt for fmt, cls in _MODULES.items() if cls in found}
+    if len(formats) > 1 or (formats and nn.Linear in found):
+        raise ValueError(f"the model mixes weight formats: {sorted(f.value for f in formats)} and nn.Linear")
+    return formats.pop() if formats else WeightFormat.FP32
