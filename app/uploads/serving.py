@@ -11,6 +11,7 @@ from fastapi import UploadFile
 from pydantic import ValidationError
 
 from app.documents.protocol import DocumentIn, IngestRequest
+from app.documents.limits import KVBudget
 from app.documents.serving import DocumentService
 from app.errors import InvalidRequestError, PayloadTooLargeError
 from app.extract import ExtractedDocument, ExtractionLimits, FileFormat, extract_file
@@ -40,6 +41,9 @@ class UploadService:
         metadata = [await self._metadata(doc, chunking) for doc in extracted]
         request = IngestRequest(documents=[_document_in(doc, meta) for doc, meta in zip(extracted, metadata)],
                                 chunking=chunking, precompute=precompute)
+        kv_budget = KVBudget.of(self.settings, self.documents.engine)
+        if kv_budget is not None:  # as the JSON route: KV that cannot fit the store's bound is a 413
+            await kv_budget.check_request(request)
         ingested = await self.documents.ingest(request)
         return UploadResponse(documents=[
             UploadedDocument(id=doc.id, title=doc.title, source=doc.metadata["source"], format=doc.file_format.value,
