@@ -78,3 +78,26 @@ def test_a_too_long_chat_history_is_reported_as_such():
     long_question = RagRequest("why " * 300, PrefillMode.BLEND, SamplingParams(max_tokens=8))
     with pytest.raises(InvalidRequestError, match="the question alone needs"):
         pipeline._fit_context(long_question, [])
+
+
+def test_uploaded_files_meet_the_same_kv_bound(tmp_path):
+    """The upload route applies the JSON route's KV budget: a batch of files whose KV cannot fit is a
+    413 with the numbers, and nothing is stored."""
+    import httpx
+
+    from app.testing import LiveServer
+    from blend_engine.engine import BlendEngine
+
+    base = dict(data_dir=tmp_path, model={"name": "random:tiny-llama", "device": "cpu"},
+                retrieval={"chunking": "none"}, limits={"max_document_chars": 100})
+    engine = BlendEngine.from_settings(load_settings(**base))
+    per_token = KVBudget.of(load_settings(**base), engine).bytes_per_token
+    settings = load_settings(**base, store={"max_disk_bytes": 150 * per_token, "max_memory_bytes": 0})
+    text = ("#%&" * 30).encode()  # ~90 tokens a file: two do not fit 150 tokens of KV
+    with LiveServer(settings, engine=engine) as live, httpx.Client(base_url=live.url, timeout=120) as http:
+        files = [("files", ("a.txt", text)), ("files", ("b.txt", text))]
+        refused = http.post("/v1/documents/files", files=files)
+        assert refused.status_code == 413, refused.text
+        assert "store.max_disk_bytes" in refused.json()["error"]["message"]
+        assert http.get("/v1/documents").json()["total"] == 0
+        assert http.post("/v1/documents/files", files=files[:1]).status_code == 201
