@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 import uvicorn
@@ -19,6 +19,23 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def wait_ready(url: str, check_alive: Callable[[], None], timeout_s: float, poll_s: float) -> None:
+    """Poll `url`/readyz until it answers 200; `check_alive()` raises when the server died meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        check_alive()
+        try:
+            response = httpx.get(f"{url}/readyz", timeout=5)
+            if response.status_code == 200:
+                return
+            if response.json().get("status") == "failed":
+                raise RuntimeError(f"server failed to start: {response.json().get('error')}")
+        except httpx.TransportError:
+            pass
+        time.sleep(poll_s)
+    raise TimeoutError(f"server not ready after {timeout_s} s")
 
 
 class LiveServer:
@@ -61,20 +78,11 @@ class LiveServer:
         self.stop()
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + self.ready_timeout_s
-        while time.monotonic() < deadline:
-            if not self._thread.is_alive():
-                raise RuntimeError("server thread exited during start-up")
-            try:
-                response = httpx.get(f"{self.url}/readyz", timeout=5)
-                if response.status_code == 200:
-                    return
-                if response.json().get("status") == "failed":
-                    raise RuntimeError(f"server failed to start: {response.json().get('error')}")
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"server not ready after {self.ready_timeout_s} s")
+        wait_ready(self.url, self._check_alive, self.ready_timeout_s, poll_s=0.2)
+
+    def _check_alive(self) -> None:
+        if not self._thread.is_alive():
+            raise RuntimeError("server thread exited during start-up")
 
     def stop(self) -> None:
         self._server.should_exit = True

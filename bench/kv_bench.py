@@ -130,7 +130,7 @@ def run_question(engine, stores, item, args, blend, sink) -> dict:
         kv = engine.precompute(ids, sink)
         for name, store in stores.items():
             store.put(keys[name][idx], kv)
-    question, start_layer = item["question"], blend.check_layers[0]
+    question, start_layer = item["question"], blend.first_check_layer
 
     def prompt(caches):
         return engine.build_segments(question, [Segment(ids, c) for ids, c in zip(chunk_ids, caches)])

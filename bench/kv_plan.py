@@ -3,6 +3,7 @@ prefill the way the server's `mode: auto` does (full, blend or mixed, as planned
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Sequence
 
 from app.rag.planning import measure_engine
@@ -35,7 +36,6 @@ def planned_prefill(engine, store: KVStore, handles: list[StoredChunk], prompt: 
     source = store.layer_source([h for h in used if h is not None], engine.device, engine.dtype, is_pipelined,
                                 start_layer, engine.precompute)
     try:
-        config = BlendConfig(**{**blend.__dict__, "recompute_ratio": plan.ratio})
-        return engine.prefill(prompt(used), blend=config, kv_source=source), plan
+        return engine.prefill(prompt(used), blend=replace(blend, recompute_ratio=plan.ratio), kv_source=source), plan
     finally:
         source.close()

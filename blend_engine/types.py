@@ -64,6 +64,11 @@ class BlendConfig:
         if self.filter_growth < 1.0:
             raise ValueError("filter_growth must be >= 1")
 
+    @property
+    def first_check_layer(self) -> int:
+        """Layers before it compute every token and read no reused KV (check_layers is never empty)."""
+        return self.check_layers[0]
+
     @classmethod
     def from_settings(cls, settings: BlendSettings) -> BlendConfig:
         return cls(

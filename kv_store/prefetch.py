@@ -20,12 +20,6 @@ class Prefetcher:
         self._lock = threading.Lock()
         self._pending: dict[str, int] = {}  # key -> bytes in flight
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch")
-        self.num_done = 0
-
-    @property
-    def bytes_in_flight(self) -> int:
-        with self._lock:
-            return sum(self._pending.values())
 
     def submit(self, key: str, num_bytes: int) -> bool:
         """Queue `key` unless it is queued already or would exceed the byte bound."""
@@ -44,7 +38,6 @@ class Prefetcher:
         finally:
             with self._lock:
                 self._pending.pop(key, None)
-                self.num_done += 1
 
     def wait(self) -> None:
         """Block until everything queued so far is done (tests, shutdown)."""

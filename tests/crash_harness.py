@@ -21,7 +21,7 @@ import faiss
 import httpx
 
 from app import cli
-from app.testing import free_port
+from app.testing import free_port, wait_ready
 from kv_store import codec
 from kv_store.disk import SUFFIX
 from kv_store.keys import StorageFormat
@@ -58,20 +58,11 @@ class ServerProcess:
 
     def start(self, timeout_s: float = 180.0) -> None:
         self.process.start()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.process.is_alive():
-                raise RuntimeError(f"server exited during start-up (code {self.process.exitcode})")
-            try:
-                ready = httpx.get(f"{self.url}/readyz", timeout=5)
-                if ready.status_code == 200:
-                    return
-                if ready.json().get("status") == "failed":
-                    raise RuntimeError(f"server failed to start: {ready.json().get('error')}")
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        raise TimeoutError(f"server not ready after {timeout_s} s")
+        wait_ready(self.url, self._check_alive, timeout_s, poll_s=0.05)
+
+    def _check_alive(self) -> None:
+        if not self.process.is_alive():
+            raise RuntimeError(f"server exited during start-up (code {self.process.exitcode})")
 
     def kill(self) -> None:
         self.process.kill()  # SIGKILL: no finally, no atexit, no flush

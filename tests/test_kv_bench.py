@@ -6,21 +6,24 @@ import json
 from bench import kv_bench
 
 
-def test_bench_kv_prints_table_then_json(tmp_path, capsys):
-    words = "the river flows past an old mill near the town of harlow where people trade wool".split()
-    item = {
-        "question": "where is the old mill?",
-        "answers": ["harlow"],
-        "ctxs": [{"title": "", "text": " ".join(words[i:] + words[:i]) * 3} for i in range(3)],
-    }
+def run_bench(tmp_path, capsys, sentence: str, *extra: str) -> list[str]:
+    """The bench over 3 rotations of `sentence` (tiny-llama, one question): its stdout lines."""
+    words = sentence.split()
+    item = {"question": "where is it?", "answers": [words[-1]],
+            "ctxs": [{"title": "", "text": " ".join(words[i:] + words[:i]) * 3} for i in range(3)]}
     data = tmp_path / "data.json"
     data.write_text(json.dumps([item, item]))
     parser = argparse.ArgumentParser()
     kv_bench.add_arguments(parser)
     args = parser.parse_args(["--data", str(data), "--questions", "1", "--passages", "3", "--repeats", "1",
-                              "--model", "random:tiny-llama", "--out", str(tmp_path / "out.json")])
+                              "--model", "random:tiny-llama", *extra])
     assert kv_bench.run(args) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
+    return capsys.readouterr().out.strip().splitlines()
+
+
+def test_bench_kv_prints_table_then_json(tmp_path, capsys):
+    lines = run_bench(tmp_path, capsys, "the river flows past an old mill near the town of harlow where people "
+                      "trade wool", "--out", str(tmp_path / "out.json"))
     summary = json.loads(lines[-1])
     assert lines[0].startswith("config") and any(line.startswith("blend disk+pipe") for line in lines)
     assert json.loads((tmp_path / "out.json").read_text()) == summary
@@ -32,17 +35,9 @@ def test_bench_kv_prints_table_then_json(tmp_path, capsys):
 
 
 def test_bench_kv_throttled_disk_makes_the_planner_fall_back(tmp_path, capsys):
-    words = "a slow disk makes loading cost more than computing the whole prompt again".split()
-    item = {"question": "what is slow?", "answers": ["disk"],
-            "ctxs": [{"title": "", "text": " ".join(words[i:] + words[:i]) * 3} for i in range(3)]}
-    data = tmp_path / "data.json"
-    data.write_text(json.dumps([item, item]))
-    parser = argparse.ArgumentParser()
-    kv_bench.add_arguments(parser)
-    args = parser.parse_args(["--data", str(data), "--questions", "1", "--passages", "3", "--repeats", "1",
-                              "--model", "random:tiny-llama", "--throttle-mbps", "disk=0.05"])
-    assert kv_bench.run(args) == 0
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    lines = run_bench(tmp_path, capsys, "a slow disk makes loading cost more than computing the whole prompt "
+                      "again", "--throttle-mbps", "disk=0.05")
+    summary = json.loads(lines[-1])
     assert summary["throttle_mbps"] == {"disk": 0.05}
     # planned full: nothing loaded, nothing waited for (timings are the bench's business, not a test's)
     assert summary["plans"]["disk+pipe+auto"] == ["full"] and summary["disk+pipe+auto:source_wait"] == 0

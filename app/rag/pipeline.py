@@ -133,23 +133,27 @@ class RagPipeline:
         used = [s.kv for s in segments if isinstance(s.kv, StoredChunk)]
         source = self._layer_source(used, mode) if used else None
         try:
-            blend = self._blend_config(request, plan)
             result = self.engine.prefill(
-                segments, mode=mode, blend=blend, kv_source=source, max_new_tokens=request.sampling.max_tokens,
+                segments, mode=mode, blend=self._blend_config(request, plan), kv_source=source,
+                max_new_tokens=request.sampling.max_tokens,
             )
         finally:
             if source is not None:
                 source.close()
-        first_check = blend.check_layers[0] if blend.check_layers else 0
-        self.kv_store.planner.observe(shape_of(result.stats, self.engine.num_layers, first_check),
+        self.kv_store.planner.observe(shape_of(result.stats, self.engine.num_layers, self._first_check_layer),
                                       compute_seconds(result.stats))
         if plan is None:
-            return result, used, None
+            return result, handles, None
         load_s = source.stats.load_seconds if source is not None else 0.0
         report = PlanReport.of(plan, len(handles) - len(used), load_s, result.stats)
         logger.info("load plan %s", report)
         # chunks computed fresh from slow tiers are promoted after the answer, like streamed ones
         return result, handles, report
+
+    @property
+    def _first_check_layer(self) -> int:
+        """Blend's first check layer (a request may change the selection or ratio, never the checks)."""
+        return self.settings.blend.check_layers[0]
 
     def _plan(self, request: RagRequest, segments: list[Segment], handles: list) -> tuple[PrefillMode, LoadPlan | None]:
         """The prefill mode to run, and the loading planner's plan where the request leaves it the choice."""
@@ -158,11 +162,10 @@ class RagPipeline:
             return (PrefillMode.BLEND if is_auto else PrefillMode(request.mode.value)), None
         if is_auto or request.mode is RequestMode.BLEND:
             self._ensure_planner()
-            blend = BlendConfig.from_settings(self.settings.blend)
             plan_request = PlanRequest(
                 chunks=handles, num_prompt_tokens=sum(len(s.token_ids) for s in segments),
                 num_fresh_tokens=sum(len(s.token_ids) for s in segments if not isinstance(s.kv, StoredChunk)),
-                first_reused_layer=blend.check_layers[0] if blend.check_layers else 0,
+                first_reused_layer=self._first_check_layer,
                 num_layers=self.engine.num_layers,
                 is_pipelined=self.kv_store.config.is_pipelined,
             )
@@ -171,7 +174,7 @@ class RagPipeline:
         return PrefillMode(request.mode.value), None  # 'auto' ratio outside blend: nothing to choose
 
     def _layer_source(self, handles: list[StoredChunk], mode: PrefillMode):
-        start_layer = self.settings.blend.check_layers[0] if mode is PrefillMode.BLEND else 0
+        start_layer = self._first_check_layer if mode is PrefillMode.BLEND else 0
         return self.kv_store.layer_source(
             handles, self.engine.device, self.engine.dtype, start_layer=start_layer, recompute=self.engine.precompute,
         )
@@ -183,10 +186,8 @@ class RagPipeline:
         ratio = request.recompute_ratio
         if ratio == "adaptive":
             return replace(config, adaptive_mass=self.settings.blend.adaptive_mass)
-        if ratio in (None, "auto") and plan is not None and plan.ratio is not None:
-            return replace(config, recompute_ratio=plan.ratio)  # the planner's ratio: what loads hide
-        if ratio is None or ratio == "auto":
-            return config
+        if ratio in (None, "auto"):  # the configured ratio, or the planner's (what the loads hide)
+            return config if plan is None or plan.ratio is None else replace(config, recompute_ratio=plan.ratio)
         return replace(config, recompute_ratio=float(ratio))
 
     def measure_engine(self) -> None:

@@ -59,14 +59,13 @@ def measure_engine(engine: Any, sizes: Sequence[int], blend: BlendConfig) -> lis
     def ids(n: int) -> tuple[int, ...]:
         return tuple(torch.randint(0, vocab, (n,), generator=rng).tolist())
 
-    first_check = blend.check_layers[0] if blend.check_layers else 0
     samples: list[tuple[PrefillShape, float]] = []
 
     def timed(segments: list[Segment], mode: PrefillMode) -> None:
         start = time.perf_counter()
         result = engine.prefill(segments, mode=mode, blend=blend)
         elapsed = time.perf_counter() - start
-        samples.append((shape_of(result.stats, engine.num_layers, first_check), elapsed))
+        samples.append((shape_of(result.stats, engine.num_layers, blend.first_check_layer), elapsed))
 
     engine.prefill([Segment(ids(sizes[0]))], mode=PrefillMode.FULL)  # warm-up (allocations, kernels)
     for n in sizes:
