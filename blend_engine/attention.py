@@ -132,6 +132,24 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: Atte
     return out.transpose(0, 1).reshape(num_queries, num_heads * head_dim)
 
 
+def attend_last(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token that sees every key, per KV head as two matmuls in the keys' dtype with the
+    softmax in fp32: q [H, 1, D] over keys/values [H_kv, N, D] -> [1, H*D] in q's dtype.
+
+    On CPU, over a bf16 cache this reads half of fp32's bytes; SDPA's CPU kernel was measured
+    slower on bf16 than on fp32 for a single query, and a batched matmul copies each head's keys
+    (the cache's heads are `capacity` rows apart), so the heads go one by one."""
+    num_heads, _, head_dim = q.shape
+    num_kv_heads = keys.shape[0]
+    folded = q.reshape(num_kv_heads, num_heads // num_kv_heads, head_dim).to(keys.dtype)  # [H_kv, G, D]
+    outs = []
+    for head in range(num_kv_heads):
+        scores = folded[head] @ keys[head].t()  # [G, N]
+        probs = torch.softmax(scores.float() * scale, dim=-1).to(values.dtype)  # [G, N]
+        outs.append(probs @ values[head])  # [G, D]
+    return torch.cat(outs).reshape(1, num_heads * head_dim).to(q.dtype)
+
+
 def _folded(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """One masked call with the query heads of each KV head stacked as rows: [H, A, D] -> [H, A, D]."""
     num_heads, num_queries, head_dim = q.shape

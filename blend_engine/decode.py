@@ -14,7 +14,7 @@ import logging
 import torch
 
 from blend_engine.active import RopeTable
-from blend_engine.attention import AttentionLayout, AttentionMeta, attend, last_meta
+from blend_engine.attention import AttentionLayout, AttentionMeta, attend, attend_last, last_meta
 from blend_engine.kv import KVCache
 from blend_engine.runner import ModelRunner, apply_rope
 
@@ -23,9 +23,16 @@ NUM_WARMUP_STEPS = 2  # eager runs on a side stream before capture (lazy cuBLAS/
 
 
 class Decoder:
-    def __init__(self, runner: ModelRunner, cache: KVCache, is_graphed: bool | None = None):
-        self.runner, self.cache = runner, cache
+    def __init__(
+        self, runner: ModelRunner, cache: KVCache, is_graphed: bool | None = None, kv_dtype: torch.dtype | None = None,
+    ):
+        """Decodes after `cache`'s end; with a `kv_dtype` other than the cache's, over a converted
+        copy (the prefill's cache is left as it was)."""
+        self.runner = runner
+        self.cache = cache if kv_dtype in (None, cache.keys.dtype) else cache.converted(kv_dtype)
         self.is_graphed = runner.device.type == "cuda" if is_graphed is None else is_graphed
+        # a cache in another dtype than the model's: the two-matmul attention in the cache's dtype
+        self.is_matmul_attention = self.cache.keys.dtype != runner.dtype
         self._rope = self._table()
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_keys_ptr = 0  # the cache storage the graph was captured on
@@ -57,7 +64,10 @@ class Decoder:
         for layer in range(runner.num_layers):
             q, k, v = runner.qkv(layer, hidden)  # [H, 1, D], [H_kv, 1, D] x2
             keys, values = self.cache.update(layer, slice(pos, pos + 1), apply_rope(k, cos, sin), v)
-            hidden = runner.finish(layer, hidden, attend(apply_rope(q, cos, sin), keys, values, meta, runner.scaling))
+            q = apply_rope(q, cos, sin)
+            out = (attend_last(q, keys, values, runner.scaling) if self.is_matmul_attention
+                   else attend(q, keys, values, meta, runner.scaling))
+            hidden = runner.finish(layer, hidden, out)
         return runner.logits(hidden)[0]
 
     # --- CUDA graph -------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from blend_engine.runner import ModelRunner, apply_rope
 from blend_engine.types import BlendConfig, Delta, PrefillMode, PrefillResult, SamplingParams, Segment
 from blend_engine.weights import weight_format
 from blend_engine.weights_id import weights_digest
-from configs.settings import Settings, SinkMode
+from configs.settings import Settings, SinkMode, WeightFormat
 
 # Bump when what a ChunkKV means changes (pre-RoPE keys, sink handling): old caches then miss.
 KV_FORMAT_VERSION = 1
@@ -45,6 +45,10 @@ class BlendEngine:
         self.attention_backend = AttentionBackend.for_device(self.runner.device)
         self.is_decode_graphed = self.runner.device.type == "cuda"  # CUDA-graph the decode step
         self.is_bulk_layout = self.runner.device.type == "cuda"  # reused KV laid out for all layers at once
+        # quantized weights on CPU decode over a bf16 copy of the prompt's cache: attention reads half
+        # the bytes (measured: README); fp32 engines keep decoding exactly over the fp32 cache
+        is_quantized_cpu = self.runner.device.type == "cpu" and self.weights != WeightFormat.FP32
+        self.decode_kv_dtype = torch.bfloat16 if is_quantized_cpu else self.dtype
         self.prompts = PromptBuilder(self.tokenizer, system_prompt) if self.tokenizer is not None else None
         self.fingerprint = _fingerprint(self)
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
@@ -186,11 +190,15 @@ class BlendEngine:
             hidden = runner.finish(layer, hidden, attend(apply_rope(q, cos, sin), keys, values, meta, runner.scaling))
         return runner.logits(hidden)
 
-    def decoder(self, result: PrefillResult, is_graphed: bool | None = None) -> Decoder:
+    def decoder(
+        self, result: PrefillResult, is_graphed: bool | None = None, kv_dtype: torch.dtype | None = None,
+    ) -> Decoder:
         """A one-token-at-a-time decoder from the prompt's end (the cache is rewound there first);
-        CUDA-graphed on CUDA unless `is_graphed` says otherwise."""
+        CUDA-graphed on CUDA unless `is_graphed` says otherwise; over a copy of the cache in
+        `kv_dtype` (default: the engine's `decode_kv_dtype`) where that differs from the cache's."""
         result.cache.truncate(len(result.token_ids))
-        return Decoder(self.runner, result.cache, self.is_decode_graphed if is_graphed is None else is_graphed)
+        graphed = self.is_decode_graphed if is_graphed is None else is_graphed
+        return Decoder(self.runner, result.cache, graphed, self.decode_kv_dtype if kv_dtype is None else kv_dtype)
 
     def score(self, result: PrefillResult, target_ids: Sequence[int]) -> torch.Tensor:
         """Teacher forcing: logits [T, vocab] predicting each of `target_ids` after the prompt."""

@@ -161,6 +161,14 @@ class KVCache:
 
         self.keys, self.values = grown(self.keys), grown(self.values)
 
+    def converted(self, dtype: torch.dtype) -> KVCache:
+        """A copy in `dtype` of the same capacity, holding this cache's `length` slots."""
+        out = KVCache(self.keys.shape[0], self.keys.shape[1], self.keys.shape[3], self.capacity, self.keys.device, dtype)
+        out.keys[:, :, : self.length] = self.keys[:, :, : self.length]
+        out.values[:, :, : self.length] = self.values[:, :, : self.length]
+        out.length = self.length
+        return out
+
     def update(
         self, layer: int, index: torch.Tensor | slice, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

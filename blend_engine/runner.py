@@ -8,11 +8,22 @@ arbitrary absolute positions (blend_engine/attention.py). Batch size is 1 throug
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from blend_engine.weights import Int8Linear
+from blend_engine.weights import fuse_linears
 
 _REQUIRED = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
+# RMSNorms computing weight * (x * rsqrt(mean(x^2) + eps)) in fp32: torch's one fused op gives the
+# same on fp32 inputs instead of seven small ones (a decode step runs 61 of them per token)
+_PLAIN_RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
+
+
+def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`norm(x)`, by torch's fused RMSNorm where it computes the same (a known plain RMSNorm, fp32)."""
+    if x.dtype == torch.float32 and type(norm).__name__ in _PLAIN_RMS_NORMS:
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+    return norm(x)
 
 
 def _is_gated(mlp: torch.nn.Module) -> bool:
@@ -46,12 +57,12 @@ class ModelRunner:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.scaling = attn.scaling
-        # int8 weights: q/k/v and the MLP's gate/up each as one matmul (one kernel call and one bf16
+        # int8/int4 weights: q/k/v and the MLP's gate/up each as one matmul (one kernel call and one bf16
         # cast of the input instead of three or two; the decode step is made of such small calls)
         self.qkv_split = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
-        self.fused_qkv = [Int8Linear.fuse([b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj])
+        self.fused_qkv = [fuse_linears([b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj])
                           for b in self.layers]
-        self.fused_gate_up = [Int8Linear.fuse([b.mlp.gate_proj, b.mlp.up_proj]) if _is_gated(b.mlp) else None
+        self.fused_gate_up = [fuse_linears([b.mlp.gate_proj, b.mlp.up_proj]) if _is_gated(b.mlp) else None
                               for b in self.layers]
 
     @property
@@ -76,7 +87,7 @@ class ModelRunner:
         """hidden [n, hidden] -> q [H, n, D], k [H_kv, n, D], v [H_kv, n, D]; q and k before RoPE."""
         block = self.layers[layer]
         attn = block.self_attn
-        x = block.input_layernorm(hidden)
+        x = rms_norm(block.input_layernorm, hidden)
         n = x.shape[0]
         if self.fused_qkv[layer] is not None:
             q, k, v = self.fused_qkv[layer](x).split(self.qkv_split, dim=-1)
@@ -91,7 +102,7 @@ class ModelRunner:
         """Residual + o_proj, then the MLP block: hidden [n, hidden] -> [n, hidden]."""
         block = self.layers[layer]
         hidden = hidden + block.self_attn.o_proj(attn_out)
-        x = block.post_attention_layernorm(hidden)
+        x = rms_norm(block.post_attention_layernorm, hidden)
         gate_up = self.fused_gate_up[layer]
         if gate_up is None:
             return hidden + block.mlp(x)
@@ -101,4 +112,4 @@ class ModelRunner:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, vocab] in float32."""
-        return self.model.lm_head(self.decoder.norm(hidden)).float()
+        return self.model.lm_head(rms_norm(self.decoder.norm, hidden)).float()

@@ -1,4 +1,4 @@
-"""Weight formats of the model's linear layers: fp32 (as loaded), bf16, or int8 weight-only.
+"""Weight formats of the model's linear layers: fp32 (as loaded), bf16, int8 or int4 weight-only.
 
 Decode reads every weight once per token, so its speed on CPU is the bytes of the weights: int8
 reads a quarter of fp32. The HF model is kept and its `nn.Linear` modules (attention and MLP
@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blend_engine.int4 import Int4Linear
 from configs.settings import WeightFormat
 
 MAX_PACKED_ROWS = 32  # above: the GEMM path (measured crossover of the int8 kernel on CPU)
@@ -99,13 +100,24 @@ class Bf16Linear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
-_MODULES = {WeightFormat.INT8: Int8Linear, WeightFormat.BF16: Bf16Linear}
+_MODULES = {WeightFormat.INT8: Int8Linear, WeightFormat.INT4: Int4Linear, WeightFormat.BF16: Bf16Linear}
+
+
+def fuse_linears(linears: list[nn.Module]) -> nn.Module | None:
+    """One quantized module over the rows of `linears` (same input), or None where they are not
+    all of one quantized format (fp32 and bf16 layers are not fused)."""
+    for cls in (Int8Linear, Int4Linear):
+        if all(isinstance(m, cls) for m in linears):
+            return cls.fuse(linears)
+    return None
 
 
 def resolve_weight_format(fmt: WeightFormat, device: torch.device) -> WeightFormat:
     """auto: int8 on CPU (measured: README), weights as loaded elsewhere."""
     if fmt == WeightFormat.AUTO:
         return WeightFormat.INT8 if device.type == "cpu" else WeightFormat.FP32
+    if fmt == WeightFormat.INT4 and device.type != "cpu":
+        raise ValueError("model.weights int4 runs on CPU only (its kernel is torch's CPU int4 matmul)")
     return fmt
 
 
@@ -129,8 +141,8 @@ def convert_linears(model: nn.Module, fmt: WeightFormat) -> int:
 
 
 def _convert(linear: nn.Linear, fmt: WeightFormat) -> nn.Module:
-    if fmt == WeightFormat.INT8:
-        return Int8Linear.from_weight(linear.weight, linear.bias)
+    if fmt in (WeightFormat.INT8, WeightFormat.INT4):
+        return _MODULES[fmt].from_weight(linear.weight, linear.bias)
     return Bf16Linear(linear.weight, linear.bias)
 
 

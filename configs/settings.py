@@ -86,6 +86,7 @@ class WeightFormat(str, Enum):
     FP32 = "fp32"  # as loaded, in model.dtype
     BF16 = "bf16"  # bf16 weights, bf16 activations at the matmul
     INT8 = "int8"  # int8 weight-only, per-output-channel scales
+    INT4 = "int4"  # int4 weight-only, a scale and a zero per 32 inputs (CPU only)
 
 
 class ModelSettings(BaseModel):
@@ -99,7 +100,7 @@ class ModelSettings(BaseModel):
         "auto", description="auto: float32 on CPU, bfloat16 on CUDA."
     )
     weights: WeightFormat = Field(
-        WeightFormat.AUTO, description="Linear layers' weights: auto (int8 on CPU) | fp32 (as loaded) | bf16 | int8."
+        WeightFormat.AUTO, description="Linear layers' weights: auto (int8 on CPU) | fp32 (as loaded) | bf16 | int8 | int4 (CPU)."
     )
     cache_dir: Path = Field(
         Path("~/.cache/ragblend/models"),

@@ -92,7 +92,7 @@ def test_fused_int8_projections_equal_the_separate_ones_and_share_their_memory()
 
 
 @pytest.mark.parametrize("family", ["llama-gqa", "qwen2-bias"])
-@pytest.mark.parametrize("fmt", [WeightFormat.INT8, WeightFormat.BF16])
+@pytest.mark.parametrize("fmt", [WeightFormat.INT8, WeightFormat.INT4, WeightFormat.BF16])
 def test_engine_forward_equals_hf_forward_of_the_converted_model(family, fmt):
     engine = _quantized_engine(fmt, family)
     ids = random_ids(48, seed=1)
@@ -126,9 +126,10 @@ def test_blend_at_ratio_one_equals_full_under_int8(check_layers):
 
 
 def test_fingerprint_differs_per_weight_format():
-    engines = {fmt: _quantized_engine(fmt) for fmt in (WeightFormat.FP32, WeightFormat.BF16, WeightFormat.INT8)}
+    formats = (WeightFormat.FP32, WeightFormat.BF16, WeightFormat.INT8, WeightFormat.INT4)
+    engines = {fmt: _quantized_engine(fmt) for fmt in formats}
     assert {fmt: e.weights for fmt, e in engines.items()} == {fmt: fmt for fmt in engines}
-    assert len({e.fingerprint for e in engines.values()}) == 3
+    assert len({e.fingerprint for e in engines.values()}) == len(formats)
     assert _quantized_engine(WeightFormat.INT8).fingerprint == engines[WeightFormat.INT8].fingerprint
 
 
@@ -145,7 +146,8 @@ def test_weights_setting():
     assert load_settings().model.weights == WeightFormat.AUTO
     assert load_settings(model={"weights": "int8"}).model.weights == WeightFormat.INT8
     with pytest.raises(pydantic.ValidationError):
-        load_settings(model={"weights": "int4"})
+        load_settings(model={"weights": "int2"})
+    assert load_settings(model={"weights": "int4"}).model.weights == WeightFormat.INT4
     assert resolve_weight_format(WeightFormat.AUTO, torch.device("cpu")) == WeightFormat.INT8
     assert resolve_weight_format(WeightFormat.AUTO, torch.device("cuda")) == WeightFormat.FP32
     assert resolve_weight_format(WeightFormat.BF16, torch.device("cpu")) == WeightFormat.BF16

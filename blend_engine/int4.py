@@ -1,0 +1,104 @@
+"""int4 weight-only linear layers: groups of 32 inputs share a scale and a zero (asymmetric), as
+GGUF's Q4_1 does, for the CPU's `_weight_int4pack_mm_for_cpu` kernel.
+
+Decode reads every weight once per token, so int4 reads half of int8's bytes. SmolLM2 ships as a
+Q4_1 GGUF: its weights are already 16 levels per group of 32, which this format holds again with
+only its scale and zero rounded to bf16. The kernel's fast path takes bf16 activations only (fp32 and
+fp16 inputs measured ~60x slower), and it loses to a bf16 GEMM above a few dozen rows, so prefill
+multiplies by a bf16 copy of the dequantized weight as Int8Linear does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GROUP_SIZE = 32  # inputs per (scale, zero): Q4_1's block
+NUM_ROWS_PER_BLOCK = 64  # the CPU packing interleaves rows in blocks of 64 (row slices of other sizes are no views)
+MIN_ROWS_MULTIPLE = 16  # the packing kernel's requirement on out_features
+MAX_PACKED_ROWS = 32  # above: the bf16 GEMM (measured crossover on CPU, as for int8)
+_COMPUTE = torch.bfloat16
+
+
+def _pack(q: torch.Tensor) -> torch.Tensor:
+    """q [out, in] int32 in 0..15 -> the kernel's packed layout [out, in / 2] uint8."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W.T + bias, W[o, g*32 + j] = (q[o, g*32 + j] - 8) * scale[g, o] + zero[g, o], q in 0..15."""
+
+    def __init__(self, q: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        num_out, num_in = q.shape
+        self.in_features, self.out_features = num_in, num_out
+        self.register_buffer("packed", _pack(q))  # [out, in / 2] uint8
+        self.register_buffer("scales_zeros", scales_zeros)  # [in / 32, out, 2] bf16: (scale, zero)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        dequantized = ((q.float() - 8).reshape(num_out, -1, GROUP_SIZE) * self._per_row(0)
+                       + self._per_row(1)).reshape(num_out, num_in)
+        self.register_buffer("gemm_weight", dequantized.to(_COMPUTE), persistent=False)  # [out, in] bf16
+
+    def _per_row(self, index: int) -> torch.Tensor:
+        return self.scales_zeros[..., index].t().float()[..., None]  # [out, in / 32, 1]
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Linear:
+        num_out, num_in = weight.shape
+        if num_in % GROUP_SIZE or num_out % MIN_ROWS_MULTIPLE:
+            raise ValueError(f"int4 weights need in_features divisible by {GROUP_SIZE} and out_features by "
+                             f"{MIN_ROWS_MULTIPLE}; this layer is {num_out}x{num_in} (use int8)")
+        w = weight.detach().float().reshape(num_out, -1, GROUP_SIZE)  # [out, groups, 32]
+        low, high = w.amin(-1), w.amax(-1)  # [out, groups]
+        # scale and zero rounded to bf16 first, then q chosen against the rounded pair: the
+        # dequantized weight is exactly what the kernel multiplies by
+        scale = ((high - low) / 15).clamp_min(1e-8).to(_COMPUTE)
+        zero = (low + 8 * scale.float()).to(_COMPUTE)
+        q = torch.round((w - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp_(0, 15)
+        scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [groups, out, 2]
+        return cls(q.to(torch.int32).reshape(num_out, num_in), scales_zeros, None if bias is None else bias.detach().clone())
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight the decode kernel multiplies by, [out, in]."""
+        return self.levels().reshape(self.out_features, -1, GROUP_SIZE).sub(8).mul(self._per_row(0)).add(
+            self._per_row(1)).reshape(self.out_features, self.in_features).to(dtype)
+
+    def levels(self) -> torch.Tensor:
+        """q [out, in] in 0..15, recovered from the bf16 copy (exact: each weight is a level times a
+        bf16 scale plus a bf16 zero, and the levels are 1 apart in scale units)."""
+        w = self.gemm_weight.float().reshape(self.out_features, -1, GROUP_SIZE)
+        return torch.round((w - self._per_row(1)) / self._per_row(0) + 8).clamp_(0, 15).reshape(
+            self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).to(_COMPUTE)  # [n, in]
+        if rows.shape[0] <= MAX_PACKED_ROWS:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                rows.contiguous(), self.packed, GROUP_SIZE, self.scales_zeros.contiguous())
+        else:
+            out = F.linear(rows, self.gemm_weight)
+        out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    @classmethod
+    def fuse(cls, linears: list[nn.Module]) -> Int4Linear | None:
+        """One module over the rows of `linears` (same input), or None unless all are Int4Linear with
+        biases all or none. Where every part is a whole number of 64-row blocks, the parts' buffers
+        become views of the fused ones (no weight memory added); each still works alone."""
+        num_biased = sum(isinstance(m, Int4Linear) and m.bias is not None for m in linears)
+        if not all(isinstance(m, Int4Linear) for m in linears) or num_biased not in (0, len(linears)):
+            return None
+        bias = torch.cat([m.bias.detach() for m in linears]) if num_biased else None
+        q = torch.cat([m.levels() for m in linears]).to(torch.int32)
+        fused = cls(q, torch.cat([m.scales_zeros for m in linears], dim=1), bias)
+        if all(m.out_features % NUM_ROWS_PER_BLOCK == 0 for m in linears):
+            start = 0
+            for m in linears:
+                rows = slice(start, start + m.out_features)
+                m.packed, m.scales_zeros = fused.packed[rows], fused.scales_zeros[:, rows]
+                m.gemm_weight, start = fused.gemm_weight[rows], rows.stop
+        return fused
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {GROUP_SIZE}"

@@ -1,0 +1,125 @@
+"""int4 weights (groups of 32, scale + zero) and decoding over a bf16 copy of the cache."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from blend_engine.engine import BlendEngine
+from blend_engine.int4 import GROUP_SIZE, MAX_PACKED_ROWS, Int4Linear
+from blend_engine.types import PrefillMode, Segment
+from blend_engine.weights import convert_linears, resolve_weight_format
+from configs import WeightFormat
+from engine_models import MODEL_BUILDERS, cpu_exact, random_ids
+from test_engine_blend import rag_prompt
+
+pytestmark = cpu_exact  # the int4 kernel is torch's CPU one
+
+
+def _engine(fmt: WeightFormat, seed: int = 0) -> BlendEngine:
+    torch.manual_seed(seed)
+    model = MODEL_BUILDERS["llama-gqa"]().eval()
+    convert_linears(model, fmt)
+    return BlendEngine.from_model(model, name="llama-gqa")
+
+
+def _q4_1_weight(num_out: int, num_in: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight as a Q4_1 GGUF holds it: levels 0..15 (each group spanning all 16) times a scale
+    plus an offset, both bf16 values, so the format can hold it exactly. Returns (weight, levels)."""
+    g = torch.Generator().manual_seed(seed)
+    levels = torch.randint(0, 16, (num_out, num_in // GROUP_SIZE, GROUP_SIZE), generator=g)
+    levels[..., 0], levels[..., 1] = 0, 15
+    scale = (torch.rand(num_out, num_in // GROUP_SIZE, 1, generator=g) * 0.01 + 1e-3).bfloat16().float()
+    zero = (torch.randn(num_out, num_in // GROUP_SIZE, 1, generator=g) * 0.01).bfloat16().float()
+    weight = ((levels.float() - 8) * scale + zero).reshape(num_out, num_in)
+    return weight, levels.reshape(num_out, num_in)
+
+
+def test_a_q4_1_weight_round_trips_exactly():
+    weight, levels = _q4_1_weight(64, 96, seed=0)
+    linear = Int4Linear.from_weight(weight)
+    assert torch.equal(linear.dequantized(), weight)
+    assert torch.equal(linear.levels(), levels.float())
+    assert linear.packed.dtype == torch.uint8 and linear.packed.shape == (64, 48)  # two levels a byte
+
+
+def test_int4_error_is_at_most_half_a_step_per_group():
+    torch.manual_seed(1)
+    weight = torch.randn(32, 64) * torch.logspace(-3, 1, 32)[:, None]
+    linear = Int4Linear.from_weight(weight)
+    error = (linear.dequantized() - weight).abs().reshape(32, -1, GROUP_SIZE).amax(-1)  # [out, groups]
+    steps = linear.scales_zeros[..., 0].t().float()  # [out, groups]
+    assert torch.all(error <= steps * 0.5 * 1.05 + 1e-6)
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, MAX_PACKED_ROWS, MAX_PACKED_ROWS + 1, 300])
+def test_int4_linear_matches_its_dequantized_weight(num_rows):
+    """The int4 kernel (few rows) and the bf16 GEMM (many) both multiply by the dequantized weight."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 64) * 0.05, torch.randn(96)
+    linear = Int4Linear.from_weight(weight, bias)
+    x = torch.randn(num_rows, 64)
+    ref = F.linear(x.bfloat16().float(), linear.dequantized(), bias)
+    out = linear(x)
+    assert out.dtype == torch.float32 and out.shape == (num_rows, 96)
+    torch.testing.assert_close(out, ref, atol=float(ref.abs().max()) * 2**-7, rtol=2**-7)
+
+
+def test_int4_refuses_shapes_its_kernel_cannot_pack():
+    with pytest.raises(ValueError, match="divisible by 32"):
+        Int4Linear.from_weight(torch.randn(64, 40))
+    with pytest.raises(ValueError, match="out_features by 16"):
+        Int4Linear.from_weight(torch.randn(40, 64))
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_weight_format(WeightFormat.INT4, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("sizes", [(128, 64, 64), (64, 32, 32)])
+def test_fused_int4_projections_equal_the_separate_ones(sizes):
+    """Fused q/k/v (or gate/up) give the separate modules' outputs; where every part is whole
+    64-row blocks of the kernel's packing, the parts become views of the fused buffers."""
+    torch.manual_seed(4)
+    parts = [Int4Linear.from_weight(torch.randn(n, 64), torch.randn(n)) for n in sizes]
+    x = torch.randn(5, 64)
+    separate = torch.cat([p(x) for p in parts], dim=-1)
+    fused = Int4Linear.fuse(parts)
+    torch.testing.assert_close(fused(x), separate, atol=0, rtol=0)
+    torch.testing.assert_close(fused(x[:1]), separate[:1], atol=1e-6, rtol=0)  # the kernel path
+    is_view = parts[1].packed.data_ptr() == fused.packed.data_ptr() + sizes[0] * 32
+    assert is_view == all(n % 64 == 0 for n in sizes)
+    torch.testing.assert_close(torch.cat([p(x[:1]) for p in parts], dim=-1), separate[:1], atol=1e-6, rtol=0)
+
+
+def test_decode_over_a_bf16_copy_stays_close_and_leaves_the_prefill_cache():
+    """Quantized CPU engines decode over a bf16 copy of the prompt's cache; its logits stay within
+    bf16's resolution of decoding over the fp32 cache, and the prefill's cache is not touched."""
+    engine = _engine(WeightFormat.INT4)
+    assert engine.decode_kv_dtype == torch.bfloat16
+    assert _engine(WeightFormat.FP32).decode_kv_dtype == torch.float32
+    result = engine.prefill(rag_prompt(engine), PrefillMode.BLEND, max_new_tokens=8)
+    keys_before = result.cache.keys[:, :, : len(result.token_ids)].clone()
+    tokens = random_ids(6, 77)
+    bf16 = engine.decoder(result)
+    steps_bf16 = torch.stack([bf16.step(t) for t in tokens])
+    assert bf16.cache.keys.dtype == torch.bfloat16 and bf16.cache.length == len(result.token_ids) + 6
+    assert result.cache.length == len(result.token_ids)
+    assert torch.equal(result.cache.keys[:, :, : len(result.token_ids)], keys_before)
+    fp32 = engine.decoder(result, kv_dtype=torch.float32)
+    steps_fp32 = torch.stack([fp32.step(t) for t in tokens])
+    torch.testing.assert_close(steps_bf16, steps_fp32, atol=float(steps_fp32.abs().max()) * 2e-2, rtol=0)
+    assert torch.equal(steps_bf16.argmax(-1), steps_fp32.argmax(-1))
+
+
+def test_int4_engine_stays_close_to_fp32_and_blends_exactly_at_ratio_one():
+    from blend_engine.types import BlendConfig
+    from test_engine_blend import assert_same_prefill
+
+    fp32, int4 = _engine(WeightFormat.FP32), _engine(WeightFormat.INT4)
+    ids = random_ids(64, seed=3)
+    a = fp32.prefill([Segment(ids)], PrefillMode.FULL).logits
+    b = int4.prefill([Segment(ids)], PrefillMode.FULL).logits
+    kl = (torch.softmax(a, -1) * (torch.log_softmax(a, -1) - torch.log_softmax(b, -1))).sum()
+    assert float(kl) < 5e-2  # random weights are not Q4_1 ones: a sanity bound (SmolLM2: README)
+    segments = rag_prompt(int4)
+    full = int4.prefill(segments, PrefillMode.FULL)
+    blend = int4.prefill(segments, PrefillMode.BLEND, BlendConfig(recompute_ratio=1.0))
+    assert_same_prefill(blend, full, atol=1e-5)
