@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from bench.decode_bench import measure_decode
 from bench.engine_variants import Variant
 from bench.metrics import argmax_agreement, mean_kl, safe_mean, safe_median
@@ -21,6 +23,7 @@ class FormatRecord:
     prefill_ms: float
     num_prompt: int
     tf_kl: float | None
+    decode_kl: float | None  # the same through the format's decoder (its decode cache, e.g. bf16)
     tf_agreement: float | None
     is_answer_same: bool | None
     ref_decode_ms: float | None
@@ -43,6 +46,7 @@ def compare_formats(engine: BlendEngine, reference: BlendEngine, questions, sink
         "decode_tokens_per_s": _rate(safe_median(r.decode_ms for r in decode)),
         "decode_speedup": safe_median(r.ref_decode_ms / r.decode_ms for r in decode),
         "tf_kl_mean": safe_mean(r.tf_kl for r in records if r.tf_kl is not None),
+        "decode_kl_mean": safe_mean(r.decode_kl for r in records if r.decode_kl is not None),
         "tf_agreement": safe_mean(r.tf_agreement for r in records if r.tf_agreement is not None),
         "answer_agreement": safe_mean(float(r.is_answer_same) for r in records if r.is_answer_same is not None),
     }
@@ -55,18 +59,26 @@ def _question(engine, reference, question, sink, args, index: int) -> FormatReco
     ref_segments, segments = prompt_for(reference, question, sink, {}), prompt_for(engine, question, sink, {})
     ref_result, ref_ms, _ = timed_prefill(reference, ref_segments, full, args.answer_tokens)
     result, ms, _ = timed_prefill(engine, segments, full, args.answer_tokens)
-    kl = agreement = is_same = None
+    kl = decode_kl = agreement = is_same = None
     if not engine.is_random:
         ref_ids = greedy_ids(reference, ref_result, args.answer_tokens)
         if ref_ids:
             logits = engine.score(result, ref_ids)
-            kl, agreement = mean_kl(reference.score(ref_result, ref_ids), logits), argmax_agreement(logits, ref_ids)
+            ref_logits = reference.score(ref_result, ref_ids)
+            kl, agreement = mean_kl(ref_logits, logits), argmax_agreement(logits, ref_ids)
+            decode_kl = mean_kl(ref_logits, _decoder_logits(engine, result, ref_ids))
         is_same = greedy_ids(engine, result, args.answer_tokens) == ref_ids
     ref_decode_ms = decode_ms = None
     if index < args.decode_questions and args.decode_tokens > 0:
         ref_decode_ms = measure_decode(reference, ref_segments, args.decode_tokens, with_hf=False).engine_ms_per_token
         decode_ms = measure_decode(engine, segments, args.decode_tokens, with_hf=False).engine_ms_per_token
-    return FormatRecord(ref_ms, ms, len(result.token_ids), kl, agreement, is_same, ref_decode_ms, decode_ms)
+    return FormatRecord(ref_ms, ms, len(result.token_ids), kl, decode_kl, agreement, is_same, ref_decode_ms, decode_ms)
+
+
+def _decoder_logits(engine: BlendEngine, result, target_ids: list[int]) -> torch.Tensor:
+    """Teacher forcing through the serving path (`engine.decoder`): logits [T, vocab] predicting each target."""
+    decoder = engine.decoder(result)
+    return torch.stack([result.logits] + [decoder.step(t) for t in target_ids[:-1]])
 
 
 def _rate(ms: float | None) -> float | None:
@@ -78,7 +90,7 @@ def print_formats(row: dict) -> None:
           f"~{row['median_prompt_tokens']:.0f} prompt tokens): full prefill {row['prefill_tokens_per_s']:.0f} vs "
           f"{row['reference_prefill_tokens_per_s']:.0f} tok/s; decode {_f(row['decode_tokens_per_s'])} vs "
           f"{_f(row['reference_decode_tokens_per_s'])} tok/s (x{_f(row['decode_speedup'], 2)}); "
-          f"TF KL(ref || format) {_f(row['tf_kl_mean'], 4)}, TF agreement {_f(row['tf_agreement'], 3)}, "
+          f"TF KL(ref || format) {_f(row['tf_kl_mean'], 4)} (through the decoder {_f(row.get('decode_kl_mean'), 4)}), TF agreement {_f(row['tf_agreement'], 3)}, "
           f"greedy answers identical {_f(row['answer_agreement'], 2)}")
 
 

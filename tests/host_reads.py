@@ -14,7 +14,8 @@ ATTENTION = {"scaled_dot_product_attention", "flex_attention"}
 
 
 class HostReadCounter(TorchFunctionMode):
-    """Counts per phase: 'before' until the embedding runs, 'loop' until the final norm, then 'after'."""
+    """Counts per phase: 'before' until the embedding runs, 'loop' until the lm_head, then 'after'
+    (the final norm may run as torch's fused op, with no module call to hook)."""
 
     def __init__(self, model):
         super().__init__()
@@ -24,7 +25,7 @@ class HostReadCounter(TorchFunctionMode):
         decoder = model.get_decoder()
         self._hooks = [
             decoder.embed_tokens.register_forward_pre_hook(lambda *_: self._enter("loop")),
-            decoder.norm.register_forward_pre_hook(lambda *_: self._enter("after")),
+            model.get_output_embeddings().register_forward_pre_hook(lambda *_: self._enter("after")),
         ]
 
     def _enter(self, phase: str) -> None:
