@@ -103,6 +103,11 @@ class Bf16Linear(nn.Module):
 _MODULES = {WeightFormat.INT8: Int8Linear, WeightFormat.INT4: Int4Linear, WeightFormat.BF16: Bf16Linear}
 
 
+# int4 layers keep an int8 lm_head: SmolLM2 ships its (tied) embedding in Q8_0, and 4 bits there
+# cost most of int4's KL against fp32 (measured: README); it is ~1/5 of the decode's weight bytes
+_LM_HEAD_FORMAT = {WeightFormat.INT4: WeightFormat.INT8}
+
+
 def fuse_linears(linears: list[nn.Module]) -> nn.Module | None:
     """One quantized module over the rows of `linears` (same input), or None where they are not
     all of one quantized format (fp32 and bf16 layers are not fused)."""
@@ -135,7 +140,7 @@ def convert_linears(model: nn.Module, fmt: WeightFormat) -> int:
         setattr(parent, child, _convert(linear, fmt))
     lm_head = model.get_output_embeddings()
     if isinstance(lm_head, nn.Linear):  # tied or not: a converted copy (the embedding lookup stays)
-        model.set_output_embeddings(_convert(lm_head, fmt))
+        model.set_output_embeddings(_convert(lm_head, _LM_HEAD_FORMAT.get(fmt, fmt)))
         targets.append(("lm_head", lm_head))
     return len(targets)
 
@@ -148,8 +153,13 @@ def _convert(linear: nn.Linear, fmt: WeightFormat) -> nn.Module:
 
 def weight_format(model: nn.Module) -> WeightFormat:
     """The format of the model's linear layers (what the KV fingerprint records)."""
-    found = {type(m) for m in model.get_decoder().layers.modules()} | {type(model.get_output_embeddings())}
+    found = {type(m) for m in model.get_decoder().layers.modules()}
     formats = {fmt for fmt, cls in _MODULES.items() if cls in found}
     if len(formats) > 1 or (formats and nn.Linear in found):
         raise ValueError(f"the model mixes weight formats: {sorted(f.value for f in formats)} and nn.Linear")
-    return formats.pop() if formats else WeightFormat.FP32
+    fmt = formats.pop() if formats else WeightFormat.FP32
+    lm_head = model.get_output_embeddings()
+    expected = _MODULES.get(_LM_HEAD_FORMAT.get(fmt, fmt), nn.Linear)
+    if lm_head is not None and type(lm_head) is not expected:
+        raise ValueError(f"the model mixes weight formats: {fmt.value} layers and a {type(lm_head).__name__} lm_head")
+    return fmt

@@ -64,6 +64,16 @@ def test_int4_linear_matches_its_dequantized_weight(num_rows):
     torch.testing.assert_close(out, ref, atol=float(ref.abs().max()) * 2**-7, rtol=2**-7)
 
 
+def test_int4_layers_keep_an_int8_lm_head():
+    from blend_engine.weights import Int8Linear, weight_format
+
+    engine = _engine(WeightFormat.INT4)
+    assert isinstance(engine.model.lm_head, Int8Linear) and engine.weights == WeightFormat.INT4
+    engine.model.lm_head = Int4Linear.from_weight(engine.model.get_input_embeddings().weight)
+    with pytest.raises(ValueError, match="mixes weight formats"):
+        weight_format(engine.model)
+
+
 def test_int4_refuses_shapes_its_kernel_cannot_pack():
     with pytest.raises(ValueError, match="divisible by 32"):
         Int4Linear.from_weight(torch.randn(64, 40))
