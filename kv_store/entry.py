@@ -9,6 +9,7 @@ round trip for layer i of every chunk), see `read_many`.
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from typing import Sequence
@@ -19,6 +20,7 @@ from blend_engine.kv import ChunkKV
 from kv_store.backend import Backend, LayerPair, LayerReader, Tier
 from kv_store.errors import CorruptEntryError, EntryLostError
 
+log = logging.getLogger(__name__)
 ReadResult = LayerPair | CorruptEntryError | EntryLostError  # a failed read is returned, not raised
 
 
@@ -145,3 +147,21 @@ def _fill(reads: Sequence[tuple[OpenEntry, int]], indices: list[int], pinned: bo
             entry, layer_idx = reads[i]
             entry._settle(layer_idx, result)
             results[i] = result
+
+
+def keep_for_promotion(readers: Sequence[LayerReader], max_bytes: int, fastest: Tier) -> None:
+    """A layer source's entries below the `fastest` tier keep their streamed layers for `promote`, in
+    prompt order while they fit in `max_bytes` (beyond it, `promote` reads those layers again)."""
+    for reader in readers:
+        if isinstance(reader, OpenEntry) and not reader.is_shared and reader.tier != fastest:
+            if reader.num_bytes <= max_bytes:
+                reader.keep_layers()
+                max_bytes -= reader.num_bytes
+
+
+def drop_if_corrupt(backend: Backend, key: str, exc: Exception) -> None:
+    """A damaged entry is deleted from its tier, and counted once (by whoever deletes it)."""
+    if isinstance(exc, CorruptEntryError) and backend.contains(key):
+        log.warning("%s KV entry %s is damaged (%s): deleted, will be recomputed", backend.tier.value, key[:16], exc)
+        backend.delete(key)
+        backend.counters.add(corrupt=1)

@@ -23,7 +23,7 @@ from kv_store.backend import Backend, ChunkInfo, LayerReader, Tier
 from kv_store.codec import TORCH_DTYPES
 from kv_store.config import StoreConfig
 from kv_store.disk import DiskBackend
-from kv_store.entry import OpenEntry
+from kv_store.entry import OpenEntry, drop_if_corrupt, keep_for_promotion
 from kv_store.errors import CorruptEntryError, EntryLostError
 from kv_store.keys import chunk_key, is_valid_key
 from kv_store.loader import StoredChunk, StoreLayerSource
@@ -206,7 +206,7 @@ class KVStore:
             for idx, h in enumerate(handles):
                 reader = self._reader_for(h)
                 readers.append(reader if reader is not None else recover(idx, EntryLostError(f"{h.key[:16]} is gone")))
-            self._keep_for_promotion(readers)
+            keep_for_promotion(readers, self.config.max_prefetch_bytes, self._backends[0].tier)
             if pipelined is None:
                 # Reading from the memory tier is a copy with nothing to hide, and a reader thread would
                 # only compete with the engine's compute threads for the cores (measured: ~8% slower).
@@ -223,20 +223,10 @@ class KVStore:
             return h.entry
         return self.backend(h.tier).open_reader(h.key, is_lookup=False)
 
-    def _keep_for_promotion(self, readers: Sequence[LayerReader]) -> None:
-        """Entries below the fastest tier keep their streamed layers for `promote`, within a byte bound
-        (beyond it, `promote` reads those layers again through the open entry)."""
-        budget = self.config.max_prefetch_bytes
-        for reader in readers:
-            if isinstance(reader, OpenEntry) and not reader.is_shared and reader.tier != self._backends[0].tier:
-                if reader.num_bytes <= budget:
-                    reader.keep_layers()
-                    budget -= reader.num_bytes
-
     def _recover(self, h: StoredChunk, exc: Exception, recompute: RecomputeFn | None) -> LayerReader:
         """A reader for a chunk whose entry failed: another tier's copy, else recomputed KV."""
         failed = self.backend(h.tier)
-        self._drop_if_corrupt(failed, h.key, exc)
+        drop_if_corrupt(failed, h.key, exc)
         for b in self._backends:
             if b is not failed:
                 reader = b.open_reader(h.key)
@@ -249,13 +239,6 @@ class KVStore:
         with self._lock:
             self._num_recovered += 1
         return MemoryReader(h.key, kv)
-
-    @staticmethod
-    def _drop_if_corrupt(backend: Backend, key: str, exc: Exception) -> None:
-        if isinstance(exc, CorruptEntryError) and backend.contains(key):  # counted once, by who deletes it
-            log.warning("%s KV entry %s is damaged (%s): deleted", backend.tier.value, key[:16], exc)
-            backend.delete(key)
-            backend.counters.add(corrupt=1)
 
     def prefetch(self, keys: Sequence[str]) -> int:
         """Start copying chunks that live below the memory tier up into it, in the background (at
@@ -296,7 +279,7 @@ class KVStore:
         try:
             kv = entry.whole()
         except (CorruptEntryError, EntryLostError) as exc:
-            self._drop_if_corrupt(entry.backend, entry.key, exc)
+            drop_if_corrupt(entry.backend, entry.key, exc)
             return False
         finally:
             entry.close_reader() if entry.is_shared else entry.release()
