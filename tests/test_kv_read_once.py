@@ -261,3 +261,17 @@ def test_a_chunk_damaged_mid_stream_is_recomputed_not_promoted_from_its_kept_lay
     assert store.promote(handles) == NUM_CHUNKS - 1  # the damaged one was recomputed and put back instead
     assert torch.equal(store.get(keys[1]).keys, chunks[1].keys) and store.backend(Tier.DISK).contains(keys[1])
     store.close()
+
+
+def test_a_throttled_tier_still_throttles_the_reads_promote_makes(engine, chunks, tmp_path, monkeypatch):
+    rate = 2e5  # bytes/s
+    store = slow_tier_store(engine, tmp_path, Tier.DISK, throttle_bytes_per_s={Tier.DISK: rate})
+    keys = put_all(store, chunks)
+    counter = ReadCounter(monkeypatch)
+    handles = [store.handle(k) for k in keys]
+    slept = []
+    monkeypatch.setattr("kv_store.throttle.time.sleep", slept.append)  # the sleeps it would take
+    assert store.promote(handles) == NUM_CHUNKS  # nothing streamed: every layer read here, once
+    counter.assert_once(keys)
+    assert sum(slept) == pytest.approx(sum(h.layer_nbytes * NUM_LAYERS for h in handles) / rate)
+    store.close()
