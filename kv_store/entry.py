@@ -130,20 +130,20 @@ def read_many(reads: Sequence[tuple[OpenEntry, int]], pinned: bool = False) -> l
 
 def _fill(reads: Sequence[tuple[OpenEntry, int]], indices: list[int], pinned: bool, results: list) -> None:
     """With the layer locks of `indices` held: kept layers, else one read per tier for the rest."""
-    by_tier: dict[int, list[int]] = {}
+    by_tier: dict[int, list[tuple[int, LayerReader]]] = {}
     for i in indices:
         entry, layer_idx = reads[i]
-        kept = entry._layers[layer_idx]
+        kept, reader = entry._layers[layer_idx], entry._reader  # read once: another thread may give it up
         if kept is not None:
             results[i] = kept
-        elif entry._reader is None:
+        elif reader is None:
             results[i] = entry._failure or EntryLostError(f"{entry.key[:16]} was released")
         else:
-            by_tier.setdefault(id(entry.backend), []).append(i)
+            by_tier.setdefault(id(entry.backend), []).append((i, reader))
     for group in by_tier.values():
-        backend = reads[group[0]][0].backend
-        batch = [(reads[i][0]._reader, reads[i][1]) for i in group]
-        for i, result in zip(group, backend.read_layer_many(batch, pinned)):  # type: ignore[arg-type]
+        backend = reads[group[0][0]][0].backend
+        batch = [(reader, reads[i][1]) for i, reader in group]
+        for (i, _), result in zip(group, backend.read_layer_many(batch, pinned)):
             entry, layer_idx = reads[i]
             entry._settle(layer_idx, result)
             results[i] = result
