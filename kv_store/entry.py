@@ -149,6 +149,12 @@ def _fill(reads: Sequence[tuple[OpenEntry, int]], indices: list[int], pinned: bo
             results[i] = result
 
 
+def read_missing_kept(entries: Sequence[OpenEntry]) -> None:
+    """Read the layers the keeping entries have not kept yet (blend never asks for those before its
+    first check layer) all together: one batched read per tier (Redis: one round trip)."""
+    read_many([(e, idx) for e in entries if e._is_keeping for idx, kept in enumerate(e._layers) if kept is None])
+
+
 def keep_for_promotion(readers: Sequence[LayerReader], max_bytes: int, fastest: Tier) -> None:
     """A layer source's entries below the `fastest` tier keep their streamed layers for `promote`, in
     prompt order while they fit in `max_bytes` (beyond it, `promote` reads those layers again)."""

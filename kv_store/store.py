@@ -23,7 +23,7 @@ from kv_store.backend import Backend, ChunkInfo, LayerReader, Tier
 from kv_store.codec import TORCH_DTYPES
 from kv_store.config import StoreConfig
 from kv_store.disk import DiskBackend
-from kv_store.entry import OpenEntry, drop_if_corrupt, keep_for_promotion
+from kv_store.entry import OpenEntry, drop_if_corrupt, keep_for_promotion, read_missing_kept
 from kv_store.errors import CorruptEntryError, EntryLostError
 from kv_store.keys import chunk_key, is_valid_key
 from kv_store.loader import StoredChunk, StoreLayerSource
@@ -263,15 +263,12 @@ class KVStore:
         open entry; then the entry is released. Call it off the latency path (e.g. after the answer).
         Returns how many chunks were copied up."""
         fastest = self._backends[0].tier if self._backends else None
-        num_copied = 0
-        for h in handles:
-            if h.tier == fastest:
-                continue
-            if h.entry is None:  # a handle made elsewhere: read through the tiers, as `get`
-                num_copied += self.get(h.key) is not None
-            elif not h.entry.is_shared and h.entry.is_open:  # a shared entry is the prefetcher's to copy up
-                num_copied += self._copy_up(h.entry)
-        return num_copied
+        slower = [h for h in handles if h.tier != fastest]
+        entries = [h.entry for h in slower if h.entry is not None and not h.entry.is_shared and h.entry.is_open]
+        read_missing_kept(entries)  # a shared entry is the prefetcher's to copy up
+        num_copied = sum(self._copy_up(entry) for entry in entries)
+        # a handle made elsewhere (no entry): read through the tiers, as `get`
+        return num_copied + sum(self.get(h.key) is not None for h in slower if h.entry is None)
 
     def _copy_up(self, entry: OpenEntry) -> bool:
         """Put `entry` into every tier faster than its own, then close its reader (a shared entry keeps
