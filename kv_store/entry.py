@@ -52,6 +52,11 @@ class OpenEntry(LayerReader):
         return self._reader is not None
 
     @property
+    def is_readable(self) -> bool:
+        """Open, or holding every layer (a prefetch that finished: its reader is closed)."""
+        return self._reader is not None or all(layer is not None for layer in self._layers)
+
+    @property
     def num_bytes(self) -> int:
         """Stored bytes of the whole entry (what keeping every layer holds)."""
         return self.info.layer_nbytes * self.info.num_layers

@@ -165,7 +165,7 @@ class KVStore:
         tier the entry stays open on the handle: `layer_source` and `promote` read through it."""
         self._check_key(key)
         shared = self._prefetcher.entry(key) if self._prefetcher is not None else None
-        if shared is not None:  # being copied up since retrieval: read through the prefetch's entry
+        if shared is not None and shared.is_readable:  # being copied up since retrieval: read through it
             return _stored(shared.info, shared.tier, shared)
         for b in self._backends:
             if b.tier is Tier.MEMORY:
@@ -219,7 +219,7 @@ class KVStore:
 
     def _reader_for(self, h: StoredChunk) -> LayerReader | None:
         """The handle's open entry, else the entry opened again (an old or memory-tier handle)."""
-        if h.entry is not None and h.entry.is_open:
+        if h.entry is not None and h.entry.is_readable:
             return h.entry
         return self.backend(h.tier).open_reader(h.key, is_lookup=False)
 
@@ -275,13 +275,13 @@ class KVStore:
         its layers for the requests reading through it). False if it failed to read."""
         try:
             kv = entry.whole()
+            for faster in self._backends[: self._backends.index(entry.backend)]:
+                faster.put(entry.key, kv)  # before the reader closes: a `handle` meanwhile finds it above
         except (CorruptEntryError, EntryLostError) as exc:
             drop_if_corrupt(entry.backend, entry.key, exc)
             return False
         finally:
             entry.close_reader() if entry.is_shared else entry.release()
-        for faster in self._backends[: self._backends.index(entry.backend)]:
-            faster.put(entry.key, kv)
         return True
 
     # --- the loading planner -------------------------------------------------------------------
