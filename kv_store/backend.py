@@ -11,7 +11,10 @@ import torch
 
 from blend_engine.kv import ChunkKV
 from kv_store.codec import EntryHeader
+from kv_store.errors import CorruptEntryError, EntryLostError
 from kv_store.stats import TierCounters
+
+LayerPair = tuple[torch.Tensor, torch.Tensor]  # keys, values [H, n, D]
 
 
 class Tier(str, Enum):
@@ -106,6 +109,19 @@ class Backend(abc.ABC):
 
         `is_lookup=False` when re-opening an entry a handle already found (not counted twice).
         """
+
+    def read_layer_many(
+        self, reads: Sequence[tuple[LayerReader, int]], pinned: bool = False
+    ) -> list[LayerPair | CorruptEntryError | EntryLostError]:
+        """`reader.read_layer(layer_idx)` for each pair of this tier's readers, together where the tier
+        can (Redis: one round trip). A failed read comes back as its exception, in place."""
+        results: list[LayerPair | CorruptEntryError | EntryLostError] = []
+        for reader, layer_idx in reads:
+            try:
+                results.append(reader.read_layer(layer_idx, pinned))
+            except (CorruptEntryError, EntryLostError) as exc:
+                results.append(exc)
+        return results
 
     def bytes_used(self) -> int:
         return 0

@@ -13,12 +13,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 
 from kv_store.backend import LayerReader, Tier
+from kv_store.entry import OpenEntry, ReadResult, read_many
 from kv_store.errors import CorruptEntryError, EntryLostError
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,9 @@ class StoredChunk:
     context_ids: tuple[int, ...]
     num_layers: int
     layer_nbytes: int  # stored bytes per layer
+    # The entry opened by `handle` (or the prefetch): its reader and the layers read so far, so the
+    # request never opens or reads the entry again. None on the memory tier (reads are views).
+    entry: OpenEntry | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -161,7 +165,7 @@ class StoreLayerSource:
 
     def _load(self, layer_idx: int, may_recover: bool) -> tuple[LayerPairs, torch.cuda.Event | None]:
         start = time.perf_counter()
-        host = [self._read(i, layer_idx, may_recover) for i in range(len(self._readers))]
+        host = self._read_all(layer_idx, may_recover)
         event = None
         if self._side_stream is not None:
             with torch.cuda.stream(self._side_stream):
@@ -175,9 +179,21 @@ class StoreLayerSource:
         self.stats.load_seconds += time.perf_counter() - start
         return pairs, event
 
-    def _read(self, chunk_idx: int, layer_idx: int, may_recover: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read_all(self, layer_idx: int, may_recover: bool) -> LayerPairs:
+        """Layer `layer_idx` of every chunk; the open entries' reads go out together, one per tier."""
+        opened = [i for i, r in enumerate(self._readers) if isinstance(r, OpenEntry)]
+        reads = [(self._readers[i], layer_idx) for i in opened]
+        batched = dict(zip(opened, read_many(reads, pinned=self._side_stream is not None)))  # type: ignore[arg-type]
+        return [self._read(i, layer_idx, may_recover, batched.get(i)) for i in range(len(self._readers))]
+
+    def _read(self, chunk_idx: int, layer_idx: int, may_recover: bool,
+              batched: ReadResult | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         try:
-            return self._readers[chunk_idx].read_layer(layer_idx, pinned=self._side_stream is not None)
+            if batched is None:
+                return self._readers[chunk_idx].read_layer(layer_idx, pinned=self._side_stream is not None)
+            if isinstance(batched, Exception):
+                raise batched
+            return batched
         except (CorruptEntryError, EntryLostError) as exc:
             if not may_recover:
                 raise _RecoveryNeeded() from exc

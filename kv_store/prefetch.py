@@ -2,6 +2,8 @@
 
 One thread (loads are I/O; more would only compete with the engine for cores), a bound on the bytes
 in flight (a burst of requests cannot pile up gigabytes of reads), and a key is never queued twice.
+An entry in flight is shared: the request's `handle` reads through it, so a layer the prefetch has
+read is not read again, and one it has not yet read is read once, by whichever thread gets there first.
 """
 
 from __future__ import annotations
@@ -11,33 +13,41 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
+from kv_store.entry import OpenEntry
+
 log = logging.getLogger(__name__)
 
 
 class Prefetcher:
-    def __init__(self, read_through: Callable[[str], object], max_bytes: int):
-        self._read_through, self.max_bytes = read_through, max_bytes
+    def __init__(self, copy_up: Callable[[OpenEntry], object], max_bytes: int):
+        self._copy_up, self.max_bytes = copy_up, max_bytes
         self._lock = threading.Lock()
-        self._pending: dict[str, int] = {}  # key -> bytes in flight
+        self._pending: dict[str, OpenEntry] = {}  # key -> its entry, in flight
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch")
 
-    def submit(self, key: str, num_bytes: int) -> bool:
-        """Queue `key` unless it is queued already or would exceed the byte bound."""
+    def submit(self, entry: OpenEntry) -> bool:
+        """Queue `entry` unless its key is queued already or it would exceed the byte bound."""
         with self._lock:
-            if key in self._pending or sum(self._pending.values()) + num_bytes > self.max_bytes:
+            in_flight = sum(e.num_bytes for e in self._pending.values())
+            if entry.key in self._pending or in_flight + entry.num_bytes > self.max_bytes:
                 return False
-            self._pending[key] = num_bytes
-        self._pool.submit(self._run, key)
+            self._pending[entry.key] = entry
+        self._pool.submit(self._run, entry)
         return True
 
-    def _run(self, key: str) -> None:
+    def entry(self, key: str) -> OpenEntry | None:
+        """The entry of `key` if it is in flight (its layers shared with the caller), else None."""
+        with self._lock:
+            return self._pending.get(key)
+
+    def _run(self, entry: OpenEntry) -> None:
         try:
-            self._read_through(key)  # a read through the tiers copies the entry up
+            self._copy_up(entry)
         except Exception:  # a prefetch is an optimisation: the request reads the entry itself
-            log.exception("prefetch of %s failed", key[:16])
+            log.exception("prefetch of %s failed", entry.key[:16])
         finally:
             with self._lock:
-                self._pending.pop(key, None)
+                self._pending.pop(entry.key, None)
 
     def wait(self) -> None:
         """Block until everything queued so far is done (tests, shutdown)."""
@@ -45,3 +55,5 @@ class Prefetcher:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            self._pending.clear()  # cancelled ones: their readers close when collected

@@ -1,5 +1,6 @@
 """Redis tier: the cache shared by several server replicas. Values are the same safetensors blobs
-as the disk tier's files, so a layer is one GETRANGE. Any Redis failure reads as a miss."""
+as the disk tier's files, so a layer is one GETRANGE; layer i of several chunks goes out in one pipelined
+round trip. Any Redis failure reads as a miss."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from redis.retry import Retry
 
 from blend_engine.kv import ChunkKV
 from kv_store import codec
-from kv_store.backend import Backend, ChunkInfo, LayerReader, Tier
+from kv_store.backend import Backend, ChunkInfo, LayerPair, LayerReader, Tier
 from kv_store.codec import EntryHeader
 from kv_store.errors import CorruptEntryError, EntryLostError
 from kv_store.keys import StorageFormat, is_valid_key
@@ -30,19 +31,21 @@ class RedisReader(LayerReader):
         self._backend = backend
 
     def read_layer(self, layer_idx: int, pinned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        start = time.perf_counter()
-        ranges = self.header.layer_ranges[layer_idx]
-        chunks = self._backend.getranges(self.header.key, ranges)
+        result = self._backend.read_layer_many([(self, layer_idx)], pinned)[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def decode_layer(self, layer_idx: int, chunks: list[bytes], pinned: bool) -> LayerPair:
+        """Verify and decode a layer from its ranges' bytes (raises EntryLostError if they changed)."""
         buffers = []
-        for data, (begin, end) in zip(chunks, ranges):
+        for data, (begin, end) in zip(chunks, self.header.layer_ranges[layer_idx]):
             if len(data) != end - begin:
                 raise EntryLostError(f"{self.header.key[:16]} changed or expired mid-read")
             buf = torch.empty(len(data), dtype=torch.uint8, pin_memory=pinned)
             buf.numpy()[:] = memoryview(data)  # one copy, into a writable (optionally pinned) buffer
             buffers.append(buf)
-        k, v = codec.decode_layer(self.header, layer_idx, buffers)
-        self._backend.counters.add(bytes_read=self.header.layer_nbytes(layer_idx), load_seconds=time.perf_counter() - start)
-        return k, v
+        return codec.decode_layer(self.header, layer_idx, buffers)
 
 
 class RedisBackend(Backend):
@@ -66,14 +69,34 @@ class RedisBackend(Backend):
         log.warning("redis %s failed (%s): treated as a miss", what, exc)
         self.counters.add(errors=1, misses=1)
 
-    def getranges(self, key: str, ranges: tuple[tuple[int, int], ...]) -> list[bytes]:
+    def read_layer_many(
+        self, reads: Sequence[tuple[LayerReader, int]], pinned: bool = False
+    ) -> list[LayerPair | CorruptEntryError | EntryLostError]:
+        """Layers of several entries (of this tier's readers) in one pipelined round trip: a request
+        streaming C chunks from Redis costs one round trip per layer, not C."""
+        readers = [(_redis_reader(r), layer_idx) for r, layer_idx in reads]
+        start = time.perf_counter()
         try:
             pipe = self._client.pipeline(transaction=False)
-            for begin, end in ranges:
-                pipe.getrange(self._name(key), begin, end - 1)
-            return pipe.execute()
+            for reader, layer_idx in readers:
+                for begin, end in reader.header.layer_ranges[layer_idx]:
+                    pipe.getrange(self._name(reader.header.key), begin, end - 1)
+            replies = iter(pipe.execute())
         except redis.RedisError as exc:
-            raise EntryLostError(f"redis unreachable: {exc}") from exc
+            return [EntryLostError(f"redis unreachable: {exc}") for _ in readers]
+        share_s = (time.perf_counter() - start) / max(len(readers), 1)  # the round trip, shared
+        results: list[LayerPair | CorruptEntryError | EntryLostError] = []
+        for reader, layer_idx in readers:
+            chunks = [next(replies) for _ in reader.header.layer_ranges[layer_idx]]
+            decode_start = time.perf_counter()
+            try:
+                results.append(reader.decode_layer(layer_idx, chunks, pinned))
+            except (CorruptEntryError, EntryLostError) as exc:
+                results.append(exc)
+                continue
+            seconds = share_s + time.perf_counter() - decode_start
+            self.counters.add(bytes_read=reader.header.layer_nbytes(layer_idx), load_seconds=seconds)
+        return results
 
     def put(self, key: str, kv: ChunkKV) -> None:
         blob = codec.encode(kv, key, self._fingerprint, self._fmt)
@@ -180,3 +203,9 @@ class RedisBackend(Backend):
 
     def close(self) -> None:
         self._client.close()
+
+
+def _redis_reader(reader: LayerReader) -> RedisReader:
+    if not isinstance(reader, RedisReader):
+        raise TypeError(f"the Redis tier reads its own readers, not {type(reader).__name__}")
+    return reader

@@ -5,7 +5,8 @@
 - a damaged or mismatched entry is a miss: logged, deleted from its tier, and recomputed by the caller
   (or, mid-request, by the `recompute` function given to `layer_source`);
 - stream: `handle` reads headers only; `layer_source` streams layers to the engine, pipelined;
-  `promote` then copies streamed chunks up, off the latency path.
+  `promote` then copies streamed chunks up, off the latency path. Within a request each entry is
+  opened once (by `handle` or the prefetch) and each layer read once (see `entry.py`).
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import torch
 
 from blend_engine.kv import ChunkKV
 from configs.settings import Settings
-from kv_store.backend import Backend, LayerReader, Tier
+from kv_store.backend import Backend, ChunkInfo, LayerReader, Tier
 from kv_store.codec import TORCH_DTYPES
 from kv_store.config import StoreConfig
 from kv_store.disk import DiskBackend
+from kv_store.entry import OpenEntry, drop_if_corrupt, keep_for_promotion, read_missing_kept
 from kv_store.errors import CorruptEntryError, EntryLostError
 from kv_store.keys import chunk_key, is_valid_key
 from kv_store.loader import StoredChunk, StoreLayerSource
@@ -53,7 +55,7 @@ class KVStore:
             self._backends.append(RedisBackend(config.redis_url, config.redis_ttl_s, fingerprint, config.remote_format))
         self._backends = [self._throttled(b) for b in self._backends]
         self.planner = LoadPlanner(config.min_recompute_ratio, config.max_recompute_ratio)
-        self._prefetcher = Prefetcher(self.get, config.max_prefetch_bytes) if config.max_memory_bytes > 0 else None
+        self._prefetcher = Prefetcher(self._copy_up, config.max_prefetch_bytes) if config.max_memory_bytes > 0 else None
         self._lock = threading.Lock()
         self._num_recovered = 0  # entries recomputed mid-request (and put back)
 
@@ -159,12 +161,21 @@ class KVStore:
 
     # --- streaming --------------------------------------------------------------------------------
     def handle(self, key: str) -> StoredChunk | None:
-        """The chunk's header from the fastest tier holding it (no tensors are read)."""
+        """The chunk's header from the fastest tier holding it (no tensors are read). Below the memory
+        tier the entry stays open on the handle: `layer_source` and `promote` read through it."""
         self._check_key(key)
+        shared = self._prefetcher.entry(key) if self._prefetcher is not None else None
+        if shared is not None and shared.is_readable:  # being copied up since retrieval: read through it
+            return _stored(shared.info, shared.tier, shared)
         for b in self._backends:
-            info = b.info(key)
-            if info is not None:
-                return StoredChunk(key, b.tier, info.token_ids, info.context_ids, info.num_layers, info.layer_nbytes)
+            if b.tier is Tier.MEMORY:
+                info = b.info(key)
+                if info is not None:
+                    return _stored(info, b.tier)
+                continue
+            reader = b.open_reader(key)
+            if reader is not None:
+                return _stored(reader.info, b.tier, OpenEntry(key, b, reader))
         return None
 
     def layer_source(
@@ -182,6 +193,8 @@ class KVStore:
         `start_layer`: the first layer the engine will ask for (blend: its first check layer), where
         prefetching starts. `recompute(token_ids, context_ids)` (e.g. `engine.precompute`) replaces
         a chunk whose entry turns out damaged or gone mid-request; without it that raises.
+        Streamed layers of chunks below the fastest tier are kept on their handles for `promote`
+        (up to `max_prefetch_bytes` per source, prompt order).
         """
         handles = list(handles)
 
@@ -191,8 +204,9 @@ class KVStore:
         readers: list[LayerReader] = []
         try:
             for idx, h in enumerate(handles):
-                reader = self.backend(h.tier).open_reader(h.key, is_lookup=False)
+                reader = self._reader_for(h)
                 readers.append(reader if reader is not None else recover(idx, EntryLostError(f"{h.key[:16]} is gone")))
+            keep_for_promotion(readers, self.config.max_prefetch_bytes, self._backends[0].tier)
             if pipelined is None:
                 # Reading from the memory tier is a copy with nothing to hide, and a reader thread would
                 # only compete with the engine's compute threads for the cores (measured: ~8% slower).
@@ -200,15 +214,19 @@ class KVStore:
             return StoreLayerSource(readers, device, dtype, recover, pipelined, self.config.prefetch_depth, start_layer)
         except BaseException:  # a recovery that raised: the readers already open must not leak
             for reader in readers:
-                reader.close()
+                reader.release() if isinstance(reader, OpenEntry) else reader.close()
             raise
+
+    def _reader_for(self, h: StoredChunk) -> LayerReader | None:
+        """The handle's open entry, else the entry opened again (an old or memory-tier handle)."""
+        if h.entry is not None and h.entry.is_readable:
+            return h.entry
+        return self.backend(h.tier).open_reader(h.key, is_lookup=False)
 
     def _recover(self, h: StoredChunk, exc: Exception, recompute: RecomputeFn | None) -> LayerReader:
         """A reader for a chunk whose entry failed: another tier's copy, else recomputed KV."""
         failed = self.backend(h.tier)
-        if isinstance(exc, CorruptEntryError):
-            failed.delete(h.key)
-            failed.counters.add(corrupt=1)
+        drop_if_corrupt(failed, h.key, exc)
         for b in self._backends:
             if b is not failed:
                 reader = b.open_reader(h.key)
@@ -224,27 +242,47 @@ class KVStore:
 
     def prefetch(self, keys: Sequence[str]) -> int:
         """Start copying chunks that live below the memory tier up into it, in the background (at
-        retrieval, so queue wait hides the load). Bounded bytes in flight; returns how many started."""
+        retrieval, so queue wait hides the load). Bounded bytes in flight; returns how many started.
+        A request's `handle` on a chunk still in flight reads through the prefetch's open entry."""
         if self._prefetcher is None or len(self._backends) < 2:
             return 0
-        fastest = self._backends[0]
         num_started = 0
         for key in dict.fromkeys(keys):
-            if fastest.contains(key):
+            if self._backends[0].contains(key) or self._prefetcher.entry(key) is not None:
                 continue
-            handle = self.handle(key)
-            if handle is not None and self._prefetcher.submit(key, handle.layer_nbytes * handle.num_layers):
-                num_started += 1
+            for b in self._backends[1:]:
+                reader = b.open_reader(key)
+                if reader is not None:
+                    num_started += self._prefetcher.submit(OpenEntry(key, b, reader, is_shared=True))
+                    break
         return num_started
 
     def promote(self, handles: Sequence[StoredChunk]) -> int:
-        """Copy streamed chunks up into the faster tiers (streaming itself leaves them where they are).
-
-        A read through `get`; call it off the latency path (e.g. after the answer). Returns how many
-        chunks were copied up.
-        """
+        """Copy streamed chunks up into the faster tiers (streaming itself leaves them where they are),
+        from the layers kept while streaming plus those never streamed, read once through the handle's
+        open entry; then the entry is released. Call it off the latency path (e.g. after the answer).
+        Returns how many chunks were copied up."""
         fastest = self._backends[0].tier if self._backends else None
-        return sum(1 for h in handles if h.tier != fastest and self.get(h.key) is not None)
+        slower = [h for h in handles if h.tier != fastest]
+        entries = [h.entry for h in slower if h.entry is not None and not h.entry.is_shared and h.entry.is_open]
+        read_missing_kept(entries)  # a shared entry is the prefetcher's to copy up
+        num_copied = sum(self._copy_up(entry) for entry in entries)
+        # a handle made elsewhere (no entry): read through the tiers, as `get`
+        return num_copied + sum(self.get(h.key) is not None for h in slower if h.entry is None)
+
+    def _copy_up(self, entry: OpenEntry) -> bool:
+        """Put `entry` into every tier faster than its own, then close its reader (a shared entry keeps
+        its layers for the requests reading through it). False if it failed to read."""
+        try:
+            kv = entry.whole()
+            for faster in self._backends[: self._backends.index(entry.backend)]:
+                faster.put(entry.key, kv)  # before the reader closes: a `handle` meanwhile finds it above
+        except (CorruptEntryError, EntryLostError) as exc:
+            drop_if_corrupt(entry.backend, entry.key, exc)
+            return False
+        finally:
+            entry.close_reader() if entry.is_shared else entry.release()
+        return True
 
     # --- the loading planner -------------------------------------------------------------------
     def plan(self, request: PlanRequest, is_blend_only: bool = False) -> LoadPlan:
@@ -268,3 +306,7 @@ class KVStore:
         for b in self._backends:
             b.close()
         self._backends = []
+
+
+def _stored(info: ChunkInfo, tier: Tier, entry: OpenEntry | None = None) -> StoredChunk:
+    return StoredChunk(info.key, tier, info.token_ids, info.context_ids, info.num_layers, info.layer_nbytes, entry)

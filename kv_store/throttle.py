@@ -9,6 +9,7 @@ counted in the tier's load time, so the planner measures the throughput a real s
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 import torch
 
@@ -66,6 +67,14 @@ class ThrottledBackend(Backend):
 
     def info(self, key: str) -> ChunkInfo | None:
         return self.inner.info(key)
+
+    def read_layer_many(self, reads: Sequence[tuple[LayerReader, int]], pinned: bool = False) -> list:
+        """The inner tier's batched read, after the sleep each layer's read would cost."""
+        inner = []
+        for reader, layer_idx in reads:
+            self.wait(reader.info.layer_nbytes)
+            inner.append((reader._inner if isinstance(reader, ThrottledReader) else reader, layer_idx))
+        return self.inner.read_layer_many(inner, pinned)
 
     def open_reader(self, key: str, is_lookup: bool = True) -> LayerReader | None:
         reader = self.inner.open_reader(key, is_lookup)

@@ -34,7 +34,8 @@ def chunks(engine):
 
 
 def make_store(engine, tmp_path, dtype=StorageDtype.FLOAT32, **kw) -> KVStore:
-    return KVStore(engine.fingerprint, StoreConfig(dtype=dtype, disk_dir=tmp_path / "kv", fsync=False, **kw))
+    kw.setdefault("disk_dir", tmp_path / "kv")
+    return KVStore(engine.fingerprint, StoreConfig(dtype=dtype, fsync=False, **kw))
 
 
 def put_all(store, chunks) -> list[str]:
@@ -122,25 +123,19 @@ def test_pipelined_recovery_runs_on_the_engine_thread_not_the_prefetch_thread(en
     assert store.stats().num_recovered == 1
 
 
-def test_readers_already_open_are_closed_when_a_recovery_raises(engine, chunks, tmp_path, monkeypatch):
-    store = make_store(engine, tmp_path, max_memory_bytes=0)
-    keys = put_all(store, chunks)
+def test_readers_already_open_are_closed_when_a_recovery_raises(engine, chunks, tmp_path):
+    store = make_store(engine, tmp_path)
+    keys = [store.key_for(kv.token_ids, kv.context_ids) for kv in chunks]
+    for key, kv in zip(keys[:2], chunks[:2]):
+        store.backend(Tier.DISK).put(key, kv)  # the first two on disk: their handles hold open files
+    store.backend(Tier.MEMORY).put(keys[2], chunks[2])
     handles = [store.handle(k) for k in keys]
+    assert [h.tier for h in handles] == [Tier.DISK, Tier.DISK, Tier.MEMORY]
+    opened = [h.entry._reader for h in handles[:2]]
     store.delete(keys[2])  # the last chunk is gone and there is no recompute: layer_source raises
-    opened = []
-    disk = store.backend(Tier.DISK)
-    real_open = disk.open_reader
-
-    def tracking_open(key, is_lookup=True):
-        reader = real_open(key, is_lookup)
-        if reader is not None:
-            opened.append(reader)
-        return reader
-
-    monkeypatch.setattr(disk, "open_reader", tracking_open)
     with pytest.raises(EntryLostError):
         store.layer_source(handles, engine.device, engine.dtype, pipelined=True)
-    assert len(opened) == 2 and all(r._fd == -1 for r in opened)  # both file descriptors closed
+    assert all(r._fd == -1 for r in opened)  # both file descriptors closed
 
 
 def test_entry_damaged_without_recompute_raises_cleanly(engine, chunks, tmp_path):
@@ -154,13 +149,24 @@ def test_entry_damaged_without_recompute_raises_cleanly(engine, chunks, tmp_path
 
 
 def test_entry_vanished_after_handle_is_recomputed(engine, chunks, tmp_path):
-    store = make_store(engine, tmp_path, max_memory_bytes=0)
+    store = make_store(engine, tmp_path, disk_dir=None)
     keys = put_all(store, chunks)
     handles = [store.handle(k) for k in keys]
     store.delete(keys[2])  # e.g. evicted by another request in between
     result, source = prefill_from(engine, store, handles, PrefillMode.BLEND, True, recompute=engine.precompute)
     assert torch.equal(result.logits, engine.prefill(prompt(chunks), mode=PrefillMode.BLEND).logits)
-    assert store.contains(keys[2])
+    assert store.stats().num_recovered == 1 and store.contains(keys[2])
+
+
+def test_disk_entry_deleted_after_handle_streams_from_the_open_file(engine, chunks, tmp_path):
+    """The handle holds the entry open: an eviction in between costs no recompute (the bytes are verified)."""
+    store = make_store(engine, tmp_path, max_memory_bytes=0)
+    keys = put_all(store, chunks)
+    handles = [store.handle(k) for k in keys]
+    store.delete(keys[2])
+    result, source = prefill_from(engine, store, handles, PrefillMode.BLEND, True, recompute=engine.precompute)
+    assert torch.equal(result.logits, engine.prefill(prompt(chunks), mode=PrefillMode.BLEND).logits)
+    assert source.stats.num_recovered == 0
 
 
 class SlowReader(LayerReader):
