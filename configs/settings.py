@@ -23,7 +23,7 @@ DEFAULT_CONFIG = Path(str(files("configs").joinpath("default.yaml")))
 
 
 class RequestMode(str, Enum):
-    """A request's mode: `auto` (the loading planner picks full, blend or mixed per request), or a
+    """A request's mode: `auto` (the loading planner picks full, blend, mixed or split per request), or a
     prefill mode the request insists on."""
 
     AUTO = "auto"

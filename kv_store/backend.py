@@ -17,6 +17,7 @@ from kv_store.stats import TierCounters
 class Tier(str, Enum):
     """Storage tiers, fastest first: the order reads go through."""
 
+    GPU = "gpu"  # chunk KV held on the engine's device (kv_store/device.py)
     MEMORY = "memory"
     DISK = "disk"
     REDIS = "redis"
