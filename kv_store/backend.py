@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 
 from blend_engine.kv import ChunkKV
-from kv_store.codec import EntryHeader
+from kv_store.codec import EncodedLayer, EntryHeader
 from kv_store.stats import TierCounters
 
 
@@ -54,6 +54,11 @@ class LayerReader(abc.ABC):
     @abc.abstractmethod
     def read_layer(self, layer_idx: int, pinned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """keys, values [H, n, D] on CPU (storage dtype); raises CorruptEntryError / KeyError (gone)."""
+
+    def read_layer_encoded(self, layer_idx: int, pinned: bool = False) -> EncodedLayer:
+        """The layer as stored: an int8 entry's stays int8 (a `QuantizedLayer`, dequantized where it
+        lands, e.g. on the GPU). Tiers that hold no int8 entries read it as `read_layer` does."""
+        return self.read_layer(layer_idx, pinned)
 
     def close(self) -> None:
         """Release what the reader holds."""
