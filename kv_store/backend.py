@@ -56,8 +56,9 @@ class LayerReader(abc.ABC):
         """keys, values [H, n, D] on CPU (storage dtype); raises CorruptEntryError / KeyError (gone)."""
 
     def read_layer_encoded(self, layer_idx: int, pinned: bool = False) -> EncodedLayer:
-        """The layer as stored: an int8 entry's stays int8 (a `QuantizedLayer`, dequantized where it
-        lands, e.g. on the GPU). Tiers that hold no int8 entries read it as `read_layer` does."""
+        """The layer as stored, unpacked where it lands (e.g. on the GPU): K and V in one block
+        (`StackedLayer`, one copy to move) and an int8 entry's still int8 (`QuantizedLayer`).
+        By default, as `read_layer` gives it."""
         return self.read_layer(layer_idx, pinned)
 
     def close(self) -> None:

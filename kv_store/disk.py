@@ -35,7 +35,7 @@ class DiskReader(LayerReader):
         self._backend, self._fd = backend, fd
 
     def read_layer(self, layer_idx: int, pinned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        return codec.dequantized(self.read_layer_encoded(layer_idx, pinned))
+        return codec.unpacked(self.read_layer_encoded(layer_idx, pinned))
 
     def read_layer_encoded(self, layer_idx: int, pinned: bool = False) -> codec.EncodedLayer:
         start = time.perf_counter()

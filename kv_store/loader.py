@@ -6,7 +6,8 @@ engine's own): the thread stops and the engine's thread loads, and recovers, fro
 ops and file reads release the GIL, so the reads overlap the compute. On CUDA the thread reads
 into pinned buffers and copies on a side stream; the engine's stream waits on a per-layer event,
 so there is no device-wide synchronize. An int8 entry's layer is moved as int8 (with its scales) and
-dequantized on the target device: half the bytes of fp16 cross PCIe.
+dequantized on the target device: half the bytes of fp16 cross PCIe. A disk layer's K and V are one
+block, moved in one copy.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Callable, Sequence
 import torch
 
 from kv_store.backend import LayerReader, Tier
-from kv_store.codec import EncodedLayer, QuantizedLayer
+from kv_store.codec import EncodedLayer
 from kv_store.errors import CorruptEntryError, EntryLostError
 
 log = logging.getLogger(__name__)
@@ -192,12 +193,13 @@ class StoreLayerSource:
     def _convert(self, layer: EncodedLayer) -> tuple[torch.Tensor, torch.Tensor]:
         # non_blocking only matters for a pinned host tensor on the side stream
         non_blocking = self._side_stream is not None
-        if isinstance(layer, QuantizedLayer):  # moved as int8, then dequantized on the target device
-            k, v = layer.to(self._device, non_blocking).dequantize()
-            return k.to(self._dtype), v.to(self._dtype)
-        k, v = layer
-        return (k.to(self._device, non_blocking=non_blocking).to(self._dtype),
-                v.to(self._device, non_blocking=non_blocking).to(self._dtype))
+        if isinstance(layer, tuple):  # separate tensors (the memory tiers' views)
+            k, v = layer
+            return (k.to(self._device, non_blocking=non_blocking).to(self._dtype),
+                    v.to(self._device, non_blocking=non_blocking).to(self._dtype))
+        # packed as stored: one copy per chunk-layer (K and V together; int8 stays int8), unpacked there
+        k, v = layer.to(self._device, non_blocking).unpack()
+        return k.to(self._dtype), v.to(self._dtype)
 
     def close(self) -> None:
         with self._cond:

@@ -1,5 +1,6 @@
-"""int8 entries leave their tier as int8 and are dequantized on the target device (after the move):
-what arrives equals the dequantize-on-host order of before, layer by layer and in a prefill."""
+"""Layers leave their tier as stored: a disk layer's K and V in one copy, int8 entries as int8,
+dequantized on the target device (after the move). What arrives equals the host-side order of before,
+layer by layer and in a prefill."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from blend_engine.kv import ChunkKV
 from blend_engine.types import PrefillMode, Segment
 from configs.settings import KVQuantization, StorageDtype
 from kv_store import KVStore, StoreConfig, Tier
-from kv_store.codec import QuantizedLayer
+from kv_store.codec import QuantizedLayer, StackedLayer
 from tests.engine_models import build_engine
 
 
@@ -70,11 +71,31 @@ def test_the_move_comes_before_the_dequantize(tmp_path, monkeypatch):
     key = store.key_for(kv.token_ids)
     store.put(key, kv)
     seen: list[tuple[torch.device, torch.dtype]] = []
-    dequantize = QuantizedLayer.dequantize
-    monkeypatch.setattr(QuantizedLayer, "dequantize", lambda self: seen.append((self.q.device, self.q.dtype))
-                        or dequantize(self))
+    unpack = QuantizedLayer.unpack
+    monkeypatch.setattr(QuantizedLayer, "unpack", lambda self: seen.append((self.q.device, self.q.dtype))
+                        or unpack(self))
     source = store.layer_source([store.handle(key)], "meta", torch.float16, pipelined=False)
     (k, _), = source.layer(0)
     source.close()
     assert seen == [(torch.device("meta"), torch.int8)] and k.device == torch.device("meta")
+    store.close()
+
+
+def test_a_disk_layer_moves_keys_and_values_in_one_copy(tmp_path, monkeypatch):
+    kv = ChunkKV(tuple(range(8)), (), torch.randn(2, 2, 8, 4), torch.randn(2, 2, 8, 4))
+    store = KVStore("fp", StoreConfig(max_memory_bytes=0, disk_dir=tmp_path, fsync=False,
+                                      dtype=StorageDtype.FLOAT16))
+    key = store.key_for(kv.token_ids)
+    store.put(key, kv)
+    moves: list[torch.Size] = []
+    to = StackedLayer.to
+    monkeypatch.setattr(StackedLayer, "to", lambda self, *a, **kw: moves.append(self.kv.shape) or to(self, *a, **kw))
+    source = store.layer_source([store.handle(key), store.handle(key)], "cpu", torch.float32, pipelined=False)
+    got = source.layer(1)
+    source.close()
+    assert moves == [torch.Size([2, 2, 8, 4])] * 2  # one per chunk-layer: [2 (K, V), H, n, D]
+    reader = store.backend(Tier.DISK).open_reader(key)
+    host_k, host_v = reader.read_layer(1)
+    reader.close()
+    assert torch.equal(got[0][0], host_k.float()) and torch.equal(got[1][1], host_v.float())
     store.close()
