@@ -1,5 +1,5 @@
 """The loading planner in `ragblend bench kv`: fit each store's cost model on the engine, then run a
-prefill the way the server's `mode: auto` does (full, blend or mixed, as planned)."""
+prefill the way the server's `mode: auto` does (full, blend, mixed or split, as planned)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def planned_prefill(engine, store: KVStore, handles: list[StoredChunk], prompt: 
     plan = store.plan(request)
     if plan.kind is PlanKind.FULL:
         return engine.prefill(prompt([None] * len(handles)), mode=PrefillMode.FULL), plan
-    used = [h if plan.is_reused(h) else None for h in handles]
+    used = [h if is_reused else None for h, is_reused in zip(handles, plan.reused_mask(handles))]
     source = store.layer_source([h for h in used if h is not None], engine.device, engine.dtype, is_pipelined,
                                 start_layer, engine.precompute)
     try:

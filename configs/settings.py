@@ -11,7 +11,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -23,7 +23,7 @@ DEFAULT_CONFIG = Path(str(files("configs").joinpath("default.yaml")))
 
 
 class RequestMode(str, Enum):
-    """A request's mode: `auto` (the loading planner picks full, blend or mixed per request), or a
+    """A request's mode: `auto` (the loading planner picks full, blend, mixed or split per request), or a
     prefill mode the request insists on."""
 
     AUTO = "auto"
@@ -249,6 +249,17 @@ class KVQuantization(str, Enum):
 
 
 class StoreSettings(BaseModel):
+    max_gpu_bytes: int | None = Field(
+        None, ge=0, description="GPU tier bound (LRU of chunk KV on the device, above the memory tier); null: "
+        "gpu_memory_share of the free GPU memory at start-up where the model runs on CUDA, else off; 0 disables it.",
+    )
+    gpu_memory_share: float = Field(
+        0.2, gt=0.0, lt=1.0, description="Share of the free GPU memory (after the model loaded) the GPU tier takes by default."
+    )
+    gpu_device: str = Field(
+        "cuda", pattern=r"^(cuda(:[0-9]+)?|cpu)$",
+        description="Device of the GPU tier: cuda or cuda:N; cpu for tests only, with an explicit max_gpu_bytes.",
+    )
     max_memory_bytes: int = Field(2 << 30, ge=0, description="Memory tier bound (LRU); 0 disables it.")
     disk_enabled: bool = Field(True, description="Keep chunk caches on disk (survives restarts).")
     disk_dir: Path | None = Field(None, description="Disk tier directory; default <data_dir>/kv.")
@@ -257,8 +268,9 @@ class StoreSettings(BaseModel):
     redis_ttl_s: int = Field(7 * 86400, ge=1, description="Expiry of Redis entries.")
     dtype: StorageDtype = Field(StorageDtype.FLOAT16, description="dtype of stored KV.")
     quantization: KVQuantization = Field(KVQuantization.NONE, description="int8 for the disk/Redis tiers.")
-    write_tiers: list[Literal["memory", "disk", "redis"]] = Field(
-        ["memory", "disk", "redis"], description="Tiers a new chunk cache is written to (when enabled)."
+    write_tiers: list[Literal["gpu", "memory", "disk", "redis"]] = Field(
+        ["memory", "disk", "redis"], description="Tiers a new chunk cache is written to (when enabled); the GPU "
+        "tier fills on reads by default (a chunk read from a slower tier is copied up).",
     )
     fsync: bool = Field(True, description="fsync disk entries before the atomic rename.")
     pipelined: bool = Field(True, description="Read layer i+1 while the engine computes layer i.")
@@ -285,6 +297,12 @@ class StoreSettings(BaseModel):
         if any(mbps <= 0 for mbps in v.values()):
             raise ValueError(f"throttle_mbps values must be > 0, got {v}")
         return v
+
+    @model_validator(mode="after")
+    def _gpu_tier_on_cpu_is_explicit(self) -> StoreSettings:
+        if self.gpu_device == "cpu" and self.max_gpu_bytes is None:
+            raise ValueError("a GPU tier on gpu_device 'cpu' is for tests: give max_gpu_bytes explicitly")
+        return self
 
     @field_validator("planner_profile_tokens")
     @classmethod

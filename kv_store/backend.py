@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 
 from blend_engine.kv import ChunkKV
-from kv_store.codec import EntryHeader
+from kv_store.codec import EncodedLayer, EntryHeader
 from kv_store.errors import CorruptEntryError, EntryLostError
 from kv_store.stats import TierCounters
 
@@ -20,6 +20,7 @@ LayerPair = tuple[torch.Tensor, torch.Tensor]  # keys, values [H, n, D]
 class Tier(str, Enum):
     """Storage tiers, fastest first: the order reads go through."""
 
+    GPU = "gpu"  # chunk KV held on the engine's device (kv_store/device.py)
     MEMORY = "memory"
     DISK = "disk"
     REDIS = "redis"
@@ -56,6 +57,12 @@ class LayerReader(abc.ABC):
     @abc.abstractmethod
     def read_layer(self, layer_idx: int, pinned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """keys, values [H, n, D] on CPU (storage dtype); raises CorruptEntryError / KeyError (gone)."""
+
+    def read_layer_encoded(self, layer_idx: int, pinned: bool = False) -> EncodedLayer:
+        """The layer as stored, unpacked where it lands (e.g. on the GPU): K and V in one block
+        (`StackedLayer`, one copy to move) and an int8 entry's still int8 (`QuantizedLayer`).
+        By default, as `read_layer` gives it."""
+        return self.read_layer(layer_idx, pinned)
 
     def close(self) -> None:
         """Release what the reader holds."""
@@ -112,13 +119,13 @@ class Backend(abc.ABC):
 
     def read_layer_many(
         self, reads: Sequence[tuple[LayerReader, int]], pinned: bool = False
-    ) -> list[LayerPair | CorruptEntryError | EntryLostError]:
-        """`reader.read_layer(layer_idx)` for each pair of this tier's readers, together where the tier
-        can (Redis: one round trip). A failed read comes back as its exception, in place."""
-        results: list[LayerPair | CorruptEntryError | EntryLostError] = []
+    ) -> list[EncodedLayer | CorruptEntryError | EntryLostError]:
+        """`reader.read_layer_encoded(layer_idx)` for each pair of this tier's readers, together where
+        the tier can (Redis: one round trip). A failed read comes back as its exception, in place."""
+        results: list[EncodedLayer | CorruptEntryError | EntryLostError] = []
         for reader, layer_idx in reads:
             try:
-                results.append(reader.read_layer(layer_idx, pinned))
+                results.append(reader.read_layer_encoded(layer_idx, pinned))
             except (CorruptEntryError, EntryLostError) as exc:
                 results.append(exc)
         return results

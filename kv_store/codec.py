@@ -169,8 +169,54 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
+@dataclass(frozen=True)
+class StackedLayer:
+    """One layer's keys and values as stored, in one block: moving it to the GPU is one copy."""
+
+    kv: torch.Tensor  # [2, H, n, D] storage dtype
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> StackedLayer:
+        return StackedLayer(self.kv.to(device, non_blocking=non_blocking))
+
+    def unpack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys, values [H, n, D] (views)."""
+        return self.kv[0], self.kv[1]
+
+
+@dataclass(frozen=True)
+class QuantizedLayer:
+    """One int8 layer as stored, dequantized where it is used: moved to the GPU first, half the bytes
+    of fp16 cross PCIe, and the multiply runs there."""
+
+    q: torch.Tensor  # [2, H, n, D] int8
+    scale: torch.Tensor  # [2, H, 1, D] fp32, per channel
+    dtype: torch.dtype  # the storage dtype it dequantizes to
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> QuantizedLayer:
+        return QuantizedLayer(self.q.to(device, non_blocking=non_blocking),
+                              self.scale.to(device, non_blocking=non_blocking), self.dtype)
+
+    def unpack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized keys, values [H, n, D] in the storage dtype, on the tensors' device."""
+        kv = (self.q.float() * self.scale).to(self.dtype)
+        return kv[0], kv[1]
+
+
+# A layer as a reader hands it over: keys, values [H, n, D], or packed as stored (`unpack()` after a move)
+EncodedLayer = tuple[torch.Tensor, torch.Tensor] | StackedLayer | QuantizedLayer
+
+
+def unpacked(layer: EncodedLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    return layer if isinstance(layer, tuple) else layer.unpack()
+
+
 def decode_layer(header: EntryHeader, layer_idx: int, buffers: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """Verify and decode one layer from its ranges' bytes -> keys, values [H, n, D] (CPU, storage dtype).
+    """Verify and decode one layer from its ranges' bytes -> keys, values [H, n, D] (CPU, storage dtype)."""
+    return unpacked(decode_layer_encoded(header, layer_idx, buffers))
+
+
+def decode_layer_encoded(header: EntryHeader, layer_idx: int, buffers: list) -> EncodedLayer:
+    """Verify one layer and view it as stored: keys and values in one block, or int8 with its scales.
 
     The tensors share memory with `buffers` (writable bytearray / numpy / uint8 tensors). Pass a pinned
     buffer as the tensor itself: views of it keep the pinned allocator's block, so an async copy from
@@ -183,10 +229,8 @@ def decode_layer(header: EntryHeader, layer_idx: int, buffers: list) -> tuple[to
     if header.fmt.quantization is KVQuantization.INT8:
         q = _as_tensor(buffers[0], torch.int8).view(shape)
         scale = _as_tensor(buffers[1], torch.float32).view(2, header.num_kv_heads, 1, header.head_dim)
-        kv = (q.float() * scale).to(dtype)
-    else:
-        kv = _as_tensor(buffers[0], dtype).view(shape)
-    return kv[0], kv[1]
+        return QuantizedLayer(q, scale, dtype)
+    return StackedLayer(_as_tensor(buffers[0], dtype).view(shape))
 
 
 def _as_tensor(buf, dtype: torch.dtype) -> torch.Tensor:

@@ -7,11 +7,14 @@ from pathlib import Path
 
 from configs.settings import KVQuantization, Settings, StorageDtype
 from kv_store.backend import Tier
+from kv_store.device import check_device, default_gpu_bytes
 from kv_store.keys import StorageFormat
 
 
 @dataclass(frozen=True)
 class StoreConfig:
+    max_gpu_bytes: int = 0  # 0 = no GPU tier (see from_settings for its default on CUDA hosts)
+    gpu_device: str = "cuda"  # where the GPU tier holds its entries ("cpu": tests)
     max_memory_bytes: int = 2 << 30  # 0 = no memory tier
     disk_dir: Path | None = None  # None = no disk tier
     max_disk_bytes: int = 20 << 30
@@ -29,8 +32,10 @@ class StoreConfig:
     throttle_bytes_per_s: dict[Tier, float] = field(default_factory=dict)  # simulated slow tiers (tests, bench)
 
     def __post_init__(self) -> None:
-        if self.max_memory_bytes < 0 or self.max_disk_bytes < 0:
+        if self.max_gpu_bytes < 0 or self.max_memory_bytes < 0 or self.max_disk_bytes < 0:
             raise ValueError("tier byte bounds must be >= 0")
+        if self.max_gpu_bytes > 0:
+            check_device(self.gpu_device)
         if self.prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {self.prefetch_depth}")
         if not 0.0 <= self.min_recompute_ratio <= self.max_recompute_ratio <= 1.0:
@@ -56,7 +61,13 @@ class StoreConfig:
         disk_dir = None
         if s.disk_enabled:
             disk_dir = Path(s.disk_dir if s.disk_dir is not None else settings.data_dir / "kv").expanduser()
+        max_gpu_bytes = s.max_gpu_bytes
+        if max_gpu_bytes is None:  # a share of what the loaded model left free, where it runs on CUDA
+            is_model_on_cuda = settings.model.device != "cpu"  # auto: CUDA when present
+            max_gpu_bytes = default_gpu_bytes(s.gpu_memory_share, s.gpu_device, is_model_on_cuda)
         return cls(
+            max_gpu_bytes=max_gpu_bytes,
+            gpu_device=s.gpu_device,
             max_memory_bytes=s.max_memory_bytes,
             disk_dir=disk_dir,
             max_disk_bytes=s.max_disk_bytes,

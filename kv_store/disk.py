@@ -35,11 +35,14 @@ class DiskReader(LayerReader):
         self._backend, self._fd = backend, fd
 
     def read_layer(self, layer_idx: int, pinned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        return codec.unpacked(self.read_layer_encoded(layer_idx, pinned))
+
+    def read_layer_encoded(self, layer_idx: int, pinned: bool = False) -> codec.EncodedLayer:
         start = time.perf_counter()
         buffers = [self._pread(begin, end, pinned) for begin, end in self.header.layer_ranges[layer_idx]]
-        k, v = codec.decode_layer(self.header, layer_idx, buffers)
+        layer = codec.decode_layer_encoded(self.header, layer_idx, buffers)
         self._backend.counters.add(bytes_read=self.header.layer_nbytes(layer_idx), load_seconds=time.perf_counter() - start)
-        return k, v
+        return layer
 
     def _pread(self, begin: int, end: int, pinned: bool):
         # Read straight into the destination buffer (pinned for an async host-to-device copy).

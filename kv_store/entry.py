@@ -18,10 +18,13 @@ import torch
 
 from blend_engine.kv import ChunkKV
 from kv_store.backend import Backend, LayerPair, LayerReader, Tier
+from kv_store.codec import EncodedLayer, unpacked
 from kv_store.errors import CorruptEntryError, EntryLostError
 
 log = logging.getLogger(__name__)
-ReadResult = LayerPair | CorruptEntryError | EntryLostError  # a failed read is returned, not raised
+# a layer as read (packed as stored where the tier can: moved, then unpacked, by the loader), or
+# the failure, returned rather than raised
+ReadResult = EncodedLayer | CorruptEntryError | EntryLostError
 
 
 class OpenEntry(LayerReader):
@@ -36,7 +39,7 @@ class OpenEntry(LayerReader):
     def __init__(self, key: str, backend: Backend, reader: LayerReader, is_shared: bool = False):
         self.key, self.backend, self.info, self.is_shared = key, backend, reader.info, is_shared
         self._reader: LayerReader | None = reader
-        self._layers: list[LayerPair | None] = [None] * reader.info.num_layers  # kept host tensors
+        self._layers: list[EncodedLayer | None] = [None] * reader.info.num_layers  # kept host tensors
         self._layer_locks = [threading.Lock() for _ in range(reader.info.num_layers)]
         self._is_keeping = is_shared
         self._failure: CorruptEntryError | EntryLostError | None = None  # why a read failed, for later readers
@@ -66,6 +69,9 @@ class OpenEntry(LayerReader):
         self._is_keeping = True
 
     def read_layer(self, layer_idx: int, pinned: bool = False) -> LayerPair:
+        return unpacked(self.read_layer_encoded(layer_idx, pinned))
+
+    def read_layer_encoded(self, layer_idx: int, pinned: bool = False) -> EncodedLayer:
         result = read_many([(self, layer_idx)], pinned)[0]
         if isinstance(result, Exception):
             raise result
@@ -78,7 +84,7 @@ class OpenEntry(LayerReader):
         for result in read_many([(self, idx) for idx in range(self.info.num_layers)]):
             if isinstance(result, Exception):
                 raise result
-            layers.append(result)
+            layers.append(unpacked(result))
         keys = torch.stack([k for k, _ in layers])  # [L, H, n, D]
         values = torch.stack([v for _, v in layers])  # [L, H, n, D]
         return ChunkKV(self.info.token_ids, self.info.context_ids, keys, values)

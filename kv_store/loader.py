@@ -5,7 +5,9 @@ chunk that fails there is never recomputed on that thread (that would run a forw
 engine's own): the thread stops and the engine's thread loads, and recovers, from that layer on. Torch
 ops and file reads release the GIL, so the reads overlap the compute. On CUDA the thread reads
 into pinned buffers and copies on a side stream; the engine's stream waits on a per-layer event,
-so there is no device-wide synchronize.
+so there is no device-wide synchronize. An int8 entry's layer is moved as int8 (with its scales) and
+dequantized on the target device: half the bytes of fp16 cross PCIe. A disk layer's K and V are one
+block, moved in one copy.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Callable, Sequence
 import torch
 
 from kv_store.backend import LayerReader, Tier
+from kv_store.codec import EncodedLayer
 from kv_store.entry import OpenEntry, ReadResult, read_many
 from kv_store.errors import CorruptEntryError, EntryLostError
 
@@ -169,17 +172,17 @@ class StoreLayerSource:
         event = None
         if self._side_stream is not None:
             with torch.cuda.stream(self._side_stream):
-                pairs = [(self._convert(k), self._convert(v)) for k, v in host]
+                pairs = [self._convert(layer) for layer in host]
                 event = torch.cuda.Event()
                 event.record(self._side_stream)
         else:
-            pairs = [(self._convert(k), self._convert(v)) for k, v in host]
+            pairs = [self._convert(layer) for layer in host]
         self.stats.num_layers_loaded += 1
         self.stats.num_bytes_loaded += sum(r.info.layer_nbytes for r in self._readers)
         self.stats.load_seconds += time.perf_counter() - start
         return pairs, event
 
-    def _read_all(self, layer_idx: int, may_recover: bool) -> LayerPairs:
+    def _read_all(self, layer_idx: int, may_recover: bool) -> list[EncodedLayer]:
         """Layer `layer_idx` of every chunk; the open entries' reads go out together, one per tier."""
         opened = [i for i, r in enumerate(self._readers) if isinstance(r, OpenEntry)]
         reads = [(self._readers[i], layer_idx) for i in opened]
@@ -187,10 +190,10 @@ class StoreLayerSource:
         return [self._read(i, layer_idx, may_recover, batched.get(i)) for i in range(len(self._readers))]
 
     def _read(self, chunk_idx: int, layer_idx: int, may_recover: bool,
-              batched: ReadResult | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              batched: ReadResult | None = None) -> EncodedLayer:
         try:
             if batched is None:
-                return self._readers[chunk_idx].read_layer(layer_idx, pinned=self._side_stream is not None)
+                return self._readers[chunk_idx].read_layer_encoded(layer_idx, pinned=self._side_stream is not None)
             if isinstance(batched, Exception):
                 raise batched
             return batched
@@ -201,11 +204,18 @@ class StoreLayerSource:
             self._readers[chunk_idx].close()
             self._readers[chunk_idx] = self._recover(chunk_idx, exc)
             self.stats.num_recovered += 1
-            return self._readers[chunk_idx].read_layer(layer_idx)
+            return self._readers[chunk_idx].read_layer_encoded(layer_idx)
 
-    def _convert(self, t: torch.Tensor) -> torch.Tensor:
+    def _convert(self, layer: EncodedLayer) -> tuple[torch.Tensor, torch.Tensor]:
         # non_blocking only matters for a pinned host tensor on the side stream
-        return t.to(self._device, non_blocking=self._side_stream is not None).to(self._dtype)
+        non_blocking = self._side_stream is not None
+        if isinstance(layer, tuple):  # separate tensors (the memory tiers' views)
+            k, v = layer
+            return (k.to(self._device, non_blocking=non_blocking).to(self._dtype),
+                    v.to(self._device, non_blocking=non_blocking).to(self._dtype))
+        # packed as stored: one copy per chunk-layer (K and V together; int8 stays int8), unpacked there
+        k, v = layer.to(self._device, non_blocking).unpack()
+        return k.to(self._dtype), v.to(self._dtype)
 
     def close(self) -> None:
         with self._cond:

@@ -1,4 +1,8 @@
-"""Memory tier: an LRU of ChunkKVs on CPU, bounded by bytes, thread-safe."""
+"""Memory tier: an LRU of ChunkKVs on CPU, bounded by bytes, thread-safe.
+
+On CUDA hosts the entries are pinned once, at `put`: a layer then crosses PCIe by DMA, asynchronously,
+with no per-read staging copy. The GPU tier (kv_store/device.py) is this LRU on a torch device.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ class MemoryReader(LayerReader):
 
     def read_layer(self, layer_idx: int, pinned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self._kv.keys[layer_idx], self._kv.values[layer_idx]  # [H, n, D] views
-        if pinned and not k.is_cuda:
+        if pinned and not k.is_cuda and not k.is_pinned():  # pinned at put on CUDA hosts: no copy here
             k, v = k.pin_memory(), v.pin_memory()
         return k, v
 
@@ -29,16 +33,20 @@ class MemoryReader(LayerReader):
 
 
 class MemoryBackend(Backend):
-    """Entries are stored in the storage dtype; `get` returns the stored object (treat it as read-only)."""
+    """Entries are stored in the storage dtype; `get` returns the stored object (treat it as read-only).
+
+    `is_pinned` (default: on CUDA hosts) keeps the tensors in page-locked memory, pinned once at `put`.
+    """
 
     tier = Tier.MEMORY
 
-    def __init__(self, max_bytes: int, dtype: torch.dtype):
+    def __init__(self, max_bytes: int, dtype: torch.dtype, is_pinned: bool | None = None):
         super().__init__()
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
         self._dtype = dtype
+        self.is_pinned = torch.cuda.is_available() if is_pinned is None else is_pinned
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, ChunkKV] = OrderedDict()  # least recently used first
         self._num_bytes = 0
@@ -56,10 +64,17 @@ class MemoryBackend(Backend):
             self.counters.add(hits=1, bytes_read=kv.nbytes)
         return kv
 
-    def put(self, key: str, kv: ChunkKV) -> None:
+    def _place(self, kv: ChunkKV) -> ChunkKV:
+        """The entry as this tier holds it: on CPU in the storage dtype, pinned where CUDA is."""
         kv = kv.to("cpu", self._dtype)
-        if kv.nbytes > self.max_bytes:
-            return  # would evict everything and still not fit
+        if self.is_pinned and not kv.keys.is_pinned():
+            kv = ChunkKV(kv.token_ids, kv.context_ids, kv.keys.pin_memory(), kv.values.pin_memory())
+        return kv
+
+    def put(self, key: str, kv: ChunkKV) -> None:
+        if 2 * kv.keys.numel() * self._dtype.itemsize > self.max_bytes:  # keys + values, stored
+            return  # would evict everything and still not fit: not even copied
+        kv = self._place(kv)
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:

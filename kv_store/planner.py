@@ -7,7 +7,10 @@ a slow network tier) reusing can be slower than not loading at all, so the plann
 - `blend`: every chunk streamed from its tier, recomputing `r` of the reused tokens, with `r` raised
   to what the loads hide (free quality) but never where full would be faster;
 - `mixed`: chunks on the fast tiers reused, chunks on slower tiers computed as fresh tokens (the
-  server copies them up afterwards, so the next question finds them fast).
+  server copies them up afterwards, so the next question finds them fast);
+- `split` (as Cake, ICML'25): the first k chunks in prompt order computed as fresh tokens while the
+  rear chunks' layers load, the rear blended; k is where the front's compute and the rear's load meet.
+  A mixed plan chosen by position rather than by tier: it helps where every chunk is on one slow tier.
 
 Predictions come from a `CostModel` of the engine (fitted on measured prefills, refined by every
 answered request) and the tiers' measured throughput. Layer-pipelined, a plan's TTFT is the larger
@@ -28,14 +31,16 @@ from kv_store.loader import StoredChunk
 
 # Bytes/s and seconds per layer read assumed for a tier until a load was measured on it.
 # Memory-tier layers are views (CPU) or one copy each: negligible next to compute until measured.
-PRIOR_THROUGHPUT = {Tier.MEMORY: 1e12, Tier.DISK: 1e9, Tier.REDIS: 0.5e9}
-PRIOR_READ_LATENCY_S = {Tier.MEMORY: 0.0, Tier.DISK: 20e-6, Tier.REDIS: 100e-6}
+# The GPU tier's layers are views on the engine's device: nothing is copied.
+PRIOR_THROUGHPUT = {Tier.GPU: 1e13, Tier.MEMORY: 1e12, Tier.DISK: 1e9, Tier.REDIS: 0.5e9}
+PRIOR_READ_LATENCY_S = {Tier.GPU: 0.0, Tier.MEMORY: 0.0, Tier.DISK: 20e-6, Tier.REDIS: 100e-6}
 
 
 class PlanKind(str, Enum):
     FULL = "full"
     BLEND = "blend"
     MIXED = "mixed"
+    SPLIT = "split"
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,7 @@ class LoadPlan:
     predicted_load_ms: float
     predicted_compute_ms: float
     is_pipelined: bool = True  # loads overlap compute (else they add up)
+    num_front_computed: int = 0  # split: the first chunks (prompt order) computed fresh whatever their tier
 
     @property
     def predicted_ttft_ms(self) -> float:
@@ -103,7 +109,14 @@ class LoadPlan:
         return max(self.predicted_load_ms, self.predicted_compute_ms)
 
     def is_reused(self, chunk: StoredChunk) -> bool:
+        """For plans chosen by tier; a split plan is positional (see `reused_mask`)."""
+        if self.num_front_computed:
+            raise ValueError("a split plan reuses chunks by position: use reused_mask(chunks)")
         return chunk.tier in self.reused_tiers
+
+    def reused_mask(self, chunks: Sequence[StoredChunk]) -> list[bool]:
+        """Per chunk (prompt order): reused from its tier, or computed as fresh tokens."""
+        return [i >= self.num_front_computed and c.tier in self.reused_tiers for i, c in enumerate(chunks)]
 
 
 @dataclass(frozen=True)
@@ -156,6 +169,8 @@ class LoadPlanner:
         others = [self._full(request)]
         others += [self._reusing(request, frozenset(tiers_fast_first[:k]), throughput)
                    for k in range(1, len(tiers_fast_first))]
+        if len(request.chunks) > 1:
+            others.append(self._best_split(request, throughput))
         best = min(others, key=lambda p: (round(p.predicted_ttft_ms, 3), -_quality_rank(p)))
         return best if best.predicted_ttft_ms < (1 - self.margin) * default.predicted_ttft_ms else default
 
@@ -164,10 +179,24 @@ class LoadPlanner:
         compute = self.cost_model.seconds(PrefillShape(n, n, 0, 0.0))
         return LoadPlan(PlanKind.FULL, None, frozenset(), 0.0, compute * 1000)
 
-    def _reusing(self, request: PlanRequest, tiers: frozenset[Tier], throughput: Mapping[Tier, float | None]) -> LoadPlan:
-        reused = [c for c in request.chunks if c.tier in tiers]
+    def _best_split(self, request: PlanRequest, throughput: Mapping[Tier, float | None]) -> LoadPlan:
+        """The split whose front compute and rear load meet: the lowest predicted TTFT over k (ties:
+        the larger front, closer to full). Compute grows and load shrinks with k, so that is where
+        they cross; a prompt holds tens of chunks at most, so every k is tried."""
+        splits = [self._split(request, k, throughput) for k in range(1, len(request.chunks))]
+        return min(splits, key=lambda p: (round(p.predicted_ttft_ms, 3), -p.num_front_computed))
+
+    def _split(self, request: PlanRequest, num_front: int, throughput: Mapping[Tier, float | None]) -> LoadPlan:
+        """The first `num_front` chunks computed as fresh tokens, the rear ones reused whatever their tier."""
+        all_tiers = frozenset(c.tier for c in request.chunks)
+        return self._reusing(request, all_tiers, throughput, num_front)
+
+    def _reusing(self, request: PlanRequest, tiers: frozenset[Tier], throughput: Mapping[Tier, float | None],
+                 num_front: int = 0) -> LoadPlan:
+        mask = [i >= num_front and c.tier in tiers for i, c in enumerate(request.chunks)]
+        reused = [c for c, is_reused in zip(request.chunks, mask) if is_reused]
         num_reused = sum(c.num_tokens for c in reused)
-        num_fresh = request.num_fresh_tokens + sum(c.num_tokens for c in request.chunks if c.tier not in tiers)
+        num_fresh = request.num_fresh_tokens + sum(c.num_tokens for c, r in zip(request.chunks, mask) if not r)
         num_layers_loaded = max(request.num_layers - request.first_reused_layer, 0)
         load_s = sum(_read_seconds(c, num_layers_loaded, throughput) for c in reused)
         fraction = num_layers_loaded / max(request.num_layers, 1)
@@ -178,8 +207,9 @@ class LoadPlanner:
 
         # only a load that overlaps compute hides extra recompute for free
         ratio = self._hiding_ratio(compute_s, load_s) if request.is_pipelined else self.min_ratio
-        kind = PlanKind.BLEND if len(reused) == len(request.chunks) else PlanKind.MIXED
-        return LoadPlan(kind, ratio, tiers, load_s * 1000, compute_s(ratio) * 1000, request.is_pipelined)
+        kind = PlanKind.SPLIT if num_front else PlanKind.MIXED
+        kind = PlanKind.BLEND if len(reused) == len(request.chunks) else kind
+        return LoadPlan(kind, ratio, tiers, load_s * 1000, compute_s(ratio) * 1000, request.is_pipelined, num_front)
 
     def _hiding_ratio(self, compute_s, load_s: float) -> float:
         """The largest ratio in [min, max] whose compute still fits under the load, with `margin`
@@ -204,4 +234,6 @@ def _read_seconds(chunk: StoredChunk, num_layers: int, throughput: Mapping[Tier,
 
 def _quality_rank(plan: LoadPlan) -> float:
     """Higher is closer to full: full, then more recomputed."""
-    return 2.0 if plan.kind is PlanKind.FULL else (plan.ratio or 0.0) + (0.5 if plan.kind is PlanKind.MIXED else 0.0)
+    if plan.kind is PlanKind.FULL:
+        return 2.0
+    return (plan.ratio or 0.0) + (0.5 if plan.kind in (PlanKind.MIXED, PlanKind.SPLIT) else 0.0)

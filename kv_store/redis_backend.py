@@ -31,12 +31,15 @@ class RedisReader(LayerReader):
         self._backend = backend
 
     def read_layer(self, layer_idx: int, pinned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        return codec.unpacked(self.read_layer_encoded(layer_idx, pinned))
+
+    def read_layer_encoded(self, layer_idx: int, pinned: bool = False) -> codec.EncodedLayer:
         result = self._backend.read_layer_many([(self, layer_idx)], pinned)[0]
         if isinstance(result, Exception):
             raise result
         return result
 
-    def decode_layer(self, layer_idx: int, chunks: list[bytes], pinned: bool) -> LayerPair:
+    def decode_layer(self, layer_idx: int, chunks: list[bytes], pinned: bool) -> codec.EncodedLayer:
         """Verify and decode a layer from its ranges' bytes (raises EntryLostError if they changed)."""
         buffers = []
         for data, (begin, end) in zip(chunks, self.header.layer_ranges[layer_idx]):
@@ -45,7 +48,7 @@ class RedisReader(LayerReader):
             buf = torch.empty(len(data), dtype=torch.uint8, pin_memory=pinned)
             buf.numpy()[:] = memoryview(data)  # one copy, into a writable (optionally pinned) buffer
             buffers.append(buf)
-        return codec.decode_layer(self.header, layer_idx, buffers)
+        return codec.decode_layer_encoded(self.header, layer_idx, buffers)
 
 
 class RedisBackend(Backend):
@@ -71,7 +74,7 @@ class RedisBackend(Backend):
 
     def read_layer_many(
         self, reads: Sequence[tuple[LayerReader, int]], pinned: bool = False
-    ) -> list[LayerPair | CorruptEntryError | EntryLostError]:
+    ) -> list[codec.EncodedLayer | CorruptEntryError | EntryLostError]:
         """Layers of several entries (of this tier's readers) in one pipelined round trip: a request
         streaming C chunks from Redis costs one round trip per layer, not C."""
         readers = [(_redis_reader(r), layer_idx) for r, layer_idx in reads]
@@ -85,7 +88,7 @@ class RedisBackend(Backend):
         except redis.RedisError as exc:
             return [EntryLostError(f"redis unreachable: {exc}") for _ in readers]
         share_s = (time.perf_counter() - start) / max(len(readers), 1)  # the round trip, shared
-        results: list[LayerPair | CorruptEntryError | EntryLostError] = []
+        results: list[codec.EncodedLayer | CorruptEntryError | EntryLostError] = []
         for reader, layer_idx in readers:
             chunks = [next(replies) for _ in reader.header.layer_ranges[layer_idx]]
             decode_start = time.perf_counter()

@@ -15,6 +15,7 @@ import torch
 
 from blend_engine.kv import ChunkKV
 from kv_store.backend import Backend, ChunkInfo, LayerReader
+from kv_store.codec import EncodedLayer
 
 
 class ThrottledReader(LayerReader):
@@ -25,6 +26,10 @@ class ThrottledReader(LayerReader):
     def read_layer(self, layer_idx: int, pinned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         self._backend.wait(self.info.layer_nbytes)
         return self._inner.read_layer(layer_idx, pinned)
+
+    def read_layer_encoded(self, layer_idx: int, pinned: bool = False) -> EncodedLayer:
+        self._backend.wait(self.info.layer_nbytes)
+        return self._inner.read_layer_encoded(layer_idx, pinned)
 
     def close(self) -> None:
         self._inner.close()

@@ -39,5 +39,10 @@ def test_bench_kv_throttled_disk_makes_the_planner_fall_back(tmp_path, capsys):
                       "again", "--throttle-mbps", "disk=0.05")
     summary = json.loads(lines[-1])
     assert summary["throttle_mbps"] == {"disk": 0.05}
-    # planned full: nothing loaded, nothing waited for (timings are the bench's business, not a test's)
-    assert summary["plans"]["disk+pipe+auto"] == ["full"] and summary["disk+pipe+auto:source_wait"] == 0
+    # never blend from a disk this slow: full (nothing loaded, nothing waited for), or split where the
+    # measured compute of the front chunks hides one rear chunk's load (which plan wins depends on
+    # how fast this machine computes right now; timings are the bench's business, not a test's)
+    plan = summary["plans"]["disk+pipe+auto"]
+    assert plan in (["full"], ["split"]), plan
+    if plan == ["full"]:
+        assert summary["disk+pipe+auto:source_wait"] == 0

@@ -185,12 +185,13 @@ def test_prefetch_never_exceeds_its_bound_in_flight(tmp_path):
 
 
 def test_reuse_stays_unless_another_plan_is_clearly_faster():
-    # loads that make blend a little slower than full (within the margin) keep the default plan
+    # loads that make blend a little slower than full (within the margin) keep the default plan; one
+    # chunk (of five's size) so that no split can beat both (tests/test_kv_planner_split.py)
     planner = planner_with_model()
-    stored = chunks([Tier.DISK] * 5)
+    stored = chunks([Tier.DISK], num_tokens=3000, layer_nbytes=5 * 600 * 2 * 8 * 128 * 2)
     full_ms = planner._full(request(stored)).predicted_ttft_ms
     bytes_per_chunk = stored[0].layer_nbytes * (NUM_LAYERS - 1)
-    for slower, expected in ((0.98, PlanKind.BLEND), (1.5, PlanKind.FULL)):  # + read latencies ~4%
-        rate = 5 * bytes_per_chunk / (full_ms / 1000 * slower)  # the loads alone take `slower` x full
+    for slower, expected in ((0.98, PlanKind.BLEND), (1.5, PlanKind.FULL)):  # + read latencies ~1%
+        rate = bytes_per_chunk / (full_ms / 1000 * slower)  # the loads alone take `slower` x full
         plan = LoadPlanner.plan(planner, request(stored), {Tier.DISK: rate})
         assert plan.kind is expected, (slower, plan)

@@ -53,18 +53,19 @@ class ReadCounter:
 
     def __init__(self, monkeypatch):
         self.parses, self.layers = Counter(), Counter()
-        real_parse, real_decode = codec.parse_header, codec.decode_layer
+        # every layer read verifies its bytes in decode_layer_encoded (decode_layer unpacks its result)
+        real_parse, real_decode = codec.parse_header, codec.decode_layer_encoded
 
         def parse_header(head, total, key, *args):
             self.parses[key] += 1
             return real_parse(head, total, key, *args)
 
-        def decode_layer(header, layer_idx, buffers):
+        def decode_layer_encoded(header, layer_idx, buffers):
             self.layers[header.key, layer_idx] += 1
             return real_decode(header, layer_idx, buffers)
 
         monkeypatch.setattr(codec, "parse_header", parse_header)
-        monkeypatch.setattr(codec, "decode_layer", decode_layer)
+        monkeypatch.setattr(codec, "decode_layer_encoded", decode_layer_encoded)
 
     def assert_once(self, keys) -> None:
         assert self.parses == Counter({key: 1 for key in keys})

@@ -24,7 +24,7 @@ class GenerationOptions(BaseModel):
         None, min_length=1, description="Skip retrieval: use exactly these chunks, in this order."
     )
     mode: RequestMode | None = Field(
-        None, description="auto (the loading planner picks full, blend or mixed) or a prefill mode; default from "
+        None, description="auto (the loading planner picks full, blend, mixed or split) or a prefill mode; default from "
         "config (auto).",
     )
     recompute_ratio: StrictFloat | Literal["auto", "adaptive"] | None = Field(
@@ -81,9 +81,9 @@ class TimingsOut(BaseModel):
 class PlanOut(BaseModel):
     """The loading planner's choice for this answer (mode 'auto' or recompute_ratio 'auto'), in ms."""
 
-    plan: Literal["full", "blend", "mixed"]
+    plan: Literal["full", "blend", "mixed", "split"]
     recompute_ratio: float | None
-    num_chunks_recomputed: int = Field(description="Stored chunks computed as fresh tokens (mixed plans).")
+    num_chunks_recomputed: int = Field(description="Stored chunks computed as fresh tokens (mixed and split plans).")
     predicted_load_ms: float
     predicted_compute_ms: float
     predicted_ttft_ms: float

@@ -13,7 +13,7 @@ import anyio
 from app.errors import InvalidRequestError, NotFoundError
 from app.metrics import Metrics
 from app.rag.repair import KVRepairer
-from app.rag.planning import PlanReport, compute_seconds, measure_engine, shape_of
+from app.rag.planning import PlanReport, compute_seconds, measure_engine, planned_segments, shape_of
 from app.rag.types import DoneEvent, RagContext, RagRequest, Source, Timings, TokenEvent, Usage
 from app.worker import EngineWorker, Job, JobStream
 from blend_engine.types import BlendConfig, PrefillMode, PrefillResult, Segment
@@ -128,8 +128,7 @@ class RagPipeline:
         handles = [s.kv for s in segments if isinstance(s.kv, StoredChunk)]
         mode, plan = self._plan(request, segments, handles)
         if plan is not None:
-            segments = [s if not isinstance(s.kv, StoredChunk) or plan.is_reused(s.kv) else Segment(s.token_ids)
-                        for s in segments]
+            segments = planned_segments(segments, plan)
         used = [s.kv for s in segments if isinstance(s.kv, StoredChunk)]
         source = self._layer_source(used, mode) if used else None
         try:

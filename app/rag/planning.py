@@ -10,6 +10,7 @@ from typing import Any, Sequence
 import torch
 
 from blend_engine.types import BlendConfig, PrefillMode, PrefillStats, Segment
+from kv_store.loader import StoredChunk
 from kv_store.planner import LoadPlan, PrefillShape
 
 
@@ -17,7 +18,7 @@ from kv_store.planner import LoadPlan, PrefillShape
 class PlanReport:
     """What the planner chose for one answer, and what then happened (ms)."""
 
-    plan: str  # full | blend | mixed
+    plan: str  # full | blend | mixed | split
     recompute_ratio: float | None
     num_chunks_recomputed: int  # stored chunks computed as fresh tokens (mixed)
     predicted_load_ms: float
@@ -31,6 +32,14 @@ class PlanReport:
         return cls(plan.kind.value, plan.ratio, num_recomputed, round(plan.predicted_load_ms, 2),
                    round(plan.predicted_compute_ms, 2), round(plan.predicted_ttft_ms, 2), round(load_s * 1000, 2),
                    round(stats.prefill_ms, 2))
+
+
+def planned_segments(segments: Sequence[Segment], plan: LoadPlan) -> list[Segment]:
+    """The prompt as the plan runs it: the stored chunks it computes (by tier: mixed; by position:
+    split) become fresh tokens, the others keep their store handle."""
+    handles = [s.kv for s in segments if isinstance(s.kv, StoredChunk)]
+    is_reused = iter(plan.reused_mask(handles))
+    return [s if not isinstance(s.kv, StoredChunk) or next(is_reused) else Segment(s.token_ids) for s in segments]
 
 
 def shape_of(stats: PrefillStats, num_layers: int, first_check_layer: int) -> PrefillShape:
