@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"])
     parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--weights", default=None, choices=[w.value for w in WeightFormat],
-                        help="linear layers' weight format (model.weights; auto: int8 on CPU)")
+                        help="linear layers' weight format (model.weights; auto: int4 on CPU where the shapes fit, else int8)")
     parser.add_argument("--reference-weights", default=None, choices=[w.value for w in WeightFormat],
                         help="also load the model in this format (e.g. fp32): side-by-side prefill and decode "
                              "speed, and the format's own fidelity (TF KL of full vs the reference's full)")

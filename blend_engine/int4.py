@@ -43,10 +43,14 @@ class Int4Linear(nn.Module):
     def _per_row(self, index: int) -> torch.Tensor:
         return self.scales_zeros[..., index].t().float()[..., None]  # [out, in / 32, 1]
 
+    @staticmethod
+    def fits(num_out: int, num_in: int) -> bool:
+        return num_in % GROUP_SIZE == 0 and num_out % MIN_ROWS_MULTIPLE == 0
+
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Linear:
         num_out, num_in = weight.shape
-        if num_in % GROUP_SIZE or num_out % MIN_ROWS_MULTIPLE:
+        if not cls.fits(num_out, num_in):
             raise ValueError(f"int4 weights need in_features divisible by {GROUP_SIZE} and out_features by "
                              f"{MIN_ROWS_MULTIPLE}; this layer is {num_out}x{num_in} (use int8)")
         w = weight.detach().float().reshape(num_out, -1, GROUP_SIZE)  # [out, groups, 32]

@@ -84,7 +84,7 @@ def embedded_gguf_path() -> Path:
 def load_model(settings: ModelSettings) -> LoadedModel:
     """The model with its linear layers in `settings.weights`' format (resolved for the device)."""
     loaded = _load(settings)
-    fmt = resolve_weight_format(settings.weights, loaded.model.device)
+    fmt = resolve_weight_format(settings.weights, loaded.model.device, loaded.model)
     num = convert_linears(loaded.model, fmt)
     log.info("model %s: %d linear layers in %s weights", loaded.identity, num, fmt.value)
     return loaded

@@ -117,13 +117,22 @@ def fuse_linears(linears: list[nn.Module]) -> nn.Module | None:
     return None
 
 
-def resolve_weight_format(fmt: WeightFormat, device: torch.device) -> WeightFormat:
-    """auto: int8 on CPU (measured: README), weights as loaded elsewhere."""
+def resolve_weight_format(fmt: WeightFormat, device: torch.device, model: nn.Module | None = None) -> WeightFormat:
+    """auto: int4 on CPU where every decoder linear layer's shape fits the int4 kernel (`model`
+    given), else int8 (measured: README); the weights as loaded elsewhere."""
     if fmt == WeightFormat.AUTO:
-        return WeightFormat.INT8 if device.type == "cpu" else WeightFormat.FP32
+        if device.type != "cpu":
+            return WeightFormat.FP32
+        return WeightFormat.INT4 if model is not None and fits_int4(model) else WeightFormat.INT8
     if fmt == WeightFormat.INT4 and device.type != "cpu":
         raise ValueError("model.weights int4 runs on CPU only (its kernel is torch's CPU int4 matmul)")
     return fmt
+
+
+def fits_int4(model: nn.Module) -> bool:
+    """Whether every linear layer of the decoder has a shape the int4 packing takes."""
+    return all(Int4Linear.fits(m.out_features, m.in_features)
+               for m in model.get_decoder().layers.modules() if isinstance(m, nn.Linear))
 
 
 def convert_linears(model: nn.Module, fmt: WeightFormat) -> int:

@@ -82,7 +82,7 @@ class SinkMode(str, Enum):
 class WeightFormat(str, Enum):
     """Format of the model's linear layers (blend_engine/weights.py); the rest keeps model.dtype."""
 
-    AUTO = "auto"  # int8 on CPU (measured: README), as loaded on CUDA
+    AUTO = "auto"  # int4 on CPU where the shapes fit, else int8 (measured: README); as loaded on CUDA
     FP32 = "fp32"  # as loaded, in model.dtype
     BF16 = "bf16"  # bf16 weights, bf16 activations at the matmul
     INT8 = "int8"  # int8 weight-only, per-output-channel scales
@@ -100,7 +100,7 @@ class ModelSettings(BaseModel):
         "auto", description="auto: float32 on CPU, bfloat16 on CUDA."
     )
     weights: WeightFormat = Field(
-        WeightFormat.AUTO, description="Linear layers' weights: auto (int8 on CPU) | fp32 (as loaded) | bf16 | int8 | int4 (CPU)."
+        WeightFormat.AUTO, description="Linear layers' weights: auto (int4 on CPU, int8 where a shape does not fit int4) | fp32 (as loaded) | bf16 | int8 | int4 (CPU)."
     )
     cache_dir: Path = Field(
         Path("~/.cache/ragblend/models"),

@@ -148,7 +148,11 @@ def test_weights_setting():
     with pytest.raises(pydantic.ValidationError):
         load_settings(model={"weights": "int2"})
     assert load_settings(model={"weights": "int4"}).model.weights == WeightFormat.INT4
-    assert resolve_weight_format(WeightFormat.AUTO, torch.device("cpu")) == WeightFormat.INT8
+    assert resolve_weight_format(WeightFormat.AUTO, torch.device("cpu")) == WeightFormat.INT8  # no model: int8
+    model = MODEL_BUILDERS["llama-gqa"]()
+    assert resolve_weight_format(WeightFormat.AUTO, torch.device("cpu"), model) == WeightFormat.INT4
+    model.model.layers[0].mlp.down_proj = torch.nn.Linear(128, 72)  # 72 rows: not a multiple of 16
+    assert resolve_weight_format(WeightFormat.AUTO, torch.device("cpu"), model) == WeightFormat.INT8
     assert resolve_weight_format(WeightFormat.AUTO, torch.device("cuda")) == WeightFormat.FP32
     assert resolve_weight_format(WeightFormat.BF16, torch.device("cpu")) == WeightFormat.BF16
     with pytest.raises(ValueError, match="resolve"):
