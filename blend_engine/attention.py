@@ -140,14 +140,17 @@ def attend_last(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale
     slower on bf16 than on fp32 for a single query, and a batched matmul copies each head's keys
     (the cache's heads are `capacity` rows apart), so the heads go one by one."""
     num_heads, _, head_dim = q.shape
-    num_kv_heads = keys.shape[0]
-    folded = q.reshape(num_kv_heads, num_heads // num_kv_heads, head_dim).to(keys.dtype)  # [H_kv, G, D]
-    outs = []
+    num_kv_heads, num_keys = keys.shape[0], keys.shape[1]
+    group = num_heads // num_kv_heads
+    folded = (q * scale).reshape(num_kv_heads, group, head_dim).to(keys.dtype)  # [H_kv, G, D], scaled
+    scores = keys.new_empty(num_kv_heads, group, num_keys)  # [H_kv, G, N]
     for head in range(num_kv_heads):
-        scores = folded[head] @ keys[head].t()  # [G, N]
-        probs = torch.softmax(scores.float() * scale, dim=-1).to(values.dtype)  # [G, N]
-        outs.append(probs @ values[head])  # [G, D]
-    return torch.cat(outs).reshape(1, num_heads * head_dim).to(q.dtype)
+        torch.mm(folded[head], keys[head].t(), out=scores[head])
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)  # [H_kv, G, N]
+    out = values.new_empty(num_kv_heads, group, head_dim)  # [H_kv, G, D]
+    for head in range(num_kv_heads):
+        torch.mm(probs[head], values[head], out=out[head])
+    return out.reshape(1, num_heads * head_dim).to(q.dtype)
 
 
 def _folded(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

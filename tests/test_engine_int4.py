@@ -133,3 +133,19 @@ def test_int4_engine_stays_close_to_fp32_and_blends_exactly_at_ratio_one():
     full = int4.prefill(segments, PrefillMode.FULL)
     blend = int4.prefill(segments, PrefillMode.BLEND, BlendConfig(recompute_ratio=1.0))
     assert_same_prefill(blend, full, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (9, 3), (4, 4)])
+def test_attend_last_equals_sdpa_over_the_same_cache(num_heads, num_kv_heads):
+    """The decode attention of the bf16 copy: exact math on fp32 (equal to SDPA to float rounding),
+    and within bf16's resolution on a bf16 cache; keys are a slice of a larger capacity, as in the cache."""
+    from blend_engine.attention import attend, attend_last, last_meta
+
+    torch.manual_seed(5)
+    q = torch.randn(num_heads, 1, 16)
+    keys, values = torch.randn(num_kv_heads, 80, 16)[:, :70], torch.randn(num_kv_heads, 80, 16)[:, :70]
+    ref = attend(q, keys, values, last_meta(70), 0.25)  # [1, H*D]
+    torch.testing.assert_close(attend_last(q, keys, values, 0.25), ref, atol=1e-5, rtol=0)
+    bf16 = attend_last(q, keys.bfloat16(), values.bfloat16(), 0.25)
+    assert bf16.dtype == torch.float32
+    torch.testing.assert_close(bf16, ref, atol=3e-2, rtol=0)
