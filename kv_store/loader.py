@@ -209,7 +209,7 @@ class StoreLayerSource:
     def _convert(self, layer: EncodedLayer) -> tuple[torch.Tensor, torch.Tensor]:
         # non_blocking only matters for a pinned host tensor on the side stream
         non_blocking = self._side_stream is not None
-        if isinstance(layer, tuple):  # separate tensors (the memory tiers' views)
+        if isinstance(layer, tuple):  # separate tensors (the GPU tier's views, a recomputed chunk)
             k, v = layer
             return (k.to(self._device, non_blocking=non_blocking).to(self._dtype),
                     v.to(self._device, non_blocking=non_blocking).to(self._dtype))

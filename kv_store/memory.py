@@ -1,7 +1,10 @@
 """Memory tier: an LRU of ChunkKVs on CPU, bounded by bytes, thread-safe.
 
 On CUDA hosts the entries are pinned once, at `put`: a layer then crosses PCIe by DMA, asynchronously,
-with no per-read staging copy. The GPU tier (kv_store/device.py) is this LRU on a torch device.
+with no per-read staging copy. Each entry's keys and values live in one block laid out
+[layers, 2, H, n, D], so a layer's K and V are adjacent and move to the GPU in one copy
+(`read_layer_encoded` hands them over as a `StackedLayer`). The GPU tier (kv_store/device.py) is this
+LRU on a torch device.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 
 from blend_engine.kv import ChunkKV
 from kv_store.backend import Backend, ChunkInfo, LayerReader, Tier
+from kv_store.codec import EncodedLayer, StackedLayer
 
 
 class MemoryReader(LayerReader):
@@ -28,8 +32,33 @@ class MemoryReader(LayerReader):
             k, v = k.pin_memory(), v.pin_memory()
         return k, v
 
+    def read_layer_encoded(self, layer_idx: int, pinned: bool = False) -> EncodedLayer:
+        block = _stacked_block(self._kv)
+        if block is None:  # an entry not laid out by this tier (e.g. the GPU tier's): two views
+            return self.read_layer(layer_idx, pinned)
+        layer = block[layer_idx]  # [2, H, n, D], contiguous: one copy to move
+        if pinned and not layer.is_cuda and not layer.is_pinned():
+            layer = layer.pin_memory()
+        return StackedLayer(layer)
+
     def close(self) -> None:
         self._kv = None  # type: ignore[assignment]
+
+
+def _stacked_block(kv: ChunkKV) -> torch.Tensor | None:
+    """The [L, 2, H, n, D] block that `kv`'s keys and values are views of, if they are."""
+    block = kv.keys._base
+    if block is None or block is not kv.values._base or block.dim() != 5 or block.shape[1] != 2:
+        return None
+    return block if block.shape[0] == kv.num_layers else None
+
+
+def _stacked(kv: ChunkKV, dtype: torch.dtype, is_pinned: bool) -> ChunkKV:
+    """`kv` on CPU in `dtype`, keys and values as views of one [L, 2, H, n, D] block (pinned or not)."""
+    block = torch.empty((kv.keys.shape[0], 2, *kv.keys.shape[1:]), dtype=dtype, pin_memory=is_pinned)
+    block[:, 0].copy_(kv.keys)
+    block[:, 1].copy_(kv.values)
+    return ChunkKV(kv.token_ids, kv.context_ids, block[:, 0], block[:, 1])
 
 
 class MemoryBackend(Backend):
@@ -65,11 +94,9 @@ class MemoryBackend(Backend):
         return kv
 
     def _place(self, kv: ChunkKV) -> ChunkKV:
-        """The entry as this tier holds it: on CPU in the storage dtype, pinned where CUDA is."""
-        kv = kv.to("cpu", self._dtype)
-        if self.is_pinned and not kv.keys.is_pinned():
-            kv = ChunkKV(kv.token_ids, kv.context_ids, kv.keys.pin_memory(), kv.values.pin_memory())
-        return kv
+        """The entry as this tier holds it: on CPU in the storage dtype, K and V of a layer side by side
+        in one block, pinned where CUDA is."""
+        return _stacked(kv, self._dtype, self.is_pinned)
 
     def put(self, key: str, kv: ChunkKV) -> None:
         if 2 * kv.keys.numel() * self._dtype.itemsize > self.max_bytes:  # keys + values, stored

@@ -99,3 +99,26 @@ def test_a_disk_layer_moves_keys_and_values_in_one_copy(tmp_path, monkeypatch):
     reader.close()
     assert torch.equal(got[0][0], host_k.float()) and torch.equal(got[1][1], host_v.float())
     store.close()
+
+
+def test_a_memory_layer_moves_keys_and_values_in_one_copy(monkeypatch):
+    """The memory tier holds each entry as one [L, 2, H, n, D] block: a layer's K and V are adjacent,
+    handed over without a copy and moved in one (pinned once at put on CUDA hosts)."""
+    kv = ChunkKV(tuple(range(8)), (), torch.randn(3, 2, 8, 4), torch.randn(3, 2, 8, 4))
+    store = KVStore("fp", StoreConfig(max_memory_bytes=1 << 20, dtype=StorageDtype.FLOAT16))
+    key = store.key_for(kv.token_ids)
+    store.put(key, kv)
+    stored = store.get(key)
+    assert torch.equal(stored.keys.float(), kv.keys.half().float()) and torch.equal(stored.values.float(), kv.values.half().float())
+    layer = store.backend(Tier.MEMORY).open_reader(key).read_layer_encoded(1)
+    assert isinstance(layer, StackedLayer) and layer.kv.is_contiguous()
+    assert layer.kv.data_ptr() == stored.keys[1].data_ptr()  # a view of the entry, no copy on the way
+    moves: list[torch.Size] = []
+    to = StackedLayer.to
+    monkeypatch.setattr(StackedLayer, "to", lambda self, *a, **kw: moves.append(self.kv.shape) or to(self, *a, **kw))
+    source = store.layer_source([store.handle(key)], "cpu", torch.float32, pipelined=False)
+    got = source.layer(2)
+    source.close()
+    assert moves == [torch.Size([2, 2, 8, 4])]
+    assert torch.equal(got[0][0], stored.keys[2].float()) and torch.equal(got[0][1], stored.values[2].float())
+    store.close()
