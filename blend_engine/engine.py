@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Iterator, Sequence
 
 import torch
@@ -19,11 +17,9 @@ from blend_engine.prompt import PromptBuilder, encode_text
 from blend_engine.runner import ModelRunner, apply_rope
 from blend_engine.types import BlendConfig, Delta, PrefillMode, PrefillResult, SamplingParams, Segment
 from blend_engine.weights import weight_format
-from blend_engine.weights_id import weights_digest
+from blend_engine.weights_id import engine_fingerprint
 from configs.settings import Settings, SinkMode, WeightFormat
 
-# Bump when what a ChunkKV means changes (pre-RoPE keys, sink handling): old caches then miss.
-KV_FORMAT_VERSION = 1
 MAX_CACHED_PREFIXES = 16
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer the question using the documents."
 
@@ -50,7 +46,7 @@ class BlendEngine:
         is_quantized_cpu = self.runner.device.type == "cpu" and self.weights != WeightFormat.FP32
         self.decode_kv_dtype = torch.bfloat16 if is_quantized_cpu else self.dtype
         self.prompts = PromptBuilder(self.tokenizer, system_prompt) if self.tokenizer is not None else None
-        self.fingerprint = _fingerprint(self)
+        self.fingerprint = engine_fingerprint(self)
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
         self._prefix_cache: dict[tuple[int, ...], ChunkKV] = {}  # LRU of prompt-prefix KVs
 
@@ -215,8 +211,15 @@ class BlendEngine:
         if room <= 0:
             raise ValueError(f"the prompt fills the model's context of {self.max_context} tokens")
 
-        # the decoder's step runs in inference mode itself: no grad-mode context held across yields
-        yield from decode_loop(result.logits, self.decoder(result).step, self.tokenizer, self.eos_ids, sampling, room)
+        decoder: Decoder | None = None
+
+        def step(token: int) -> torch.Tensor:
+            nonlocal decoder
+            if decoder is None:  # made after the first token is out: its cache copy is not in the TTFT
+                decoder = self.decoder(result)
+            return decoder.step(token)  # runs in inference mode itself: no grad mode held across yields
+
+        yield from decode_loop(result.logits, step, self.tokenizer, self.eos_ids, sampling, room)
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:
@@ -228,26 +231,3 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
         ids.add(tokenizer.eos_token_id)
     return frozenset(ids)
 
-
-def _fingerprint(engine: BlendEngine) -> str:
-    """Everything a stored ChunkKV depends on: entries of two models or formats never mix."""
-    config = engine.model.config
-    tokenizer_id = ""
-    if engine.tokenizer is not None:
-        vocab = sorted(engine.tokenizer.get_vocab().items())
-        tokenizer_id = hashlib.sha256(json.dumps(vocab).encode()).hexdigest()
-    parts = {
-        "model": engine.model_name,
-        "weights": weights_digest(getattr(engine.model, "name_or_path", None)),  # content, not just names
-        "dtype": str(engine.dtype),
-        "layers": engine.num_layers,
-        "heads": config.num_attention_heads,
-        "kv_heads": engine.num_kv_heads,
-        "head_dim": engine.head_dim,
-        "rope": getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None),
-        "rope_theta": getattr(config, "rope_theta", None),
-        "tokenizer": tokenizer_id,
-        "format": KV_FORMAT_VERSION,
-        "weight_format": engine.weights.value,  # int8 weights make other KV than fp32 ones
-    }
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]

@@ -1,4 +1,5 @@
-"""A content identity of a model directory's weights, cheap on multi-GB files.
+"""The identity of an engine's KV (`engine_fingerprint`), and a content identity of a model
+directory's weights, cheap on multi-GB files (`weights_digest`).
 
 File names and sizes alone miss a re-trained checkpoint of the same shape (its KV caches would be
 reused though stale). Per weight file this hashes its name, size and mtime, its safetensors header
@@ -9,8 +10,12 @@ spread evenly over the file, about 1 MiB read whatever its size.
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
 from pathlib import Path
+
+# Bump when what a ChunkKV means changes (pre-RoPE keys, sink handling): old caches then miss.
+KV_FORMAT_VERSION = 1
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
 NUM_SAMPLES = 16
@@ -49,3 +54,27 @@ def _safetensors_header(f, size: int) -> bytes:
         return head
     (length,) = struct.unpack("<Q", head)
     return f.read(min(length, MAX_HEADER_BYTES, max(size - 8, 0)))
+
+
+def engine_fingerprint(engine) -> str:
+    """Everything a stored ChunkKV depends on: entries of two models or formats never mix."""
+    config = engine.model.config
+    tokenizer_id = ""
+    if engine.tokenizer is not None:
+        vocab = sorted(engine.tokenizer.get_vocab().items())
+        tokenizer_id = hashlib.sha256(json.dumps(vocab).encode()).hexdigest()
+    parts = {
+        "model": engine.model_name,
+        "weights": weights_digest(getattr(engine.model, "name_or_path", None)),  # content, not just names
+        "dtype": str(engine.dtype),
+        "layers": engine.num_layers,
+        "heads": config.num_attention_heads,
+        "kv_heads": engine.num_kv_heads,
+        "head_dim": engine.head_dim,
+        "rope": getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None),
+        "rope_theta": getattr(config, "rope_theta", None),
+        "tokenizer": tokenizer_id,
+        "format": KV_FORMAT_VERSION,
+        "weight_format": engine.weights.value,  # int8 weights make other KV than fp32 ones
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
