@@ -20,11 +20,12 @@ from bench.decode_bench import measure_decode
 from bench.engine_report import print_table, summarize
 from bench.format_bench import compare_formats, print_formats
 from bench.metrics import argmax_agreement, best_f1, mean_kl, safe_median, token_f1
-from bench.engine_variants import Variant, adaptive_variants, main_variants, selection_variants, sweep_variants
+from bench.engine_variants import (Variant, adaptive_variants, main_variants, selection_variants, spec_variants,
+                                   sweep_variants)
 from bench.musique import Question, load_questions
 from bench.synthetic import synthetic_prompt
 from blend_engine.engine import BlendEngine
-from blend_engine.types import PrefillResult, Segment
+from blend_engine.types import PrefillMode, PrefillResult, Segment
 from configs import DeviationKind, SinkMode, WeightFormat, load_settings
 
 DEFAULT_DATA = "../shared/data/musique_dev.json"
@@ -76,6 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="add a row per selection strategy at r=0.15 (deviation, chunk_start, query, ...)")
     parser.add_argument("--adaptive", default="",
                         help="adaptive-ratio rows: score-mass shares to cover, e.g. 0.5,0.7")
+    parser.add_argument("--variant", action="append", default=[],
+                        help='a blend row at r=0.15 with these config fields, e.g. "selection=query check_layers=2" '
+                             "(repeatable)")
+    parser.add_argument("--no-prefix-row", action="store_true", help="skip the prefix-mode row (as slow as full)")
     parser.add_argument("--answer-tokens", type=int, default=32, help="max tokens of the reference answer")
     parser.add_argument("--no-answers", action="store_true",
                         help="skip each variant's free-running answer (F1 columns empty; teacher-forced ones kept)")
@@ -100,6 +105,9 @@ def run(args: argparse.Namespace) -> int:
     if args.selections:
         variants += selection_variants(engine.blend, settings.blend.sink)
     variants += adaptive_variants(engine.blend, settings.blend.sink, _ratios(args.adaptive, allow_empty=True))
+    variants += spec_variants(engine.blend, settings.blend.sink, args.variant)
+    if args.no_prefix_row:
+        variants = [v for v in variants if v.mode != PrefillMode.PREFIX]
     is_quality = not engine.is_random
     runs = Runs()
     _warm_up(engine, questions[0], variants)

@@ -38,6 +38,7 @@ def summarize(runs, variants, args, engine, is_quality: bool) -> dict:
             "kl_vs_reuse": (kl / ref_kl) if (kl is not None and ref_kl) else None,
             "f1_vs_full": safe_mean(r.f1_vs_full for r in recs if r.f1_vs_full is not None),
             "f1_vs_gold": safe_mean(r.f1_vs_gold for r in recs if r.f1_vs_gold is not None),
+            "tf_kl_per_question": [r.tf_kl for r in recs],  # paired comparisons between rows
         }
     return {
         "bench": "engine",

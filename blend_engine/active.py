@@ -100,16 +100,17 @@ def candidate_deviation(ctx: ActiveContext, active: ActiveSet, layer: int, k: to
 
 
 def check_step(ctx: ActiveContext, active: ActiveSet, check_idx: int, layer: int, deviation: torch.Tensor | None,
-               q: torch.Tensor, cache: KVCache) -> CheckResult:
+               q: torch.Tensor, cache: KVCache, probe_mass: torch.Tensor | None = None) -> CheckResult:
     """Keep every fresh token plus the best-ranked cached ones (by `ctx.selection`).
 
     q [H, A, D] (pre-RoPE): this layer's queries for `active`; the cache holds this layer's fused K
     (fresh for `active`, reused elsewhere). Returns the new set and the rows of `active` it keeps
-    (ascending), to cut the queries and hidden states with. Nothing is read back to the host, unless
+    (ascending), to cut the queries and hidden states with. `probe_mass` [N]: the question's attention
+    measured deeper by the probe (query selections), used instead of this layer's. Nothing is read back to the host, unless
     the config decides the ratio at the check (adaptive, guard): then one count, once per request.
     """
     cand_pos = active.pos[active.cand_rows]  # [C]
-    raw, score = _score(ctx, active, deviation, q, cache.keys[layer], cand_pos)  # [C] each
+    raw, score = _score(ctx, active, deviation, q, cache.keys[layer], cand_pos, probe_mass)  # [C] each
     num_keep, unselected, is_guarded = ctx.plan.num_keep[check_idx], None, False
     if check_idx == 0:
         num_keep, unselected, is_guarded = decide_keep(ctx, raw, num_keep)
@@ -152,20 +153,26 @@ def decide_keep(ctx: ActiveContext, raw: torch.Tensor, num_keep: int) -> tuple[i
 
 
 def _score(ctx: ActiveContext, active: ActiveSet, deviation: torch.Tensor | None, q: torch.Tensor,
-           keys: torch.Tensor, cand_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+           keys: torch.Tensor, cand_pos: torch.Tensor,
+           probe_mass: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """[C] raw score of the candidates (all >= 0) and the ranking score (chunk starts above every other)."""
+    score = deviation
     if ctx.blend.selection.is_query:
-        num_query = ctx.plan.num_query_tokens  # the question: always the last rows of an active set
-        q_last = apply_rope(q[:, -num_query:], active.cos[-num_query:], active.sin[-num_query:])
-        mass = query_mass(q_last, keys[:, : ctx.plan.num_tokens], ctx.query_mask, ctx.scale)[cand_pos]
+        mass = (probe_mass if probe_mass is not None else _check_mass(ctx, active, q, keys))[cand_pos]
         score = mass * deviation if deviation is not None else mass
-    else:
-        score = deviation
     raw = score
     if ctx.plan.forced_cached_idx and cand_pos.numel():
         is_forced = ctx.is_forced[torch.searchsorted(ctx.cached_pos, cand_pos)]  # [C]
         score = score + is_forced * (score.max() + 1)  # stays on the device: no read-back
     return raw, score
+
+
+def _check_mass(ctx: ActiveContext, active: ActiveSet, q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """[N] the question's attention mass over every position at the check layer itself."""
+    num_query = ctx.plan.num_query_tokens  # the question: always the last rows of an active set
+    q_last = apply_rope(q[:, -num_query:], active.cos[-num_query:], active.sin[-num_query:])
+    return query_mass(q_last, keys[:, : ctx.plan.num_tokens], ctx.query_mask, ctx.scale, ctx.blend.query_heads,
+                      ctx.blend.query_tokens)
 
 
 def _tensor(values: tuple[int, ...], device: torch.device) -> torch.Tensor:

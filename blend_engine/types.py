@@ -8,13 +8,14 @@ from enum import Enum
 import torch
 
 from blend_engine.kv import CachedChunk, KVCache
-from configs.settings import BlendSettings, DeviationKind, PrefillMode, SelectionKind
+from configs.settings import BlendSettings, DeviationKind, HeadReduce, PrefillMode, SelectionKind
 
 __all__ = [
     "BlendConfig",
     "Delta",
     "DeviationKind",
     "FinishReason",
+    "HeadReduce",
     "PrefillMode",
     "PrefillResult",
     "PrefillStats",
@@ -34,6 +35,12 @@ class BlendConfig:
     deviation: DeviationKind = DeviationKind.VALUE
     selection: SelectionKind = SelectionKind.DEVIATION
     chunk_start_tokens: int = 8  # chunk_start selections: each chunk's first tokens, always
+    # Query selections: where the question's attention is measured. None: at the check layer; a deeper
+    # layer: a probe runs the fresh tokens alone over the reused cache from the first check layer up to
+    # it (cheap: the question and separators only; nothing else is recomputed for it).
+    probe_layer: int | None = None
+    query_heads: HeadReduce = HeadReduce.SUM  # how the heads' attention masses combine
+    query_tokens: int = 0  # only the question's last tokens' attention counts (0: all of them)
     # Adaptive ratio: recompute the fewest top-ranked tokens covering this share of the candidates'
     # total score, within [min_ratio, max_ratio]; `recompute_ratio` is then unused.
     adaptive_mass: float | None = None
@@ -45,8 +52,8 @@ class BlendConfig:
     guard_ratio: float = 0.5
 
     def __post_init__(self) -> None:
-        if self.chunk_start_tokens < 0:
-            raise ValueError("chunk_start_tokens must be >= 0")
+        if self.chunk_start_tokens < 0 or self.query_tokens < 0:
+            raise ValueError("chunk_start_tokens and query_tokens must be >= 0")
         for name in ("adaptive_mass", "guard_unselected_mass", "min_ratio", "max_ratio", "guard_ratio"):
             value = getattr(self, name)
             if value is not None and not 0.0 <= value <= 1.0:
@@ -63,6 +70,8 @@ class BlendConfig:
             raise ValueError("check layers must be >= 0")
         if self.filter_growth < 1.0:
             raise ValueError("filter_growth must be >= 1")
+        if self.probe_layer is not None and self.probe_layer <= self.check_layers[0]:
+            raise ValueError(f"probe_layer must be after the first check layer {self.check_layers[0]}")
 
     @property
     def first_check_layer(self) -> int:

@@ -71,6 +71,13 @@ class SelectionKind(str, Enum):
         return self in (SelectionKind.DEVIATION, SelectionKind.CHUNK_START, SelectionKind.QUERY_DEVIATION)
 
 
+class HeadReduce(str, Enum):
+    """How query-aware selection combines the attention mass each head gives a cached token."""
+
+    SUM = "sum"
+    MAX = "max"  # a token one head relies on counts fully, however the others ignore it
+
+
 class SinkMode(str, Enum):
     """What a chunk is computed behind at precompute (its KV is dropped afterwards)."""
 
