@@ -41,6 +41,7 @@ class Record:
     first_token_agrees: bool
     recompute_ratio: float | None = None  # the ratio used (adaptive: chosen per question)
     unselected_mass: float | None = None  # the quality guard's signal (blend)
+    first_entropy: float | None = None  # entropy of the first token's distribution (a candidate guard signal)
     tf_agreement: float | None = None
     tf_kl: float | None = None
     f1_vs_full: float | None = None
@@ -178,6 +179,10 @@ def timed_prefill(engine: BlendEngine, segments, variant: Variant, extra: int) -
     return result, (time.perf_counter() - t0) * 1000, first
 
 
+def entropy(logits: torch.Tensor) -> float:
+    return float(torch.distributions.Categorical(logits=logits.float()).entropy())
+
+
 def greedy_ids(engine: BlendEngine, result: PrefillResult, max_tokens: int) -> list[int]:
     decoder = engine.decoder(result)
     ids, logits = [], result.logits
@@ -207,7 +212,7 @@ def bench_question(engine, question: Question, variants, runs: Runs, answer_toke
             result, ms, first = timed_prefill(engine, segments, variant, answer_tokens)
         stats = result.stats
         record = Record(ms, stats.num_recomputed_tokens, stats.num_prompt_tokens, first == full_first,
-                        stats.recompute_ratio, stats.unselected_mass)
+                        stats.recompute_ratio, stats.unselected_mass, entropy(result.logits))
         if is_quality:
             _score(engine, result, record, ref_ids, ref_logits, ref_text, question, answer_tokens, is_answered)
         runs.add(variant.label, record)

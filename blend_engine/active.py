@@ -17,7 +17,7 @@ from blend_engine.attention import AttentionBackend, AttentionMeta, additive_cau
 from blend_engine.kv import KVCache
 from blend_engine.plan import PrefillPlan
 from blend_engine.runner import apply_rope
-from blend_engine.selector import query_mass, select_top, token_deviation
+from blend_engine.selector import combine_scores, query_mass, select_top, token_deviation
 from blend_engine.types import BlendConfig, DeviationKind
 
 
@@ -159,7 +159,7 @@ def _score(ctx: ActiveContext, active: ActiveSet, deviation: torch.Tensor | None
     score = deviation
     if ctx.blend.selection.is_query:
         mass = (probe_mass if probe_mass is not None else _check_mass(ctx, active, q, keys))[cand_pos]
-        score = mass * deviation if deviation is not None else mass
+        score = mass if deviation is None else combine_scores(mass, deviation, ctx.blend.combine)
     raw = score
     if ctx.plan.forced_cached_idx and cand_pos.numel():
         is_forced = ctx.is_forced[torch.searchsorted(ctx.cached_pos, cand_pos)]  # [C]

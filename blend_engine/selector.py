@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from configs.settings import HeadReduce
+from configs.settings import HeadReduce, ScoreCombine
 
 
 def token_deviation(fresh: torch.Tensor, reused: torch.Tensor) -> torch.Tensor:
@@ -41,3 +41,10 @@ def query_mass(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scale: f
         probs = probs[:, -num_last:]
     per_head = probs.sum(dim=1)  # [H, N]
     return per_head.amax(dim=0) if heads == HeadReduce.MAX else per_head.sum(dim=0)
+
+
+def combine_scores(mass: torch.Tensor, deviation: torch.Tensor, combine: ScoreCombine) -> torch.Tensor:
+    """[C] one ranking score (>= 0) from the question's attention mass and the deviation, both [C]."""
+    if combine == ScoreCombine.PRODUCT:
+        return mass * deviation
+    return (mass.argsort().argsort() + deviation.argsort().argsort()).float()  # ranks 0..C-1, summed

@@ -8,7 +8,7 @@ from enum import Enum
 import torch
 
 from blend_engine.kv import CachedChunk, KVCache
-from configs.settings import BlendSettings, DeviationKind, HeadReduce, PrefillMode, SelectionKind
+from configs.settings import BlendSettings, DeviationKind, HeadReduce, PrefillMode, ScoreCombine, SelectionKind
 
 __all__ = [
     "BlendConfig",
@@ -20,6 +20,7 @@ __all__ = [
     "PrefillResult",
     "PrefillStats",
     "SamplingParams",
+    "ScoreCombine",
     "Segment",
     "SelectionKind",
 ]
@@ -41,6 +42,7 @@ class BlendConfig:
     probe_layer: int | None = None
     query_heads: HeadReduce = HeadReduce.SUM  # how the heads' attention masses combine
     query_tokens: int = 0  # only the question's last tokens' attention counts (0: all of them)
+    combine: ScoreCombine = ScoreCombine.PRODUCT  # query_deviation: mass x deviation, or their rank sum
     # Adaptive ratio: recompute the fewest top-ranked tokens covering this share of the candidates'
     # total score, within [min_ratio, max_ratio]; `recompute_ratio` is then unused.
     adaptive_mass: float | None = None

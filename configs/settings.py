@@ -78,6 +78,13 @@ class HeadReduce(str, Enum):
     MAX = "max"  # a token one head relies on counts fully, however the others ignore it
 
 
+class ScoreCombine(str, Enum):
+    """How query_deviation combines the question's attention mass with the deviation."""
+
+    PRODUCT = "product"
+    RANK_SUM = "rank_sum"  # the sum of the two ranks: neither scale dominates
+
+
 class SinkMode(str, Enum):
     """What a chunk is computed behind at precompute (its KV is dropped afterwards)."""
 

@@ -5,7 +5,8 @@ deviation, chunk starts always kept, and query-aware ranking against a brute-for
 import pytest
 import torch
 
-from blend_engine.types import BlendConfig, HeadReduce, PrefillMode, SelectionKind, Segment
+from blend_engine.selector import combine_scores
+from blend_engine.types import BlendConfig, HeadReduce, PrefillMode, ScoreCombine, SelectionKind, Segment
 from engine_models import MODEL_BUILDERS, build_engine, cpu_exact
 from test_engine_blend import assert_same_prefill, rag_prompt
 
@@ -120,17 +121,18 @@ def test_probe_selection_at_ratio_one_equals_full(family, selection):
     engine = build_engine(family)
     segments = rag_prompt(engine)
     full = engine.prefill(segments, PrefillMode.FULL)
-    for checks in [(1,), (1, 2, 3)]:
-        config = BlendConfig(recompute_ratio=1.0, selection=selection, check_layers=checks, **PROBE)
+    for checks, combine in [((1,), ScoreCombine.PRODUCT), ((1, 2, 3), ScoreCombine.RANK_SUM)]:
+        config = BlendConfig(recompute_ratio=1.0, selection=selection, check_layers=checks, combine=combine, **PROBE)
         assert_same_prefill(engine.prefill(segments, PrefillMode.BLEND, config), full)
 
 
+@pytest.mark.parametrize("combine", list(ScoreCombine))
 @pytest.mark.parametrize("check_layers", [(1,), (1, 2)])
-def test_probe_selection_spends_the_same_budget(check_layers):
+def test_probe_selection_spends_the_same_budget(check_layers, combine):
     engine = build_engine("llama-gqa")
     segments = rag_prompt(engine, chunk_len=40)
     config = BlendConfig(recompute_ratio=0.2, selection=SelectionKind.QUERY_DEVIATION, check_layers=check_layers,
-                         **PROBE)
+                         combine=combine, **PROBE)
     result = engine.prefill(segments, PrefillMode.BLEND, config)
     cached = cached_positions(segments)
     assert len(result.stats.selected_positions) == round(0.2 * len(cached))
@@ -170,3 +172,9 @@ def test_probe_layer_must_follow_the_check_and_fit_the_model():
     with pytest.raises(ValueError, match="probe layer"):
         engine.prefill(rag_prompt(engine), PrefillMode.BLEND,
                        BlendConfig(selection=SelectionKind.QUERY, probe_layer=engine.num_layers))
+
+
+def test_rank_sum_combines_the_two_rankings():
+    mass, deviation = torch.tensor([0.9, 0.1, 0.5, 0.0]), torch.tensor([0.0, 100.0, 50.0, 1.0])
+    assert combine_scores(mass, deviation, ScoreCombine.RANK_SUM).tolist() == [3.0, 4.0, 4.0, 1.0]
+    assert combine_scores(mass, deviation, ScoreCombine.PRODUCT).argmax() == 2
