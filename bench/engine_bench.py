@@ -42,6 +42,7 @@ class Record:
     recompute_ratio: float | None = None  # the ratio used (adaptive: chosen per question)
     unselected_mass: float | None = None  # the quality guard's signal (blend)
     first_entropy: float | None = None  # entropy of the first token's distribution (a candidate guard signal)
+    last_token_shift: float | None = None  # another: the last token's attention change at the check (blend)
     tf_agreement: float | None = None
     tf_kl: float | None = None
     f1_vs_full: float | None = None
@@ -212,7 +213,8 @@ def bench_question(engine, question: Question, variants, runs: Runs, answer_toke
             result, ms, first = timed_prefill(engine, segments, variant, answer_tokens)
         stats = result.stats
         record = Record(ms, stats.num_recomputed_tokens, stats.num_prompt_tokens, first == full_first,
-                        stats.recompute_ratio, stats.unselected_mass, entropy(result.logits))
+                        stats.recompute_ratio, stats.unselected_mass, entropy(result.logits),
+                        stats.last_token_shift)
         if is_quality:
             _score(engine, result, record, ref_ids, ref_logits, ref_text, question, answer_tokens, is_answered)
         runs.add(variant.label, record)

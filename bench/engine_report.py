@@ -41,6 +41,7 @@ def summarize(runs, variants, args, engine, is_quality: bool) -> dict:
             "tf_kl_per_question": [r.tf_kl for r in recs],  # paired comparisons between rows
             "unselected_mass_per_question": [r.unselected_mass for r in recs],  # candidate guard signals
             "first_entropy_per_question": [r.first_entropy for r in recs],
+            "last_token_shift_per_question": [r.last_token_shift for r in recs],
         }
     return {
         "bench": "engine",
@@ -78,6 +79,7 @@ def guard_report(runs, variants) -> dict | None:
         "worst_kl_precision": len(worst & flagged) / num_flagged,
         "spearman_signal_kl": _spearman([r.unselected_mass for r in recs], [r.tf_kl for r in recs]),
         "spearman_first_entropy_kl": _spearman([r.first_entropy for r in recs], [r.tf_kl for r in recs]),
+        "spearman_last_token_shift_kl": _spearman([r.last_token_shift for r in recs], [r.tf_kl for r in recs]),
     }
 
 

@@ -20,7 +20,8 @@ class Variant:
 def main_variants(blend: BlendConfig, sink: SinkMode, ratios: list[float]) -> list[Variant]:
     out = [Variant("full", PrefillMode.FULL, sink), Variant("prefix", PrefillMode.PREFIX, sink),
            Variant("reuse", PrefillMode.REUSE, sink)]
-    out += [Variant(f"blend@{r:.2f}", PrefillMode.BLEND, sink, _with(blend, recompute_ratio=r)) for r in ratios]
+    out += [Variant(f"blend@{r:.2f}", PrefillMode.BLEND, sink, _with(blend, recompute_ratio=r, is_shift_measured=True))
+            for r in ratios]  # the guard report's candidate signals are measured on these rows
     return out
 
 
@@ -69,7 +70,8 @@ def spec_variants(blend: BlendConfig, sink: SinkMode, specs: list[str]) -> list[
 
 
 def parse_spec(base: BlendConfig, spec: str) -> dict:
-    names = {f.name for f in fields(BlendConfig)}
+    types = {f.name: str(f.type) for f in fields(BlendConfig)}
+    names = set(types)
     changes = {}
     for item in spec.split():
         name, sep, text = item.partition("=")
@@ -84,7 +86,7 @@ def parse_spec(base: BlendConfig, spec: str) -> dict:
             changes[name] = type(current)(text)
         elif isinstance(current, bool):
             changes[name] = text.lower() in ("1", "true", "yes")
-        elif isinstance(current, int):
+        elif isinstance(current, int) or types[name].startswith("int"):
             changes[name] = int(text)
         else:
             changes[name] = float(text)

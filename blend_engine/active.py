@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from blend_engine.attention import AttentionBackend, AttentionMeta, additive_causal_mask, causal_meta, subset_meta
+from blend_engine.attention import (AttentionBackend, AttentionMeta, additive_causal_mask, attend, causal_meta, last_meta,
+                                    subset_meta)
 from blend_engine.kv import KVCache
 from blend_engine.plan import PrefillPlan
 from blend_engine.runner import apply_rope
@@ -97,6 +98,25 @@ def candidate_deviation(ctx: ActiveContext, active: ActiveSet, layer: int, k: to
     cand_pos = active.pos[active.cand_rows]  # [C]
     fresh, stored = (k, cache.keys) if ctx.blend.deviation == DeviationKind.KEY else (v, cache.values)
     return token_deviation(fresh[:, active.cand_rows], stored[layer][:, cand_pos])
+
+
+def last_token_shift(ctx: ActiveContext, active: ActiveSet, layer: int, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """0-d: how far the reused K/V move the last token's attention output at the first check layer
+    (relative L2, fused cache vs all fresh), a candidate quality-guard signal.
+
+    Every token is active at the first check, so k (rotated), v [H_kv, N, D] are in position order;
+    call before they overwrite the reused K/V in the cache. One query over N keys, twice: cheap.
+    """
+    num_tokens = ctx.plan.num_tokens
+    is_cached = torch.zeros(num_tokens, dtype=torch.bool, device=ctx.device).index_fill_(0, ctx.cached_pos, True)
+    keys = torch.where(is_cached[None, :, None], cache.keys[layer][:, :num_tokens], k)  # [H_kv, N, D]
+    values = torch.where(is_cached[None, :, None], cache.values[layer][:, :num_tokens], v)
+    q_last = apply_rope(q[:, -1:], active.cos[-1:], active.sin[-1:])
+    meta = last_meta(num_tokens)
+    fresh = attend(q_last, k, v, meta, ctx.scale)  # [1, H*D]
+    fused = attend(q_last, keys, values, meta, ctx.scale)
+    return (fused - fresh).float().norm() / fresh.float().norm().clamp_min(1e-30)
 
 
 def check_step(ctx: ActiveContext, active: ActiveSet, check_idx: int, layer: int, deviation: torch.Tensor | None,

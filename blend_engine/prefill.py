@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from blend_engine.active import (ActiveContext, ActiveSet, RopeTable, active_context, candidate_deviation, check_step,
-                                 initial_active)
+                                 initial_active, last_token_shift)
 from blend_engine.attention import AttentionBackend, attend, last_meta
 from blend_engine.kv import KVCache, LayerKVSource, WholeKVSource
 from blend_engine.layout import layout_all, layout_layer
@@ -39,6 +39,7 @@ class _Loop:
     kv_wait_ms: float = 0.0  # host time blocked on a streamed source
     unselected_mass: torch.Tensor | None = None  # 0-d, from the first check
     is_guarded: bool = False
+    last_shift: torch.Tensor | None = None  # 0-d, from the first check: a candidate guard signal
     probe_mass: torch.Tensor | None = None  # [N] the question's attention at the probe layer (query selections)
     laid_out: set[int] = field(default_factory=set)  # layers whose reused KV is in the cache (streamed layout)
 
@@ -78,11 +79,11 @@ def run_prefill(runner: ModelRunner, plan: PrefillPlan, blend: BlendConfig, sour
         _layer_step(runner, ctx, blend, cache, layer, state, timer, lay_out)
     with timer.stage("compute"):
         logits = runner.logits(state.hidden[-1:])[0]  # [vocab]
-    selected, unselected = _read_back(state)
+    selected, unselected, last_shift = _read_back(state)
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # prefill_ms ends when the logits exist, not when they were queued
     stats = _stats(plan, blend, selected, timer, state.kv_wait_ms, t_start)
-    stats.unselected_mass, stats.is_guarded = unselected, state.is_guarded
+    stats.unselected_mass, stats.is_guarded, stats.last_token_shift = unselected, state.is_guarded, last_shift
     return PrefillResult(token_ids=list(plan.token_ids), cache=cache, logits=logits, stats=stats)
 
 
@@ -107,6 +108,8 @@ def _layer_step(runner: ModelRunner, ctx: ActiveContext, blend: BlendConfig, cac
     if is_check:
         with timer.stage("select"):
             deviation = candidate_deviation(ctx, active, layer, k, v, cache)  # before the reused K/V go
+            if blend.is_shift_measured and state.last_shift is None:
+                state.last_shift = last_token_shift(ctx, active, layer, q, k, v, cache)
     with timer.stage("compute"):
         cache.update(layer, active.slots, k, v)
     rows = None
@@ -154,12 +157,14 @@ def _stats(plan: PrefillPlan, blend: BlendConfig, selected: list[int], timer: St
     )
 
 
-def _read_back(state: _Loop) -> tuple[list[int], float | None]:
-    """The selection and the guard's signal, in one device-to-host read (float64 holds positions exactly)."""
+def _read_back(state: _Loop) -> tuple[list[int], float | None, float | None]:
+    """The selection and the guard signals, in one device-to-host read (float64 holds positions exactly)."""
     if state.selected is None:
-        return [], None
-    values = torch.cat([state.selected.double(), state.unselected_mass.double().reshape(1)]).tolist()
-    return [int(p) for p in values[:-1]], values[-1]
+        return [], None, None
+    shift = state.last_shift if state.last_shift is not None else torch.full_like(state.unselected_mass, torch.nan)
+    signals = [state.unselected_mass.double().reshape(1), shift.double().reshape(1)]
+    values = torch.cat([state.selected.double(), *signals]).tolist()
+    return [int(p) for p in values[:-2]], values[-2], (None if values[-1] != values[-1] else values[-1])
 
 
 def _ratio_used(plan: PrefillPlan, blend: BlendConfig, num_selected: int) -> float | None:

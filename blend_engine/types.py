@@ -43,6 +43,7 @@ class BlendConfig:
     query_heads: HeadReduce = HeadReduce.SUM  # how the heads' attention masses combine
     query_tokens: int = 0  # only the question's last tokens' attention counts (0: all of them)
     combine: ScoreCombine = ScoreCombine.PRODUCT  # query_deviation: mass x deviation, or their rank sum
+    is_shift_measured: bool = False  # report PrefillStats.last_token_shift (two one-query attentions more)
     # Adaptive ratio: recompute the fewest top-ranked tokens covering this share of the candidates'
     # total score, within [min_ratio, max_ratio]; `recompute_ratio` is then unused.
     adaptive_mass: float | None = None
@@ -135,6 +136,8 @@ class PrefillStats:
     is_timing_exact: bool = True  # stage splits measured (CPU always; CUDA only when profiled)
     unselected_mass: float | None = None  # share of the ranking score left unselected at the first check (blend)
     is_guarded: bool = False  # the quality guard raised the ratio
+    last_token_shift: float | None = None  # blend: relative change of the last token's attention output at the
+    # first check, reused vs fresh K/V (a candidate guard signal, measured in the README)
 
 
 @dataclass

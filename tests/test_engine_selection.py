@@ -178,3 +178,16 @@ def test_rank_sum_combines_the_two_rankings():
     mass, deviation = torch.tensor([0.9, 0.1, 0.5, 0.0]), torch.tensor([0.0, 100.0, 50.0, 1.0])
     assert combine_scores(mass, deviation, ScoreCombine.RANK_SUM).tolist() == [3.0, 4.0, 4.0, 1.0]
     assert combine_scores(mass, deviation, ScoreCombine.PRODUCT).argmax() == 2
+
+
+def test_last_token_shift_is_zero_for_exact_caches_only():
+    engine = build_engine("llama-gqa")
+    plain = rag_prompt(engine, chunk_len=25)
+    exact, before = [], []
+    for seg in plain:  # each chunk precomputed behind exactly the tokens before it: its KV is the full prefill's
+        exact.append(Segment(seg.token_ids, engine.precompute(seg.token_ids, before) if seg.kv else None))
+        before += seg.token_ids
+    config = BlendConfig(recompute_ratio=0.2, is_shift_measured=True)
+    assert engine.prefill(plain, PrefillMode.BLEND, BlendConfig()).stats.last_token_shift is None  # off by default
+    assert engine.prefill(exact, PrefillMode.BLEND, config).stats.last_token_shift < 1e-5
+    assert engine.prefill(plain, PrefillMode.BLEND, config).stats.last_token_shift > 1e-3
