@@ -151,6 +151,18 @@ class BlendSettings(BaseModel):
     chunk_start_tokens: int = Field(
         8, ge=0, le=256, description="chunk_start selections: each chunk's first tokens always recomputed."
     )
+    probe_layer: int | None = Field(
+        None, ge=1,
+        description="Query selections: measure the question's attention at this deeper layer with a probe of the "
+                    "fresh tokens over the reused cache (null: at the check layer).",
+    )
+    query_heads: HeadReduce = Field(HeadReduce.SUM, description="Query selections: sum or max over heads.")
+    query_tokens: int = Field(
+        0, ge=0, description="Query selections: only the question's last tokens' attention counts (0: all)."
+    )
+    combine: ScoreCombine = Field(
+        ScoreCombine.PRODUCT, description="query_deviation: attention mass x deviation, or the sum of their ranks."
+    )
     adaptive_mass: float = Field(
         0.5, gt=0.0, le=1.0,
         description="recompute_ratio='adaptive': recompute the fewest top-ranked tokens holding this share of the score.",

@@ -191,3 +191,13 @@ def test_last_token_shift_is_zero_for_exact_caches_only():
     assert engine.prefill(plain, PrefillMode.BLEND, BlendConfig()).stats.last_token_shift is None  # off by default
     assert engine.prefill(exact, PrefillMode.BLEND, config).stats.last_token_shift < 1e-5
     assert engine.prefill(plain, PrefillMode.BLEND, config).stats.last_token_shift > 1e-3
+
+
+def test_query_options_come_from_settings():
+    from configs import load_settings
+    settings = load_settings(blend={"selection": "query_deviation", "probe_layer": 8, "query_heads": "max",
+                                    "query_tokens": 4, "combine": "rank_sum"})
+    config = BlendConfig.from_settings(settings.blend)
+    assert (config.probe_layer, config.query_heads, config.query_tokens, config.combine) == (
+        8, HeadReduce.MAX, 4, ScoreCombine.RANK_SUM)
+    assert BlendConfig.from_settings(load_settings().blend).probe_layer is None
