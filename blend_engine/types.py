@@ -40,6 +40,7 @@ class BlendConfig:
     # layer: a probe runs the fresh tokens alone over the reused cache from the first check layer up to
     # it (cheap: the question and separators only; nothing else is recomputed for it).
     probe_layer: int | None = None
+    probe_span: int = 1  # the probe sums the question's attention over this many layers, ending at probe_layer
     query_heads: HeadReduce = HeadReduce.SUM  # how the heads' attention masses combine
     query_tokens: int = 0  # only the question's last tokens' attention counts (0: all of them)
     combine: ScoreCombine = ScoreCombine.PRODUCT  # query_deviation: mass x deviation, or their rank sum
@@ -57,6 +58,8 @@ class BlendConfig:
     def __post_init__(self) -> None:
         if self.chunk_start_tokens < 0 or self.query_tokens < 0:
             raise ValueError("chunk_start_tokens and query_tokens must be >= 0")
+        if self.probe_span < 1:
+            raise ValueError("probe_span must be >= 1")
         for name in ("adaptive_mass", "guard_unselected_mass", "min_ratio", "max_ratio", "guard_ratio"):
             value = getattr(self, name)
             if value is not None and not 0.0 <= value <= 1.0:
@@ -91,6 +94,7 @@ class BlendConfig:
             selection=settings.selection,
             chunk_start_tokens=settings.chunk_start_tokens,
             probe_layer=settings.probe_layer,
+            probe_span=settings.probe_span,
             query_heads=settings.query_heads,
             query_tokens=settings.query_tokens,
             combine=settings.combine,

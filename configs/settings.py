@@ -156,6 +156,7 @@ class BlendSettings(BaseModel):
         description="Query selections: measure the question's attention at this deeper layer with a probe of the "
                     "fresh tokens over the reused cache (null: at the check layer).",
     )
+    probe_span: int = Field(1, ge=1, description="The probe sums the attention over this many layers up to probe_layer.")
     query_heads: HeadReduce = Field(HeadReduce.SUM, description="Query selections: sum or max over heads.")
     query_tokens: int = Field(
         0, ge=0, description="Query selections: only the question's last tokens' attention counts (0: all)."

@@ -141,8 +141,8 @@ def test_probe_selection_spends_the_same_budget(check_layers, combine):
 
 
 @cpu_exact
-@pytest.mark.parametrize("heads", list(HeadReduce))
-def test_probe_ranks_by_the_questions_attention_at_the_probe_layer(heads):
+@pytest.mark.parametrize("heads,span", [(HeadReduce.SUM, 1), (HeadReduce.MAX, 1), (HeadReduce.SUM, 2)])
+def test_probe_ranks_by_the_questions_attention_at_the_probe_layer(heads, span):
     # Chunks precomputed behind exactly the tokens before them: their reused KV is the full prefill's,
     # so the probe's attention at layer 3 is HF's own there (brute-force reference).
     engine = build_engine("llama-gqa")
@@ -153,13 +153,15 @@ def test_probe_ranks_by_the_questions_attention_at_the_probe_layer(heads):
         before += seg.token_ids
     ratio, probe_layer, num_last = 0.2, 3, 4
     config = BlendConfig(recompute_ratio=ratio, selection=SelectionKind.QUERY, probe_layer=probe_layer,
-                         query_heads=heads, query_tokens=num_last)
+                         probe_span=span, query_heads=heads, query_tokens=num_last)
     result = engine.prefill(segments, PrefillMode.BLEND, config)
     engine.model.set_attn_implementation("eager")
     with torch.no_grad():
-        probs = engine.model(torch.tensor([before]), output_attentions=True).attentions[probe_layer][0]  # [H, N, N]
-    per_head = probs[:, -num_last:].sum(dim=1)  # [H, N]
-    mass = per_head.amax(dim=0) if heads == HeadReduce.MAX else per_head.sum(dim=0)
+        attentions = engine.model(torch.tensor([before]), output_attentions=True).attentions
+    mass = 0
+    for layer in range(probe_layer - span + 1, probe_layer + 1):  # the layers summed, each [H, N, N]
+        per_head = attentions[layer][0][:, -num_last:].sum(dim=1)  # [H, N]
+        mass = mass + (per_head.amax(dim=0) if heads == HeadReduce.MAX else per_head.sum(dim=0))
     cached = cached_positions(segments)
     top = torch.topk(mass[cached], round(ratio * len(cached))).indices
     assert result.stats.selected_positions == sorted(cached[i] for i in top.tolist())
