@@ -20,11 +20,12 @@ from bench.decode_bench import measure_decode
 from bench.engine_report import print_table, summarize
 from bench.format_bench import compare_formats, print_formats
 from bench.metrics import argmax_agreement, best_f1, mean_kl, safe_median, token_f1
-from bench.engine_variants import Variant, adaptive_variants, main_variants, selection_variants, sweep_variants
+from bench.engine_variants import (Variant, adaptive_variants, main_variants, selection_variants, spec_variants,
+                                   sweep_variants)
 from bench.musique import Question, load_questions
 from bench.synthetic import synthetic_prompt
 from blend_engine.engine import BlendEngine
-from blend_engine.types import PrefillResult, Segment
+from blend_engine.types import PrefillMode, PrefillResult, Segment
 from configs import DeviationKind, SinkMode, WeightFormat, load_settings
 
 DEFAULT_DATA = "../shared/data/musique_dev.json"
@@ -40,6 +41,8 @@ class Record:
     first_token_agrees: bool
     recompute_ratio: float | None = None  # the ratio used (adaptive: chosen per question)
     unselected_mass: float | None = None  # the quality guard's signal (blend)
+    first_entropy: float | None = None  # entropy of the first token's distribution (a candidate guard signal)
+    last_token_shift: float | None = None  # another: the last token's attention change at the check (blend)
     tf_agreement: float | None = None
     tf_kl: float | None = None
     f1_vs_full: float | None = None
@@ -76,6 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="add a row per selection strategy at r=0.15 (deviation, chunk_start, query, ...)")
     parser.add_argument("--adaptive", default="",
                         help="adaptive-ratio rows: score-mass shares to cover, e.g. 0.5,0.7")
+    parser.add_argument("--variant", action="append", default=[],
+                        help='a blend row at r=0.15 with these config fields, e.g. "selection=query check_layers=2" '
+                             "(repeatable)")
+    parser.add_argument("--no-prefix-row", action="store_true", help="skip the prefix-mode row (as slow as full)")
     parser.add_argument("--answer-tokens", type=int, default=32, help="max tokens of the reference answer")
     parser.add_argument("--no-answers", action="store_true",
                         help="skip each variant's free-running answer (F1 columns empty; teacher-forced ones kept)")
@@ -100,6 +107,9 @@ def run(args: argparse.Namespace) -> int:
     if args.selections:
         variants += selection_variants(engine.blend, settings.blend.sink)
     variants += adaptive_variants(engine.blend, settings.blend.sink, _ratios(args.adaptive, allow_empty=True))
+    variants += spec_variants(engine.blend, settings.blend.sink, args.variant)
+    if args.no_prefix_row:
+        variants = [v for v in variants if v.mode != PrefillMode.PREFIX]
     is_quality = not engine.is_random
     runs = Runs()
     _warm_up(engine, questions[0], variants)
@@ -170,6 +180,10 @@ def timed_prefill(engine: BlendEngine, segments, variant: Variant, extra: int) -
     return result, (time.perf_counter() - t0) * 1000, first
 
 
+def entropy(logits: torch.Tensor) -> float:
+    return float(torch.distributions.Categorical(logits=logits.float()).entropy())
+
+
 def greedy_ids(engine: BlendEngine, result: PrefillResult, max_tokens: int) -> list[int]:
     decoder = engine.decoder(result)
     ids, logits = [], result.logits
@@ -199,7 +213,8 @@ def bench_question(engine, question: Question, variants, runs: Runs, answer_toke
             result, ms, first = timed_prefill(engine, segments, variant, answer_tokens)
         stats = result.stats
         record = Record(ms, stats.num_recomputed_tokens, stats.num_prompt_tokens, first == full_first,
-                        stats.recompute_ratio, stats.unselected_mass)
+                        stats.recompute_ratio, stats.unselected_mass, entropy(result.logits),
+                        stats.last_token_shift)
         if is_quality:
             _score(engine, result, record, ref_ids, ref_logits, ref_text, question, answer_tokens, is_answered)
         runs.add(variant.label, record)

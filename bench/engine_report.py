@@ -38,6 +38,10 @@ def summarize(runs, variants, args, engine, is_quality: bool) -> dict:
             "kl_vs_reuse": (kl / ref_kl) if (kl is not None and ref_kl) else None,
             "f1_vs_full": safe_mean(r.f1_vs_full for r in recs if r.f1_vs_full is not None),
             "f1_vs_gold": safe_mean(r.f1_vs_gold for r in recs if r.f1_vs_gold is not None),
+            "tf_kl_per_question": [r.tf_kl for r in recs],  # paired comparisons between rows
+            "unselected_mass_per_question": [r.unselected_mass for r in recs],  # candidate guard signals
+            "first_entropy_per_question": [r.first_entropy for r in recs],
+            "last_token_shift_per_question": [r.last_token_shift for r in recs],
         }
     return {
         "bench": "engine",
@@ -74,6 +78,8 @@ def guard_report(runs, variants) -> dict | None:
         "worst_kl_recall": len(worst & flagged) / num_worst,
         "worst_kl_precision": len(worst & flagged) / num_flagged,
         "spearman_signal_kl": _spearman([r.unselected_mass for r in recs], [r.tf_kl for r in recs]),
+        "spearman_first_entropy_kl": _spearman([r.first_entropy for r in recs], [r.tf_kl for r in recs]),
+        "spearman_last_token_shift_kl": _spearman([r.last_token_shift for r in recs], [r.tf_kl for r in recs]),
     }
 
 

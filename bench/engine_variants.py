@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from enum import Enum
 
 from blend_engine.types import BlendConfig, PrefillMode
 from configs import DeviationKind, SelectionKind, SinkMode
@@ -19,7 +20,8 @@ class Variant:
 def main_variants(blend: BlendConfig, sink: SinkMode, ratios: list[float]) -> list[Variant]:
     out = [Variant("full", PrefillMode.FULL, sink), Variant("prefix", PrefillMode.PREFIX, sink),
            Variant("reuse", PrefillMode.REUSE, sink)]
-    out += [Variant(f"blend@{r:.2f}", PrefillMode.BLEND, sink, _with(blend, recompute_ratio=r)) for r in ratios]
+    out += [Variant(f"blend@{r:.2f}", PrefillMode.BLEND, sink, _with(blend, recompute_ratio=r, is_shift_measured=True))
+            for r in ratios]  # the guard report's candidate signals are measured on these rows
     return out
 
 
@@ -58,3 +60,34 @@ def _with(config: BlendConfig, **changes) -> BlendConfig:
 def adaptive_variants(blend: BlendConfig, sink: SinkMode, shares: list[float]) -> list[Variant]:
     """Adaptive-ratio rows: recompute until each share of the ranking score is covered."""
     return [Variant(f"blend@adaptive m={m:.2f}", PrefillMode.BLEND, sink, _with(blend, adaptive_mass=m)) for m in shares]
+
+
+def spec_variants(blend: BlendConfig, sink: SinkMode, specs: list[str]) -> list[Variant]:
+    """Rows from `--variant` specs: space-separated BlendConfig fields over the engine's config at
+    r=0.15, e.g. "selection=query_deviation check_layers=1,2,3"; the label is the spec itself."""
+    base = _with(blend, recompute_ratio=0.15)
+    return [Variant(f"blend {spec}", PrefillMode.BLEND, sink, _with(base, **parse_spec(base, spec))) for spec in specs]
+
+
+def parse_spec(base: BlendConfig, spec: str) -> dict:
+    types = {f.name: str(f.type) for f in fields(BlendConfig)}
+    names = set(types)
+    changes = {}
+    for item in spec.split():
+        name, sep, text = item.partition("=")
+        if not sep or name not in names:
+            raise ValueError(f"bad variant item {item!r}: expected FIELD=VALUE with FIELD one of {sorted(names)}")
+        current = getattr(base, name)
+        if text.lower() == "none":
+            changes[name] = None
+        elif isinstance(current, tuple):
+            changes[name] = tuple(int(x) for x in text.split(","))
+        elif isinstance(current, Enum):
+            changes[name] = type(current)(text)
+        elif isinstance(current, bool):
+            changes[name] = text.lower() in ("1", "true", "yes")
+        elif isinstance(current, int) or types[name].startswith("int"):
+            changes[name] = int(text)
+        else:
+            changes[name] = float(text)
+    return changes

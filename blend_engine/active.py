@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from blend_engine.attention import AttentionBackend, AttentionMeta, additive_causal_mask, causal_meta, subset_meta
+from blend_engine.attention import (AttentionBackend, AttentionMeta, additive_causal_mask, attend, causal_meta, last_meta,
+                                    subset_meta)
 from blend_engine.kv import KVCache
 from blend_engine.plan import PrefillPlan
 from blend_engine.runner import apply_rope
-from blend_engine.selector import query_mass, select_top, token_deviation
+from blend_engine.selector import combine_scores, query_mass, select_top, token_deviation
 from blend_engine.types import BlendConfig, DeviationKind
 
 
@@ -99,17 +100,37 @@ def candidate_deviation(ctx: ActiveContext, active: ActiveSet, layer: int, k: to
     return token_deviation(fresh[:, active.cand_rows], stored[layer][:, cand_pos])
 
 
+def last_token_shift(ctx: ActiveContext, active: ActiveSet, layer: int, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """0-d: how far the reused K/V move the last token's attention output at the first check layer
+    (relative L2, fused cache vs all fresh), a candidate quality-guard signal.
+
+    Every token is active at the first check, so k (rotated), v [H_kv, N, D] are in position order;
+    call before they overwrite the reused K/V in the cache. One query over N keys, twice: cheap.
+    """
+    num_tokens = ctx.plan.num_tokens
+    is_cached = torch.zeros(num_tokens, dtype=torch.bool, device=ctx.device).index_fill_(0, ctx.cached_pos, True)
+    keys = torch.where(is_cached[None, :, None], cache.keys[layer][:, :num_tokens], k)  # [H_kv, N, D]
+    values = torch.where(is_cached[None, :, None], cache.values[layer][:, :num_tokens], v)
+    q_last = apply_rope(q[:, -1:], active.cos[-1:], active.sin[-1:])
+    meta = last_meta(num_tokens)
+    fresh = attend(q_last, k, v, meta, ctx.scale)  # [1, H*D]
+    fused = attend(q_last, keys, values, meta, ctx.scale)
+    return (fused - fresh).float().norm() / fresh.float().norm().clamp_min(1e-30)
+
+
 def check_step(ctx: ActiveContext, active: ActiveSet, check_idx: int, layer: int, deviation: torch.Tensor | None,
-               q: torch.Tensor, cache: KVCache) -> CheckResult:
+               q: torch.Tensor, cache: KVCache, probe_mass: torch.Tensor | None = None) -> CheckResult:
     """Keep every fresh token plus the best-ranked cached ones (by `ctx.selection`).
 
     q [H, A, D] (pre-RoPE): this layer's queries for `active`; the cache holds this layer's fused K
     (fresh for `active`, reused elsewhere). Returns the new set and the rows of `active` it keeps
-    (ascending), to cut the queries and hidden states with. Nothing is read back to the host, unless
+    (ascending), to cut the queries and hidden states with. `probe_mass` [N]: the question's attention
+    measured deeper by the probe (query selections), used instead of this layer's. Nothing is read back to the host, unless
     the config decides the ratio at the check (adaptive, guard): then one count, once per request.
     """
     cand_pos = active.pos[active.cand_rows]  # [C]
-    raw, score = _score(ctx, active, deviation, q, cache.keys[layer], cand_pos)  # [C] each
+    raw, score = _score(ctx, active, deviation, q, cache.keys[layer], cand_pos, probe_mass)  # [C] each
     num_keep, unselected, is_guarded = ctx.plan.num_keep[check_idx], None, False
     if check_idx == 0:
         num_keep, unselected, is_guarded = decide_keep(ctx, raw, num_keep)
@@ -152,20 +173,26 @@ def decide_keep(ctx: ActiveContext, raw: torch.Tensor, num_keep: int) -> tuple[i
 
 
 def _score(ctx: ActiveContext, active: ActiveSet, deviation: torch.Tensor | None, q: torch.Tensor,
-           keys: torch.Tensor, cand_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+           keys: torch.Tensor, cand_pos: torch.Tensor,
+           probe_mass: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """[C] raw score of the candidates (all >= 0) and the ranking score (chunk starts above every other)."""
+    score = deviation
     if ctx.blend.selection.is_query:
-        num_query = ctx.plan.num_query_tokens  # the question: always the last rows of an active set
-        q_last = apply_rope(q[:, -num_query:], active.cos[-num_query:], active.sin[-num_query:])
-        mass = query_mass(q_last, keys[:, : ctx.plan.num_tokens], ctx.query_mask, ctx.scale)[cand_pos]
-        score = mass * deviation if deviation is not None else mass
-    else:
-        score = deviation
+        mass = (probe_mass if probe_mass is not None else _check_mass(ctx, active, q, keys))[cand_pos]
+        score = mass if deviation is None else combine_scores(mass, deviation, ctx.blend.combine)
     raw = score
     if ctx.plan.forced_cached_idx and cand_pos.numel():
         is_forced = ctx.is_forced[torch.searchsorted(ctx.cached_pos, cand_pos)]  # [C]
         score = score + is_forced * (score.max() + 1)  # stays on the device: no read-back
     return raw, score
+
+
+def _check_mass(ctx: ActiveContext, active: ActiveSet, q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """[N] the question's attention mass over every position at the check layer itself."""
+    num_query = ctx.plan.num_query_tokens  # the question: always the last rows of an active set
+    q_last = apply_rope(q[:, -num_query:], active.cos[-num_query:], active.sin[-num_query:])
+    return query_mass(q_last, keys[:, : ctx.plan.num_tokens], ctx.query_mask, ctx.scale, ctx.blend.query_heads,
+                      ctx.blend.query_tokens)
 
 
 def _tensor(values: tuple[int, ...], device: torch.device) -> torch.Tensor:

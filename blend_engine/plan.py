@@ -71,6 +71,8 @@ def plan_prefill(segments: list[Segment], mode: PrefillMode, blend: BlendConfig,
         checks = blend.check_layers
         if checks[-1] >= num_layers:
             raise ValueError(f"check layer {checks[-1]} out of range for {num_layers} layers")
+        if blend.probe_layer is not None and blend.probe_layer >= num_layers:
+            raise ValueError(f"probe layer {blend.probe_layer} out of range for {num_layers} layers")
     keep = tuple(min(round(blend.ratio_at_check(j) * len(cached)), len(cached)) for j in range(len(checks)))
     # a later check can only keep a subset of what an earlier one kept
     keep = tuple(min(keep[: j + 1]) for j in range(len(keep)))

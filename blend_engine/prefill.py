@@ -12,16 +12,18 @@ No value is read back from the device inside the loop: the selection is read onc
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from blend_engine.active import (ActiveContext, ActiveSet, RopeTable, active_context, candidate_deviation, check_step,
-                                 initial_active)
+                                 initial_active, last_token_shift)
 from blend_engine.attention import AttentionBackend, attend, last_meta
 from blend_engine.kv import KVCache, LayerKVSource, WholeKVSource
 from blend_engine.layout import layout_all, layout_layer
 from blend_engine.plan import PrefillPlan
+from blend_engine.probe import probe_query_mass
 from blend_engine.runner import ModelRunner, apply_rope
 from blend_engine.timing import StageTimer, host_ms
 from blend_engine.types import BlendConfig, PrefillResult, PrefillStats
@@ -37,6 +39,9 @@ class _Loop:
     kv_wait_ms: float = 0.0  # host time blocked on a streamed source
     unselected_mass: torch.Tensor | None = None  # 0-d, from the first check
     is_guarded: bool = False
+    last_shift: torch.Tensor | None = None  # 0-d, from the first check: a candidate guard signal
+    probe_mass: torch.Tensor | None = None  # [N] the question's attention at the probe layer (query selections)
+    laid_out: set[int] = field(default_factory=set)  # layers whose reused KV is in the cache (streamed layout)
 
 
 def run_prefill(runner: ModelRunner, plan: PrefillPlan, blend: BlendConfig, source: LayerKVSource | None,
@@ -63,17 +68,22 @@ def run_prefill(runner: ModelRunner, plan: PrefillPlan, blend: BlendConfig, sour
         active = initial_active(ctx)
         ids = torch.tensor(plan.token_ids, dtype=torch.long, device=device)  # [N]
         state = _Loop(runner.embed(ids if isinstance(active.slots, slice) else ids[active.pos]), active)
-    for layer in range(runner.num_layers):
-        if plan.is_reused_at(layer) and not is_whole:
+
+    def lay_out(layer: int) -> None:  # once per layer: the probe may need a layer before the loop does
+        if plan.is_reused_at(layer) and not is_whole and layer not in state.laid_out:
             state.kv_wait_ms += _stream_layer(cache, plan, layer, source, rope, timer)
-        _layer_step(runner, ctx, blend, cache, layer, state, timer)
+            state.laid_out.add(layer)
+
+    for layer in range(runner.num_layers):
+        lay_out(layer)
+        _layer_step(runner, ctx, blend, cache, layer, state, timer, lay_out)
     with timer.stage("compute"):
         logits = runner.logits(state.hidden[-1:])[0]  # [vocab]
-    selected, unselected = _read_back(state)
+    selected, unselected, last_shift = _read_back(state)
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # prefill_ms ends when the logits exist, not when they were queued
     stats = _stats(plan, blend, selected, timer, state.kv_wait_ms, t_start)
-    stats.unselected_mass, stats.is_guarded = unselected, state.is_guarded
+    stats.unselected_mass, stats.is_guarded, stats.last_token_shift = unselected, state.is_guarded, last_shift
     return PrefillResult(token_ids=list(plan.token_ids), cache=cache, logits=logits, stats=stats)
 
 
@@ -89,7 +99,7 @@ def _stream_layer(cache: KVCache, plan: PrefillPlan, layer: int, source: LayerKV
 
 
 def _layer_step(runner: ModelRunner, ctx: ActiveContext, blend: BlendConfig, cache: KVCache, layer: int,
-                state: _Loop, timer: StageTimer) -> None:
+                state: _Loop, timer: StageTimer, lay_out: Callable[[int], None]) -> None:
     plan, active = ctx.plan, state.active
     with timer.stage("compute"):
         q, k, v = runner.qkv(layer, state.hidden)  # [H, A, D], [H_kv, A, D] x2; q, k before RoPE
@@ -98,12 +108,17 @@ def _layer_step(runner: ModelRunner, ctx: ActiveContext, blend: BlendConfig, cac
     if is_check:
         with timer.stage("select"):
             deviation = candidate_deviation(ctx, active, layer, k, v, cache)  # before the reused K/V go
+            if blend.is_shift_measured and state.last_shift is None:
+                state.last_shift = last_token_shift(ctx, active, layer, q, k, v, cache)
     with timer.stage("compute"):
         cache.update(layer, active.slots, k, v)
     rows = None
     if is_check:
         with timer.stage("select"):
-            check = check_step(ctx, active, plan.check_layers.index(layer), layer, deviation, q, cache)
+            if blend.probe_layer is not None and blend.selection.is_query and state.probe_mass is None:
+                state.probe_mass = probe_query_mass(runner, ctx, active, cache, layer, state.hidden, q, lay_out)
+            check = check_step(ctx, active, plan.check_layers.index(layer), layer, deviation, q, cache,
+                               state.probe_mass)
             new, rows = check.active, check.rows
             state.selected = new.pos[new.cand_rows]
             if check.unselected_mass is not None:
@@ -142,12 +157,14 @@ def _stats(plan: PrefillPlan, blend: BlendConfig, selected: list[int], timer: St
     )
 
 
-def _read_back(state: _Loop) -> tuple[list[int], float | None]:
-    """The selection and the guard's signal, in one device-to-host read (float64 holds positions exactly)."""
+def _read_back(state: _Loop) -> tuple[list[int], float | None, float | None]:
+    """The selection and the guard signals, in one device-to-host read (float64 holds positions exactly)."""
     if state.selected is None:
-        return [], None
-    values = torch.cat([state.selected.double(), state.unselected_mass.double().reshape(1)]).tolist()
-    return [int(p) for p in values[:-1]], values[-1]
+        return [], None, None
+    shift = state.last_shift if state.last_shift is not None else torch.full_like(state.unselected_mass, torch.nan)
+    signals = [state.unselected_mass.double().reshape(1), shift.double().reshape(1)]
+    values = torch.cat([state.selected.double(), *signals]).tolist()
+    return [int(p) for p in values[:-2]], values[-2], (None if values[-1] != values[-1] else values[-1])
 
 
 def _ratio_used(plan: PrefillPlan, blend: BlendConfig, num_selected: int) -> float | None:

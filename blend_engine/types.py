@@ -8,17 +8,19 @@ from enum import Enum
 import torch
 
 from blend_engine.kv import CachedChunk, KVCache
-from configs.settings import BlendSettings, DeviationKind, PrefillMode, SelectionKind
+from configs.settings import BlendSettings, DeviationKind, HeadReduce, PrefillMode, ScoreCombine, SelectionKind
 
 __all__ = [
     "BlendConfig",
     "Delta",
     "DeviationKind",
     "FinishReason",
+    "HeadReduce",
     "PrefillMode",
     "PrefillResult",
     "PrefillStats",
     "SamplingParams",
+    "ScoreCombine",
     "Segment",
     "SelectionKind",
 ]
@@ -34,6 +36,15 @@ class BlendConfig:
     deviation: DeviationKind = DeviationKind.VALUE
     selection: SelectionKind = SelectionKind.DEVIATION
     chunk_start_tokens: int = 8  # chunk_start selections: each chunk's first tokens, always
+    # Query selections: where the question's attention is measured. None: at the check layer; a deeper
+    # layer: a probe runs the fresh tokens alone over the reused cache from the first check layer up to
+    # it (cheap: the question and separators only; nothing else is recomputed for it).
+    probe_layer: int | None = None
+    probe_span: int = 1  # the probe sums the question's attention over this many layers, ending at probe_layer
+    query_heads: HeadReduce = HeadReduce.SUM  # how the heads' attention masses combine
+    query_tokens: int = 0  # only the question's last tokens' attention counts (0: all of them)
+    combine: ScoreCombine = ScoreCombine.PRODUCT  # query_deviation: mass x deviation, or their rank sum
+    is_shift_measured: bool = False  # report PrefillStats.last_token_shift (two one-query attentions more)
     # Adaptive ratio: recompute the fewest top-ranked tokens covering this share of the candidates'
     # total score, within [min_ratio, max_ratio]; `recompute_ratio` is then unused.
     adaptive_mass: float | None = None
@@ -45,8 +56,10 @@ class BlendConfig:
     guard_ratio: float = 0.5
 
     def __post_init__(self) -> None:
-        if self.chunk_start_tokens < 0:
-            raise ValueError("chunk_start_tokens must be >= 0")
+        if self.chunk_start_tokens < 0 or self.query_tokens < 0:
+            raise ValueError("chunk_start_tokens and query_tokens must be >= 0")
+        if self.probe_span < 1:
+            raise ValueError("probe_span must be >= 1")
         for name in ("adaptive_mass", "guard_unselected_mass", "min_ratio", "max_ratio", "guard_ratio"):
             value = getattr(self, name)
             if value is not None and not 0.0 <= value <= 1.0:
@@ -63,6 +76,8 @@ class BlendConfig:
             raise ValueError("check layers must be >= 0")
         if self.filter_growth < 1.0:
             raise ValueError("filter_growth must be >= 1")
+        if self.probe_layer is not None and self.probe_layer <= self.check_layers[0]:
+            raise ValueError(f"probe_layer must be after the first check layer {self.check_layers[0]}")
 
     @property
     def first_check_layer(self) -> int:
@@ -78,6 +93,11 @@ class BlendConfig:
             deviation=settings.deviation,
             selection=settings.selection,
             chunk_start_tokens=settings.chunk_start_tokens,
+            probe_layer=settings.probe_layer,
+            probe_span=settings.probe_span,
+            query_heads=settings.query_heads,
+            query_tokens=settings.query_tokens,
+            combine=settings.combine,
             min_ratio=settings.adaptive_min_ratio,
             max_ratio=settings.adaptive_max_ratio,
             guard_unselected_mass=settings.guard_unselected_mass,
@@ -124,6 +144,8 @@ class PrefillStats:
     is_timing_exact: bool = True  # stage splits measured (CPU always; CUDA only when profiled)
     unselected_mass: float | None = None  # share of the ranking score left unselected at the first check (blend)
     is_guarded: bool = False  # the quality guard raised the ratio
+    last_token_shift: float | None = None  # blend: relative change of the last token's attention output at the
+    # first check, reused vs fresh K/V (a candidate guard signal, measured in the README)
 
 
 @dataclass

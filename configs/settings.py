@@ -71,6 +71,20 @@ class SelectionKind(str, Enum):
         return self in (SelectionKind.DEVIATION, SelectionKind.CHUNK_START, SelectionKind.QUERY_DEVIATION)
 
 
+class HeadReduce(str, Enum):
+    """How query-aware selection combines the attention mass each head gives a cached token."""
+
+    SUM = "sum"
+    MAX = "max"  # a token one head relies on counts fully, however the others ignore it
+
+
+class ScoreCombine(str, Enum):
+    """How query_deviation combines the question's attention mass with the deviation."""
+
+    PRODUCT = "product"
+    RANK_SUM = "rank_sum"  # the sum of the two ranks: neither scale dominates
+
+
 class SinkMode(str, Enum):
     """What a chunk is computed behind at precompute (its KV is dropped afterwards)."""
 
@@ -137,6 +151,19 @@ class BlendSettings(BaseModel):
     )
     chunk_start_tokens: int = Field(
         8, ge=0, le=256, description="chunk_start selections: each chunk's first tokens always recomputed."
+    )
+    probe_layer: int | None = Field(
+        None, ge=1,
+        description="Query selections: measure the question's attention at this deeper layer with a probe of the "
+                    "fresh tokens over the reused cache (null: at the check layer).",
+    )
+    probe_span: int = Field(1, ge=1, description="The probe sums the attention over this many layers up to probe_layer.")
+    query_heads: HeadReduce = Field(HeadReduce.SUM, description="Query selections: sum or max over heads.")
+    query_tokens: int = Field(
+        0, ge=0, description="Query selections: only the question's last tokens' attention counts (0: all)."
+    )
+    combine: ScoreCombine = Field(
+        ScoreCombine.PRODUCT, description="query_deviation: attention mass x deviation, or the sum of their ranks."
     )
     adaptive_mass: float = Field(
         0.5, gt=0.0, le=1.0,

@@ -6,6 +6,7 @@ import json
 from bench import engine_bench
 from bench.metrics import best_f1, mean_kl, token_f1
 
+import pytest
 import torch
 
 
@@ -124,3 +125,22 @@ def test_bench_engine_weights_and_reference_format(tmp_path, capsys):
     assert formats["decode_tokens_per_s"] > 0 and formats["reference_prefill_tokens_per_s"] > 0
     assert formats["tf_kl_mean"] is None  # random weights: no fidelity figures
     assert any("int8 weights" in line for line in lines) and any(line.startswith("weights int8 vs fp32") for line in lines)
+
+
+def test_bench_engine_variant_specs(tmp_path, capsys):
+    item = {"question": "where is the mill?", "answers": ["harlow"],
+            "ctxs": [{"title": f"t{i}", "text": "the mill stands in harlow by the river " * 3} for i in range(2)]}
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps([item]))
+    parser = argparse.ArgumentParser()
+    engine_bench.add_arguments(parser)
+    spec = "selection=query_deviation probe_layer=3 probe_span=2 query_heads=max combine=rank_sum"
+    args = parser.parse_args(["--data", str(data), "--questions", "1", "--passages", "2", "--ratios", "0.15",
+                              "--model", "random:tiny-llama", "--no-prefix-row", "--decode-tokens", "0",
+                              "--variant", spec])
+    assert engine_bench.run(args) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]
+    assert "prefix" not in rows and rows[f"blend {spec}"]["selection"] == "query_deviation"
+    bad = parser.parse_args(["--data", str(data), "--model", "random:tiny-llama", "--variant", "probe=3"])
+    with pytest.raises(ValueError, match="FIELD=VALUE"):
+        engine_bench.run(bad)

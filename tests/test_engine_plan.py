@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from blend_engine.attention import AttentionBackend
 from blend_engine.engine import BlendEngine
-from blend_engine.types import BlendConfig, DeviationKind, PrefillMode, Segment
+from blend_engine.types import BlendConfig, DeviationKind, HeadReduce, PrefillMode, ScoreCombine, SelectionKind, Segment
 from engine_models import cpu_exact, tol, MODEL_BUILDERS, build_engine, random_ids
 from host_reads import HostReadCounter
 from test_engine_blend import assert_same_prefill, rag_prompt
@@ -91,7 +91,7 @@ def tiny_llama(num_layers: int) -> BlendEngine:
     return BlendEngine.from_model(LlamaForCausalLM(config).eval(), name=f"tiny-{num_layers}")
 
 
-def count_blend_prefill(num_layers: int, backend: AttentionBackend, check_layers: tuple[int, ...]):
+def count_blend_prefill(num_layers: int, backend: AttentionBackend, check_layers: tuple[int, ...], **changes):
     engine = tiny_llama(num_layers)
     engine.attention_backend = backend
     segments = [Segment(random_ids(8, 1))]
@@ -99,7 +99,7 @@ def count_blend_prefill(num_layers: int, backend: AttentionBackend, check_layers
         ids = random_ids(120, 2 + i)
         segments.append(Segment(ids, engine.precompute(ids)))
     segments.append(Segment(random_ids(12, 9)))
-    config = BlendConfig(recompute_ratio=0.15, check_layers=check_layers)
+    config = BlendConfig(recompute_ratio=0.15, check_layers=check_layers, **changes)
     engine.prefill(segments, PrefillMode.BLEND, config)  # warm-up
     counter = HostReadCounter(engine.model)
     try:
@@ -118,6 +118,15 @@ def test_no_host_reads_in_the_layer_loop_on_the_cuda_path(check_layers):
         assert counter.reads["loop"] == 0, counter.reads
         assert counter.reads["after"] == 1  # the selected positions, read once after the loop
         assert counter.attention["loop"] == num_layers  # one attention call per layer
+
+
+@pytest.mark.parametrize("check_layers", [(1,), (1, 2)])
+def test_query_probe_and_shift_signal_add_no_host_reads(check_layers):
+    probe = dict(selection=SelectionKind.QUERY_DEVIATION, probe_layer=3, query_heads=HeadReduce.MAX,
+                 combine=ScoreCombine.RANK_SUM, is_shift_measured=True)
+    counter = count_blend_prefill(12, AttentionBackend.MASKED, check_layers, **probe)
+    assert counter.reads["loop"] == 0, counter.reads
+    assert counter.reads["after"] == 1  # the selection and the signals, in one read after the loop
 
 
 def test_grouped_backend_reads_back_only_at_check_layers():

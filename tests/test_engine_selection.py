@@ -5,7 +5,8 @@ deviation, chunk starts always kept, and query-aware ranking against a brute-for
 import pytest
 import torch
 
-from blend_engine.types import BlendConfig, PrefillMode, SelectionKind
+from blend_engine.selector import combine_scores
+from blend_engine.types import BlendConfig, HeadReduce, PrefillMode, ScoreCombine, SelectionKind, Segment
 from engine_models import MODEL_BUILDERS, build_engine, cpu_exact
 from test_engine_blend import assert_same_prefill, rag_prompt
 
@@ -109,3 +110,96 @@ def test_quality_guard_raises_the_ratio_of_risky_requests_only():
 def test_ratio_decided_at_check_needs_one_check_layer():
     with pytest.raises(ValueError, match="one check layer"):
         BlendConfig(adaptive_mass=0.5, check_layers=(1, 2))
+
+
+PROBE = dict(probe_layer=3, query_heads=HeadReduce.MAX, query_tokens=3)
+
+
+@pytest.mark.parametrize("selection", [SelectionKind.QUERY, SelectionKind.QUERY_DEVIATION])
+@pytest.mark.parametrize("family", list(MODEL_BUILDERS))
+def test_probe_selection_at_ratio_one_equals_full(family, selection):
+    engine = build_engine(family)
+    segments = rag_prompt(engine)
+    full = engine.prefill(segments, PrefillMode.FULL)
+    for checks, combine in [((1,), ScoreCombine.PRODUCT), ((1, 2, 3), ScoreCombine.RANK_SUM)]:
+        config = BlendConfig(recompute_ratio=1.0, selection=selection, check_layers=checks, combine=combine, **PROBE)
+        assert_same_prefill(engine.prefill(segments, PrefillMode.BLEND, config), full)
+
+
+@pytest.mark.parametrize("combine", list(ScoreCombine))
+@pytest.mark.parametrize("check_layers", [(1,), (1, 2)])
+def test_probe_selection_spends_the_same_budget(check_layers, combine):
+    engine = build_engine("llama-gqa")
+    segments = rag_prompt(engine, chunk_len=40)
+    config = BlendConfig(recompute_ratio=0.2, selection=SelectionKind.QUERY_DEVIATION, check_layers=check_layers,
+                         combine=combine, **PROBE)
+    result = engine.prefill(segments, PrefillMode.BLEND, config)
+    cached = cached_positions(segments)
+    assert len(result.stats.selected_positions) == round(0.2 * len(cached))
+    assert set(result.stats.selected_positions) <= set(cached)
+    assert result.stats.num_recomputed_tokens == len(result.token_ids) - len(cached) + round(0.2 * len(cached))
+
+
+@cpu_exact
+@pytest.mark.parametrize("heads,span", [(HeadReduce.SUM, 1), (HeadReduce.MAX, 1), (HeadReduce.SUM, 2)])
+def test_probe_ranks_by_the_questions_attention_at_the_probe_layer(heads, span):
+    # Chunks precomputed behind exactly the tokens before them: their reused KV is the full prefill's,
+    # so the probe's attention at layer 3 is HF's own there (brute-force reference).
+    engine = build_engine("llama-gqa")
+    plain = rag_prompt(engine, chunk_len=25)
+    segments, before = [], []
+    for seg in plain:
+        segments.append(Segment(seg.token_ids, engine.precompute(seg.token_ids, before) if seg.kv else None))
+        before += seg.token_ids
+    ratio, probe_layer, num_last = 0.2, 3, 4
+    config = BlendConfig(recompute_ratio=ratio, selection=SelectionKind.QUERY, probe_layer=probe_layer,
+                         probe_span=span, query_heads=heads, query_tokens=num_last)
+    result = engine.prefill(segments, PrefillMode.BLEND, config)
+    engine.model.set_attn_implementation("eager")
+    with torch.no_grad():
+        attentions = engine.model(torch.tensor([before]), output_attentions=True).attentions
+    mass = 0
+    for layer in range(probe_layer - span + 1, probe_layer + 1):  # the layers summed, each [H, N, N]
+        per_head = attentions[layer][0][:, -num_last:].sum(dim=1)  # [H, N]
+        mass = mass + (per_head.amax(dim=0) if heads == HeadReduce.MAX else per_head.sum(dim=0))
+    cached = cached_positions(segments)
+    top = torch.topk(mass[cached], round(ratio * len(cached))).indices
+    assert result.stats.selected_positions == sorted(cached[i] for i in top.tolist())
+
+
+def test_probe_layer_must_follow_the_check_and_fit_the_model():
+    with pytest.raises(ValueError, match="probe_layer"):
+        BlendConfig(check_layers=(2,), probe_layer=2)
+    engine = build_engine("llama-gqa")
+    with pytest.raises(ValueError, match="probe layer"):
+        engine.prefill(rag_prompt(engine), PrefillMode.BLEND,
+                       BlendConfig(selection=SelectionKind.QUERY, probe_layer=engine.num_layers))
+
+
+def test_rank_sum_combines_the_two_rankings():
+    mass, deviation = torch.tensor([0.9, 0.1, 0.5, 0.0]), torch.tensor([0.0, 100.0, 50.0, 1.0])
+    assert combine_scores(mass, deviation, ScoreCombine.RANK_SUM).tolist() == [3.0, 4.0, 4.0, 1.0]
+    assert combine_scores(mass, deviation, ScoreCombine.PRODUCT).argmax() == 2
+
+
+def test_last_token_shift_is_zero_for_exact_caches_only():
+    engine = build_engine("llama-gqa")
+    plain = rag_prompt(engine, chunk_len=25)
+    exact, before = [], []
+    for seg in plain:  # each chunk precomputed behind exactly the tokens before it: its KV is the full prefill's
+        exact.append(Segment(seg.token_ids, engine.precompute(seg.token_ids, before) if seg.kv else None))
+        before += seg.token_ids
+    config = BlendConfig(recompute_ratio=0.2, is_shift_measured=True)
+    assert engine.prefill(plain, PrefillMode.BLEND, BlendConfig()).stats.last_token_shift is None  # off by default
+    assert engine.prefill(exact, PrefillMode.BLEND, config).stats.last_token_shift < 1e-5
+    assert engine.prefill(plain, PrefillMode.BLEND, config).stats.last_token_shift > 1e-3
+
+
+def test_query_options_come_from_settings():
+    from configs import load_settings
+    settings = load_settings(blend={"selection": "query_deviation", "probe_layer": 8, "query_heads": "max",
+                                    "query_tokens": 4, "combine": "rank_sum"})
+    config = BlendConfig.from_settings(settings.blend)
+    assert (config.probe_layer, config.query_heads, config.query_tokens, config.combine) == (
+        8, HeadReduce.MAX, 4, ScoreCombine.RANK_SUM)
+    assert BlendConfig.from_settings(load_settings().blend).probe_layer is None
