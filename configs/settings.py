@@ -6,12 +6,11 @@ Nested fields are reached from the environment with a double underscore, e.g.
 
 from __future__ import annotations
 
-from enum import Enum
 from importlib.resources import files
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -19,88 +18,25 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+# the enums and the store section live in their own modules; imported here so that
+# `from configs.settings import X` keeps working for every X
+from configs.enums import (  # noqa: F401
+    ChunkingMode,
+    DeviationKind,
+    HeadReduce,
+    IndexKind,
+    KVQuantization,
+    PrefillMode,
+    RequestMode,
+    ScoreCombine,
+    SelectionKind,
+    SinkMode,
+    StorageDtype,
+    WeightFormat,
+)
+from configs.store_settings import StoreSettings
+
 DEFAULT_CONFIG = Path(str(files("configs").joinpath("default.yaml")))
-
-
-class RequestMode(str, Enum):
-    """A request's mode: `auto` (the loading planner picks full, blend, mixed or split per request), or a
-    prefill mode the request insists on."""
-
-    AUTO = "auto"
-    FULL = "full"
-    PREFIX = "prefix"
-    REUSE = "reuse"
-    BLEND = "blend"
-
-
-class PrefillMode(str, Enum):
-    """How a prompt's chunk caches are used (see blend_engine.engine)."""
-
-    FULL = "full"  # no reuse: the baseline
-    PREFIX = "prefix"  # reuse only caches that are an exact prefix of the prompt
-    REUSE = "reuse"  # reuse every chunk cache, recompute nothing of them
-    BLEND = "blend"  # CacheBlend: reuse, then recompute the most deviating tokens
-
-
-class DeviationKind(str, Enum):
-    """Which fresh-vs-reused difference selects the tokens to recompute."""
-
-    KEY = "key"
-    VALUE = "value"
-
-
-class SelectionKind(str, Enum):
-    """How blend mode ranks the cached tokens it recomputes (same budget: a ratio of reused tokens)."""
-
-    DEVIATION = "deviation"  # CacheBlend: fresh-vs-reused K or V distance at the check layer
-    CHUNK_START = "chunk_start"  # each chunk's first tokens always (EPIC's sink fix), the rest by deviation
-    QUERY = "query"  # attention mass the question's tokens give each cached token at the check layer
-    QUERY_DEVIATION = "query_deviation"  # that mass times the deviation
-    QUERY_CHUNK_START = "query_chunk_start"  # each chunk's first tokens always, the rest by query mass
-
-    @property
-    def is_forcing_chunk_starts(self) -> bool:
-        return self in (SelectionKind.CHUNK_START, SelectionKind.QUERY_CHUNK_START)
-
-    @property
-    def is_query(self) -> bool:
-        return self in (SelectionKind.QUERY, SelectionKind.QUERY_DEVIATION, SelectionKind.QUERY_CHUNK_START)
-
-    @property
-    def is_deviation(self) -> bool:
-        return self in (SelectionKind.DEVIATION, SelectionKind.CHUNK_START, SelectionKind.QUERY_DEVIATION)
-
-
-class HeadReduce(str, Enum):
-    """How query-aware selection combines the attention mass each head gives a cached token."""
-
-    SUM = "sum"
-    MAX = "max"  # a token one head relies on counts fully, however the others ignore it
-
-
-class ScoreCombine(str, Enum):
-    """How query_deviation combines the question's attention mass with the deviation."""
-
-    PRODUCT = "product"
-    RANK_SUM = "rank_sum"  # the sum of the two ranks: neither scale dominates
-
-
-class SinkMode(str, Enum):
-    """What a chunk is computed behind at precompute (its KV is dropped afterwards)."""
-
-    NONE = "none"  # the chunk alone, from position 0
-    BOS = "bos"  # behind the tokenizer's BOS token: an attention sink
-    PREFIX = "prefix"  # behind the prompt prefix (chat header + system prompt)
-
-
-class WeightFormat(str, Enum):
-    """Format of the model's linear layers (blend_engine/weights.py); the rest keeps model.dtype."""
-
-    AUTO = "auto"  # int4 on CPU where the shapes fit, else int8 (measured: README); as loaded on CUDA
-    FP32 = "fp32"  # as loaded, in model.dtype
-    BF16 = "bf16"  # bf16 weights, bf16 activations at the matmul
-    INT8 = "int8"  # int8 weight-only, per-output-channel scales
-    INT4 = "int4"  # int4 weight-only, a scale and a zero per 32 inputs (CPU only)
 
 
 class ModelSettings(BaseModel):
@@ -196,18 +132,6 @@ class GenerationSettings(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
 
 
-class IndexKind(str, Enum):
-    """FAISS index over normalised embeddings (inner product = cosine)."""
-
-    FLAT = "flat"
-    HNSW = "hnsw"
-
-
-class ChunkingMode(str, Enum):
-    TOKENS = "tokens"  # split by the LLM's tokens at sentence/paragraph boundaries
-    NONE = "none"  # one passage = one chunk
-
-
 class RetrievalSettings(BaseModel):
     embedder: str = Field("all-minilm-l6-v2", description="'all-minilm-l6-v2' (packaged) or a local model dir.")
     chunking: ChunkingMode = Field(ChunkingMode.TOKENS, description="Default chunking of ingested documents.")
@@ -258,85 +182,6 @@ class LimitsSettings(BaseModel):
     max_unzipped_bytes: int = Field(
         200_000_000, ge=1024, description="A DOCX expanding past this is refused (zip bombs; 413)."
     )
-
-
-class StorageDtype(str, Enum):
-    """dtype KV caches are stored in (kv_store); fp32 keeps them bit-exact."""
-
-    FLOAT16 = "float16"
-    BFLOAT16 = "bfloat16"
-    FLOAT32 = "float32"
-
-
-class KVQuantization(str, Enum):
-    """Optional compression of the disk and Redis tiers' entries."""
-
-    NONE = "none"
-    INT8 = "int8"  # per-channel absmax int8 (scales kept in fp32)
-
-
-class StoreSettings(BaseModel):
-    max_gpu_bytes: int | None = Field(
-        None, ge=0, description="GPU tier bound (LRU of chunk KV on the device, above the memory tier); null: "
-        "gpu_memory_share of the free GPU memory at start-up where the model runs on CUDA, else off; 0 disables it.",
-    )
-    gpu_memory_share: float = Field(
-        0.2, gt=0.0, lt=1.0, description="Share of the free GPU memory (after the model loaded) the GPU tier takes by default."
-    )
-    gpu_device: str = Field(
-        "cuda", pattern=r"^(cuda(:[0-9]+)?|cpu)$",
-        description="Device of the GPU tier: cuda or cuda:N; cpu for tests only, with an explicit max_gpu_bytes.",
-    )
-    max_memory_bytes: int = Field(2 << 30, ge=0, description="Memory tier bound (LRU); 0 disables it.")
-    disk_enabled: bool = Field(True, description="Keep chunk caches on disk (survives restarts).")
-    disk_dir: Path | None = Field(None, description="Disk tier directory; default <data_dir>/kv.")
-    max_disk_bytes: int = Field(20 << 30, ge=0, description="Disk tier bound (LRU by last use).")
-    redis_url: str | None = Field(None, description="redis://host:port/db of a shared tier; unset = no Redis.")
-    redis_ttl_s: int = Field(7 * 86400, ge=1, description="Expiry of Redis entries.")
-    dtype: StorageDtype = Field(StorageDtype.FLOAT16, description="dtype of stored KV.")
-    quantization: KVQuantization = Field(KVQuantization.NONE, description="int8 for the disk/Redis tiers.")
-    write_tiers: list[Literal["gpu", "memory", "disk", "redis"]] = Field(
-        ["memory", "disk", "redis"], description="Tiers a new chunk cache is written to (when enabled); the GPU "
-        "tier fills on reads by default (a chunk read from a slower tier is copied up).",
-    )
-    fsync: bool = Field(True, description="fsync disk entries before the atomic rename.")
-    pipelined: bool = Field(True, description="Read layer i+1 while the engine computes layer i.")
-    prefetch_depth: int = Field(2, ge=1, le=16, description="Layers read ahead of the engine when pipelined.")
-    min_recompute_ratio: float = Field(
-        0.15, ge=0.0, le=1.0, description="Quality floor of the loading planner's blend ratio (mode or ratio 'auto')."
-    )
-    max_recompute_ratio: float = Field(1.0, ge=0.0, le=1.0, description="Ceiling of the loading planner's blend ratio.")
-    max_prefetch_bytes: int = Field(
-        1 << 30, ge=0, description="Bytes of chunk KV copied up into the memory tier at once, started at "
-        "retrieval so queue wait hides the load; 0 disables prefetching.",
-    )
-    planner_profile_tokens: list[int] = Field(
-        [64, 256, 1024], min_length=1, description="Prompt lengths of the timed prefills the loading planner's "
-        "cost model is fitted on at start-up (then refined by every answer).",
-    )
-    throttle_mbps: dict[Literal["memory", "disk", "redis"], float] = Field(
-        {}, description="Tests and benchmarks: slow a tier down to this many MB/s (simulates a cold disk, a remote tier).",
-    )
-
-    @field_validator("throttle_mbps")
-    @classmethod
-    def _positive_throttles(cls, v: dict[str, float]) -> dict[str, float]:
-        if any(mbps <= 0 for mbps in v.values()):
-            raise ValueError(f"throttle_mbps values must be > 0, got {v}")
-        return v
-
-    @model_validator(mode="after")
-    def _gpu_tier_on_cpu_is_explicit(self) -> StoreSettings:
-        if self.gpu_device == "cpu" and self.max_gpu_bytes is None:
-            raise ValueError("a GPU tier on gpu_device 'cpu' is for tests: give max_gpu_bytes explicitly")
-        return self
-
-    @field_validator("planner_profile_tokens")
-    @classmethod
-    def _positive_sizes(cls, v: list[int]) -> list[int]:
-        if any(n < 1 for n in v):
-            raise ValueError(f"planner_profile_tokens must be >= 1, got {v}")
-        return v
 
 
 class Settings(BaseSettings):

@@ -1,0 +1,113 @@
+"""The settings' enums (re-exported by `configs.settings` and `configs`)."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class RequestMode(str, Enum):
+    """A request's mode: `auto` (the loading planner picks full, blend, mixed or split per request), or a
+    prefill mode the request insists on."""
+
+    AUTO = "auto"
+    FULL = "full"
+    PREFIX = "prefix"
+    REUSE = "reuse"
+    BLEND = "blend"
+
+
+class PrefillMode(str, Enum):
+    """How a prompt's chunk caches are used (see blend_engine.engine)."""
+
+    FULL = "full"  # no reuse: the baseline
+    PREFIX = "prefix"  # reuse only caches that are an exact prefix of the prompt
+    REUSE = "reuse"  # reuse every chunk cache, recompute nothing of them
+    BLEND = "blend"  # CacheBlend: reuse, then recompute the most deviating tokens
+
+
+class DeviationKind(str, Enum):
+    """Which fresh-vs-reused difference selects the tokens to recompute."""
+
+    KEY = "key"
+    VALUE = "value"
+
+
+class SelectionKind(str, Enum):
+    """How blend mode ranks the cached tokens it recomputes (same budget: a ratio of reused tokens)."""
+
+    DEVIATION = "deviation"  # CacheBlend: fresh-vs-reused K or V distance at the check layer
+    CHUNK_START = "chunk_start"  # each chunk's first tokens always (EPIC's sink fix), the rest by deviation
+    QUERY = "query"  # attention mass the question's tokens give each cached token at the check layer
+    QUERY_DEVIATION = "query_deviation"  # that mass times the deviation
+    QUERY_CHUNK_START = "query_chunk_start"  # each chunk's first tokens always, the rest by query mass
+
+    @property
+    def is_forcing_chunk_starts(self) -> bool:
+        return self in (SelectionKind.CHUNK_START, SelectionKind.QUERY_CHUNK_START)
+
+    @property
+    def is_query(self) -> bool:
+        return self in (SelectionKind.QUERY, SelectionKind.QUERY_DEVIATION, SelectionKind.QUERY_CHUNK_START)
+
+    @property
+    def is_deviation(self) -> bool:
+        return self in (SelectionKind.DEVIATION, SelectionKind.CHUNK_START, SelectionKind.QUERY_DEVIATION)
+
+
+class HeadReduce(str, Enum):
+    """How query-aware selection combines the attention mass each head gives a cached token."""
+
+    SUM = "sum"
+    MAX = "max"  # a token one head relies on counts fully, however the others ignore it
+
+
+class ScoreCombine(str, Enum):
+    """How query_deviation combines the question's attention mass with the deviation."""
+
+    PRODUCT = "product"
+    RANK_SUM = "rank_sum"  # the sum of the two ranks: neither scale dominates
+
+
+class SinkMode(str, Enum):
+    """What a chunk is computed behind at precompute (its KV is dropped afterwards)."""
+
+    NONE = "none"  # the chunk alone, from position 0
+    BOS = "bos"  # behind the tokenizer's BOS token: an attention sink
+    PREFIX = "prefix"  # behind the prompt prefix (chat header + system prompt)
+
+
+class WeightFormat(str, Enum):
+    """Format of the model's linear layers (blend_engine/weights.py); the rest keeps model.dtype."""
+
+    AUTO = "auto"  # int4 on CPU where the shapes fit, else int8 (measured: README); as loaded on CUDA
+    FP32 = "fp32"  # as loaded, in model.dtype
+    BF16 = "bf16"  # bf16 weights, bf16 activations at the matmul
+    INT8 = "int8"  # int8 weight-only, per-output-channel scales
+    INT4 = "int4"  # int4 weight-only, a scale and a zero per 32 inputs (CPU only)
+
+
+class IndexKind(str, Enum):
+    """FAISS index over normalised embeddings (inner product = cosine)."""
+
+    FLAT = "flat"
+    HNSW = "hnsw"
+
+
+class ChunkingMode(str, Enum):
+    TOKENS = "tokens"  # split by the LLM's tokens at sentence/paragraph boundaries
+    NONE = "none"  # one passage = one chunk
+
+
+class StorageDtype(str, Enum):
+    """dtype KV caches are stored in (kv_store); fp32 keeps them bit-exact."""
+
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+    FLOAT32 = "float32"
+
+
+class KVQuantization(str, Enum):
+    """Optional compression of the disk and Redis tiers' entries."""
+
+    NONE = "none"
+    INT8 = "int8"  # per-channel absmax int8 (scales kept in fp32)
