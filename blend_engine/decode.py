@@ -25,10 +25,12 @@ NUM_WARMUP_STEPS = 2  # eager runs on a side stream before capture (lazy cuBLAS/
 class Decoder:
     def __init__(
         self, runner: ModelRunner, cache: KVCache, is_graphed: bool | None = None, kv_dtype: torch.dtype | None = None,
+        num_threads: int = 0,
     ):
         """Decodes after `cache`'s end; with a `kv_dtype` other than the cache's, over a converted
-        copy (the prefill's cache is left as it was)."""
+        copy (the prefill's cache is left as it was); on CPU with `num_threads` (0: as set) threads."""
         self.runner = runner
+        self.num_threads = num_threads if runner.device.type == "cpu" else 0
         self.cache = cache if kv_dtype in (None, cache.keys.dtype) else cache.converted(kv_dtype)
         self.is_graphed = runner.device.type == "cuda" if is_graphed is None else is_graphed
         # a cache in another dtype than the model's: the two-matmul attention in the cache's dtype
@@ -41,9 +43,20 @@ class Decoder:
         positions = torch.arange(self.cache.capacity, device=self.runner.device)
         return RopeTable(*self.runner.rope(positions))  # [capacity, D] each
 
-    @torch.inference_mode()
     def step(self, token_id: int) -> torch.Tensor:
         """Feed one token after the cache's end; next-token logits [vocab] (float32)."""
+        if not self.num_threads or self.num_threads == torch.get_num_threads():
+            return self._step(token_id)
+        # the thread count of this thread's parallel regions (OpenMP's is per thread), restored after
+        previous = torch.get_num_threads()
+        torch.set_num_threads(self.num_threads)
+        try:
+            return self._step(token_id)
+        finally:
+            torch.set_num_threads(previous)
+
+    @torch.inference_mode()
+    def _step(self, token_id: int) -> torch.Tensor:
         pos = self.cache.extend(1)
         if self._rope.cos.shape[0] < self.cache.capacity:  # the cache grew: longer table (and graph)
             self._rope = self._table()

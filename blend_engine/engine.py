@@ -30,6 +30,7 @@ class BlendEngine:
         loaded: LoadedModel,
         blend: BlendConfig = BlendConfig(),
         system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+        decode_threads: int = 0,
     ):
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -45,6 +46,7 @@ class BlendEngine:
         # the bytes (measured: README); fp32 engines keep decoding exactly over the fp32 cache
         is_quantized_cpu = self.runner.device.type == "cpu" and self.weights != WeightFormat.FP32
         self.decode_kv_dtype = torch.bfloat16 if is_quantized_cpu else self.dtype
+        self.decode_threads = decode_threads  # CPU threads of a decode step (0: as set)
         self.prompts = PromptBuilder(self.tokenizer, system_prompt) if self.tokenizer is not None else None
         self.fingerprint = engine_fingerprint(self)
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
@@ -52,7 +54,8 @@ class BlendEngine:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> BlendEngine:
-        return cls(load_model(settings.model), BlendConfig.from_settings(settings.blend), settings.model.system_prompt)
+        model = settings.model
+        return cls(load_model(model), BlendConfig.from_settings(settings.blend), model.system_prompt, model.decode_threads)
 
     @classmethod
     def from_model(cls, model, tokenizer=None, name: str = "custom", **kwargs) -> BlendEngine:
@@ -194,7 +197,8 @@ class BlendEngine:
         `kv_dtype` (default: the engine's `decode_kv_dtype`) where that differs from the cache's."""
         result.cache.truncate(len(result.token_ids))
         graphed = self.is_decode_graphed if is_graphed is None else is_graphed
-        return Decoder(self.runner, result.cache, graphed, self.decode_kv_dtype if kv_dtype is None else kv_dtype)
+        kv_dtype = self.decode_kv_dtype if kv_dtype is None else kv_dtype
+        return Decoder(self.runner, result.cache, graphed, kv_dtype, self.decode_threads)
 
     def score(self, result: PrefillResult, target_ids: Sequence[int]) -> torch.Tensor:
         """Teacher forcing: logits [T, vocab] predicting each of `target_ids` after the prompt."""

@@ -149,3 +149,34 @@ def test_attend_last_equals_sdpa_over_the_same_cache(num_heads, num_kv_heads):
     bf16 = attend_last(q, keys.bfloat16(), values.bfloat16(), 0.25)
     assert bf16.dtype == torch.float32
     torch.testing.assert_close(bf16, ref, atol=3e-2, rtol=0)
+
+
+def test_decode_threads_apply_to_the_step_only():
+    """`model.decode_threads`: each step runs on that many CPU threads, the caller's count is restored,
+    and the logits are those of a step on the caller's count."""
+    engine = _engine(WeightFormat.INT4)
+    result = engine.prefill(rag_prompt(engine), PrefillMode.FULL, max_new_tokens=4)
+    tokens = random_ids(3, 9)
+    reference = torch.stack([engine.decoder(result).step(t) for t in tokens[:1]])
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine.decode_threads = 1
+        seen = []
+        decoder = engine.decoder(result)
+        real_step = decoder._step
+        decoder._step = lambda t: seen.append(torch.get_num_threads()) or real_step(t)
+        steps = torch.stack([decoder.step(t) for t in tokens[:1]])
+        assert seen == [1] and torch.get_num_threads() == 2
+        torch.testing.assert_close(steps, reference, atol=1e-5, rtol=0)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_decode_threads_setting():
+    from configs import load_settings
+
+    assert load_settings().model.decode_threads == 1
+    assert load_settings(model={"decode_threads": 0}).model.decode_threads == 0
+    with pytest.raises(Exception, match="greater than or equal to 0"):
+        load_settings(model={"decode_threads": -1})
