@@ -47,7 +47,8 @@ class Decoder:
         """Feed one token after the cache's end; next-token logits [vocab] (float32)."""
         if not self.num_threads or self.num_threads == torch.get_num_threads():
             return self._step(token_id)
-        # the thread count of this thread's parallel regions (OpenMP's is per thread), restored after
+        # set for the step and restored after; the server runs engine jobs one at a time on its one
+        # worker thread, so no other computation sees the lowered count meanwhile
         previous = torch.get_num_threads()
         torch.set_num_threads(self.num_threads)
         try:
