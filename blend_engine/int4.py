@@ -69,8 +69,9 @@ class Int4Linear(nn.Module):
             self._per_row(1)).reshape(self.out_features, self.in_features).to(dtype)
 
     def levels(self) -> torch.Tensor:
-        """q [out, in] in 0..15, recovered from the bf16 copy (exact: each weight is a level times a
-        bf16 scale plus a bf16 zero, and the levels are 1 apart in scale units)."""
+        """q [out, in] in 0..15, recovered from the bf16 copy: exact unless a group's zero is hundreds
+        of times its scale, where the copy rounds adjacent levels together (the recovered ones then
+        differ below bf16's resolution of the weight; `fuse` refuses any that change the copy)."""
         w = self.gemm_weight.float().reshape(self.out_features, -1, GROUP_SIZE)
         return torch.round((w - self._per_row(1)) / self._per_row(0) + 8).clamp_(0, 15).reshape(
             self.out_features, self.in_features)
@@ -88,7 +89,7 @@ class Int4Linear(nn.Module):
     @classmethod
     def fuse(cls, linears: list[nn.Module]) -> Int4Linear | None:
         """One module over the rows of `linears` (same input), or None unless all are Int4Linear with
-        biases all or none. Where every part is a whole number of 64-row blocks, the parts' buffers
+        biases all or none and their levels are recovered exactly. Where every part is a whole number of 64-row blocks, the parts' buffers
         become views of the fused ones (no weight memory added); each still works alone."""
         num_biased = sum(isinstance(m, Int4Linear) and m.bias is not None for m in linears)
         if not all(isinstance(m, Int4Linear) for m in linears) or num_biased not in (0, len(linears)):
@@ -96,6 +97,8 @@ class Int4Linear(nn.Module):
         bias = torch.cat([m.bias.detach() for m in linears]) if num_biased else None
         q = torch.cat([m.levels() for m in linears]).to(torch.int32)
         fused = cls(q, torch.cat([m.scales_zeros for m in linears], dim=1), bias)
+        if not torch.equal(fused.gemm_weight, torch.cat([m.gemm_weight for m in linears])):
+            return None  # a level not recovered (a group whose zero dwarfs its scale): stay unfused
         if all(m.out_features % NUM_ROWS_PER_BLOCK == 0 for m in linears):
             start = 0
             for m in linears:

@@ -180,3 +180,15 @@ def test_decode_threads_setting():
     assert load_settings(model={"decode_threads": 0}).model.decode_threads == 0
     with pytest.raises(Exception, match="greater than or equal to 0"):
         load_settings(model={"decode_threads": -1})
+
+
+def test_fusing_a_group_whose_zero_dwarfs_its_scale_stays_within_bf16_resolution():
+    """Where the bf16 copy rounds adjacent levels together (zero hundreds of times the scale), the
+    levels recovered for fusing may differ, but only below bf16's resolution of the weight."""
+    weight = torch.full((64, 32), 1000.0) + torch.arange(32.0) * 0.01  # spread 0.31 on an offset of 1000
+    parts = [Int4Linear.from_weight(weight), Int4Linear.from_weight(weight.clone())]
+    x = torch.randn(1, 32)
+    separate = torch.cat([p(x) for p in parts], dim=-1)  # the int4 kernel over the original levels
+    fused = Int4Linear.fuse(parts)
+    if fused is not None:  # fuse refuses levels that would change the bf16 copy
+        torch.testing.assert_close(fused(x), separate, atol=float(separate.abs().max()) * 2**-7, rtol=0)
