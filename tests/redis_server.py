@@ -62,3 +62,15 @@ class RedisServer:
         if self._proc.stderr:
             self._proc.stderr.close()
         self._proc = None
+
+
+def start_or_skip(workdir: Path) -> RedisServer:
+    """A started server, or the calling test skipped, saying why none could start on this machine."""
+    import pytest  # only tests call this
+
+    try:
+        server = RedisServer(workdir)
+        server.start()
+    except (FileNotFoundError, RuntimeError) as exc:
+        pytest.skip(f"no redis-server could start on loopback: {exc}")
+    return server

@@ -10,17 +10,22 @@ import pytest
 import torch
 
 
+def bench_args(tmp_path, items: list[dict], *argv: str) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The bench's parser, and `argv` parsed with `--data` pointing at `items` written to a file."""
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps(items))
+    parser = argparse.ArgumentParser()
+    engine_bench.add_arguments(parser)
+    return parser, parser.parse_args(["--data", str(data), *argv])
+
+
 def test_bench_engine_prints_table_then_json(tmp_path, capsys):
     words = "the old mill stands by the river near the town of harlow where wool is traded".split()
     item = {"question": "where is the old mill?", "answers": ["harlow"],
             "ctxs": [{"title": f"t{i}", "text": " ".join(words[i:] + words[:i]) * 2} for i in range(3)]}
-    data = tmp_path / "data.json"
-    data.write_text(json.dumps([item, item]))
-    parser = argparse.ArgumentParser()
-    engine_bench.add_arguments(parser)
-    args = parser.parse_args(["--data", str(data), "--questions", "2", "--passages", "3", "--ratios", "0.1,0.5",
+    _, args = bench_args(tmp_path, [item, item], "--questions", "2", "--passages", "3", "--ratios", "0.1,0.5",
                               "--model", "random:tiny-llama", "--sweep", "--selections", "--adaptive", "0.5",
-                              "--out", str(tmp_path / "out.json")])
+                              "--out", str(tmp_path / "out.json"))
     assert engine_bench.run(args) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(lines[-1])
@@ -49,12 +54,8 @@ def test_bench_engine_quality_columns_on_smollm2(tmp_path, capsys):
     item = {"question": "Where was Ilsa Varn born?", "answers": ["Kettering"],
             "ctxs": [{"title": "Ilsa Varn", "text": "Ilsa Varn was an engineer born in Kettering."},
                      {"title": "Aster", "text": "The river Aster flows through Brindlemoor."}]}
-    data = tmp_path / "data.json"
-    data.write_text(json.dumps([item]))
-    parser = argparse.ArgumentParser()
-    engine_bench.add_arguments(parser)
-    args = parser.parse_args(["--data", str(data), "--questions", "1", "--passages", "2", "--ratios", "1.0",
-                              "--answer-tokens", "6"])
+    _, args = bench_args(tmp_path, [item], "--questions", "1", "--passages", "2", "--ratios", "1.0",
+                              "--answer-tokens", "6")
     assert engine_bench.run(args) == 0
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]
     # blend at r=1 is a full prefill: perfect fidelity; reuse is scored too
@@ -73,12 +74,8 @@ def test_bench_engine_runs_without_the_embedded_tokenizer(tmp_path, capsys, monk
     monkeypatch.setattr(loader, "embedded_gguf_path", missing)
     item = {"question": "where is the old mill? " * 3, "answers": ["harlow"],
             "ctxs": [{"title": f"t{i}", "text": "word " * (60 + 20 * i)} for i in range(3)]}
-    data = tmp_path / "data.json"
-    data.write_text(json.dumps([item]))
-    parser = argparse.ArgumentParser()
-    engine_bench.add_arguments(parser)
-    args = parser.parse_args(["--data", str(data), "--questions", "1", "--passages", "3", "--ratios", "0.15",
-                              "--model", "random:tiny-llama", "--decode-tokens", "4"])
+    _, args = bench_args(tmp_path, [item], "--questions", "1", "--passages", "3", "--ratios", "0.15",
+                              "--model", "random:tiny-llama", "--decode-tokens", "4")
     assert engine_bench.run(args) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     # 30 prefix + chunks of len(text)/3.96 tokens + 2 separators x 2 + question (66 chars / 4.47 + 15)
@@ -108,13 +105,9 @@ def test_bench_engine_weights_and_reference_format(tmp_path, capsys):
     """--weights picks the format (printed and in the JSON); --reference-weights adds the side-by-side row."""
     item = {"question": "where is the old mill?", "answers": ["harlow"],
             "ctxs": [{"title": f"t{i}", "text": "the old mill stands by the river " * 4} for i in range(2)]}
-    data = tmp_path / "data.json"
-    data.write_text(json.dumps([item]))
-    parser = argparse.ArgumentParser()
-    engine_bench.add_arguments(parser)
-    args = parser.parse_args(["--data", str(data), "--questions", "1", "--passages", "2", "--ratios", "0.15",
+    _, args = bench_args(tmp_path, [item], "--questions", "1", "--passages", "2", "--ratios", "0.15",
                               "--model", "random:tiny-llama", "--weights", "int8", "--reference-weights", "fp32",
-                              "--decode-tokens", "3", "--no-answers"])
+                              "--decode-tokens", "3", "--no-answers")
     assert engine_bench.run(args) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(lines[-1])
@@ -130,17 +123,13 @@ def test_bench_engine_weights_and_reference_format(tmp_path, capsys):
 def test_bench_engine_variant_specs(tmp_path, capsys):
     item = {"question": "where is the mill?", "answers": ["harlow"],
             "ctxs": [{"title": f"t{i}", "text": "the mill stands in harlow by the river " * 3} for i in range(2)]}
-    data = tmp_path / "data.json"
-    data.write_text(json.dumps([item]))
-    parser = argparse.ArgumentParser()
-    engine_bench.add_arguments(parser)
     spec = "selection=query_deviation probe_layer=3 probe_span=2 query_heads=max combine=rank_sum"
-    args = parser.parse_args(["--data", str(data), "--questions", "1", "--passages", "2", "--ratios", "0.15",
+    parser, args = bench_args(tmp_path, [item], "--questions", "1", "--passages", "2", "--ratios", "0.15",
                               "--model", "random:tiny-llama", "--no-prefix-row", "--decode-tokens", "0",
-                              "--variant", spec])
+                              "--variant", spec)
     assert engine_bench.run(args) == 0
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]
     assert "prefix" not in rows and rows[f"blend {spec}"]["selection"] == "query_deviation"
-    bad = parser.parse_args(["--data", str(data), "--model", "random:tiny-llama", "--variant", "probe=3"])
+    bad = parser.parse_args(["--data", str(args.data), "--model", "random:tiny-llama", "--variant", "probe=3"])
     with pytest.raises(ValueError, match="FIELD=VALUE"):
         engine_bench.run(bad)

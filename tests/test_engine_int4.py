@@ -4,22 +4,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from blend_engine.engine import BlendEngine
 from blend_engine.int4 import GROUP_SIZE, MAX_PACKED_ROWS, Int4Linear
-from blend_engine.types import PrefillMode, Segment
-from blend_engine.weights import convert_linears, resolve_weight_format
+from blend_engine.types import PrefillMode
+from blend_engine.weights import resolve_weight_format
 from configs import WeightFormat
-from engine_models import MODEL_BUILDERS, cpu_exact, random_ids
+from engine_models import cpu_exact, random_ids
 from test_engine_blend import rag_prompt
+from test_engine_weights import _quantized_engine
 
 pytestmark = cpu_exact  # the int4 kernel is torch's CPU one
-
-
-def _engine(fmt: WeightFormat, seed: int = 0) -> BlendEngine:
-    torch.manual_seed(seed)
-    model = MODEL_BUILDERS["llama-gqa"]().eval()
-    convert_linears(model, fmt)
-    return BlendEngine.from_model(model, name="llama-gqa")
 
 
 def _q4_1_weight(num_out: int, num_in: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +60,7 @@ def test_int4_linear_matches_its_dequantized_weight(num_rows):
 def test_int4_layers_keep_an_int8_lm_head():
     from blend_engine.weights import Int8Linear, weight_format
 
-    engine = _engine(WeightFormat.INT4)
+    engine = _quantized_engine(WeightFormat.INT4)
     assert isinstance(engine.model.lm_head, Int8Linear) and engine.weights == WeightFormat.INT4
     engine.model.lm_head = Int4Linear.from_weight(engine.model.get_input_embeddings().weight)
     with pytest.raises(ValueError, match="mixes weight formats"):
@@ -102,9 +95,9 @@ def test_fused_int4_projections_equal_the_separate_ones(sizes):
 def test_decode_over_a_bf16_copy_stays_close_and_leaves_the_prefill_cache():
     """Quantized CPU engines decode over a bf16 copy of the prompt's cache; its logits stay within
     bf16's resolution of decoding over the fp32 cache, and the prefill's cache is not touched."""
-    engine = _engine(WeightFormat.INT4)
+    engine = _quantized_engine(WeightFormat.INT4)
     assert engine.decode_kv_dtype == torch.bfloat16
-    assert _engine(WeightFormat.FP32).decode_kv_dtype == torch.float32
+    assert _quantized_engine(WeightFormat.FP32).decode_kv_dtype == torch.float32
     result = engine.prefill(rag_prompt(engine), PrefillMode.BLEND, max_new_tokens=8)
     keys_before = result.cache.keys[:, :, : len(result.token_ids)].clone()
     tokens = random_ids(6, 77)
@@ -117,22 +110,6 @@ def test_decode_over_a_bf16_copy_stays_close_and_leaves_the_prefill_cache():
     steps_fp32 = torch.stack([fp32.step(t) for t in tokens])
     torch.testing.assert_close(steps_bf16, steps_fp32, atol=float(steps_fp32.abs().max()) * 2e-2, rtol=0)
     assert torch.equal(steps_bf16.argmax(-1), steps_fp32.argmax(-1))
-
-
-def test_int4_engine_stays_close_to_fp32_and_blends_exactly_at_ratio_one():
-    from blend_engine.types import BlendConfig
-    from test_engine_blend import assert_same_prefill
-
-    fp32, int4 = _engine(WeightFormat.FP32), _engine(WeightFormat.INT4)
-    ids = random_ids(64, seed=3)
-    a = fp32.prefill([Segment(ids)], PrefillMode.FULL).logits
-    b = int4.prefill([Segment(ids)], PrefillMode.FULL).logits
-    kl = (torch.softmax(a, -1) * (torch.log_softmax(a, -1) - torch.log_softmax(b, -1))).sum()
-    assert float(kl) < 5e-2  # random weights are not Q4_1 ones: a sanity bound (SmolLM2: README)
-    segments = rag_prompt(int4)
-    full = int4.prefill(segments, PrefillMode.FULL)
-    blend = int4.prefill(segments, PrefillMode.BLEND, BlendConfig(recompute_ratio=1.0))
-    assert_same_prefill(blend, full, atol=1e-5)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (9, 3), (4, 4)])
@@ -154,7 +131,7 @@ def test_attend_last_equals_sdpa_over_the_same_cache(num_heads, num_kv_heads):
 def test_decode_threads_apply_to_the_step_only():
     """`model.decode_threads`: each step runs on that many CPU threads, the caller's count is restored,
     and the logits are those of a step on the caller's count."""
-    engine = _engine(WeightFormat.INT4)
+    engine = _quantized_engine(WeightFormat.INT4)
     result = engine.prefill(rag_prompt(engine), PrefillMode.FULL, max_new_tokens=4)
     tokens = random_ids(3, 9)
     reference = torch.stack([engine.decoder(result).step(t) for t in tokens[:1]])

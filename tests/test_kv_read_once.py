@@ -16,9 +16,9 @@ from configs.settings import StorageDtype
 from kv_store import KVStore, StoreConfig, Tier, codec
 
 try:
-    from tests.redis_server import RedisServer
+    from tests.redis_server import start_or_skip
 except ImportError:  # tests/ is not a package: pytest put it on sys.path itself
-    from redis_server import RedisServer
+    from redis_server import start_or_skip
 
 NUM_CHUNKS, CHUNK_TOKENS, NUM_LAYERS = 3, 24, 4
 
@@ -38,11 +38,7 @@ def chunks(engine):
 
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory):
-    try:
-        server = RedisServer(tmp_path_factory.mktemp("redis"))
-        server.start()
-    except (FileNotFoundError, RuntimeError) as exc:
-        pytest.skip(f"no redis-server could start on loopback: {exc}")
+    server = start_or_skip(tmp_path_factory.mktemp("redis"))
     redis.Redis.from_url(server.url).flushall()
     yield server.url
     server.stop()

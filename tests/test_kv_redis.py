@@ -13,20 +13,16 @@ from kv_store import EntryLostError, KVStore, StoreConfig, Tier
 from kv_store.redis_backend import KEY_PREFIX
 
 try:
-    from tests.redis_server import RedisServer
+    from tests.redis_server import start_or_skip
 except ImportError:  # tests/ is not a package: pytest put it on sys.path itself
-    from redis_server import RedisServer
+    from redis_server import start_or_skip
 
 FP = "fingerprint-r"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    try:
-        srv = RedisServer(tmp_path_factory.mktemp("redis"))
-        srv.start()
-    except (FileNotFoundError, RuntimeError) as exc:
-        pytest.skip(f"no redis-server could start on loopback: {exc}")
+    srv = start_or_skip(tmp_path_factory.mktemp("redis"))
     yield srv
     srv.stop()
 
