@@ -21,6 +21,8 @@ from enum import Enum
 import torch
 import torch.nn.functional as F
 
+from blend_engine.decode_cache import Int8Layer
+
 MAX_QUERY_GROUPS = 8
 MIN_QUERIES_PER_GROUP = 64
 
@@ -150,6 +152,22 @@ def attend_last(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale
     out = values.new_empty(num_kv_heads, group, head_dim)  # [H_kv, G, D]
     for head in range(num_kv_heads):
         torch.mm(probs[head], values[head], out=out[head])
+    return out.reshape(1, num_heads * head_dim).to(q.dtype)
+
+
+def attend_last_int8(q: torch.Tensor, kv: Int8Layer, scale: float) -> torch.Tensor:
+    """`attend_last` over an int8 decode cache (blend_engine/decode_cache.py), both matmuls by
+    torch's int8 weight-only kernel: q [H, 1, D] -> [1, H*D] in q's dtype."""
+    num_heads, _, head_dim = q.shape
+    num_kv_heads, num_slots = kv.values_t.shape[0], kv.values_t.shape[2]
+    folded = (q * scale).reshape(num_kv_heads, num_heads // num_kv_heads, head_dim).to(kv.unit_scales.dtype)  # [H_kv, G, D]
+    scores = torch.stack([torch._weight_int8pack_mm(f, k, s) for f, k, s in  # [H_kv, G, N]
+                          zip(folded.unbind(0), kv.keys.unbind(0), kv.key_scales.unbind(0))])
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32) * kv.value_scales[:, None]  # [H_kv, G, N]
+    weights = folded.new_zeros(*probs.shape[:2], num_slots)  # [H_kv, G, capacity]: zero past the length
+    weights[..., : kv.num_keys] = probs
+    out = torch.stack([torch._weight_int8pack_mm(w, v, kv.unit_scales)  # [H_kv, G, D]
+                       for w, v in zip(weights.unbind(0), kv.values_t.unbind(0))])
     return out.reshape(1, num_heads * head_dim).to(q.dtype)
 
 

@@ -14,34 +14,49 @@ import logging
 import torch
 
 from blend_engine.active import RopeTable
-from blend_engine.attention import AttentionLayout, AttentionMeta, attend, attend_last, last_meta
+from blend_engine.attention import AttentionLayout, AttentionMeta, attend, attend_last, attend_last_int8, last_meta
+from blend_engine.decode_cache import decode_cache
 from blend_engine.kv import KVCache
-from blend_engine.runner import ModelRunner, apply_rope
+from blend_engine.runner import ModelRunner, apply_rope, signed_sin
+from configs.enums import DecodeCache
 
 log = logging.getLogger(__name__)
 NUM_WARMUP_STEPS = 2  # eager runs on a side stream before capture (lazy cuBLAS/allocator set-up)
 
 
+# one query over the decode cache's layer (what its `update` returns), by the cache's format:
+# q [H, 1, D] -> [1, H*D]
+_ATTENTION = {
+    # the new token sees every key: no mask
+    DecodeCache.MODEL: lambda q, kv, scale: attend(q, *kv, last_meta(kv[0].shape[1]), scale),
+    DecodeCache.BF16: lambda q, kv, scale: attend_last(q, *kv, scale),  # bf16 matmuls (SDPA measured slower)
+    DecodeCache.INT8: attend_last_int8,
+}
+
+
 class Decoder:
     def __init__(
-        self, runner: ModelRunner, cache: KVCache, is_graphed: bool | None = None, kv_dtype: torch.dtype | None = None,
-        num_threads: int = 0,
+        self, runner: ModelRunner, cache: KVCache, is_graphed: bool | None = None,
+        cache_format: DecodeCache = DecodeCache.MODEL, num_threads: int = 0,
     ):
-        """Decodes after `cache`'s end; with a `kv_dtype` other than the cache's, over a converted
-        copy (the prefill's cache is left as it was); on CPU with `num_threads` (0: as set) threads."""
+        """Decodes after `cache`'s end; in a `cache_format` other than MODEL, over a converted copy
+        (the prefill's cache is left as it was); on CPU with `num_threads` (0: as set) threads."""
         self.runner = runner
         self.num_threads = num_threads if runner.device.type == "cpu" else 0
-        self.cache = cache if kv_dtype in (None, cache.keys.dtype) else cache.converted(kv_dtype)
         self.is_graphed = runner.device.type == "cuda" if is_graphed is None else is_graphed
-        # a cache in another dtype than the model's: the two-matmul attention in the cache's dtype
-        self.is_matmul_attention = self.cache.keys.dtype != runner.dtype
+        if self.is_graphed and cache_format != DecodeCache.MODEL:
+            raise ValueError(f"the graphed decode runs over the prefill's own cache, not {cache_format.value}")
+        self.cache = decode_cache(cache, cache_format)
+        self._attend = _ATTENTION[cache_format]
         self._rope = self._table()
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_keys_ptr = 0  # the cache storage the graph was captured on
 
     def _table(self) -> RopeTable:
         positions = torch.arange(self.cache.capacity, device=self.runner.device)
-        return RopeTable(*self.runner.rope(positions))  # [capacity, D] each
+        cos, sin = self.runner.rope(positions)  # [capacity, D] each
+        self._signed_sin = signed_sin(sin)  # [capacity, D]: the eager step's `rotate` table
+        return RopeTable(cos, sin)
 
     def step(self, token_id: int) -> torch.Tensor:
         """Feed one token after the cache's end; next-token logits [vocab] (float32)."""
@@ -73,15 +88,11 @@ class Decoder:
     def _eager(self, token_id: int, pos: int) -> torch.Tensor:
         runner = self.runner
         hidden = runner.embed(torch.tensor([token_id], device=runner.device))  # [1, hidden]
-        cos, sin = self._rope.cos[pos : pos + 1], self._rope.sin[pos : pos + 1]  # [1, D]
-        meta = last_meta(pos + 1)
+        rope = self._rope.cos[pos : pos + 1], self._signed_sin[pos : pos + 1]  # [1, D] each
         for layer in range(runner.num_layers):
-            q, k, v = runner.qkv(layer, hidden)  # [H, 1, D], [H_kv, 1, D] x2
-            keys, values = self.cache.update(layer, slice(pos, pos + 1), apply_rope(k, cos, sin), v)
-            q = apply_rope(q, cos, sin)
-            out = (attend_last(q, keys, values, runner.scaling) if self.is_matmul_attention
-                   else attend(q, keys, values, meta, runner.scaling))
-            hidden = runner.finish(layer, hidden, out)
+            q, k, v = runner.qkv(layer, hidden, rope)  # [H, 1, D], [H_kv, 1, D] x2, q and k rotated
+            kv = self.cache.update(layer, slice(pos, pos + 1), k, v)
+            hidden = runner.finish(layer, hidden, self._attend(q, kv, runner.scaling))
         return runner.logits(hidden)[0]
 
     # --- CUDA graph -------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import torch
 
 from blend_engine.attention import AttentionBackend, attend, causal_meta, last_meta, subset_meta
 from blend_engine.decode import Decoder
+from blend_engine.decode_cache import resolve_decode_cache
 from blend_engine.generate import decode_loop
 from blend_engine.kv import ChunkKV, LayerKVSource, MemoryKVSource, MergedKVSource
 from blend_engine.loader import LoadedModel, load_model
@@ -18,7 +19,7 @@ from blend_engine.runner import ModelRunner, apply_rope
 from blend_engine.types import BlendConfig, Delta, PrefillMode, PrefillResult, SamplingParams, Segment
 from blend_engine.weights import weight_format
 from blend_engine.weights_id import engine_fingerprint
-from configs.settings import Settings, SinkMode, WeightFormat
+from configs.settings import DecodeCache, Settings, SinkMode, WeightFormat
 
 MAX_CACHED_PREFIXES = 16
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer the question using the documents."
@@ -31,6 +32,7 @@ class BlendEngine:
         blend: BlendConfig = BlendConfig(),
         system_prompt: str = DEFAULT_SYSTEM_PROMPT,
         decode_threads: int = 0,
+        decode_cache: DecodeCache = DecodeCache.AUTO,
     ):
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -42,10 +44,9 @@ class BlendEngine:
         self.attention_backend = AttentionBackend.for_device(self.runner.device)
         self.is_decode_graphed = self.runner.device.type == "cuda"  # CUDA-graph the decode step
         self.is_bulk_layout = self.runner.device.type == "cuda"  # reused KV laid out for all layers at once
-        # quantized weights on CPU decode over a bf16 copy of the prompt's cache: attention reads half
-        # the bytes (measured: README); fp32 engines keep decoding exactly over the fp32 cache
-        is_quantized_cpu = self.runner.device.type == "cpu" and self.weights != WeightFormat.FP32
-        self.decode_kv_dtype = torch.bfloat16 if is_quantized_cpu else self.dtype
+        # what decode attends over: fp32 engines decode exactly over the prefill's cache
+        self.decode_cache = resolve_decode_cache(
+            decode_cache, self.runner.device, self.weights != WeightFormat.FP32, self.runner.head_dim)
         self.decode_threads = decode_threads  # CPU threads of a decode step (0: as set)
         self.prompts = PromptBuilder(self.tokenizer, system_prompt) if self.tokenizer is not None else None
         self.fingerprint = engine_fingerprint(self)
@@ -55,7 +56,8 @@ class BlendEngine:
     @classmethod
     def from_settings(cls, settings: Settings) -> BlendEngine:
         model = settings.model
-        return cls(load_model(model), BlendConfig.from_settings(settings.blend), model.system_prompt, model.decode_threads)
+        return cls(load_model(model), BlendConfig.from_settings(settings.blend), model.system_prompt,
+                   model.decode_threads, model.decode_cache)
 
     @classmethod
     def from_model(cls, model, tokenizer=None, name: str = "custom", **kwargs) -> BlendEngine:
@@ -190,15 +192,15 @@ class BlendEngine:
         return runner.logits(hidden)
 
     def decoder(
-        self, result: PrefillResult, is_graphed: bool | None = None, kv_dtype: torch.dtype | None = None,
+        self, result: PrefillResult, is_graphed: bool | None = None, cache_format: DecodeCache | None = None,
     ) -> Decoder:
         """A one-token-at-a-time decoder from the prompt's end (the cache is rewound there first);
-        CUDA-graphed on CUDA unless `is_graphed` says otherwise; over a copy of the cache in
-        `kv_dtype` (default: the engine's `decode_kv_dtype`) where that differs from the cache's."""
+        CUDA-graphed on CUDA unless `is_graphed` says otherwise; over the cache in `cache_format`
+        (default: the engine's `decode_cache`; other than MODEL, a copy)."""
         result.cache.truncate(len(result.token_ids))
         graphed = self.is_decode_graphed if is_graphed is None else is_graphed
-        kv_dtype = self.decode_kv_dtype if kv_dtype is None else kv_dtype
-        return Decoder(self.runner, result.cache, graphed, kv_dtype, self.decode_threads)
+        fmt = self.decode_cache if cache_format is None else cache_format
+        return Decoder(self.runner, result.cache, graphed, fmt, self.decode_threads)
 
     def score(self, result: PrefillResult, target_ids: Sequence[int]) -> torch.Tensor:
         """Teacher forcing: logits [T, vocab] predicting each of `target_ids` after the prompt."""

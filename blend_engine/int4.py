@@ -77,10 +77,13 @@ class Int4Linear(nn.Module):
             self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= MAX_PACKED_ROWS:  # decode's rows: as few small ops as can be
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(_COMPUTE).contiguous(), self.packed, GROUP_SIZE, self.scales_zeros).to(x.dtype)
+            return out if self.bias is None else out + self.bias
         rows = x.reshape(-1, x.shape[-1]).to(_COMPUTE)  # [n, in]
         if rows.shape[0] <= MAX_PACKED_ROWS:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                rows.contiguous(), self.packed, GROUP_SIZE, self.scales_zeros.contiguous())
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, GROUP_SIZE, self.scales_zeros)
         else:
             out = F.linear(rows, self.gemm_weight)
         out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -103,7 +106,8 @@ class Int4Linear(nn.Module):
             start = 0
             for m in linears:
                 rows = slice(start, start + m.out_features)
-                m.packed, m.scales_zeros = fused.packed[rows], fused.scales_zeros[:, rows]
+                # packed rows are a view; the (small) scales a contiguous copy, as the kernel takes them
+                m.packed, m.scales_zeros = fused.packed[rows], fused.scales_zeros[:, rows].contiguous()
                 m.gemm_weight, start = fused.gemm_weight[rows], rows.stop
         return fused
 

@@ -40,6 +40,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin [n, D] with its first half negated: the table `rotate` takes."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """`apply_rope(x, cos, sin)` bit for bit, in four ops instead of seven (a decode step runs it per
+    layer): rotate_half(x) * sin == x.roll(D/2) * signed_sin(sin), negation being exact."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+
+
 class ModelRunner:
     """Layer-by-layer access to a causal LM's modules (Llama, Mistral, Qwen2, Qwen3 families)."""
 
@@ -83,20 +95,31 @@ class ModelRunner:
         cos, sin = self.decoder.rotary_emb(probe, positions[None, :])
         return cos[0], sin[0]
 
-    def qkv(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden [n, hidden] -> q [H, n, D], k [H_kv, n, D], v [H_kv, n, D]; q and k before RoPE."""
+    def qkv(
+        self, layer: int, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [n, hidden] -> q [H, n, D], k [H_kv, n, D], v [H_kv, n, D]; q and k before RoPE, or
+        rotated by `rope` (cos, signed sin [n, D]: see `rotate`), both in one pass where q/k/v are fused."""
         block = self.layers[layer]
         attn = block.self_attn
         x = rms_norm(block.input_layernorm, hidden)
         n = x.shape[0]
+        is_normed = hasattr(attn, "q_norm")  # Qwen3: per-head RMSNorm before RoPE
+        if self.fused_qkv[layer] is not None and rope is not None and not is_normed:
+            fused = self.fused_qkv[layer](x)  # [n, (H + 2 H_kv) D]
+            num_qk = self.qkv_split[0] + self.qkv_split[1]
+            qk = rotate(fused[:, :num_qk].reshape(n, -1, self.head_dim).transpose(0, 1), *rope)  # [H + H_kv, n, D]
+            q, k = qk.split([self.num_heads, self.num_kv_heads])
+            return q, k, fused[:, num_qk:].reshape(n, -1, self.head_dim).transpose(0, 1)
         if self.fused_qkv[layer] is not None:
             q, k, v = self.fused_qkv[layer](x).split(self.qkv_split, dim=-1)
         else:
             q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
         q, k, v = (t.reshape(n, -1, self.head_dim) for t in (q, k, v))
-        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
+        if is_normed:
             q, k = attn.q_norm(q), attn.k_norm(k)
-        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        return (q, k, v) if rope is None else (rotate(q, *rope), rotate(k, *rope), v)
 
     def finish(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Residual + o_proj, then the MLP block: hidden [n, hidden] -> [n, hidden]."""

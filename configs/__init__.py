@@ -2,6 +2,7 @@
 
 from configs.settings import (
     BlendSettings,
+    DecodeCache,
     DeviationKind,
     GenerationSettings,
     ModelSettings,
@@ -17,6 +18,7 @@ from configs.settings import (
 
 __all__ = [
     "BlendSettings",
+    "DecodeCache",
     "DeviationKind",
     "GenerationSettings",
     "ModelSettings",

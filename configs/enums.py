@@ -86,6 +86,15 @@ class WeightFormat(str, Enum):
     INT4 = "int4"  # int4 weight-only, a scale and a zero per 32 inputs (CPU only)
 
 
+class DecodeCache(str, Enum):
+    """What a decode step attends over once the prompt is in (blend_engine/decode.py)."""
+
+    AUTO = "auto"  # int8 with quantized weights on CPU (bf16 where the head size does not fit), else model
+    MODEL = "model"  # the prefill's own cache, in model.dtype (exact)
+    BF16 = "bf16"  # a bf16 copy: half of fp32's bytes per step
+    INT8 = "int8"  # keys and values int8 with a scale per token and KV head (CPU)
+
+
 class IndexKind(str, Enum):
     """FAISS index over normalised embeddings (inner product = cosine)."""
 

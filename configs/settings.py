@@ -22,6 +22,7 @@ from pydantic_settings import (
 # `from configs.settings import X` keeps working for every X
 from configs.enums import (  # noqa: F401
     ChunkingMode,
+    DecodeCache,
     DeviationKind,
     HeadReduce,
     IndexKind,
@@ -56,6 +57,12 @@ class ModelSettings(BaseModel):
         1, ge=0, le=1024,
         description="CPU threads of a decode step (0: as many as the prefill's). One token's step is ~1 500 "
         "small ops; on a 2-core machine one thread decoded 1.4x faster than two (README).",
+    )
+    decode_cache: DecodeCache = Field(
+        DecodeCache.AUTO,
+        description="What decode attends over: auto (int8 with quantized weights on CPU, else model) | "
+        "model (the prefill's cache, exact) | bf16 (a bf16 copy) | int8 (keys and values int8 with a scale "
+        "per token and head; CPU).",
     )
     cache_dir: Path = Field(
         Path("~/.cache/ragblend/models"),

@@ -1,4 +1,4 @@
-"""int4 weights (groups of 32, scale + zero) and decoding over a bf16 copy of the cache."""
+"""int4 weights (groups of 32, scale + zero), the decode attention over a bf16 cache, decode threads."""
 
 import pytest
 import torch
@@ -90,42 +90,6 @@ def test_fused_int4_projections_equal_the_separate_ones(sizes):
     is_view = parts[1].packed.data_ptr() == fused.packed.data_ptr() + sizes[0] * 32
     assert is_view == all(n % 64 == 0 for n in sizes)
     torch.testing.assert_close(torch.cat([p(x[:1]) for p in parts], dim=-1), separate[:1], atol=1e-6, rtol=0)
-
-
-def test_decode_over_a_bf16_copy_stays_close_and_leaves_the_prefill_cache():
-    """Quantized CPU engines decode over a bf16 copy of the prompt's cache; its logits stay within
-    bf16's resolution of decoding over the fp32 cache, and the prefill's cache is not touched."""
-    engine = _quantized_engine(WeightFormat.INT4)
-    assert engine.decode_kv_dtype == torch.bfloat16
-    assert _quantized_engine(WeightFormat.FP32).decode_kv_dtype == torch.float32
-    result = engine.prefill(rag_prompt(engine), PrefillMode.BLEND, max_new_tokens=8)
-    keys_before = result.cache.keys[:, :, : len(result.token_ids)].clone()
-    tokens = random_ids(6, 77)
-    bf16 = engine.decoder(result)
-    steps_bf16 = torch.stack([bf16.step(t) for t in tokens])
-    assert bf16.cache.keys.dtype == torch.bfloat16 and bf16.cache.length == len(result.token_ids) + 6
-    assert result.cache.length == len(result.token_ids)
-    assert torch.equal(result.cache.keys[:, :, : len(result.token_ids)], keys_before)
-    fp32 = engine.decoder(result, kv_dtype=torch.float32)
-    steps_fp32 = torch.stack([fp32.step(t) for t in tokens])
-    torch.testing.assert_close(steps_bf16, steps_fp32, atol=float(steps_fp32.abs().max()) * 2e-2, rtol=0)
-    assert torch.equal(steps_bf16.argmax(-1), steps_fp32.argmax(-1))
-
-
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (9, 3), (4, 4)])
-def test_attend_last_equals_sdpa_over_the_same_cache(num_heads, num_kv_heads):
-    """The decode attention of the bf16 copy: exact math on fp32 (equal to SDPA to float rounding),
-    and within bf16's resolution on a bf16 cache; keys are a slice of a larger capacity, as in the cache."""
-    from blend_engine.attention import attend, attend_last, last_meta
-
-    torch.manual_seed(5)
-    q = torch.randn(num_heads, 1, 16)
-    keys, values = torch.randn(num_kv_heads, 80, 16)[:, :70], torch.randn(num_kv_heads, 80, 16)[:, :70]
-    ref = attend(q, keys, values, last_meta(70), 0.25)  # [1, H*D]
-    torch.testing.assert_close(attend_last(q, keys, values, 0.25), ref, atol=1e-5, rtol=0)
-    bf16 = attend_last(q, keys.bfloat16(), values.bfloat16(), 0.25)
-    assert bf16.dtype == torch.float32
-    torch.testing.assert_close(bf16, ref, atol=3e-2, rtol=0)
 
 
 def test_decode_threads_apply_to_the_step_only():

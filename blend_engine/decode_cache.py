@@ -1,0 +1,134 @@
+"""The caches a CPU decode step attends over when it is not the prefill's own (`DecodeCache`): a
+bf16 copy (`KVCache.converted`), or `Int8KVCache`: keys and values in int8 with one scale per token
+and KV head.
+
+Why int8: one token's attention over a few thousand cached tokens is two thin matmuls per KV head
+(a handful of query rows), which on CPU run far below memory bandwidth in bf16. torch's int8
+weight-only kernel (`_weight_int8pack_mm`, which the int8 linear layers use too) runs both ~3x
+faster (measured: README):
+- scores = q @ K.T: the keys [N, D] are the kernel's weight, their per-token scales its per-row
+  scales;
+- out = p @ V: the weight is V transposed, [D, capacity], which the kernel needs contiguous, so it
+  covers every slot of the capacity (kept a multiple of 32), the slots past the cache's length
+  getting zero weight; the per-token scales of V are multiplied into p instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blend_engine.kv import KVCache
+from configs.enums import DecodeCache
+
+_SCALE_DTYPE = torch.bfloat16  # the kernel's scales' (and activations') dtype
+# the kernel's inner dimension (D for the scores, the capacity for p @ V) must be a multiple of 16:
+# other sizes gave wrong sums or crashed (torch 2.13, measured); the capacity is kept a multiple of 32
+KERNEL_MULTIPLE = 16
+CAPACITY_MULTIPLE = 32
+
+
+@dataclass(frozen=True)
+class Int8Layer:
+    """One layer of an Int8KVCache, as the attention reads it (N = the cache's length)."""
+
+    keys: torch.Tensor  # [H_kv, N, D] int8
+    key_scales: torch.Tensor  # [H_kv, N] bf16: key = keys * scale
+    values_t: torch.Tensor  # [H_kv, D, capacity] int8: every slot (those >= N get zero weight)
+    value_scales: torch.Tensor  # [H_kv, N] bf16
+    unit_scales: torch.Tensor  # [D] bf16 ones: p @ V's scales, already in p
+
+    @property
+    def num_keys(self) -> int:
+        return self.keys.shape[1]
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> int8 [..., D] and scales [...] (bf16): symmetric absmax per row, the scale
+    rounded to bf16 first so that `q * scale` is exactly what the kernel multiplies by."""
+    scales = (x.abs().amax(-1) / 127).clamp_min(1e-8).to(_SCALE_DTYPE)
+    # x / scales: type promotion divides in x's dtype by the bf16 scales' exact values
+    return torch.round(x / scales[..., None]).clamp_(-127, 127).to(torch.int8), scales
+
+
+class Int8KVCache:
+    """A decode cache (KVCache's `extend` / `update`) holding int8 keys and transposed int8 values."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, device: torch.device):
+        capacity = -(-capacity // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
+        self.keys = torch.empty(num_layers, num_kv_heads, capacity, head_dim, dtype=torch.int8, device=device)
+        self.values_t = torch.empty(num_layers, num_kv_heads, head_dim, capacity, dtype=torch.int8, device=device)
+        self.key_scales = torch.empty(num_layers, num_kv_heads, capacity, dtype=_SCALE_DTYPE, device=device)
+        self.value_scales = torch.empty_like(self.key_scales)  # [L, H_kv, capacity]
+        self.unit_scales = torch.ones(head_dim, dtype=_SCALE_DTYPE, device=device)
+        self.length = 0
+
+    @classmethod
+    def from_cache(cls, cache: KVCache) -> Int8KVCache:
+        """`cache`'s `length` slots, quantized, at (at least) the same capacity."""
+        num_layers, num_kv_heads, capacity, head_dim = cache.keys.shape
+        out = cls(num_layers, num_kv_heads, head_dim, capacity, cache.keys.device)
+        out.length = cache.length
+        for layer in range(num_layers):  # a layer at a time: the float temporaries stay one layer's size
+            out._write(layer, slice(0, cache.length), *cache.layer(layer))
+        return out
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def extend(self, num_tokens: int) -> int:
+        """Reserve the next `num_tokens` slots (growing if needed); returns the first one's position."""
+        if self.length + num_tokens > self.capacity:
+            self._grow(max(self.length + num_tokens, 2 * self.capacity))
+        start, self.length = self.length, self.length + num_tokens
+        return start
+
+    def update(self, layer: int, index: slice, k: torch.Tensor, v: torch.Tensor) -> Int8Layer:
+        """Write k, v [H_kv, n, D] (k after RoPE) at slots `index`; returns this layer's cache."""
+        self._write(layer, index, k, v)
+        n = self.length
+        return Int8Layer(self.keys[layer, :, :n], self.key_scales[layer, :, :n], self.values_t[layer],
+                         self.value_scales[layer, :, :n], self.unit_scales)
+
+    def _write(self, layer: int, index: slice, k: torch.Tensor, v: torch.Tensor) -> None:
+        num_kv_heads = k.shape[0]
+        quantized, scales = quantize_rows(torch.cat([k, v]))  # [2 H_kv, n, D], [2 H_kv, n]: one pass for both
+        self.keys[layer, :, index], self.key_scales[layer, :, index] = quantized[:num_kv_heads], scales[:num_kv_heads]
+        self.values_t[layer, :, :, index] = quantized[num_kv_heads:].transpose(1, 2)
+        self.value_scales[layer, :, index] = scales[num_kv_heads:]
+
+    def _grow(self, capacity: int) -> None:
+        grown = Int8KVCache(self.keys.shape[0], self.keys.shape[1], self.keys.shape[3], capacity, self.keys.device)
+        n = self.length
+        for name in ("keys", "key_scales", "value_scales"):
+            getattr(grown, name)[:, :, :n] = getattr(self, name)[:, :, :n]
+        grown.values_t[..., :n] = self.values_t[..., :n]
+        self.keys, self.key_scales, self.value_scales, self.values_t = (
+            grown.keys, grown.key_scales, grown.value_scales, grown.values_t)
+
+
+def decode_cache(cache: KVCache, fmt: DecodeCache) -> KVCache | Int8KVCache:
+    """The cache a decoder over `cache` in format `fmt` attends over (the prefill's is left as it was)."""
+    if fmt == DecodeCache.MODEL:
+        return cache
+    if fmt == DecodeCache.BF16:
+        return cache if cache.keys.dtype == torch.bfloat16 else cache.converted(torch.bfloat16)
+    if fmt == DecodeCache.INT8:
+        return Int8KVCache.from_cache(cache)
+    raise ValueError(f"resolve decode cache {fmt.value!r} to a concrete one first")
+
+
+def resolve_decode_cache(fmt: DecodeCache, device: torch.device, is_quantized: bool, head_dim: int) -> DecodeCache:
+    """auto: for quantized weights on CPU, int8 where the kernel takes the head size, else bf16
+    (measured: README); else the prefill's cache."""
+    if fmt == DecodeCache.AUTO:
+        if device.type != "cpu" or not is_quantized:
+            return DecodeCache.MODEL
+        return DecodeCache.INT8 if head_dim % KERNEL_MULTIPLE == 0 else DecodeCache.BF16
+    if fmt != DecodeCache.MODEL and device.type != "cpu":
+        raise ValueError(f"model.decode_cache {fmt.value} runs on CPU only (CUDA decodes over the prefill's cache)")
+    if fmt == DecodeCache.INT8 and head_dim % KERNEL_MULTIPLE != 0:
+        raise ValueError(f"model.decode_cache int8 needs a head size divisible by {KERNEL_MULTIPLE}, not {head_dim}")
+    return fmt

@@ -1,0 +1,114 @@
+"""What a quantized CPU engine decodes over (`model.decode_cache`): a bf16 or an int8 copy of the
+prompt's cache, each close to decoding over the prefill's own fp32 cache, which it leaves untouched."""
+
+import pytest
+import torch
+
+from blend_engine.attention import attend, attend_last_int8, last_meta
+from blend_engine.decode_cache import Int8KVCache, Int8Layer, quantize_rows, resolve_decode_cache
+from blend_engine.kv import KVCache
+from blend_engine.runner import apply_rope, rotate, signed_sin
+from blend_engine.types import PrefillMode
+from configs import DecodeCache, WeightFormat, load_settings
+from engine_models import cpu_exact, random_ids
+from test_engine_blend import rag_prompt
+from test_engine_weights import _quantized_engine
+
+pytestmark = cpu_exact  # the int8 kernel is torch's CPU one
+
+
+def test_auto_is_int8_for_quantized_cpu_engines_only():
+    assert load_settings().model.decode_cache == DecodeCache.AUTO
+    assert _quantized_engine(WeightFormat.INT4).decode_cache == DecodeCache.INT8
+    assert _quantized_engine(WeightFormat.INT8).decode_cache == DecodeCache.INT8
+    assert _quantized_engine(WeightFormat.FP32).decode_cache == DecodeCache.MODEL
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_decode_cache(DecodeCache.AUTO, cpu, True, head_dim=72) == DecodeCache.BF16  # the kernel's unit is 16
+    assert resolve_decode_cache(DecodeCache.AUTO, cuda, True, head_dim=64) == DecodeCache.MODEL
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_decode_cache(DecodeCache.INT8, cuda, True, head_dim=64)
+    with pytest.raises(ValueError, match="divisible by 16"):
+        resolve_decode_cache(DecodeCache.INT8, cpu, True, head_dim=72)
+    with pytest.raises(Exception, match="int8"):
+        load_settings(model={"decode_cache": "int4"})
+
+
+@pytest.mark.parametrize("fmt", [DecodeCache.BF16, DecodeCache.INT8])
+def test_decode_over_a_converted_cache_stays_close_and_leaves_the_prefill_cache(fmt):
+    """Logits within bf16's resolution of decoding over the fp32 cache, same argmax; the copy grows
+    past the prefill's capacity; the prefill's cache is not touched."""
+    engine = _quantized_engine(WeightFormat.INT4)
+    result = engine.prefill(rag_prompt(engine), PrefillMode.BLEND, max_new_tokens=2)
+    n = len(result.token_ids)
+    keys_before = result.cache.keys[:, :, :n].clone()
+    tokens = random_ids(6, 77)  # more than max_new_tokens: the converted cache must grow
+    decoder = engine.decoder(result, cache_format=fmt)
+    steps = torch.stack([decoder.step(t) for t in tokens])
+    assert decoder.cache.length == n + 6 and decoder.cache.capacity >= n + 6
+    assert decoder.cache.keys.dtype == {DecodeCache.BF16: torch.bfloat16, DecodeCache.INT8: torch.int8}[fmt]
+    assert result.cache.length == n and torch.equal(result.cache.keys[:, :, :n], keys_before)
+    exact = engine.decoder(result, cache_format=DecodeCache.MODEL)
+    reference = torch.stack([exact.step(t) for t in tokens])
+    torch.testing.assert_close(steps, reference, atol=float(reference.abs().max()) * 2e-2, rtol=0)
+    assert torch.equal(steps.argmax(-1), reference.argmax(-1))
+
+
+def test_int8_rows_round_trip_within_half_a_step():
+    torch.manual_seed(3)
+    x = torch.randn(3, 50, 64) * torch.logspace(-2, 1, 50)[None, :, None]
+    x[0, 0] = 0.0  # an all-zero row: a tiny scale, no division by zero
+    q, scales = quantize_rows(x)
+    assert q.dtype == torch.int8 and scales.shape == (3, 50) and int(q.abs().max()) <= 127
+    error = (q.float() * scales.float()[..., None] - x).abs()
+    assert torch.all(error <= scales.float()[..., None] / 2 + 1e-7)
+    assert torch.equal(q[0, 0], torch.zeros(64, dtype=torch.int8))
+
+
+def _dequantized(kv: Int8Layer) -> tuple[torch.Tensor, torch.Tensor]:
+    keys = kv.keys.float() * kv.key_scales.float()[..., None]  # [H_kv, N, D]
+    values = kv.values_t[..., : kv.num_keys].transpose(1, 2).float() * kv.value_scales.float()[..., None]
+    return keys, values
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,num_keys", [(9, 3, 64, 70), (4, 2, 16, 33), (4, 4, 48, 1)])
+def test_attention_over_int8_equals_attention_over_the_dequantized_cache(num_heads, num_kv_heads, head_dim, num_keys):
+    """The int8 kernel computes what the dequantized keys and values give (to bf16's resolution),
+    for any number of keys; the slots past the length (uninitialised) get no weight."""
+    torch.manual_seed(5)
+    q = torch.randn(num_heads, 1, head_dim)
+    cache = Int8KVCache(1, num_kv_heads, head_dim, num_keys + 10, torch.device("cpu"))
+    assert cache.capacity % 32 == 0
+    cache.values_t.fill_(100)  # garbage past the length must not leak in
+    cache.extend(num_keys)
+    kv = cache.update(0, slice(0, num_keys), torch.randn(num_kv_heads, num_keys, head_dim),
+                      torch.randn(num_kv_heads, num_keys, head_dim))
+    assert kv.num_keys == num_keys and kv.values_t.shape == (num_kv_heads, head_dim, cache.capacity)
+    ref = attend(q, *_dequantized(kv), last_meta(num_keys), 0.125)  # [1, H*D]
+    out = attend_last_int8(q, kv, 0.125)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    torch.testing.assert_close(out, ref, atol=3e-2, rtol=0)
+
+
+def test_rotate_equals_apply_rope_bit_for_bit():
+    torch.manual_seed(2)
+    x, cos, sin = torch.randn(12, 3, 64), torch.randn(3, 64), torch.randn(3, 64)
+    assert torch.equal(rotate(x, cos, signed_sin(sin)), apply_rope(x, cos, sin))
+
+
+def test_conversion_and_growth_keep_every_slot():
+    cache = KVCache(2, 3, 16, 10, torch.device("cpu"), torch.float32)
+    cache.extend(7)
+    cache.keys.normal_(), cache.values.normal_()
+    int8 = Int8KVCache.from_cache(cache)
+    assert int8.length == 7 and int8.capacity == 32
+    before = [_dequantized(int8.update(layer, slice(0, 0), cache.keys[layer, :, :0], cache.values[layer, :, :0]))
+              for layer in range(2)]
+    for layer in range(2):
+        for got, want in zip(before[layer], cache.layer(layer)):
+            torch.testing.assert_close(got, want, atol=float(want.abs().max()) / 127, rtol=0)
+    int8.extend(40)  # past the capacity: grows, keeping the first 7 slots
+    assert int8.capacity >= 47 and int8.capacity % 32 == 0
+    for layer in range(2):
+        kv = int8.update(layer, slice(7, 7), cache.keys[layer, :, :0], cache.values[layer, :, :0])
+        after = _dequantized(Int8Layer(kv.keys[:, :7], kv.key_scales[:, :7], kv.values_t, kv.value_scales[:, :7], kv.unit_scales))
+        assert all(torch.equal(a, b) for a, b in zip(after, before[layer]))
