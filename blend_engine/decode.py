@@ -48,15 +48,15 @@ class Decoder:
             raise ValueError(f"the graphed decode runs over the prefill's own cache, not {cache_format.value}")
         self.cache = decode_cache(cache, cache_format)
         self._attend = _ATTENTION[cache_format]
-        self._rope = self._table()
+        self._rope, self._signed_sin = self._tables()
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_keys_ptr = 0  # the cache storage the graph was captured on
 
-    def _table(self) -> RopeTable:
+    def _tables(self) -> tuple[RopeTable, torch.Tensor]:
+        """RoPE over the cache's capacity, and its signed sin [capacity, D] (the eager step's `rotate`)."""
         positions = torch.arange(self.cache.capacity, device=self.runner.device)
         cos, sin = self.runner.rope(positions)  # [capacity, D] each
-        self._signed_sin = signed_sin(sin)  # [capacity, D]: the eager step's `rotate` table
-        return RopeTable(cos, sin)
+        return RopeTable(cos, sin), signed_sin(sin)
 
     def step(self, token_id: int) -> torch.Tensor:
         """Feed one token after the cache's end; next-token logits [vocab] (float32)."""
@@ -75,7 +75,7 @@ class Decoder:
     def _step(self, token_id: int) -> torch.Tensor:
         pos = self.cache.extend(1)
         if self._rope.cos.shape[0] < self.cache.capacity:  # the cache grew: longer table (and graph)
-            self._rope = self._table()
+            self._rope, self._signed_sin = self._tables()
         if not self.is_graphed:
             return self._eager(token_id, pos)
         if self._graph is None or self._graph_keys_ptr != self.cache.keys.data_ptr():
