@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blend_engine.kv import KVCache
+from blend_engine.kv import KVCache, SlotCache
 from configs.enums import DecodeCache
 
 _SCALE_DTYPE = torch.bfloat16  # the kernel's scales' (and activations') dtype
@@ -52,7 +52,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / scales[..., None]).clamp_(-127, 127).to(torch.int8), scales
 
 
-class Int8KVCache:
+class Int8KVCache(SlotCache):
     """A decode cache (KVCache's `extend` / `update`) holding int8 keys and transposed int8 values."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, device: torch.device):
@@ -73,17 +73,6 @@ class Int8KVCache:
         for layer in range(num_layers):  # a layer at a time: the float temporaries stay one layer's size
             out._write(layer, slice(0, cache.length), *cache.layer(layer))
         return out
-
-    @property
-    def capacity(self) -> int:
-        return self.keys.shape[2]
-
-    def extend(self, num_tokens: int) -> int:
-        """Reserve the next `num_tokens` slots (growing if needed); returns the first one's position."""
-        if self.length + num_tokens > self.capacity:
-            self._grow(max(self.length + num_tokens, 2 * self.capacity))
-        start, self.length = self.length, self.length + num_tokens
-        return start
 
     def update(self, layer: int, index: slice, k: torch.Tensor, v: torch.Tensor) -> Int8Layer:
         """Write k, v [H_kv, n, D] (k after RoPE) at slots `index`; returns this layer's cache."""

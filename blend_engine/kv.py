@@ -118,7 +118,29 @@ class MergedKVSource:
         self._memory.close()  # the external source belongs to the caller
 
 
-class KVCache:
+class SlotCache:
+    """Slots 0..length-1 of a cache whose `keys` are [L, H_kv, capacity, ...]: reserving slots, growing
+    (by `_grow`, each cache's own layout) when they run out. KVCache and the int8 decode cache share it."""
+
+    keys: torch.Tensor
+    length: int
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def extend(self, num_tokens: int) -> int:
+        """Reserve the next `num_tokens` slots (growing if needed); returns the first one's position."""
+        if self.length + num_tokens > self.capacity:
+            self._grow(max(self.length + num_tokens, 2 * self.capacity))
+        start, self.length = self.length, self.length + num_tokens
+        return start
+
+    def _grow(self, capacity: int) -> None:
+        raise NotImplementedError
+
+
+class KVCache(SlotCache):
     """A request's fused KV cache (post-RoPE keys), batch size 1, preallocated to `capacity` tokens."""
 
     def __init__(
@@ -135,17 +157,6 @@ class KVCache:
         self.keys = torch.empty(shape, device=device, dtype=dtype)  # [L, H_kv, capacity, D]
         self.values = torch.empty(shape, device=device, dtype=dtype)  # [L, H_kv, capacity, D]
         self.length = 0
-
-    @property
-    def capacity(self) -> int:
-        return self.keys.shape[2]
-
-    def extend(self, num_tokens: int) -> int:
-        """Reserve the next `num_tokens` slots (growing if needed); returns the first one's position."""
-        if self.length + num_tokens > self.capacity:
-            self._grow(max(self.length + num_tokens, 2 * self.capacity))
-        start, self.length = self.length, self.length + num_tokens
-        return start
 
     def truncate(self, length: int) -> None:
         """Forget every slot from `length` on (e.g. to decode again from the prompt's end)."""
