@@ -8,11 +8,15 @@ import importlib
 import os
 import sys
 
-# OpenMP threads sleep while they wait (read when torch loads, so set before any subcommand imports
-# it; the environment still wins). With the default spinning, a 2-core machine running anything else
-# made every parallel region of decode (matmul, attention) wait ~8 ms for its second thread: int8
-# decode at 3k tokens 1 205 ms/token spinning vs 62.5 passive, same load (README, weight formats).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP threads spin 10 000 turns before they sleep: decode and the reused
+# prefill modes are thousands of small parallel regions, each far shorter than a sleeping thread's
+# wake-up, and libgomp's default (300 000 turns) keeps cores busy long after the work. Read when torch
+# loads, so set before any subcommand imports it; an environment that sets either variable wins.
+# Measured on 2 cores (README): int8 decode 20.9 ms/token vs 34.4 with passive waits (one thread; two
+# were slower still), reuse TTFT 194 vs 379 ms. Spinning threads must not share a core with another
+# busy process, which is what the engine's thread governor (blend_engine/threads.py) sees to.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 # subcommand path -> (module, help). The module defines add_arguments(parser) and run(args) -> int.
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {

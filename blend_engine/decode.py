@@ -18,6 +18,7 @@ from blend_engine.attention import AttentionLayout, AttentionMeta, attend, atten
 from blend_engine.decode_cache import decode_cache
 from blend_engine.kv import KVCache
 from blend_engine.runner import ModelRunner, apply_rope, signed_sin
+from blend_engine.threads import ThreadGovernor
 from configs.enums import DecodeCache
 
 log = logging.getLogger(__name__)
@@ -37,12 +38,12 @@ _ATTENTION = {
 class Decoder:
     def __init__(
         self, runner: ModelRunner, cache: KVCache, is_graphed: bool | None = None,
-        cache_format: DecodeCache = DecodeCache.MODEL, num_threads: int = 0,
+        cache_format: DecodeCache = DecodeCache.MODEL, threads: ThreadGovernor | None = None,
     ):
         """Decodes after `cache`'s end; in a `cache_format` other than MODEL, over a converted copy
-        (the prefill's cache is left as it was); on CPU with `num_threads` (0: as set) threads."""
+        (the prefill's cache is left as it was); each step on the thread count `threads` picks (CPU)."""
         self.runner = runner
-        self.num_threads = num_threads if runner.device.type == "cpu" else 0
+        self.threads = threads if runner.device.type == "cpu" else None
         self.is_graphed = runner.device.type == "cuda" if is_graphed is None else is_graphed
         if self.is_graphed and cache_format != DecodeCache.MODEL:
             raise ValueError(f"the graphed decode runs over the prefill's own cache, not {cache_format.value}")
@@ -60,16 +61,10 @@ class Decoder:
 
     def step(self, token_id: int) -> torch.Tensor:
         """Feed one token after the cache's end; next-token logits [vocab] (float32)."""
-        if not self.num_threads or self.num_threads == torch.get_num_threads():
+        if self.threads is None:
             return self._step(token_id)
-        # set for the step and restored after; the server runs engine jobs one at a time on its one
-        # worker thread, so no other computation sees the lowered count meanwhile
-        previous = torch.get_num_threads()
-        torch.set_num_threads(self.num_threads)
-        try:
+        with self.threads.scope():  # re-chosen as the load changes, at most every min_interval_s
             return self._step(token_id)
-        finally:
-            torch.set_num_threads(previous)
 
     @torch.inference_mode()
     def _step(self, token_id: int) -> torch.Tensor:

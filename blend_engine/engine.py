@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+import functools
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import torch
 
@@ -15,14 +16,27 @@ from blend_engine.loader import LoadedModel, load_model
 from blend_engine.plan import plan_prefill
 from blend_engine.prefill import run_prefill
 from blend_engine.prompt import PromptBuilder, encode_text
+from blend_engine.threads import ThreadGovernor
 from blend_engine.runner import ModelRunner, apply_rope
 from blend_engine.types import BlendConfig, Delta, PrefillMode, PrefillResult, SamplingParams, Segment
 from blend_engine.weights import weight_format
 from blend_engine.weights_id import engine_fingerprint
 from configs.settings import DecodeCache, Settings, SinkMode, WeightFormat
 
+_Job = TypeVar("_Job", bound=Callable)
 MAX_CACHED_PREFIXES = 16
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer the question using the documents."
+
+
+def _on_cpu_threads(job: _Job) -> _Job:
+    """Runs an engine method on the thread count its `threads` governor picks (CPU engines)."""
+    @functools.wraps(job)
+    def governed(engine: BlendEngine, *args, **kwargs):
+        if engine.threads is None:
+            return job(engine, *args, **kwargs)
+        with engine.threads.scope():
+            return job(engine, *args, **kwargs)
+    return governed  # type: ignore[return-value]
 
 
 class BlendEngine:
@@ -31,7 +45,7 @@ class BlendEngine:
         loaded: LoadedModel,
         blend: BlendConfig = BlendConfig(),
         system_prompt: str = DEFAULT_SYSTEM_PROMPT,
-        decode_threads: int = 0,
+        cpu_threads: int | None = None,
         decode_cache: DecodeCache = DecodeCache.AUTO,
     ):
         self.model = loaded.model
@@ -47,7 +61,10 @@ class BlendEngine:
         # what decode attends over: fp32 engines decode exactly over the prefill's cache
         self.decode_cache = resolve_decode_cache(
             decode_cache, self.runner.device, self.weights != WeightFormat.FP32, self.runner.head_dim)
-        self.decode_threads = decode_threads  # CPU threads of a decode step (0: as set)
+        # CPU threads of each job and decode step (0: the cores other processes leave idle; None: as the
+        # caller set them)
+        is_governed = cpu_threads is not None and self.runner.device.type == "cpu"
+        self.threads = ThreadGovernor(cpu_threads) if is_governed else None
         self.prompts = PromptBuilder(self.tokenizer, system_prompt) if self.tokenizer is not None else None
         self.fingerprint = engine_fingerprint(self)
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
@@ -57,7 +74,7 @@ class BlendEngine:
     def from_settings(cls, settings: Settings) -> BlendEngine:
         model = settings.model
         return cls(load_model(model), BlendConfig.from_settings(settings.blend), model.system_prompt,
-                   model.decode_threads, model.decode_cache)
+                   model.cpu_threads, model.decode_cache)
 
     @classmethod
     def from_model(cls, model, tokenizer=None, name: str = "custom", **kwargs) -> BlendEngine:
@@ -119,6 +136,7 @@ class BlendEngine:
         return kv
 
     # --- compute ----------------------------------------------------------------------------------
+    @_on_cpu_threads
     @torch.inference_mode()
     def precompute(self, token_ids: Sequence[int], context_ids: Sequence[int] = ()) -> ChunkKV:
         """The chunk's per-layer K (pre-RoPE) and V, computed behind `context_ids` only."""
@@ -140,6 +158,7 @@ class BlendEngine:
                 hidden = runner.finish(layer, hidden, out)
         return ChunkKV(token_ids, context_ids, keys, values)
 
+    @_on_cpu_threads
     @torch.inference_mode()
     def prefill(
         self,
@@ -174,6 +193,7 @@ class BlendEngine:
         finally:
             source.close()  # a merged source leaves the caller's kv_source open
 
+    @_on_cpu_threads
     @torch.inference_mode()
     def forward_tokens(self, result: PrefillResult, token_ids: Sequence[int]) -> torch.Tensor:
         """Feed tokens after the cache's current end; logits [n, vocab] (float32) for each."""
@@ -200,7 +220,7 @@ class BlendEngine:
         result.cache.truncate(len(result.token_ids))
         graphed = self.is_decode_graphed if is_graphed is None else is_graphed
         fmt = self.decode_cache if cache_format is None else cache_format
-        return Decoder(self.runner, result.cache, graphed, fmt, self.decode_threads)
+        return Decoder(self.runner, result.cache, graphed, fmt, self.threads)
 
     def score(self, result: PrefillResult, target_ids: Sequence[int]) -> torch.Tensor:
         """Teacher forcing: logits [T, vocab] predicting each of `target_ids` after the prompt."""

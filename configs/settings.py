@@ -53,10 +53,11 @@ class ModelSettings(BaseModel):
     weights: WeightFormat = Field(
         WeightFormat.AUTO, description="Linear layers' weights: auto (int4 on CPU, int8 where a shape does not fit int4) | fp32 (as loaded) | bf16 | int8 | int4 (CPU)."
     )
-    decode_threads: int = Field(
-        1, ge=0, le=1024,
-        description="CPU threads of a decode step (0: as many as the prefill's). One token's step is ~1 500 "
-        "small ops; on a 2-core machine one thread decoded 1.4x faster than two (README).",
+    cpu_threads: int = Field(
+        0, ge=0, le=1024,
+        description="CPU threads of each engine job and decode step. 0: as many as the cores other processes "
+        "left idle since the last look (at most torch's thread count), so the CLI's briefly spinning OpenMP "
+        "threads never share a core (README); n: always n.",
     )
     decode_cache: DecodeCache = Field(
         DecodeCache.AUTO,

@@ -1,4 +1,4 @@
-"""int4 weights (groups of 32, scale + zero), the decode attention over a bf16 cache, decode threads."""
+"""int4 weights (groups of 32, scale + zero), the decode attention over a bf16 cache."""
 
 import pytest
 import torch
@@ -90,37 +90,6 @@ def test_fused_int4_projections_equal_the_separate_ones(sizes):
     is_view = parts[1].packed.data_ptr() == fused.packed.data_ptr() + sizes[0] * 32
     assert is_view == all(n % 64 == 0 for n in sizes)
     torch.testing.assert_close(torch.cat([p(x[:1]) for p in parts], dim=-1), separate[:1], atol=1e-6, rtol=0)
-
-
-def test_decode_threads_apply_to_the_step_only():
-    """`model.decode_threads`: each step runs on that many CPU threads, the caller's count is restored,
-    and the logits are those of a step on the caller's count."""
-    engine = _quantized_engine(WeightFormat.INT4)
-    result = engine.prefill(rag_prompt(engine), PrefillMode.FULL, max_new_tokens=4)
-    tokens = random_ids(3, 9)
-    reference = torch.stack([engine.decoder(result).step(t) for t in tokens[:1]])
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        engine.decode_threads = 1
-        seen = []
-        decoder = engine.decoder(result)
-        real_step = decoder._step
-        decoder._step = lambda t: seen.append(torch.get_num_threads()) or real_step(t)
-        steps = torch.stack([decoder.step(t) for t in tokens[:1]])
-        assert seen == [1] and torch.get_num_threads() == 2
-        torch.testing.assert_close(steps, reference, atol=1e-5, rtol=0)
-    finally:
-        torch.set_num_threads(previous)
-
-
-def test_decode_threads_setting():
-    from configs import load_settings
-
-    assert load_settings().model.decode_threads == 1
-    assert load_settings(model={"decode_threads": 0}).model.decode_threads == 0
-    with pytest.raises(Exception, match="greater than or equal to 0"):
-        load_settings(model={"decode_threads": -1})
 
 
 def test_fusing_a_group_whose_zero_dwarfs_its_scale_stays_within_bf16_resolution():

@@ -1,0 +1,105 @@
+"""CPU threads for engine work: as many as the cores other processes leave idle.
+
+The `ragblend` command lets OpenMP threads spin briefly before they sleep (app/cli.py): decode and the
+reused prefill modes are thousands of small parallel regions, and a sleeping thread's wake-up costs more
+than such a region. Spinning is only safe while every thread has a core of its own: on a 2-core
+machine with one busy process beside it, two spinning threads decoded at 165 ms/token against 31 on
+one thread (README). So before each engine job, and every `min_interval_s` during a decode, the count
+is chosen from what the other processes used since the last look (/proc/stat less this process).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+PROC_STAT = Path("/proc/stat")
+_IDLE_FIELDS = (3, 4)  # idle, iowait in a /proc/stat cpu line (after its name); every other field is busy
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """Cumulative CPU time at one moment, over this process's allowed CPUs."""
+
+    busy_s: float  # every process's run time (steal included: a hypervisor's other guests compete too)
+    own_s: float  # this process's (user + system)
+    wall_s: float  # monotonic clock
+
+
+def read_sample(stat_path: Path = PROC_STAT) -> CpuSample | None:
+    """Now's sample, or None where /proc/stat is not there (not Linux): then the count stays fixed."""
+    try:
+        lines = stat_path.read_text().splitlines()
+    except OSError:
+        return None
+    allowed = {f"cpu{i}" for i in os.sched_getaffinity(0)}  # a container pinned to some host CPUs
+    ticks = 0
+    for line in lines:
+        name, *fields = line.split()
+        if name in allowed:
+            ticks += sum(int(v) for i, v in enumerate(fields) if i not in _IDLE_FIELDS)
+    times = os.times()
+    return CpuSample(ticks / os.sysconf("SC_CLK_TCK"), times.user + times.system, time.monotonic())
+
+
+def num_free_threads(before: CpuSample, after: CpuSample, num_cores: int, max_threads: int) -> int:
+    """Threads that fit on the `num_cores` the other processes left idle between two samples, in [1, max]."""
+    elapsed = after.wall_s - before.wall_s
+    if elapsed <= 0:
+        return max_threads
+    others = max((after.busy_s - before.busy_s) - (after.own_s - before.own_s), 0.0) / elapsed  # cores
+    return min(max(round(num_cores - others), 1), max_threads)
+
+
+def _num_allowed_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):  # Linux: the CPUs this process may run on
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+class ThreadGovernor:
+    """The thread count of engine work on CPU: `num_fixed` when > 0, else chosen by `num_free_threads`
+    (at most the caller's `torch.get_num_threads()`), re-sampled at most every `min_interval_s`.
+    `sampler` and `num_cores` default to this machine's (/proc/stat, the CPUs this process may use)."""
+
+    def __init__(self, num_fixed: int = 0, min_interval_s: float = 0.25,
+                 sampler: Callable[[], CpuSample | None] = read_sample, num_cores: int | None = None):
+        if num_fixed < 0 or min_interval_s < 0:
+            raise ValueError("num_fixed and min_interval_s must be >= 0")
+        self.num_fixed = num_fixed
+        self.min_interval_s = min_interval_s
+        self.num_cores = _num_allowed_cpus() if num_cores is None else num_cores
+        self._sampler = sampler
+        self._last = sampler()
+        self._num_free: int | None = None  # None: no interval measured yet (as many as the caller's)
+
+    def num_threads(self, max_threads: int) -> int:
+        """The count for the next piece of work."""
+        if self.num_fixed:
+            return self.num_fixed
+        if self._last is not None and time.monotonic() - self._last.wall_s >= self.min_interval_s:
+            now = self._sampler()
+            if now is not None:
+                self._num_free, self._last = num_free_threads(self._last, now, self.num_cores, max_threads), now
+        return max_threads if self._num_free is None else min(self._num_free, max_threads)
+
+    @contextmanager
+    def scope(self) -> Iterator[int]:
+        """Runs the block on `num_threads` torch threads and restores the caller's count after; the
+        server runs engine jobs one at a time on one worker thread, so nothing else sees the change."""
+        previous = torch.get_num_threads()
+        count = self.num_threads(previous)
+        if count == previous:
+            yield count
+            return
+        torch.set_num_threads(count)
+        try:
+            yield count
+        finally:
+            torch.set_num_threads(previous)
