@@ -41,10 +41,12 @@ class Components:
     def build(cls, settings: Settings, metrics: Metrics, engine: Any | None = None) -> Components:
         """Load the model (unless given), open the index, the document store and the KV store."""
         from blend_engine.engine import BlendEngine
+        from blend_engine.threads import single_threaded_default
         from kv_store import KVStore
 
         settings.data_dir.mkdir(parents=True, exist_ok=True)
-        engine = engine or BlendEngine.from_settings(settings)
+        if engine is None:
+            engine = BlendEngine.from_settings(settings, max_cpu_threads=single_threaded_default())
         check_document_limit(settings, engine)  # before any store opens: the limit must fit its bound
         retriever = kv_store = worker = None
         try:

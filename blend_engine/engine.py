@@ -47,6 +47,7 @@ class BlendEngine:
         system_prompt: str = DEFAULT_SYSTEM_PROMPT,
         cpu_threads: int | None = None,
         decode_cache: DecodeCache = DecodeCache.AUTO,
+        max_cpu_threads: int | None = None,
     ):
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -61,20 +62,20 @@ class BlendEngine:
         # what decode attends over: fp32 engines decode exactly over the prefill's cache
         self.decode_cache = resolve_decode_cache(
             decode_cache, self.runner.device, self.weights != WeightFormat.FP32, self.runner.head_dim)
-        # CPU threads of each job and decode step (0: the cores other processes leave idle; None: as the
-        # caller set them)
+        # CPU threads of each job and decode step (0: the cores other processes leave idle, at most
+        # `max_cpu_threads`, default torch's count now; None: as the calling thread has them)
         is_governed = cpu_threads is not None and self.runner.device.type == "cpu"
-        self.threads = ThreadGovernor(cpu_threads) if is_governed else None
+        self.threads = ThreadGovernor(cpu_threads, max_threads=max_cpu_threads) if is_governed else None
         self.prompts = PromptBuilder(self.tokenizer, system_prompt) if self.tokenizer is not None else None
         self.fingerprint = engine_fingerprint(self)
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
         self._prefix_cache: dict[tuple[int, ...], ChunkKV] = {}  # LRU of prompt-prefix KVs
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> BlendEngine:
+    def from_settings(cls, settings: Settings, max_cpu_threads: int | None = None) -> BlendEngine:
         model = settings.model
         return cls(load_model(model), BlendConfig.from_settings(settings.blend), model.system_prompt,
-                   model.cpu_threads, model.decode_cache)
+                   model.cpu_threads, model.decode_cache, max_cpu_threads)
 
     @classmethod
     def from_model(cls, model, tokenizer=None, name: str = "custom", **kwargs) -> BlendEngine:

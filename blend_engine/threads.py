@@ -65,22 +65,26 @@ def _num_allowed_cpus() -> int:
 
 class ThreadGovernor:
     """The thread count of engine work on CPU: `num_fixed` when > 0, else chosen by `num_free_threads`
-    (at most the caller's `torch.get_num_threads()`), re-sampled at most every `min_interval_s`.
-    `sampler` and `num_cores` default to this machine's (/proc/stat, the CPUs this process may use)."""
+    (at most `max_threads`: by default torch's count when the governor is made), re-sampled at most
+    every `min_interval_s`. `sampler` and `num_cores` default to this machine's (/proc/stat, the CPUs
+    this process may use)."""
 
     def __init__(self, num_fixed: int = 0, min_interval_s: float = 0.25,
-                 sampler: Callable[[], CpuSample | None] = read_sample, num_cores: int | None = None):
-        if num_fixed < 0 or min_interval_s < 0:
-            raise ValueError("num_fixed and min_interval_s must be >= 0")
+                 sampler: Callable[[], CpuSample | None] = read_sample, num_cores: int | None = None,
+                 max_threads: int | None = None):
+        if num_fixed < 0 or min_interval_s < 0 or (max_threads is not None and max_threads < 1):
+            raise ValueError("num_fixed and min_interval_s must be >= 0, max_threads >= 1")
         self.num_fixed = num_fixed
+        self.max_threads = torch.get_num_threads() if max_threads is None else max_threads
         self.min_interval_s = min_interval_s
         self.num_cores = _num_allowed_cpus() if num_cores is None else num_cores
         self._sampler = sampler
         self._last = sampler()
         self._num_free: int | None = None  # None: no interval measured yet (as many as the caller's)
 
-    def num_threads(self, max_threads: int) -> int:
+    def num_threads(self) -> int:
         """The count for the next piece of work."""
+        max_threads = self.max_threads
         if self.num_fixed:
             return self.num_fixed
         if self._last is not None and time.monotonic() - self._last.wall_s >= self.min_interval_s:
@@ -91,10 +95,10 @@ class ThreadGovernor:
 
     @contextmanager
     def scope(self) -> Iterator[int]:
-        """Runs the block on `num_threads` torch threads and restores the caller's count after; the
-        server runs engine jobs one at a time on one worker thread, so nothing else sees the change."""
+        """Runs the block on `num_threads` torch threads and restores the calling thread's count after
+        (OpenMP's count is per thread; the server runs engine jobs one at a time on one worker thread)."""
         previous = torch.get_num_threads()
-        count = self.num_threads(previous)
+        count = self.num_threads()
         if count == previous:
             yield count
             return
@@ -103,3 +107,18 @@ class ThreadGovernor:
             yield count
         finally:
             torch.set_num_threads(previous)
+
+
+def single_threaded_default() -> int:
+    """Make one thread torch's count for the calling thread and every thread that has not run torch
+    yet; returns the count it was (the engine's governor's cap).
+
+    Why, in the server: libgomp gives each thread that starts a parallel region a pool of its own, and
+    once the process holds more OpenMP threads than CPUs it cuts every spin to 100 turns. The model
+    load and the embedder run on other threads than the engine worker, so with their own pools the
+    worker's 2-thread decode took 50-68 ms/token against 26-28 with the worker's pool alone (85-token
+    prompt, 2 cores, README). With this, only the engine's governed jobs run wide.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    return previous

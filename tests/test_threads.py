@@ -4,13 +4,14 @@ caller's."""
 
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from blend_engine.threads import CpuSample, ThreadGovernor, num_free_threads, read_sample
+from blend_engine.threads import CpuSample, ThreadGovernor, num_free_threads, read_sample, single_threaded_default
 from blend_engine.types import PrefillMode
 from configs import WeightFormat, load_settings
 from engine_models import random_ids
@@ -57,11 +58,11 @@ def test_real_samples_see_this_process_and_a_busy_neighbour():
     assert after.own_s - before.own_s >= 0.15
     assert after.busy_s - before.busy_s >= (after.own_s - before.own_s) * 0.5
     governor = ThreadGovernor(min_interval_s=0.5)
-    num_cores = governor.num_cores
+    num_cores = governor.max_threads = governor.num_cores
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(1.0)
-        assert governor.num_threads(num_cores) <= max(num_cores - 1, 1)  # the neighbour holds a core
+        assert governor.num_threads() <= max(num_cores - 1, 1)  # the neighbour holds a core
     finally:
         busy.kill()
         busy.wait()
@@ -69,14 +70,31 @@ def test_real_samples_see_this_process_and_a_busy_neighbour():
 
 def test_the_governor_resamples_and_fixed_counts_win():
     samples = iter([CpuSample(0.0, 0.0, 0.0), CpuSample(1.0, 0.0, 1.0), CpuSample(1.0, 0.0, 2.0)])
-    governor = ThreadGovernor(min_interval_s=0.0, sampler=lambda: next(samples), num_cores=2)
-    assert governor.num_threads(2) == 1  # one core's worth of others' time in the first second
-    assert governor.num_threads(2) == 2  # none in the next
-    assert ThreadGovernor(num_fixed=3, num_cores=2).num_threads(2) == 3
-    slow = ThreadGovernor(min_interval_s=3600.0, num_cores=2)
-    assert slow.num_threads(2) == 2  # no interval measured yet: the caller's count
-    with pytest.raises(ValueError):
-        ThreadGovernor(num_fixed=-1)
+    governor = ThreadGovernor(min_interval_s=0.0, sampler=lambda: next(samples), num_cores=2, max_threads=2)
+    assert governor.num_threads() == 1  # one core's worth of others' time in the first second
+    assert governor.num_threads() == 2  # none in the next
+    assert ThreadGovernor(num_fixed=3, num_cores=2).num_threads() == 3
+    slow = ThreadGovernor(min_interval_s=3600.0, num_cores=2, max_threads=2)
+    assert slow.num_threads() == 2  # no interval measured yet: the cap
+    for bad in ({"num_fixed": -1}, {"max_threads": 0}):
+        with pytest.raises(ValueError):
+            ThreadGovernor(**bad)
+
+
+def test_the_server_default_is_one_thread_and_the_cap_what_it_was():
+    """`single_threaded_default`: threads that start later run torch on one thread (no OpenMP pool of
+    their own), the calling thread too; the count it was comes back for the engine's governor."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert single_threaded_default() == 2 and torch.get_num_threads() == 1
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert seen == [1]
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _counting(engine, governor):
