@@ -14,7 +14,9 @@ import sys
 # loads, so set before any subcommand imports it; an environment that sets either variable wins.
 # Measured on 2 cores (README): int8 decode 20.9 ms/token vs 34.4 with passive waits (one thread; two
 # were slower still), reuse TTFT 194 vs 379 ms. Spinning threads must not share a core with another
-# busy process, which is what the engine's thread governor (blend_engine/threads.py) sees to.
+# busy process, which is what the engine's thread governor (blend_engine/threads.py) sees to, nor
+# outnumber the CPUs across threads' OpenMP pools (then libgomp cuts spins to 100 turns): the server
+# runs torch wide on its engine worker only (`single_threaded_default`).
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
