@@ -16,8 +16,8 @@ from blend_engine.loader import LoadedModel, load_model
 from blend_engine.plan import plan_prefill
 from blend_engine.prefill import run_prefill
 from blend_engine.prompt import PromptBuilder, encode_text
-from blend_engine.threads import ThreadGovernor
 from blend_engine.runner import ModelRunner, apply_rope
+from blend_engine.threads import ThreadGovernor
 from blend_engine.types import BlendConfig, Delta, PrefillMode, PrefillResult, SamplingParams, Segment
 from blend_engine.weights import weight_format
 from blend_engine.weights_id import engine_fingerprint

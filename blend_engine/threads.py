@@ -20,7 +20,9 @@ from typing import Callable, Iterator
 import torch
 
 PROC_STAT = Path("/proc/stat")
-_IDLE_FIELDS = (3, 4)  # idle, iowait in a /proc/stat cpu line (after its name); every other field is busy
+# fields of a /proc/stat cpu line (after its name) that are not busy time: idle, iowait, and guest /
+# guest_nice, which user / nice already include
+_NOT_BUSY_FIELDS = (3, 4, 8, 9)
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ def read_sample(stat_path: Path = PROC_STAT) -> CpuSample | None:
     for line in lines:
         name, *fields = line.split()
         if name in allowed:
-            ticks += sum(int(v) for i, v in enumerate(fields) if i not in _IDLE_FIELDS)
+            ticks += sum(int(v) for i, v in enumerate(fields) if i not in _NOT_BUSY_FIELDS)
     times = os.times()
     return CpuSample(ticks / os.sysconf("SC_CLK_TCK"), times.user + times.system, time.monotonic())
 

@@ -38,8 +38,9 @@ def test_free_threads_are_the_cores_others_left(others_s, num_cores, max_threads
 
 def test_a_sample_counts_the_allowed_cpus_busy_fields_only(tmp_path, monkeypatch):
     stat = tmp_path / "stat"
-    # name user nice system idle iowait irq softirq steal: idle and iowait are not busy
-    stat.write_text("cpu  900 0 0 900 900 0 0 0\ncpu0 100 10 20 500 400 1 2 3\ncpu1 200 0 0 900 9 0 0 0\n"
+    # name user nice system idle iowait irq softirq steal [guest guest_nice]: idle and iowait are not
+    # busy, guest time is already in user and nice
+    stat.write_text("cpu  900 0 0 900 900 0 0 0\ncpu0 100 10 20 500 400 1 2 3 7 7\ncpu1 200 0 0 900 9 0 0 0\n"
                     "cpu7 50 0 0 0 0 0 0 0\nintr 1 2 3\n")
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
     ticks_per_s = __import__("os").sysconf("SC_CLK_TCK")
