@@ -18,7 +18,7 @@ from blend_engine.attention import AttentionLayout, AttentionMeta, attend, atten
 from blend_engine.decode_cache import decode_cache
 from blend_engine.kv import KVCache
 from blend_engine.runner import ModelRunner, apply_rope, signed_sin
-from blend_engine.threads import ThreadGovernor
+from blend_engine.threads import ThreadGovernor, governed
 from configs.enums import DecodeCache
 
 log = logging.getLogger(__name__)
@@ -61,9 +61,7 @@ class Decoder:
 
     def step(self, token_id: int) -> torch.Tensor:
         """Feed one token after the cache's end; next-token logits [vocab] (float32)."""
-        if self.threads is None:
-            return self._step(token_id)
-        with self.threads.scope():  # re-chosen as the load changes, at most every min_interval_s
+        with governed(self.threads):  # re-chosen as the load changes, at most every min_interval_s
             return self._step(token_id)
 
     @torch.inference_mode()

@@ -17,7 +17,7 @@ from blend_engine.plan import plan_prefill
 from blend_engine.prefill import run_prefill
 from blend_engine.prompt import PromptBuilder, encode_text
 from blend_engine.runner import ModelRunner, apply_rope
-from blend_engine.threads import ThreadGovernor
+from blend_engine.threads import ThreadGovernor, governed
 from blend_engine.types import BlendConfig, Delta, PrefillMode, PrefillResult, SamplingParams, Segment
 from blend_engine.weights import weight_format
 from blend_engine.weights_id import engine_fingerprint
@@ -31,12 +31,10 @@ DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer the question using 
 def _on_cpu_threads(job: _Job) -> _Job:
     """Runs an engine method on the thread count its `threads` governor picks (CPU engines)."""
     @functools.wraps(job)
-    def governed(engine: BlendEngine, *args, **kwargs):
-        if engine.threads is None:
+    def on_threads(engine: BlendEngine, *args, **kwargs):
+        with governed(engine.threads):
             return job(engine, *args, **kwargs)
-        with engine.threads.scope():
-            return job(engine, *args, **kwargs)
-    return governed  # type: ignore[return-value]
+    return on_threads  # type: ignore[return-value]
 
 
 class BlendEngine:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -40,7 +40,7 @@ def read_sample(stat_path: Path = PROC_STAT) -> CpuSample | None:
         lines = stat_path.read_text().splitlines()
     except OSError:
         return None
-    allowed = {f"cpu{i}" for i in os.sched_getaffinity(0)}  # a container pinned to some host CPUs
+    allowed = {f"cpu{i}" for i in _allowed_cpus()}  # a container pinned to some host CPUs
     ticks = 0
     for line in lines:
         name, *fields = line.split()
@@ -59,10 +59,11 @@ def num_free_threads(before: CpuSample, after: CpuSample, num_cores: int, max_th
     return min(max(round(num_cores - others), 1), max_threads)
 
 
-def _num_allowed_cpus() -> int:
-    if hasattr(os, "sched_getaffinity"):  # Linux: the CPUs this process may run on
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+def _allowed_cpus() -> set[int]:
+    """The CPUs this process may run on (Linux's affinity; elsewhere all of them)."""
+    if hasattr(os, "sched_getaffinity"):
+        return os.sched_getaffinity(0)
+    return set(range(os.cpu_count() or 1))
 
 
 class ThreadGovernor:
@@ -79,21 +80,21 @@ class ThreadGovernor:
         self.num_fixed = num_fixed
         self.max_threads = torch.get_num_threads() if max_threads is None else max_threads
         self.min_interval_s = min_interval_s
-        self.num_cores = _num_allowed_cpus() if num_cores is None else num_cores
+        self.num_cores = len(_allowed_cpus()) if num_cores is None else num_cores
         self._sampler = sampler
         self._last = sampler()
-        self._num_free: int | None = None  # None: no interval measured yet (as many as the caller's)
+        self._num_free: int | None = None  # None: no interval measured yet (the cap, max_threads)
 
     def num_threads(self) -> int:
         """The count for the next piece of work."""
-        max_threads = self.max_threads
         if self.num_fixed:
             return self.num_fixed
         if self._last is not None and time.monotonic() - self._last.wall_s >= self.min_interval_s:
             now = self._sampler()
             if now is not None:
-                self._num_free, self._last = num_free_threads(self._last, now, self.num_cores, max_threads), now
-        return max_threads if self._num_free is None else min(self._num_free, max_threads)
+                self._num_free = num_free_threads(self._last, now, self.num_cores, self.max_threads)
+                self._last = now
+        return self.max_threads if self._num_free is None else self._num_free
 
     @contextmanager
     def scope(self) -> Iterator[int]:
@@ -109,6 +110,11 @@ class ThreadGovernor:
             yield count
         finally:
             torch.set_num_threads(previous)
+
+
+def governed(threads: ThreadGovernor | None) -> AbstractContextManager:
+    """`threads.scope()`, or nothing where there is no governor (CUDA, or threads left to the caller)."""
+    return nullcontext() if threads is None else threads.scope()
 
 
 def single_threaded_default() -> int:
