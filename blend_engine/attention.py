@@ -164,8 +164,7 @@ def attend_last_int8(q: torch.Tensor, kv: Int8Layer, scale: float) -> torch.Tens
     scores = torch.stack([torch._weight_int8pack_mm(f, k, s) for f, k, s in  # [H_kv, G, N]
                           zip(folded.unbind(0), kv.keys.unbind(0), kv.key_scales.unbind(0))])
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32) * kv.value_scales[:, None]  # [H_kv, G, N]
-    weights = folded.new_zeros(*probs.shape[:2], num_slots)  # [H_kv, G, capacity]: zero past the length
-    weights[..., : kv.num_keys] = probs
+    weights = F.pad(probs, (0, num_slots - kv.num_keys)).to(folded.dtype)  # [H_kv, G, capacity]: zero past the length
     out = torch.stack([torch._weight_int8pack_mm(w, v, kv.unit_scales)  # [H_kv, G, D]
                        for w, v in zip(weights.unbind(0), kv.values_t.unbind(0))])
     return out.reshape(1, num_heads * head_dim).to(q.dtype)

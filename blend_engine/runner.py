@@ -7,27 +7,62 @@ arbitrary absolute positions (blend_engine/attention.py). Batch size is 1 throug
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from blend_engine.weights import fuse_linears
+from blend_engine.weights import fuse_linears, unhooked
 
 _REQUIRED = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
 # RMSNorms computing weight * (x * rsqrt(mean(x^2) + eps)) in fp32: torch's one fused op gives the
 # same on fp32 inputs instead of seven small ones (a decode step runs 61 of them per token)
 _PLAIN_RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
+Call = Callable[[torch.Tensor], torch.Tensor]
 
 
-def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`norm(x)`, by torch's fused RMSNorm where it computes the same (a known plain RMSNorm, fp32)."""
-    if x.dtype == torch.float32 and type(norm).__name__ in _PLAIN_RMS_NORMS:
-        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
-    return norm(x)
+def norm_call(norm: torch.nn.Module, dtype: torch.dtype) -> Call:
+    """`norm` as a callable on inputs of `dtype`: torch's fused RMSNorm where it computes the same
+    (a known plain RMSNorm, fp32), else the module."""
+    if dtype == torch.float32 and type(norm).__name__ in _PLAIN_RMS_NORMS:
+        return partial(F.rms_norm, normalized_shape=(norm.weight.shape[-1],), weight=norm.weight,
+                       eps=norm.variance_epsilon)
+    return norm
 
 
 def _is_gated(mlp: torch.nn.Module) -> bool:
     return all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+
+
+@dataclass(frozen=True)
+class LayerCalls:
+    """What a decoder layer's pass calls, looked up once: a decode step makes hundreds of these
+    calls per token, and attribute lookups through nn.Module and its call machinery cost a few µs
+    each. q/k/v and the MLP's gate/up are one matmul each where the weights are quantized (one
+    kernel call and one bf16 cast of the input instead of three or two)."""
+
+    input_norm: Call
+    post_norm: Call
+    qkv: Call | None  # [n, hidden] -> [n, (H + 2 H_kv) D]; None: q_proj, k_proj, v_proj apart
+    o_proj: Call
+    gate_up: Call | None  # [n, hidden] -> [n, 2 I]; None: the MLP is not gated (called whole)
+    down: Call | None
+    is_normed: bool  # Qwen3: per-head RMSNorm on q and k before RoPE
+
+    @classmethod
+    def of(cls, block: torch.nn.Module, dtype: torch.dtype) -> LayerCalls:
+        attn, mlp = block.self_attn, block.mlp
+        qkv = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+        gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj]) if _is_gated(mlp) else None
+        return cls(
+            norm_call(block.input_layernorm, dtype), norm_call(block.post_attention_layernorm, dtype),
+            None if qkv is None else unhooked(qkv), unhooked(attn.o_proj),
+            None if gate_up is None else unhooked(gate_up), unhooked(mlp.down_proj) if _is_gated(mlp) else None,
+            hasattr(attn, "q_norm"),
+        )
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -69,13 +104,9 @@ class ModelRunner:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.scaling = attn.scaling
-        # int8/int4 weights: q/k/v and the MLP's gate/up each as one matmul (one kernel call and one bf16
-        # cast of the input instead of three or two; the decode step is made of such small calls)
         self.qkv_split = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
-        self.fused_qkv = [fuse_linears([b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj])
-                          for b in self.layers]
-        self.fused_gate_up = [fuse_linears([b.mlp.gate_proj, b.mlp.up_proj]) if _is_gated(b.mlp) else None
-                              for b in self.layers]
+        self.calls = [LayerCalls.of(block, self.dtype) for block in self.layers]
+        self._final_norm = norm_call(self.decoder.norm, self.dtype)
 
     @property
     def device(self) -> torch.device:
@@ -100,39 +131,36 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden [n, hidden] -> q [H, n, D], k [H_kv, n, D], v [H_kv, n, D]; q and k before RoPE, or
         rotated by `rope` (cos, signed sin [n, D]: see `rotate`), both in one pass where q/k/v are fused."""
-        block = self.layers[layer]
-        attn = block.self_attn
-        x = rms_norm(block.input_layernorm, hidden)
+        calls, attn = self.calls[layer], self.layers[layer].self_attn
+        x = calls.input_norm(hidden)
         n = x.shape[0]
-        is_normed = hasattr(attn, "q_norm")  # Qwen3: per-head RMSNorm before RoPE
-        if self.fused_qkv[layer] is not None and rope is not None and not is_normed:
-            fused = self.fused_qkv[layer](x)  # [n, (H + 2 H_kv) D]
+        if calls.qkv is not None and rope is not None and not calls.is_normed:
+            fused = calls.qkv(x)  # [n, (H + 2 H_kv) D]
             num_qk = self.qkv_split[0] + self.qkv_split[1]
             qk = rotate(fused[:, :num_qk].reshape(n, -1, self.head_dim).transpose(0, 1), *rope)  # [H + H_kv, n, D]
             q, k = qk.split([self.num_heads, self.num_kv_heads])
             return q, k, fused[:, num_qk:].reshape(n, -1, self.head_dim).transpose(0, 1)
-        if self.fused_qkv[layer] is not None:
-            q, k, v = self.fused_qkv[layer](x).split(self.qkv_split, dim=-1)
+        if calls.qkv is not None:
+            q, k, v = calls.qkv(x).split(self.qkv_split, dim=-1)
         else:
             q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
         q, k, v = (t.reshape(n, -1, self.head_dim) for t in (q, k, v))
-        if is_normed:
+        if calls.is_normed:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         return (q, k, v) if rope is None else (rotate(q, *rope), rotate(k, *rope), v)
 
     def finish(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Residual + o_proj, then the MLP block: hidden [n, hidden] -> [n, hidden]."""
-        block = self.layers[layer]
-        hidden = hidden + block.self_attn.o_proj(attn_out)
-        x = rms_norm(block.post_attention_layernorm, hidden)
-        gate_up = self.fused_gate_up[layer]
-        if gate_up is None:
-            return hidden + block.mlp(x)
-        mlp = block.mlp  # a gated MLP: down(act(gate(x)) * up(x)), with gate and up in one matmul
-        gate, up = gate_up(x).chunk(2, dim=-1)
-        return hidden + mlp.down_proj(mlp.act_fn(gate) * up)
+        calls = self.calls[layer]
+        hidden = hidden + calls.o_proj(attn_out)
+        x = calls.post_norm(hidden)
+        if calls.gate_up is None:
+            return hidden + self.layers[layer].mlp(x)
+        # a gated MLP: down(act(gate(x)) * up(x)), with gate and up in one matmul
+        gate, up = calls.gate_up(x).chunk(2, dim=-1)
+        return hidden + calls.down(self.layers[layer].mlp.act_fn(gate) * up)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, vocab] in float32."""
-        return self.model.lm_head(rms_norm(self.decoder.norm, hidden)).float()
+        return self.model.lm_head(self._final_norm(hidden)).float()

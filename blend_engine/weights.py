@@ -17,6 +17,8 @@ than fp32 there), else an fp32 GEMM over the weight dequantized per call.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -115,6 +117,13 @@ def fuse_linears(linears: list[nn.Module]) -> nn.Module | None:
         if all(isinstance(m, cls) for m in linears):
             return cls.fuse(linears)
     return None
+
+
+def unhooked(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`module` as a callable: the bound `forward` of this file's modules, which nothing hooks (they
+    are made after loading), else the module itself (an HF layer may carry accelerate's hooks)."""
+    is_ours = isinstance(module, (Int8Linear, Int4Linear, Bf16Linear))
+    return module.forward if is_ours and not (module._forward_hooks or module._forward_pre_hooks) else module
 
 
 def resolve_weight_format(fmt: WeightFormat, device: torch.device, model: nn.Module | None = None) -> WeightFormat:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from blend_engine.engine import BlendEngine
 from blend_engine.types import BlendConfig, PrefillMode, Segment
 from blend_engine.weights import (
-    MAX_PACKED_ROWS, Bf16Linear, Int8Linear, convert_linears, resolve_weight_format, weight_format,
+    MAX_PACKED_ROWS, Bf16Linear, Int8Linear, convert_linears, resolve_weight_format, unhooked, weight_format,
 )
 from configs import WeightFormat, load_settings
 from engine_models import MODEL_BUILDERS, cpu_exact, random_ids
@@ -89,6 +89,17 @@ def test_fused_int8_projections_equal_the_separate_ones_and_share_their_memory()
     assert parts[1].qweight.data_ptr() == fused.qweight.data_ptr() + 48 * 32  # views, no copy
     torch.testing.assert_close(torch.cat([p(x) for p in parts], dim=-1), separate, atol=0, rtol=0)
     assert Int8Linear.fuse([parts[0], torch.nn.Linear(32, 8)]) is None
+
+
+def test_unhooked_skips_the_call_machinery_of_our_modules_only():
+    ours = Int8Linear.from_weight(torch.randn(16, 32))
+    assert unhooked(ours) == ours.forward
+    hf = torch.nn.Linear(32, 16)
+    assert unhooked(hf) is hf  # an HF layer may carry accelerate's hooks: called as a module
+    seen = []
+    ours.register_forward_hook(lambda *args: seen.append(1))
+    unhooked(ours)(torch.randn(1, 32))
+    assert seen == [1]  # a hooked module of ours is called as a module too
 
 
 @pytest.mark.parametrize("family", ["llama-gqa", "qwen2-bias"])
