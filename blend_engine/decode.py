@@ -10,13 +10,15 @@ token instead of hundreds, which is what keeps a 7B decode near the memory-bandw
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
 from blend_engine.active import RopeTable
 from blend_engine.attention import AttentionLayout, AttentionMeta, attend, attend_last, attend_last_int8, last_meta
-from blend_engine.decode_cache import decode_cache
-from blend_engine.kv import KVCache
+from blend_engine.decode_cache import Int8Slots, decode_cache
+from blend_engine.kv import KVCache, KVSlots
+from blend_engine.layer import LayerCalls
 from blend_engine.runner import ModelRunner, apply_rope, signed_sin
 from blend_engine.threads import ThreadGovernor, governed
 from configs.enums import DecodeCache
@@ -25,14 +27,24 @@ log = logging.getLogger(__name__)
 NUM_WARMUP_STEPS = 2  # eager runs on a side stream before capture (lazy cuBLAS/allocator set-up)
 
 
-# one query over the decode cache's layer (what its `update` returns), by the cache's format:
+# one query over the decode cache's layer (what its slots' `write` returns), by the cache's format:
 # q [H, 1, D] -> [1, H*D]
-_ATTENTION = {
+Attend = Callable[[torch.Tensor, object, float], torch.Tensor]
+_ATTENTION: dict[DecodeCache, Attend] = {
     # the new token sees every key: no mask
     DecodeCache.MODEL: lambda q, kv, scale: attend(q, *kv, last_meta(kv[0].shape[1]), scale),
     DecodeCache.BF16: lambda q, kv, scale: attend_last(q, *kv, scale),  # bf16 matmuls (SDPA measured slower)
     DecodeCache.INT8: attend_last_int8,
 }
+
+
+def decode_layer(calls: LayerCalls, slots: KVSlots | Int8Slots, attend: Attend, hidden: torch.Tensor,
+                 rope: tuple[torch.Tensor, torch.Tensor], pos: int, scale: float) -> torch.Tensor:
+    """One layer of the eager step: hidden [1, hidden] of the token at `pos` -> [1, hidden], its K/V
+    written into `slots`. Everything it reads is an argument of the same types for every layer (so
+    torch.compile makes one graph for all of them: measured in the README, not used)."""
+    q, k, v = calls.qkv(hidden, rope)  # [H, 1, D], [H_kv, 1, D] x2, q and k rotated
+    return calls.finish(hidden, attend(q, slots.write(slice(pos, pos + 1), k, v, pos + 1), scale))
 
 
 class Decoder:
@@ -83,9 +95,8 @@ class Decoder:
         hidden = runner.embed(torch.tensor([token_id], device=runner.device))  # [1, hidden]
         rope = self._rope.cos[pos : pos + 1], self._signed_sin[pos : pos + 1]  # [1, D] each
         for layer in range(runner.num_layers):
-            q, k, v = runner.qkv(layer, hidden, rope)  # [H, 1, D], [H_kv, 1, D] x2, q and k rotated
-            kv = self.cache.update(layer, slice(pos, pos + 1), k, v)
-            hidden = runner.finish(layer, hidden, self._attend(q, kv, runner.scaling))
+            hidden = decode_layer(runner.calls[layer], self.cache.slots(layer), self._attend, hidden, rope, pos,
+                                 runner.scaling)
         return runner.logits(hidden)[0]
 
     # --- CUDA graph -------------------------------------------------------------------------------

@@ -52,6 +52,27 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / scales[..., None]).clamp_(-127, 127).to(torch.int8), scales
 
 
+@dataclass(frozen=True)
+class Int8Slots:
+    """One layer of an Int8KVCache, as a step writes it (a plain argument: blend_engine/decode.py)."""
+
+    keys: torch.Tensor  # [H_kv, capacity, D] int8
+    key_scales: torch.Tensor  # [H_kv, capacity] bf16
+    values_t: torch.Tensor  # [H_kv, D, capacity] int8
+    value_scales: torch.Tensor  # [H_kv, capacity] bf16
+    unit_scales: torch.Tensor  # [D] bf16 ones
+
+    def write(self, index: slice, k: torch.Tensor, v: torch.Tensor, num_keys: int) -> Int8Layer:
+        """Write k, v [H_kv, n, D] (k after RoPE) at slots `index`; returns the layer's first `num_keys`."""
+        num_kv_heads = k.shape[0]
+        quantized, scales = quantize_rows(torch.cat([k, v]))  # [2 H_kv, n, D], [2 H_kv, n]: one pass for both
+        self.keys[:, index], self.key_scales[:, index] = quantized[:num_kv_heads], scales[:num_kv_heads]
+        self.values_t[:, :, index] = quantized[num_kv_heads:].transpose(1, 2)
+        self.value_scales[:, index] = scales[num_kv_heads:]
+        return Int8Layer(self.keys[:, :num_keys], self.key_scales[:, :num_keys], self.values_t,
+                         self.value_scales[:, :num_keys], self.unit_scales)
+
+
 class Int8KVCache(SlotCache):
     """A decode cache (KVCache's `extend` / `update`) holding int8 keys and transposed int8 values."""
 
@@ -71,22 +92,16 @@ class Int8KVCache(SlotCache):
         out = cls(num_layers, num_kv_heads, head_dim, capacity, cache.keys.device)
         out.length = cache.length
         for layer in range(num_layers):  # a layer at a time: the float temporaries stay one layer's size
-            out._write(layer, slice(0, cache.length), *cache.layer(layer))
+            out.slots(layer).write(slice(0, cache.length), *cache.layer(layer), cache.length)
         return out
 
     def update(self, layer: int, index: slice, k: torch.Tensor, v: torch.Tensor) -> Int8Layer:
         """Write k, v [H_kv, n, D] (k after RoPE) at slots `index`; returns this layer's cache."""
-        self._write(layer, index, k, v)
-        n = self.length
-        return Int8Layer(self.keys[layer, :, :n], self.key_scales[layer, :, :n], self.values_t[layer],
-                         self.value_scales[layer, :, :n], self.unit_scales)
+        return self.slots(layer).write(index, k, v, self.length)
 
-    def _write(self, layer: int, index: slice, k: torch.Tensor, v: torch.Tensor) -> None:
-        num_kv_heads = k.shape[0]
-        quantized, scales = quantize_rows(torch.cat([k, v]))  # [2 H_kv, n, D], [2 H_kv, n]: one pass for both
-        self.keys[layer, :, index], self.key_scales[layer, :, index] = quantized[:num_kv_heads], scales[:num_kv_heads]
-        self.values_t[layer, :, :, index] = quantized[num_kv_heads:].transpose(1, 2)
-        self.value_scales[layer, :, index] = scales[num_kv_heads:]
+    def slots(self, layer: int) -> Int8Slots:
+        return Int8Slots(self.keys[layer], self.key_scales[layer], self.values_t[layer], self.value_scales[layer],
+                         self.unit_scales)
 
     def _grow(self, capacity: int) -> None:
         grown = Int8KVCache(self.keys.shape[0], self.keys.shape[1], self.keys.shape[3], capacity, self.keys.device)

@@ -140,6 +140,22 @@ class SlotCache:
         raise NotImplementedError
 
 
+@dataclass(frozen=True)
+class KVSlots:
+    """One layer of a KVCache, as a step writes it (a plain argument: blend_engine/decode.py)."""
+
+    keys: torch.Tensor  # [H_kv, capacity, D]
+    values: torch.Tensor  # [H_kv, capacity, D]
+
+    def write(
+        self, index: torch.Tensor | slice, k: torch.Tensor, v: torch.Tensor, num_keys: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [H_kv, n, D] at slots `index`; returns K, V [H_kv, num_keys, D]."""
+        self.keys[:, index] = k
+        self.values[:, index] = v
+        return self.keys[:, :num_keys], self.values[:, :num_keys]
+
+
 class KVCache(SlotCache):
     """A request's fused KV cache (post-RoPE keys), batch size 1, preallocated to `capacity` tokens."""
 
@@ -184,9 +200,10 @@ class KVCache(SlotCache):
         self, layer: int, index: torch.Tensor | slice, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [H_kv, n, D] at slots `index` ([n] or a slice); returns this layer's K, V [H_kv, length, D]."""
-        self.keys[layer, :, index] = k
-        self.values[layer, :, index] = v
-        return self.keys[layer, :, : self.length], self.values[layer, :, : self.length]
+        return self.slots(layer).write(index, k, v, self.length)
+
+    def slots(self, layer: int) -> KVSlots:
+        return KVSlots(self.keys[layer], self.values[layer])
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's K, V [H_kv, length, D]."""

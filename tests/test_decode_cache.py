@@ -7,7 +7,8 @@ import torch
 from blend_engine.attention import attend, attend_last_int8, last_meta
 from blend_engine.decode_cache import Int8KVCache, Int8Layer, quantize_rows, resolve_decode_cache
 from blend_engine.kv import KVCache
-from blend_engine.runner import apply_rope, rotate, signed_sin
+from blend_engine.layer import rotate
+from blend_engine.runner import apply_rope, signed_sin
 from blend_engine.types import PrefillMode
 from configs import DecodeCache, WeightFormat, load_settings
 from engine_models import cpu_exact, random_ids

@@ -1,0 +1,117 @@
+"""One decoder layer of a Hugging Face Llama-family model as the engine's loops call it: its modules
+looked up once, q/k/v before attention and the rest of the layer after it.
+
+A decode step makes hundreds of these calls per token, and attribute lookups through nn.Module and
+its call machinery cost a few µs each, so `LayerCalls` holds them ready. It is also what makes one
+compiled graph serve every layer (blend_engine/decode.py): the calls are made on an argument, never
+picked by a layer index. q/k/v and the MLP's gate/up are one matmul each where the weights are
+quantized (one kernel call and one bf16 cast of the input instead of three or two).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from blend_engine.weights import fuse_linears, unhooked
+
+# RMSNorms computing weight * (x * rsqrt(mean(x^2) + eps)) in fp32: torch's one fused op gives the
+# same on fp32 inputs instead of seven small ones (a decode step runs 61 of them per token)
+_PLAIN_RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
+Call = Callable[[torch.Tensor], torch.Tensor]
+
+
+def norm_call(norm: torch.nn.Module, dtype: torch.dtype) -> Call:
+    """`norm` as a callable on inputs of `dtype`: torch's fused RMSNorm where it computes the same
+    (a known plain RMSNorm, fp32), else the module."""
+    if dtype == torch.float32 and type(norm).__name__ in _PLAIN_RMS_NORMS:
+        return partial(F.rms_norm, normalized_shape=(norm.weight.shape[-1],), weight=norm.weight,
+                       eps=norm.variance_epsilon)
+    return norm
+
+
+def is_gated(mlp: torch.nn.Module) -> bool:
+    return all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """`apply_rope(x, cos, sin)` (blend_engine/runner.py) bit for bit, in four ops instead of seven (a
+    decode step runs it per layer): rotate_half(x) * sin == x.roll(D/2) * signed_sin(sin), negation
+    being exact."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def qkv_split(self) -> list[int]:
+        return [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim]
+
+
+@dataclass(frozen=True)
+class LayerCalls:
+    """What a decoder layer's pass calls (batch size 1: tensors carry no batch dimension)."""
+
+    shape: HeadShape
+    input_norm: Call
+    post_norm: Call
+    attn: torch.nn.Module  # q_proj/k_proj/v_proj where unfused, and q_norm/k_norm
+    mlp: torch.nn.Module  # whole where not gated, and its act_fn
+    fused_qkv: Call | None  # [n, hidden] -> [n, (H + 2 H_kv) D]; None: q_proj, k_proj, v_proj apart
+    o_proj: Call
+    fused_gate_up: Call | None  # [n, hidden] -> [n, 2 I]; None: not gated, or not quantized
+    down: Call | None
+    is_normed: bool  # Qwen3: per-head RMSNorm on q and k before RoPE
+
+    @classmethod
+    def of(cls, block: torch.nn.Module, shape: HeadShape, dtype: torch.dtype) -> LayerCalls:
+        attn, mlp = block.self_attn, block.mlp
+        qkv = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+        gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj]) if is_gated(mlp) else None
+        return cls(
+            shape, norm_call(block.input_layernorm, dtype), norm_call(block.post_attention_layernorm, dtype),
+            attn, mlp, None if qkv is None else unhooked(qkv), unhooked(attn.o_proj),
+            None if gate_up is None else unhooked(gate_up), unhooked(mlp.down_proj) if is_gated(mlp) else None,
+            hasattr(attn, "q_norm"),
+        )
+
+    def qkv(
+        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [n, hidden] -> q [H, n, D], k [H_kv, n, D], v [H_kv, n, D]; q and k before RoPE, or
+        rotated by `rope` (cos, signed sin [n, D]: see `rotate`), both in one pass where q/k/v are fused."""
+        x = self.input_norm(hidden)
+        n, head_dim, split = x.shape[0], self.shape.head_dim, self.shape.qkv_split
+        if self.fused_qkv is not None and rope is not None and not self.is_normed:
+            fused = self.fused_qkv(x)  # [n, (H + 2 H_kv) D]
+            num_qk = split[0] + split[1]
+            qk = rotate(fused[:, :num_qk].reshape(n, -1, head_dim).transpose(0, 1), *rope)  # [H + H_kv, n, D]
+            q, k = qk.split([self.shape.num_heads, self.shape.num_kv_heads])
+            return q, k, fused[:, num_qk:].reshape(n, -1, head_dim).transpose(0, 1)
+        if self.fused_qkv is not None:
+            q, k, v = self.fused_qkv(x).split(split, dim=-1)
+        else:
+            q, k, v = self.attn.q_proj(x), self.attn.k_proj(x), self.attn.v_proj(x)
+        q, k, v = (t.reshape(n, -1, head_dim) for t in (q, k, v))
+        if self.is_normed:
+            q, k = self.attn.q_norm(q), self.attn.k_norm(k)
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        return (q, k, v) if rope is None else (rotate(q, *rope), rotate(k, *rope), v)
+
+    def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Residual + o_proj, then the MLP block: hidden [n, hidden] -> [n, hidden]."""
+        hidden = hidden + self.o_proj(attn_out)
+        x = self.post_norm(hidden)
+        if self.fused_gate_up is None:
+            return hidden + self.mlp(x)
+        # a gated MLP: down(act(gate(x)) * up(x)), with gate and up in one matmul
+        gate, up = self.fused_gate_up(x).chunk(2, dim=-1)
+        return hidden + self.down(self.mlp.act_fn(gate) * up)
