@@ -112,14 +112,27 @@ class ThreadGovernor:
             torch.set_num_threads(previous)
 
 
+def pin_one_thread() -> None:
+    """Make torch run on one thread in the calling (side) thread, for good.
+
+    torch gives a thread its count at the thread's first op: the count some thread set last. A side
+    thread whose first op falls inside a governed engine step (count 2) keeps 2 and, at its first
+    parallel region, an OpenMP pool of its own; with more OpenMP threads than cores libgomp cuts every
+    spin short, and a restarted server (whose KV is read from disk on such a thread) decoded at ~20
+    tok/s instead of ~41 (README). So side threads that run torch call this before their first op."""
+    torch.get_num_threads()  # torch's first-use set-up of this thread, now
+    torch.set_num_threads(1)
+
+
 def governed(threads: ThreadGovernor | None) -> AbstractContextManager:
     """`threads.scope()`, or nothing where there is no governor (CUDA, or threads left to the caller)."""
     return nullcontext() if threads is None else threads.scope()
 
 
 def single_threaded_default() -> int:
-    """Make one thread torch's count for the calling thread and every thread that has not run torch
-    yet; returns the count it was (the engine's governor's cap).
+    """Make one thread torch's count for the calling thread and every thread that first runs torch
+    outside a governed job (inside one it takes the job's count: side threads call `pin_one_thread`);
+    returns the count it was (the engine's governor's cap).
 
     Why, in the server: libgomp gives each thread that starts a parallel region a pool of its own, and
     once the process holds more OpenMP threads than CPUs it cuts every spin to 100 turns. The model

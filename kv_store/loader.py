@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from blend_engine.threads import pin_one_thread
 from kv_store.backend import LayerReader, Tier
 from kv_store.codec import EncodedLayer
 from kv_store.entry import OpenEntry, ReadResult, read_many
@@ -141,6 +142,7 @@ class StoreLayerSource:
 
     # --- the reader thread ------------------------------------------------------------------------
     def _prefetch(self) -> None:
+        pin_one_thread()  # it starts inside the engine's job: without this it would take the job's count
         layer_idx = self._start_layer
         while layer_idx < self._num_layers:
             with self._cond:

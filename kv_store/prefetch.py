@@ -13,6 +13,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
+from blend_engine.threads import pin_one_thread
 from kv_store.entry import OpenEntry
 
 log = logging.getLogger(__name__)
@@ -23,7 +24,8 @@ class Prefetcher:
         self._copy_up, self.max_bytes = copy_up, max_bytes
         self._lock = threading.Lock()
         self._pending: dict[str, OpenEntry] = {}  # key -> its entry, in flight
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch")
+        # its copies run torch: on one thread of its own, never an OpenMP pool beside the engine's
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch", initializer=pin_one_thread)
 
     def submit(self, entry: OpenEntry) -> bool:
         """Queue `entry` unless its key is queued already or it would exceed the byte bound."""

@@ -204,6 +204,29 @@ def test_pipelining_overlaps_loads_with_compute():
     assert piped < 0.7 * sync  # ideal: 9 * delay vs 16 * delay
 
 
+def test_the_loader_thread_runs_torch_on_one_thread_inside_the_engines_job():
+    """The reader thread starts during the engine's (governed, wider) job: pinned to one thread, it
+    never holds an OpenMP pool beside the engine's (README: a restarted server decoded at half speed)."""
+
+    class CountingReader(SlowReader):
+        def read_layer(self, layer_idx, pinned=False):
+            counts.append((threading.current_thread().name, torch.get_num_threads()))
+            return super().read_layer(layer_idx, pinned)
+
+    counts = []
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)  # the engine's job
+    try:
+        source = StoreLayerSource([CountingReader(0.0)], "cpu", torch.float32, _never_recover, True, prefetch_depth=8)
+        for layer in range(8):
+            source.layer(layer)
+        source.close()
+    finally:
+        torch.set_num_threads(previous)
+    in_reader = [count for name, count in counts if name == "kv-prefetch"]
+    assert in_reader and set(in_reader) == {1}
+
+
 def test_prefetch_starts_at_start_layer_and_follows_skips():
     reader = SlowReader(0.0)
     source = StoreLayerSource([reader], "cpu", torch.float32, _never_recover, True, prefetch_depth=1, start_layer=2)

@@ -7,14 +7,18 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from blend_engine.threads import CpuSample, ThreadGovernor, num_free_threads, read_sample, single_threaded_default
+from blend_engine.threads import (
+    CpuSample, ThreadGovernor, num_free_threads, pin_one_thread, read_sample, single_threaded_default,
+)
 from blend_engine.types import PrefillMode
 from configs import WeightFormat, load_settings
 from engine_models import random_ids
+from kv_store.prefetch import Prefetcher
 from test_engine_blend import rag_prompt
 from test_engine_weights import _quantized_engine
 
@@ -93,6 +97,55 @@ def test_the_server_default_is_one_thread_and_the_cap_what_it_was():
         thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
         thread.start()
         thread.join()
+        assert seen == [1]
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _in_new_thread(fn):
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(fn()))
+    thread.start()
+    thread.join()
+    return seen[0]
+
+
+def test_a_pinned_side_thread_stays_on_one_thread_whatever_the_engine_sets():
+    """A thread's torch count is set at its first op, to the count any thread set last: a side thread
+    starting inside a governed engine step (2) would keep 2 and an OpenMP pool of its own. Pinned, it
+    stays at 1, also when the engine's thread sets 2 again afterwards."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)  # as inside a governed engine step
+    try:
+        assert _in_new_thread(torch.get_num_threads) == 2  # the race pin_one_thread closes
+        pinned, engine_set, seen = threading.Event(), threading.Event(), []
+
+        def side():
+            pin_one_thread()
+            pinned.set()
+            engine_set.wait(10)
+            seen.append(torch.get_num_threads())
+
+        thread = threading.Thread(target=side)
+        thread.start()
+        pinned.wait(10)
+        torch.set_num_threads(2)  # the engine's next step
+        engine_set.set()
+        thread.join()
+        assert seen == [1]
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_the_kv_prefetch_thread_runs_torch_on_one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)  # a governed engine job is running when the first prefetch starts
+    try:
+        seen = []
+        prefetcher = Prefetcher(lambda entry: seen.append(torch.get_num_threads()), max_bytes=1 << 20)
+        assert prefetcher.submit(SimpleNamespace(key="a" * 64, num_bytes=1))
+        prefetcher.wait()
+        prefetcher.close()
         assert seen == [1]
     finally:
         torch.set_num_threads(previous)

@@ -16,6 +16,7 @@ from app.rag.repair import KVRepairer
 from app.rag.planning import PlanReport, compute_seconds, measure_engine, planned_segments, shape_of
 from app.rag.types import DoneEvent, RagContext, RagRequest, Source, Timings, TokenEvent, Usage
 from app.worker import EngineWorker, Job, JobStream
+from blend_engine.threads import pin_one_thread
 from blend_engine.types import BlendConfig, PrefillMode, PrefillResult, Segment
 from configs.settings import RequestMode, Settings
 from kv_store.loader import StoredChunk
@@ -45,6 +46,7 @@ class RagPipeline:
         return RagContext(kept, dropped, (time.perf_counter() - start) * 1000)
 
     def _scored_chunks(self, request: RagRequest) -> list[ScoredChunk]:
+        pin_one_thread()  # the query's embedding runs torch on this worker thread: one thread, no pool
         if request.chunk_ids is None:
             return self.retriever.search(request.question, request.top_k)
         found, missing = self.retriever.named(request.chunk_ids)
