@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +52,7 @@ class HeadShape:
     num_kv_heads: int
     head_dim: int
 
-    @property
+    @cached_property  # read per layer and token by the decode step: made once
     def qkv_split(self) -> list[int]:
         return [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim]
 
@@ -74,13 +74,13 @@ class LayerCalls:
 
     @classmethod
     def of(cls, block: torch.nn.Module, shape: HeadShape, dtype: torch.dtype) -> LayerCalls:
-        attn, mlp = block.self_attn, block.mlp
+        attn, mlp, gated = block.self_attn, block.mlp, is_gated(block.mlp)
         qkv = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
-        gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj]) if is_gated(mlp) else None
+        gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj]) if gated else None
         return cls(
             shape, norm_call(block.input_layernorm, dtype), norm_call(block.post_attention_layernorm, dtype),
             attn, mlp, None if qkv is None else unhooked(qkv), unhooked(attn.o_proj),
-            None if gate_up is None else unhooked(gate_up), unhooked(mlp.down_proj) if is_gated(mlp) else None,
+            None if gate_up is None else unhooked(gate_up), unhooked(mlp.down_proj) if gated else None,
             hasattr(attn, "q_norm"),
         )
 
