@@ -61,6 +61,8 @@ class Runs:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default=DEFAULT_DATA, help="MuSiQue JSON (list of question/answers/ctxs)")
     parser.add_argument("--questions", type=int, default=20)
+    parser.add_argument("--first-question", type=int, default=0,
+                        help="skip this many questions of the data first (e.g. a held-out set for calibration)")
     parser.add_argument("--passages", type=int, default=5, help="passages per question, one chunk each")
     parser.add_argument("--model", default=None, help="smollm2, a HF dir, a .gguf, or random:<shape>[:layers]")
     parser.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"])
@@ -100,7 +102,9 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     settings = _settings(args)
     engine = BlendEngine.from_settings(settings)
-    questions = load_questions(args.data, args.questions, args.passages)
+    questions = load_questions(args.data, args.first_question + args.questions, args.passages)[args.first_question:]
+    if not questions:
+        raise ValueError(f"no questions left after skipping {args.first_question}")
     variants = main_variants(engine.blend, settings.blend.sink, _ratios(args.ratios))
     if args.sweep:
         variants += sweep_variants(engine.blend, settings.blend.sink)

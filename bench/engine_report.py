@@ -10,10 +10,16 @@ from bench.metrics import safe_mean, safe_median
 from blend_engine.types import PrefillMode
 
 
+def _key_scale(variant) -> float:
+    return variant.blend.reused_key_scale if variant.blend else 1.0
+
+
 def summarize(runs, variants, args, engine, is_quality: bool) -> dict:
     full_ttft = safe_median(r.ttft_ms for r in runs.records["full"])
-    reuse_kl = {v.sink: safe_mean(r.tf_kl for r in runs.records[v.label] if r.tf_kl is not None)
-                for v in variants if v.mode == PrefillMode.REUSE}
+    reuse_kl: dict = {}  # per sink, CacheBlend's reuse (no key scale): the reference of every row's KL ratio
+    for v in sorted((v for v in variants if v.mode == PrefillMode.REUSE), key=lambda v: _key_scale(v) != 1.0):
+        if v.sink not in reuse_kl:
+            reuse_kl[v.sink] = safe_mean(r.tf_kl for r in runs.records[v.label] if r.tf_kl is not None)
     rows = {}
     for v in variants:
         recs = runs.records[v.label]
@@ -27,6 +33,7 @@ def summarize(runs, variants, args, engine, is_quality: bool) -> dict:
             "deviation": v.blend.deviation.value if v.blend else None,
             "selection": v.blend.selection.value if v.blend else None,
             "chunk_start_tokens": v.blend.chunk_start_tokens if v.blend else None,
+            "reused_key_scale": v.blend.reused_key_scale if v.blend else None,
             "sink": v.sink.value,
             "median_ttft_ms": ttft,
             "speedup_vs_full": full_ttft / ttft if ttft else None,
@@ -52,6 +59,7 @@ def summarize(runs, variants, args, engine, is_quality: bool) -> dict:
         "weights": engine.weights.value,
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
         "questions": args.questions,
+        "first_question": args.first_question,
         "passages": args.passages,
         "median_prompt_tokens": safe_median(r.num_prompt for r in runs.records["full"]),
         "results": rows,

@@ -18,10 +18,17 @@ class Variant:
 
 
 def main_variants(blend: BlendConfig, sink: SinkMode, ratios: list[float]) -> list[Variant]:
+    """full, prefix, reuse and blend at each ratio in the engine's config; with a key scale configured,
+    CacheBlend's own reuse and blend (no scale) too: the reference of the KL ratios."""
     out = [Variant("full", PrefillMode.FULL, sink), Variant("prefix", PrefillMode.PREFIX, sink),
-           Variant("reuse", PrefillMode.REUSE, sink)]
+           Variant("reuse", PrefillMode.REUSE, sink, blend)]
     out += [Variant(f"blend@{r:.2f}", PrefillMode.BLEND, sink, _with(blend, recompute_ratio=r, is_shift_measured=True))
             for r in ratios]  # the guard report's candidate signals are measured on these rows
+    if blend.reused_key_scale != 1.0:
+        plain = _with(blend, reused_key_scale=1.0)
+        out.append(Variant("reuse key_scale=1", PrefillMode.REUSE, sink, plain))
+        out += [Variant(f"blend@{r:.2f} key_scale=1", PrefillMode.BLEND, sink, _with(plain, recompute_ratio=r))
+                for r in ratios]
     return out
 
 
@@ -64,9 +71,16 @@ def adaptive_variants(blend: BlendConfig, sink: SinkMode, shares: list[float]) -
 
 def spec_variants(blend: BlendConfig, sink: SinkMode, specs: list[str]) -> list[Variant]:
     """Rows from `--variant` specs: space-separated BlendConfig fields over the engine's config at
-    r=0.15, e.g. "selection=query_deviation check_layers=1,2,3"; the label is the spec itself."""
+    r=0.15, e.g. "selection=query_deviation check_layers=1,2,3", and optionally `mode=reuse` (default
+    blend); the label is the spec itself, prefixed by the mode."""
     base = _with(blend, recompute_ratio=0.15)
-    return [Variant(f"blend {spec}", PrefillMode.BLEND, sink, _with(base, **parse_spec(base, spec))) for spec in specs]
+    out = []
+    for spec in specs:
+        modes = [item.partition("=")[2] for item in spec.split() if item.startswith("mode=")]
+        mode = PrefillMode(modes[-1]) if modes else PrefillMode.BLEND
+        rest = " ".join(item for item in spec.split() if not item.startswith("mode="))
+        out.append(Variant(f"{mode.value} {rest}".strip(), mode, sink, _with(base, **parse_spec(base, rest))))
+    return out
 
 
 def parse_spec(base: BlendConfig, spec: str) -> dict:

@@ -1,8 +1,10 @@
 """Reused KV laid into the fused cache: each used chunk's keys rotated to their prompt positions and
 written, with its values, straight into the chunk's slice of the cache (no concatenation, no
-gather). On CUDA, when every chunk is in memory, all layers at once before the loop (a few large ops
-instead of launches per layer); on CPU, and for a streamed source, layer by layer, where one layer's
-working set stays in the processor's caches (measured: the all-layers layout was 2.5x slower on CPU)."""
+gather). Keys of chunks not computed at their place are scaled where the plan says
+(`BlendConfig.reused_key_scale`). On CUDA, when every chunk is in memory, all layers at once before
+the loop (a few large ops instead of launches per layer); on CPU, and for a streamed source, layer by
+layer, where one layer's working set stays in the processor's caches (measured: the all-layers
+layout was 2.5x slower on CPU)."""
 
 from __future__ import annotations
 
@@ -19,12 +21,19 @@ def layout_all(cache: KVCache, plan: PrefillPlan, chunks: Pairs, cos: torch.Tens
     """chunks: per cached segment, (K pre-RoPE, V) [L', H_kv, n, D] for layers first_reused_layer.. ."""
     first = plan.first_reused_layer
     _write(cache.keys[first:], cache.values[first:], plan, chunks, cos, sin)
+    scaled_from = max(first, plan.first_scaled_layer)
+    for span in plan.spans:
+        if plan.is_scaled(span, scaled_from):
+            cache.keys[scaled_from:, :, span.start : span.end].mul_(plan.reused_key_scale)
 
 
 def layout_layer(cache: KVCache, plan: PrefillPlan, layer: int, pairs: Pairs, cos: torch.Tensor,
                  sin: torch.Tensor) -> None:
     """pairs: one layer's (K pre-RoPE, V) [H_kv, n, D] per cached segment, as a LayerKVSource gives them."""
     _write(cache.keys[layer], cache.values[layer], plan, pairs, cos, sin)
+    for span in plan.spans:
+        if plan.is_scaled(span, layer):
+            cache.keys[layer, :, span.start : span.end].mul_(plan.reused_key_scale)
 
 
 def _write(keys: torch.Tensor, values: torch.Tensor, plan: PrefillPlan, pairs: Pairs, cos: torch.Tensor,

@@ -14,6 +14,7 @@ class CachedSpan:
 
     start: int
     num_tokens: int
+    is_exact: bool = False  # computed behind exactly the tokens that precede it here: its KV is a full prefill's
 
     @property
     def end(self) -> int:
@@ -33,6 +34,12 @@ class PrefillPlan:
     first_reused_layer: int  # layers before it compute every token and read no reused KV
     forced_cached_idx: tuple[int, ...]  # indices into cached_pos always recomputed (chunk starts), if asked
     num_query_tokens: int  # the prompt's tail after the last cached chunk (the question): query-aware selection
+    reused_key_scale: float = 1.0  # multiplies the reused keys of inexact chunks from `first_scaled_layer` on
+    first_scaled_layer: int = 0
+
+    def is_scaled(self, span: CachedSpan, layer: int) -> bool:
+        """Whether `span`'s reused keys at `layer` are laid out scaled (see BlendConfig.reused_key_scale)."""
+        return self.reused_key_scale != 1.0 and not span.is_exact and layer >= self.first_scaled_layer
 
     @property
     def query_pos(self) -> tuple[int, ...]:
@@ -79,8 +86,10 @@ def plan_prefill(segments: list[Segment], mode: PrefillMode, blend: BlendConfig,
     first_reused = checks[0] if checks else (0 if cached else num_layers)
     forced = _chunk_starts(spans, cached, blend.chunk_start_tokens) if blend.selection.is_forcing_chunk_starts else ()
     num_query = max(1, num_tokens - (spans[-1].end if spans else 0))
+    # Blend and reuse alike scale from the layer after blend's last check: no deviation is measured there.
+    first_scaled = blend.check_layers[-1] + 1
     return PrefillPlan(tuple(token_ids), mode, tuple(used), tuple(spans), cached, fresh, checks, keep, first_reused,
-                       forced, num_query)
+                       forced, num_query, blend.reused_key_scale, first_scaled)
 
 
 def _chunk_starts(spans: list[CachedSpan], cached: tuple[int, ...], num_first: int) -> tuple[int, ...]:
@@ -111,5 +120,6 @@ def _place(segments: list[Segment], mode: PrefillMode) -> tuple[list[int], list[
             is_used = True
         used.append(is_used)
         if is_used:
-            spans.append(CachedSpan(start, len(seg.token_ids)))
+            is_exact = tuple(seg.kv.context_ids) == tuple(token_ids[:start])
+            spans.append(CachedSpan(start, len(seg.token_ids), is_exact))
     return token_ids, used, spans

@@ -54,8 +54,14 @@ class BlendConfig:
     # request is risky and its ratio is raised to `guard_ratio`.
     guard_unselected_mass: float | None = None
     guard_ratio: float = 0.5
+    # Attention temperature on reused KV (blend and reuse): keys of chunks not computed at their place
+    # (not behind exactly the tokens before them) are multiplied by this from the layer after the last
+    # check on, so the question and the recomputed tokens attend to them less sharply. 1.0: CacheBlend.
+    reused_key_scale: float = 1.0
 
     def __post_init__(self) -> None:
+        if not 0.0 < self.reused_key_scale <= 2.0:
+            raise ValueError(f"reused_key_scale must be in (0, 2], got {self.reused_key_scale}")
         if self.chunk_start_tokens < 0 or self.query_tokens < 0:
             raise ValueError("chunk_start_tokens and query_tokens must be >= 0")
         if self.probe_span < 1:
@@ -102,6 +108,7 @@ class BlendConfig:
             max_ratio=settings.adaptive_max_ratio,
             guard_unselected_mass=settings.guard_unselected_mass,
             guard_ratio=settings.guard_ratio,
+            reused_key_scale=settings.reused_key_scale,
         )
 
     @property

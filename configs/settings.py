@@ -125,6 +125,11 @@ class BlendSettings(BaseModel):
         description="Quality guard (off when null): a request leaving more of the score unselected is risky",
     )
     guard_ratio: float = Field(0.5, ge=0.0, le=1.0, description="The ratio a risky request is recomputed at.")
+    reused_key_scale: float = Field(
+        1.0, gt=0.0, le=2.0,
+        description="Keys of reused chunks not computed at their place are multiplied by this after the last check "
+                    "layer (an attention temperature; 1 = CacheBlend; calibrated in the README).",
+    )
     sink: SinkMode = Field(
         SinkMode.PREFIX, description="What a chunk is computed behind at precompute (measured: README)."
     )

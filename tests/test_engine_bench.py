@@ -133,3 +133,21 @@ def test_bench_engine_variant_specs(tmp_path, capsys):
     bad = parser.parse_args(["--data", str(args.data), "--model", "random:tiny-llama", "--variant", "probe=3"])
     with pytest.raises(ValueError, match="FIELD=VALUE"):
         engine_bench.run(bad)
+
+
+def test_bench_engine_reuse_variant_and_first_question(tmp_path, capsys):
+    """`mode=reuse` in a spec makes a reuse row; --first-question skips questions (a held-out set)."""
+    items = [{"question": f"where is mill {i}?", "answers": ["harlow"],
+              "ctxs": [{"title": f"t{j}", "text": f"mill {i} stands in harlow by the river " * 3} for j in range(2)]}
+             for i in range(3)]
+    parser, args = bench_args(tmp_path, items, "--first-question", "2", "--questions", "5", "--passages", "2",
+                              "--ratios", "0.15", "--model", "random:tiny-llama", "--no-prefix-row",
+                              "--decode-tokens", "0", "--variant", "mode=reuse reused_key_scale=0.9")
+    assert engine_bench.run(args) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["first_question"] == 2
+    row = summary["results"]["reuse reused_key_scale=0.9"]
+    assert row["mode"] == "reuse" and row["reused_key_scale"] == 0.9 and len(row["tf_kl_per_question"]) == 1
+    beyond = parser.parse_args(["--data", str(args.data), "--model", "random:tiny-llama", "--first-question", "3"])
+    with pytest.raises(ValueError, match="no questions left"):
+        engine_bench.run(beyond)
