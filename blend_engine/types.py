@@ -56,7 +56,8 @@ class BlendConfig:
     guard_ratio: float = 0.5
     # Attention temperature on reused KV (blend and reuse): keys of chunks not computed at their place
     # (not behind exactly the tokens before them) are multiplied by this from the layer after the last
-    # check on, so the question and the recomputed tokens attend to them less sharply. 1.0: CacheBlend.
+    # check on, so the question and the recomputed tokens attend to them less sharply. 1.0 here is
+    # CacheBlend (the engine's own tests rely on it); the server's default (settings) is the calibrated 0.9.
     reused_key_scale: float = 1.0
 
     def __post_init__(self) -> None:

@@ -126,7 +126,7 @@ class BlendSettings(BaseModel):
     )
     guard_ratio: float = Field(0.5, ge=0.0, le=1.0, description="The ratio a risky request is recomputed at.")
     reused_key_scale: float = Field(
-        1.0, gt=0.0, le=2.0,
+        0.9, gt=0.0, le=2.0,
         description="Keys of reused chunks not computed at their place are multiplied by this after the last check "
                     "layer (an attention temperature; 1 = CacheBlend; calibrated in the README).",
     )

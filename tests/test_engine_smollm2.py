@@ -1,5 +1,7 @@
 """The real SmolLM2-135M: fused answers match full prefill; streaming text; loading."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -24,13 +26,17 @@ def engine():
     return BlendEngine.from_settings(load_settings())
 
 
-def answer(engine, segments, mode, max_tokens=20):
-    result = engine.prefill(segments, mode, max_new_tokens=max_tokens)
+def answer(engine, segments, mode, max_tokens=20, blend=None):
+    result = engine.prefill(segments, mode, blend, max_new_tokens=max_tokens)
     return "".join(d.text for d in engine.generate(result, SamplingParams(max_tokens=max_tokens)))
 
 
 @pytest.mark.parametrize("sink", list(SinkMode))
 def test_blend_answers_like_full_over_facts_in_three_chunks(engine, sink):
+    """CacheBlend's blend (no key scale) gives full's answer word for word. The server's default
+    (reused keys scaled by 0.9) agrees with full on more answer tokens over the MuSiQue questions
+    (README), but not on every prompt: here it ends the sentence after the fact that full goes on
+    from; the fact itself must be there."""
     context = engine.sink_ids(sink)
     chunks = [Segment(tuple(engine.tokenize(f)), engine.precompute(engine.tokenize(f), context)) for f in FACTS]
     segments = engine.build_segments(QUESTION, chunks)
@@ -38,7 +44,9 @@ def test_blend_answers_like_full_over_facts_in_three_chunks(engine, sink):
     assert "1832" in full
     blend = engine.prefill(segments, PrefillMode.BLEND)
     assert blend.stats.num_reused_tokens > 0
-    assert answer(engine, segments, PrefillMode.BLEND) == full
+    cacheblend = replace(engine.blend, reused_key_scale=1.0)
+    assert answer(engine, segments, PrefillMode.BLEND, blend=cacheblend) == full
+    assert "1832" in answer(engine, segments, PrefillMode.BLEND)
 
 
 def test_streamed_pieces_join_to_the_whole_answer_and_stop(engine):
