@@ -7,7 +7,7 @@ only its scale and zero rounded to bf16. The kernel's fast path takes bf16 activ
 fp16 inputs measured ~60x slower), and it loses to a bf16 GEMM above a few dozen rows, so prefill
 multiplies by a bf16 copy of the dequantized weight as Int8Linear does. On a CPU without native bf16
 GEMMs (AVX2 only: ~19 GFLOP/s against fp32's ~145, measured) that copy is held in fp32 instead (the
-same bf16-rounded values): 8x the prefill speed for twice the copy's memory.
+same bf16-rounded values): 4x the prefill speed measured, for twice the copy's memory.
 """
 
 from __future__ import annotations
