@@ -110,16 +110,16 @@ def _place(segments: list[Segment], mode: PrefillMode) -> tuple[list[int], list[
         if seg.kv is None:
             is_prefix_intact = is_prefix_intact and not seg.token_ids
             continue
+        # Exact only if computed behind exactly the tokens that precede it here.
+        is_exact = tuple(seg.kv.context_ids) == tuple(token_ids[:start])
         if mode == PrefillMode.FULL:
             is_used = False
         elif mode == PrefillMode.PREFIX:
-            # Exact only if computed behind exactly the tokens that precede it here.
-            is_used = is_prefix_intact and tuple(seg.kv.context_ids) == tuple(token_ids[:start])
+            is_used = is_prefix_intact and is_exact
             is_prefix_intact = is_used
         else:
             is_used = True
         used.append(is_used)
         if is_used:
-            is_exact = tuple(seg.kv.context_ids) == tuple(token_ids[:start])
             spans.append(CachedSpan(start, len(seg.token_ids), is_exact))
     return token_ids, used, spans

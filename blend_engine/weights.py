@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blend_engine.int4 import Int4Linear
+from blend_engine.int4 import Int4Linear, gemm_dtype
 from configs.settings import WeightFormat
 
 MAX_PACKED_ROWS = 32  # above: the GEMM path (measured crossover of the int8 kernel on CPU)
@@ -39,7 +39,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scales)  # [out] bf16
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.in_features, self.out_features = qweight.shape[1], qweight.shape[0]
-        is_bf16_gemm = qweight.device.type != "cpu" or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        is_bf16_gemm = gemm_dtype(qweight.device) == _COMPUTE
         # prefill's weight: the dequantized weight kept in bf16 (2 more bytes a weight, still less than
         # fp32's 4) where bf16 GEMMs are native; else dequantized to fp32 at each call
         gemm_weight = self.dequantized(_COMPUTE) if is_bf16_gemm else None
