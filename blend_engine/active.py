@@ -9,6 +9,7 @@ Nothing here reads a value back from the device, except the GROUPED attention ba
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,17 @@ class ActiveSet:
     sin: torch.Tensor  # [A, D]
     attention: AttentionMeta
     slots: torch.Tensor | slice  # where the layer's fresh K/V go in the cache (a slice when all tokens)
+    # From plan.first_scaled_layer on, with a reused attention scale: the column bias over every position
+    # [N] (log scale at the reused tokens of inexact chunks not recomputed, else 0) and `attention` with it.
+    bias: torch.Tensor | None = None
+    biased_attention: AttentionMeta | None = None
+
+    def attention_at(self, layer: int, first_scaled_layer: int) -> AttentionMeta:
+        return self.biased_attention if self.biased_attention is not None and layer >= first_scaled_layer \
+            else self.attention
+
+    def bias_at(self, layer: int, first_scaled_layer: int) -> torch.Tensor | None:
+        return self.bias if layer >= first_scaled_layer else None
 
     @property
     def num_tokens(self) -> int:
@@ -58,6 +70,7 @@ class ActiveContext:
     cached_pos: torch.Tensor  # [M] plan.cached_pos on the device
     is_forced: torch.Tensor  # [M] bool: always recomputed (chunk starts)
     query_mask: torch.Tensor | None  # [G*S, N] additive causal mask of the question's tokens (query selection)
+    column_bias: torch.Tensor | None  # [N] in `dtype`: log reused_attention_scale where the plan scales, else 0
 
 
 def active_context(plan: PrefillPlan, rope: RopeTable, backend: AttentionBackend, num_query_groups: int,
@@ -68,8 +81,12 @@ def active_context(plan: PrefillPlan, rope: RopeTable, backend: AttentionBackend
     if blend.selection.is_query and plan.check_layers:
         query_mask = additive_causal_mask(_tensor(plan.query_pos, device), plan.num_tokens, num_query_groups,
                                           torch.float32)
+    column_bias = None
+    if plan.is_attention_scaled:
+        column_bias = torch.zeros(plan.num_tokens, dtype=dtype, device=device)
+        column_bias[list(plan.scaled_attention_pos)] = math.log(plan.reused_attention_scale)
     return ActiveContext(plan, rope, backend, num_query_groups, device, dtype, blend, scale,
-                         _tensor(plan.cached_pos, device), is_forced, query_mask)
+                         _tensor(plan.cached_pos, device), is_forced, query_mask, column_bias)
 
 
 def initial_active(ctx: ActiveContext) -> ActiveSet:
@@ -82,8 +99,8 @@ def initial_active(ctx: ActiveContext) -> ActiveSet:
                          ctx.rope.cos, ctx.rope.sin, causal_meta(num_tokens), slice(0, num_tokens))
     pos = _tensor(plan.fresh_pos, device)
     rows = torch.arange(len(plan.fresh_pos), device=device)
-    meta = subset_meta(pos, num_tokens, ctx.backend, ctx.num_query_groups, list(plan.fresh_pos), ctx.dtype)
-    return ActiveSet(pos, rows, rows[:0], ctx.rope.cos[pos], ctx.rope.sin[pos], meta, pos)
+    meta, biased = _metas(ctx, pos, list(plan.fresh_pos), ctx.column_bias)  # reuse: every reused token biased
+    return ActiveSet(pos, rows, rows[:0], ctx.rope.cos[pos], ctx.rope.sin[pos], meta, pos, ctx.column_bias, biased)
 
 
 def candidate_deviation(ctx: ActiveContext, active: ActiveSet, layer: int, k: torch.Tensor, v: torch.Tensor,
@@ -137,9 +154,13 @@ def check_step(ctx: ActiveContext, active: ActiveSet, check_idx: int, layer: int
     kept_rows = active.cand_rows[select_top(score, num_keep)]  # [K] ascending
     rows = torch.cat([active.fresh_rows, kept_rows]).sort().values  # [F+K]; ascending rows = ascending positions
     pos = active.pos[rows]
-    meta = subset_meta(pos, ctx.plan.num_tokens, ctx.backend, ctx.num_query_groups, dtype=ctx.dtype)
+    bias = None
+    if ctx.column_bias is not None and check_idx == len(ctx.plan.check_layers) - 1:  # scaling starts after it
+        bias = ctx.column_bias.index_fill(0, active.pos[kept_rows], 0.0)  # [N]: recomputed tokens unbiased
+    host = pos.tolist() if ctx.backend == AttentionBackend.GROUPED else None  # read once for both metas
+    meta, biased = _metas(ctx, pos, host, bias)
     new = ActiveSet(pos, torch.searchsorted(rows, active.fresh_rows), torch.searchsorted(rows, kept_rows),
-                    active.cos[rows], active.sin[rows], meta, pos)
+                    active.cos[rows], active.sin[rows], meta, pos, bias, biased)
     return CheckResult(new, rows, unselected, is_guarded)
 
 
@@ -193,6 +214,16 @@ def _check_mass(ctx: ActiveContext, active: ActiveSet, q: torch.Tensor, keys: to
     q_last = apply_rope(q[:, -num_query:], active.cos[-num_query:], active.sin[-num_query:])
     return query_mass(q_last, keys[:, : ctx.plan.num_tokens], ctx.query_mask, ctx.scale, ctx.blend.query_heads,
                       ctx.blend.query_tokens)
+
+
+def _metas(ctx: ActiveContext, pos: torch.Tensor, host: list[int] | None,
+           bias: torch.Tensor | None) -> tuple[AttentionMeta, AttentionMeta | None]:
+    """The attention metadata of queries at `pos` [A], and with the column `bias` [N] when there is one."""
+    plan = ctx.plan
+    meta = subset_meta(pos, plan.num_tokens, ctx.backend, ctx.num_query_groups, host, ctx.dtype)
+    if bias is None:
+        return meta, None
+    return meta, subset_meta(pos, plan.num_tokens, ctx.backend, ctx.num_query_groups, host, ctx.dtype, bias)
 
 
 def _tensor(values: tuple[int, ...], device: torch.device) -> torch.Tensor:

@@ -46,14 +46,16 @@ class AttentionLayout(str, Enum):
 class QueryGroup:
     rows: slice  # rows of the query block
     num_keys: int  # keys 0..num_keys-1 (the group's last position + 1)
-    mask: torch.Tensor  # [rows, num_keys] bool
+    mask: torch.Tensor  # [rows, num_keys] bool, or additive (0 / -inf, plus the column bias)
 
 
 @dataclass(frozen=True)
 class AttentionMeta:
     layout: AttentionLayout
     num_keys: int
-    mask: torch.Tensor | None = None  # SUBSET + MASKED: [G*A, num_keys] additive (0 / -inf), query heads folded
+    # SUBSET + MASKED: [G*A, num_keys] additive (0 / -inf, plus the column bias), query heads folded;
+    # LAST: None, or the column bias [1, num_keys] (see `attend`)
+    mask: torch.Tensor | None = None
     groups: tuple[QueryGroup, ...] = ()  # SUBSET + GROUPED
 
 
@@ -62,8 +64,10 @@ def causal_mask(query_pos: torch.Tensor, num_keys: int) -> torch.Tensor:
     return query_pos[:, None] >= torch.arange(num_keys, device=query_pos.device)[None, :]
 
 
-def additive_causal_mask(query_pos: torch.Tensor, num_keys: int, num_repeats: int, dtype: torch.dtype) -> torch.Tensor:
-    """[num_repeats * n, num_keys] of 0 (seen) / -inf (hidden), made once per active set.
+def additive_causal_mask(query_pos: torch.Tensor, num_keys: int, num_repeats: int, dtype: torch.dtype,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """[num_repeats * n, num_keys] of 0 (seen) / -inf (hidden), made once per active set; plus
+    `bias` [>= num_keys] on every row where given (a column bias: see `attend`).
 
     Additive in the attention's dtype, so SDPA does not convert a bool mask at every layer, and
     stored with rows padded to a multiple of 16 elements, the alignment CUDA's memory-efficient
@@ -73,15 +77,17 @@ def additive_causal_mask(query_pos: torch.Tensor, num_keys: int, num_repeats: in
     storage = torch.full((num_repeats * query_pos.shape[0], num_padded), float("-inf"), dtype=dtype,
                          device=query_pos.device)
     mask = storage[:, :num_keys]
-    return mask.masked_fill_(causal_mask(query_pos, num_keys).repeat(num_repeats, 1), 0.0)
+    mask.masked_fill_(causal_mask(query_pos, num_keys).repeat(num_repeats, 1), 0.0)
+    return mask if bias is None else mask.add_(bias[:num_keys].to(dtype))
 
 
 def causal_meta(num_tokens: int) -> AttentionMeta:
     return AttentionMeta(AttentionLayout.CAUSAL, num_tokens)
 
 
-def last_meta(num_keys: int) -> AttentionMeta:
-    return AttentionMeta(AttentionLayout.LAST, num_keys)
+def last_meta(num_keys: int, bias: torch.Tensor | None = None) -> AttentionMeta:
+    """Queries that see every key; `bias` [>= num_keys]: a column bias (see `attend`)."""
+    return AttentionMeta(AttentionLayout.LAST, num_keys, mask=None if bias is None else bias[None, :num_keys])
 
 
 def subset_meta(
@@ -91,15 +97,17 @@ def subset_meta(
     num_groups_per_kv: int,
     query_pos_host: list[int] | None = None,
     dtype: torch.dtype = torch.float32,
+    bias: torch.Tensor | None = None,
 ) -> AttentionMeta:
-    """Metadata for ascending `query_pos` [A] over keys 0..num_keys-1.
+    """Metadata for ascending `query_pos` [A] over keys 0..num_keys-1, with the column `bias`
+    [>= num_keys] (see `attend`) if given.
 
     GROUPED needs the positions on the host; pass `query_pos_host` when the caller has them already,
     else they are read back here (once per active set).
     """
     if backend == AttentionBackend.MASKED:
         # fold: the G query heads sharing a KV head become G blocks of rows
-        mask = additive_causal_mask(query_pos, num_keys, num_groups_per_kv, dtype)  # [G*A, N]
+        mask = additive_causal_mask(query_pos, num_keys, num_groups_per_kv, dtype, bias)  # [G*A, N]
         return AttentionMeta(AttentionLayout.SUBSET, num_keys, mask=mask)
     host = query_pos_host if query_pos_host is not None else query_pos.tolist()
     num_queries = len(host)
@@ -108,12 +116,19 @@ def subset_meta(
     groups = []
     for start, end in zip(bounds, bounds[1:]):
         num_group_keys = host[end - 1] + 1
-        groups.append(QueryGroup(slice(start, end), num_group_keys, causal_mask(query_pos[start:end], num_group_keys)))
+        mask = causal_mask(query_pos[start:end], num_group_keys)  # [rows, keys] bool
+        if bias is not None:
+            mask = torch.where(mask, bias[:num_group_keys].to(dtype), float("-inf")).to(dtype)
+        groups.append(QueryGroup(slice(start, end), num_group_keys, mask))
     return AttentionMeta(AttentionLayout.SUBSET, num_keys, groups=tuple(groups))
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: AttentionMeta, scale: float) -> torch.Tensor:
-    """q [H, A, D] (rotated) over keys/values [H_kv, >=num_keys, D] -> [A, H*D]."""
+    """q [H, A, D] (rotated) over keys/values [H_kv, >=num_keys, D] -> [A, H*D].
+
+    A column bias (in the metadata's masks) is added to every query's logit for that key: log S
+    multiplies the key's attention weight by S before the softmax normalizes (reused attention
+    scale, BlendConfig.reused_attention_scale)."""
     num_heads, num_queries, head_dim = q.shape
     keys, values = keys[:, : meta.num_keys], values[:, : meta.num_keys]
     if meta.layout == AttentionLayout.SUBSET and meta.mask is not None:
@@ -128,15 +143,17 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: Atte
         ], dim=1)  # [H, A, D]
     else:
         out = F.scaled_dot_product_attention(
-            q[None], keys[None], values[None], is_causal=meta.layout == AttentionLayout.CAUSAL,
-            scale=scale, enable_gqa=True,
+            q[None], keys[None], values[None], attn_mask=meta.mask,  # LAST: the column bias, if any
+            is_causal=meta.layout == AttentionLayout.CAUSAL, scale=scale, enable_gqa=True,
         )[0]
     return out.transpose(0, 1).reshape(num_queries, num_heads * head_dim)
 
 
-def attend_last(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+def attend_last(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
     """One query token that sees every key, per KV head as two matmuls in the keys' dtype with the
-    softmax in fp32: q [H, 1, D] over keys/values [H_kv, N, D] -> [1, H*D] in q's dtype.
+    softmax in fp32: q [H, 1, D] over keys/values [H_kv, N, D] -> [1, H*D] in q's dtype; `bias` [N]:
+    a column bias (see `attend`).
 
     On CPU, over a bf16 cache this reads half of fp32's bytes; SDPA's CPU kernel was measured
     slower on bf16 than on fp32 for a single query, and a batched matmul copies each head's keys
@@ -148,6 +165,8 @@ def attend_last(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale
     scores = keys.new_empty(num_kv_heads, group, num_keys)  # [H_kv, G, N]
     for head in range(num_kv_heads):
         torch.mm(folded[head], keys[head].t(), out=scores[head])
+    if bias is not None:
+        scores += bias
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)  # [H_kv, G, N]
     out = values.new_empty(num_kv_heads, group, head_dim)  # [H_kv, G, D]
     for head in range(num_kv_heads):
@@ -155,14 +174,16 @@ def attend_last(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale
     return out.reshape(1, num_heads * head_dim).to(q.dtype)
 
 
-def attend_last_int8(q: torch.Tensor, kv: Int8Layer, scale: float) -> torch.Tensor:
+def attend_last_int8(q: torch.Tensor, kv: Int8Layer, scale: float, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`attend_last` over an int8 decode cache (blend_engine/decode_cache.py), both matmuls by
-    torch's int8 weight-only kernel: q [H, 1, D] -> [1, H*D] in q's dtype."""
+    torch's int8 weight-only kernel: q [H, 1, D] -> [1, H*D] in q's dtype; `bias` [N] as there."""
     num_heads, _, head_dim = q.shape
     num_kv_heads, num_slots = kv.values_t.shape[0], kv.values_t.shape[2]
     folded = (q * scale).reshape(num_kv_heads, num_heads // num_kv_heads, head_dim).to(kv.unit_scales.dtype)  # [H_kv, G, D]
     scores = torch.stack([torch._weight_int8pack_mm(f, k, s) for f, k, s in  # [H_kv, G, N]
                           zip(folded.unbind(0), kv.keys.unbind(0), kv.key_scales.unbind(0))])
+    if bias is not None:
+        scores += bias
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32) * kv.value_scales[:, None]  # [H_kv, G, N]
     weights = F.pad(probs, (0, num_slots - kv.num_keys)).to(folded.dtype)  # [H_kv, G, capacity]: zero past the length
     out = torch.stack([torch._weight_int8pack_mm(w, v, kv.unit_scales)  # [H_kv, G, D]

@@ -27,24 +27,26 @@ log = logging.getLogger(__name__)
 NUM_WARMUP_STEPS = 2  # eager runs on a side stream before capture (lazy cuBLAS/allocator set-up)
 
 
-# one query over the decode cache's layer (what its slots' `write` returns), by the cache's format:
-# q [H, 1, D] -> [1, H*D]
-Attend = Callable[[torch.Tensor, object, float], torch.Tensor]
+# one query over the decode cache's layer (what its slots' `write` returns), by the cache's format,
+# with the cache's column bias [N] at that layer or None: q [H, 1, D] -> [1, H*D]
+Attend = Callable[[torch.Tensor, object, float, torch.Tensor | None], torch.Tensor]
 _ATTENTION: dict[DecodeCache, Attend] = {
     # the new token sees every key: no mask
-    DecodeCache.MODEL: lambda q, kv, scale: attend(q, *kv, last_meta(kv[0].shape[1]), scale),
-    DecodeCache.BF16: lambda q, kv, scale: attend_last(q, *kv, scale),  # bf16 matmuls (SDPA measured slower)
+    DecodeCache.MODEL: lambda q, kv, scale, bias: attend(q, *kv, last_meta(kv[0].shape[1], bias), scale),
+    DecodeCache.BF16: lambda q, kv, scale, bias: attend_last(q, *kv, scale, bias),  # bf16 matmuls (SDPA measured slower)
     DecodeCache.INT8: attend_last_int8,
 }
 
 
 def decode_layer(calls: LayerCalls, slots: KVSlots | Int8Slots, attend: Attend, hidden: torch.Tensor,
-                 rope: tuple[torch.Tensor, torch.Tensor], pos: int, scale: float) -> torch.Tensor:
+                 rope: tuple[torch.Tensor, torch.Tensor], pos: int, scale: float,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """One layer of the eager step: hidden [1, hidden] of the token at `pos` -> [1, hidden], its K/V
-    written into `slots`. Everything it reads is an argument of the same types for every layer (so
-    torch.compile makes one graph for all of them: measured in the README, not used)."""
+    written into `slots`; `bias` [pos + 1]: the cache's column bias at this layer, if any. Everything
+    it reads is an argument of the same types for every layer (so torch.compile makes one graph for
+    all of them: measured in the README, not used)."""
     q, k, v = calls.qkv(hidden, rope)  # [H, 1, D], [H_kv, 1, D] x2, q and k rotated
-    return calls.finish(hidden, attend(q, slots.write(slice(pos, pos + 1), k, v, pos + 1), scale))
+    return calls.finish(hidden, attend(q, slots.write(slice(pos, pos + 1), k, v, pos + 1), scale, bias))
 
 
 class Decoder:
@@ -96,7 +98,7 @@ class Decoder:
         rope = self._rope.cos[pos : pos + 1], self._signed_sin[pos : pos + 1]  # [1, D] each
         for layer in range(runner.num_layers):
             hidden = decode_layer(runner.calls[layer], self.cache.slots(layer), self._attend, hidden, rope, pos,
-                                 runner.scaling)
+                                 runner.scaling, self.cache.bias_at(layer, pos + 1))
         return runner.logits(hidden)[0]
 
     # --- CUDA graph -------------------------------------------------------------------------------
@@ -107,11 +109,15 @@ class Decoder:
         cos, sin = self._rope.cos.index_select(0, self._pos), self._rope.sin.index_select(0, self._pos)  # [1, D]
         mask = torch.where(self._slots[None, :] <= self._pos[:, None], self._zero, self._minus_inf)  # [1, capacity]
         meta = AttentionMeta(AttentionLayout.SUBSET, cache.capacity, mask=mask)  # broadcast over folded heads
+        biased = meta
+        if cache.column_bias is not None:  # the whole capacity's: the slots past the prompt hold 0
+            biased = AttentionMeta(AttentionLayout.SUBSET, cache.capacity, mask=mask + cache.column_bias.values)
         for layer in range(runner.num_layers):
             q, k, v = runner.qkv(layer, hidden)
             cache.keys[layer].index_copy_(1, self._pos, apply_rope(k, cos, sin))
             cache.values[layer].index_copy_(1, self._pos, v)
-            out = attend(apply_rope(q, cos, sin), cache.keys[layer], cache.values[layer], meta, runner.scaling)
+            layer_meta = biased if cache.bias_at(layer, 0) is not None else meta
+            out = attend(apply_rope(q, cos, sin), cache.keys[layer], cache.values[layer], layer_meta, runner.scaling)
             hidden = runner.finish(layer, hidden, out)
         return runner.logits(hidden)[0]
 

@@ -91,6 +91,8 @@ class Int8KVCache(SlotCache):
         num_layers, num_kv_heads, capacity, head_dim = cache.keys.shape
         out = cls(num_layers, num_kv_heads, head_dim, capacity, cache.keys.device)
         out.length = cache.length
+        if cache.column_bias is not None:
+            out.column_bias = cache.column_bias.grown(out.capacity)  # the capacity is rounded up
         for layer in range(num_layers):  # a layer at a time: the float temporaries stay one layer's size
             out.slots(layer).write(slice(0, cache.length), *cache.layer(layer), cache.length)
         return out

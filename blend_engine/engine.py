@@ -201,12 +201,19 @@ class BlendEngine:
         positions = torch.arange(start, start + num_new, device=self.device)  # [n]
         hidden = runner.embed(torch.tensor(list(token_ids), dtype=torch.long, device=self.device))
         cos, sin = runner.rope(positions)
-        meta = last_meta(start + 1) if num_new == 1 else subset_meta(
-            positions, start + num_new, self.attention_backend, runner.num_heads // runner.num_kv_heads,
-            list(range(start, start + num_new)), self.dtype)
+
+        def meta_with(bias: torch.Tensor | None):
+            return last_meta(start + 1, bias) if num_new == 1 else subset_meta(
+                positions, start + num_new, self.attention_backend, runner.num_heads // runner.num_kv_heads,
+                list(range(start, start + num_new)), self.dtype, bias)
+
+        # a prefill that scaled the reused tokens' attention left its column bias on the cache
+        bias = cache.bias_at(runner.num_layers - 1, start + num_new)
+        metas = (meta_with(None), meta_with(bias) if bias is not None else None)
         for layer in range(runner.num_layers):
             q, k, v = runner.qkv(layer, hidden)
             keys, values = cache.update(layer, slice(start, start + num_new), apply_rope(k, cos, sin), v)
+            meta = metas[1] if cache.bias_at(layer, 0) is not None else metas[0]
             hidden = runner.finish(layer, hidden, attend(apply_rope(q, cos, sin), keys, values, meta, runner.scaling))
         return runner.logits(hidden)
 

@@ -118,12 +118,30 @@ class MergedKVSource:
         self._memory.close()  # the external source belongs to the caller
 
 
+@dataclass(frozen=True)
+class ColumnBias:
+    """An additive attention-logit bias per cache slot, at layers `first_layer`.. : how a prefill
+    that scaled the reused tokens' attention (BlendConfig.reused_attention_scale) has every later
+    token (scoring, decoding) attend to them the same way."""
+
+    values: torch.Tensor  # [capacity] in the attention's dtype; 0 for every slot past the prompt
+    first_layer: int
+
+    def at(self, layer: int, num_keys: int) -> torch.Tensor | None:
+        """[num_keys] the bias at `layer`, None where it has none."""
+        return self.values[:num_keys] if layer >= self.first_layer else None
+
+    def grown(self, capacity: int) -> ColumnBias:
+        return ColumnBias(torch.nn.functional.pad(self.values, (0, capacity - self.values.shape[0])), self.first_layer)
+
+
 class SlotCache:
     """Slots 0..length-1 of a cache whose `keys` are [L, H_kv, capacity, ...]: reserving slots, growing
     (by `_grow`, each cache's own layout) when they run out. KVCache and the int8 decode cache share it."""
 
     keys: torch.Tensor
     length: int
+    column_bias: ColumnBias | None = None  # set by a prefill with a reused attention scale
 
     @property
     def capacity(self) -> int:
@@ -133,8 +151,14 @@ class SlotCache:
         """Reserve the next `num_tokens` slots (growing if needed); returns the first one's position."""
         if self.length + num_tokens > self.capacity:
             self._grow(max(self.length + num_tokens, 2 * self.capacity))
+            if self.column_bias is not None:
+                self.column_bias = self.column_bias.grown(self.capacity)
         start, self.length = self.length, self.length + num_tokens
         return start
+
+    def bias_at(self, layer: int, num_keys: int) -> torch.Tensor | None:
+        """[num_keys] the column bias at `layer`, or None."""
+        return None if self.column_bias is None else self.column_bias.at(layer, num_keys)
 
     def _grow(self, capacity: int) -> None:
         raise NotImplementedError
@@ -193,7 +217,7 @@ class KVCache(SlotCache):
         out = KVCache(self.keys.shape[0], self.keys.shape[1], self.keys.shape[3], self.capacity, self.keys.device, dtype)
         out.keys[:, :, : self.length] = self.keys[:, :, : self.length]
         out.values[:, :, : self.length] = self.values[:, :, : self.length]
-        out.length = self.length
+        out.length, out.column_bias = self.length, self.column_bias
         return out
 
     def update(

@@ -36,6 +36,18 @@ class PrefillPlan:
     num_query_tokens: int  # the prompt's tail after the last cached chunk (the question): query-aware selection
     reused_key_scale: float = 1.0  # multiplies the reused keys of inexact chunks from `first_scaled_layer` on
     first_scaled_layer: int = 0
+    reused_attention_scale: float = 1.0  # multiplies their attention weights from `first_scaled_layer` on
+
+    @property
+    def is_attention_scaled(self) -> bool:
+        """Whether some reused tokens get a column bias (BlendConfig.reused_attention_scale)."""
+        return self.reused_attention_scale != 1.0 and bool(self.scaled_attention_pos)
+
+    @property
+    def scaled_attention_pos(self) -> tuple[int, ...]:
+        """The reused positions of inexact chunks, ascending: where the column bias goes (less the
+        tokens blend recomputes)."""
+        return tuple(p for s in self.spans if not s.is_exact for p in range(s.start, s.end) if p != self.num_tokens - 1)
 
     def is_scaled(self, span: CachedSpan, layer: int) -> bool:
         """Whether `span`'s reused keys at `layer` are laid out scaled (see BlendConfig.reused_key_scale)."""
@@ -89,7 +101,7 @@ def plan_prefill(segments: list[Segment], mode: PrefillMode, blend: BlendConfig,
     # Blend and reuse alike scale from the layer after blend's last check: no deviation is measured there.
     first_scaled = blend.check_layers[-1] + 1
     return PrefillPlan(tuple(token_ids), mode, tuple(used), tuple(spans), cached, fresh, checks, keep, first_reused,
-                       forced, num_query, blend.reused_key_scale, first_scaled)
+                       forced, num_query, blend.reused_key_scale, first_scaled, blend.reused_attention_scale)
 
 
 def _chunk_starts(spans: list[CachedSpan], cached: tuple[int, ...], num_first: int) -> tuple[int, ...]:

@@ -16,11 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from blend_engine.active import (ActiveContext, ActiveSet, RopeTable, active_context, candidate_deviation, check_step,
                                  initial_active, last_token_shift)
 from blend_engine.attention import AttentionBackend, attend, last_meta
-from blend_engine.kv import KVCache, LayerKVSource, WholeKVSource
+from blend_engine.kv import ColumnBias, KVCache, LayerKVSource, WholeKVSource
 from blend_engine.layout import layout_all, layout_layer
 from blend_engine.plan import PrefillPlan
 from blend_engine.probe import probe_query_mass
@@ -79,6 +80,8 @@ def run_prefill(runner: ModelRunner, plan: PrefillPlan, blend: BlendConfig, sour
         _layer_step(runner, ctx, blend, cache, layer, state, timer, lay_out)
     with timer.stage("compute"):
         logits = runner.logits(state.hidden[-1:])[0]  # [vocab]
+    if state.active.bias is not None:  # scoring and decoding attend to the reused tokens as the prefill did
+        cache.column_bias = ColumnBias(F.pad(state.active.bias, (0, capacity - num_tokens)), plan.first_scaled_layer)
     selected, unselected, last_shift = _read_back(state)
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # prefill_ms ends when the logits exist, not when they were queued
@@ -128,9 +131,10 @@ def _layer_step(runner: ModelRunner, ctx: ActiveContext, blend: BlendConfig, cac
         if rows is not None:
             q, hidden, active = q[:, rows], hidden[rows], new
             state.active = active
-        cos, sin, meta = active.cos, active.sin, active.attention
+        cos, sin, meta = active.cos, active.sin, active.attention_at(layer, plan.first_scaled_layer)
         if layer == runner.num_layers - 1:  # only the last token's output matters now
-            q, hidden, cos, sin, meta = q[:, -1:], hidden[-1:], cos[-1:], sin[-1:], last_meta(plan.num_tokens)
+            meta = last_meta(plan.num_tokens, active.bias_at(layer, plan.first_scaled_layer))
+            q, hidden, cos, sin = q[:, -1:], hidden[-1:], cos[-1:], sin[-1:]
         keys, values = cache.layer(layer)
         out = attend(apply_rope(q, cos, sin), keys, values, meta, runner.scaling)
         state.hidden = runner.finish(layer, hidden, out)

@@ -59,10 +59,17 @@ class BlendConfig:
     # check on, so the question and the recomputed tokens attend to them less sharply. 1.0 here is
     # CacheBlend (the engine's own tests rely on it); the server's default (settings) is the calibrated 0.9.
     reused_key_scale: float = 1.0
+    # Attention weight on the same reused tokens (APE's scaling factor): from the same layer on, every
+    # query's attention weight on a reused token of an inexact chunk (not one blend recomputed) is
+    # multiplied by this before the softmax normalizes (a logit bias of log scale), in the prefill and
+    # for every token after it (decode, scoring). 1.0: none (CacheBlend); the server's default: settings.
+    reused_attention_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.reused_key_scale <= 2.0:
             raise ValueError(f"reused_key_scale must be in (0, 2], got {self.reused_key_scale}")
+        if not 0.0 < self.reused_attention_scale <= 4.0:
+            raise ValueError(f"reused_attention_scale must be in (0, 4], got {self.reused_attention_scale}")
         if self.chunk_start_tokens < 0 or self.query_tokens < 0:
             raise ValueError("chunk_start_tokens and query_tokens must be >= 0")
         if self.probe_span < 1:
@@ -110,6 +117,7 @@ class BlendConfig:
             guard_unselected_mass=settings.guard_unselected_mass,
             guard_ratio=settings.guard_ratio,
             reused_key_scale=settings.reused_key_scale,
+            reused_attention_scale=settings.reused_attention_scale,
         )
 
     @property

@@ -130,6 +130,12 @@ class BlendSettings(BaseModel):
         description="Keys of reused chunks not computed at their place are multiplied by this after the last check "
                     "layer (an attention temperature; 1 = CacheBlend; calibrated in the README).",
     )
+    reused_attention_scale: float = Field(
+        1.0, gt=0.0, le=4.0,
+        description="The attention weight of every query on a reused token of such a chunk (not recomputed) is "
+                    "multiplied by this after the last check layer, in prefill and decode (APE's scaling factor; "
+                    "1 = none; calibrated in the README).",
+    )
     sink: SinkMode = Field(
         SinkMode.PREFIX, description="What a chunk is computed behind at precompute (measured: README)."
     )
