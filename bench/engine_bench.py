@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     if args.sweep:
         variants += sweep_variants(engine.blend, settings.blend.sink)
     if args.selections:
-        variants += selection_variants(engine.blend, settings.blend.sink)
+        variants += selection_variants(engine.blend, settings.blend.sink, engine.num_layers)
     variants += adaptive_variants(engine.blend, settings.blend.sink, _ratios(args.adaptive, allow_empty=True))
     variants += spec_variants(engine.blend, settings.blend.sink, args.variant)
     if args.no_prefix_row:

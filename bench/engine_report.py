@@ -10,14 +10,16 @@ from bench.metrics import safe_mean, safe_median
 from blend_engine.types import PrefillMode
 
 
-def _key_scale(variant) -> float:
-    return variant.blend.reused_key_scale if variant.blend else 1.0
+def _is_cacheblend(variant) -> bool:
+    """No scale on the reused tokens' keys or attention: CacheBlend's own reuse / blend."""
+    blend = variant.blend
+    return blend is None or (blend.reused_key_scale == 1.0 and blend.reused_attention_scale == 1.0)
 
 
 def summarize(runs, variants, args, engine, is_quality: bool) -> dict:
     full_ttft = safe_median(r.ttft_ms for r in runs.records["full"])
-    reuse_kl: dict = {}  # per sink, CacheBlend's reuse (no key scale): the reference of every row's KL ratio
-    for v in sorted((v for v in variants if v.mode == PrefillMode.REUSE), key=lambda v: _key_scale(v) != 1.0):
+    reuse_kl: dict = {}  # per sink, CacheBlend's reuse (no scale): the reference of every row's KL ratio
+    for v in sorted((v for v in variants if v.mode == PrefillMode.REUSE), key=lambda v: not _is_cacheblend(v)):
         if v.sink not in reuse_kl:
             reuse_kl[v.sink] = safe_mean(r.tf_kl for r in runs.records[v.label] if r.tf_kl is not None)
     rows = {}
@@ -34,6 +36,9 @@ def summarize(runs, variants, args, engine, is_quality: bool) -> dict:
             "selection": v.blend.selection.value if v.blend else None,
             "chunk_start_tokens": v.blend.chunk_start_tokens if v.blend else None,
             "reused_key_scale": v.blend.reused_key_scale if v.blend else None,
+            "reused_attention_scale": v.blend.reused_attention_scale if v.blend else None,
+            "probe_layer": v.blend.probe_layer if v.blend else None,
+            "probe_span": v.blend.probe_span if v.blend else None,
             "sink": v.sink.value,
             "median_ttft_ms": ttft,
             "speedup_vs_full": full_ttft / ttft if ttft else None,

@@ -18,16 +18,16 @@ class Variant:
 
 
 def main_variants(blend: BlendConfig, sink: SinkMode, ratios: list[float]) -> list[Variant]:
-    """full, prefix, reuse and blend at each ratio in the engine's config; with a key scale configured,
-    CacheBlend's own reuse and blend (no scale) too: the reference of the KL ratios."""
+    """full, prefix, reuse and blend at each ratio in the engine's config; with a key or attention scale
+    configured, CacheBlend's own reuse and blend (no scale) too: the reference of the KL ratios."""
     out = [Variant("full", PrefillMode.FULL, sink), Variant("prefix", PrefillMode.PREFIX, sink),
            Variant("reuse", PrefillMode.REUSE, sink, blend)]
     out += [Variant(f"blend@{r:.2f}", PrefillMode.BLEND, sink, _with(blend, recompute_ratio=r, is_shift_measured=True))
             for r in ratios]  # the guard report's candidate signals are measured on these rows
-    if blend.reused_key_scale != 1.0:
-        plain = _with(blend, reused_key_scale=1.0)
-        out.append(Variant("reuse key_scale=1", PrefillMode.REUSE, sink, plain))
-        out += [Variant(f"blend@{r:.2f} key_scale=1", PrefillMode.BLEND, sink, _with(plain, recompute_ratio=r))
+    if blend.reused_key_scale != 1.0 or blend.reused_attention_scale != 1.0:
+        plain = _with(blend, reused_key_scale=1.0, reused_attention_scale=1.0)
+        out.append(Variant("reuse unscaled", PrefillMode.REUSE, sink, plain))
+        out += [Variant(f"blend@{r:.2f} unscaled", PrefillMode.BLEND, sink, _with(plain, recompute_ratio=r))
                 for r in ratios]
     return out
 
@@ -48,14 +48,15 @@ def sweep_variants(blend: BlendConfig, sink: SinkMode) -> list[Variant]:
     return out
 
 
-def selection_variants(blend: BlendConfig, sink: SinkMode) -> list[Variant]:
-    """Every selection strategy at r=0.15 (chunk starts: 8 and 32 tokens per chunk)."""
+def selection_variants(blend: BlendConfig, sink: SinkMode, num_layers: int) -> list[Variant]:
+    """Every selection strategy at r=0.15 (chunk starts: 8 and 32 tokens per chunk), each fitted to
+    the model as the server would run it (a deviation ranking checks at layer 1 at least)."""
     base = _with(blend, recompute_ratio=0.15)
     out = []
     for kind in SelectionKind:
         for num_start in ((8, 32) if kind.is_forcing_chunk_starts else (0,)):
             label = f"blend@0.15 sel={kind.value}" + (f" k={num_start}" if num_start else "")
-            config = _with(base, selection=kind, chunk_start_tokens=num_start or base.chunk_start_tokens)
+            config = _with(base, selection=kind, chunk_start_tokens=num_start or base.chunk_start_tokens).fitted(num_layers)
             out.append(Variant(label, PrefillMode.BLEND, sink, config))
     return out
 

@@ -249,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
     overrides = {"model": {"name": args.model}} if args.model else {}
     settings = load_settings(**overrides)
     engine = BlendEngine.from_settings(settings)
-    blend = BlendConfig.from_settings(settings.blend)
+    blend = engine.blend  # the settings' config, fitted to the model
     if args.ratio is not None:
         blend = dataclasses.replace(blend, recompute_ratio=args.ratio)
     items = json.loads(Path(args.data).read_text())[: args.questions]

@@ -51,8 +51,8 @@ class BlendEngine:
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.identity
         self.is_random = loaded.is_random
-        self.blend = blend
         self.runner = ModelRunner(self.model)
+        self.blend = blend.fitted(self.runner.num_layers)
         self.weights = weight_format(self.model)  # what the linear layers hold (fp32: as loaded)
         self.attention_backend = AttentionBackend.for_device(self.runner.device)
         self.is_decode_graphed = self.runner.device.type == "cuda"  # CUDA-graph the decode step

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 import torch
@@ -92,6 +92,21 @@ class BlendConfig:
             raise ValueError("filter_growth must be >= 1")
         if self.probe_layer is not None and self.probe_layer <= self.check_layers[0]:
             raise ValueError(f"probe_layer must be after the first check layer {self.check_layers[0]}")
+
+    def fitted(self, num_layers: int) -> BlendConfig:
+        """This config on a model of `num_layers` layers, as the server's defaults need it: a probe past
+        the last layer probes at the last one (none where that is not after the first check); a
+        deviation-ranked selection checks at layer 1 at least (at layer 0 a chunk's K/V do not depend
+        on its context, so their deviation is zero)."""
+        config = self
+        if config.selection.is_deviation and config.first_check_layer == 0 and num_layers > 1:
+            checks = tuple(sorted({max(1, layer) for layer in config.check_layers}))
+            probe = config.probe_layer if config.probe_layer is None or config.probe_layer > 1 else None
+            config = replace(config, check_layers=checks, probe_layer=probe)
+        if config.probe_layer is not None and config.probe_layer >= num_layers:
+            last = num_layers - 1
+            config = replace(config, probe_layer=last if last > config.first_check_layer else None)
+        return config
 
     @property
     def first_check_layer(self) -> int:

@@ -89,24 +89,26 @@ class BlendSettings(BaseModel):
         0.15, ge=0.0, le=1.0, description="Share of reused tokens recomputed in blend mode."
     )
     check_layers: list[int] = Field(
-        [1], min_length=1, description="Layers where deviating tokens are selected; several = gradual filtering."
+        [0], min_length=1,
+        description="Layers where tokens are selected (after them reused KV is read); several = gradual filtering. "
+                    "A deviation ranking checks at layer 1 at least (its K/V deviation is zero at layer 0).",
     )
     filter_growth: float = Field(
         2.0, ge=1.0, description="With several check layers, each earlier check keeps this many times more tokens."
     )
     deviation: DeviationKind = Field(DeviationKind.VALUE, description="Select tokens by K or V deviation.")
     selection: SelectionKind = Field(
-        SelectionKind.DEVIATION, description="How cached tokens are ranked for recompute (README: measured)."
+        SelectionKind.QUERY, description="How cached tokens are ranked for recompute (README: measured)."
     )
     chunk_start_tokens: int = Field(
         8, ge=0, le=256, description="chunk_start selections: each chunk's first tokens always recomputed."
     )
     probe_layer: int | None = Field(
-        None, ge=1,
+        8, ge=1,
         description="Query selections: measure the question's attention at this deeper layer with a probe of the "
                     "fresh tokens over the reused cache (null: at the check layer).",
     )
-    probe_span: int = Field(1, ge=1, description="The probe sums the attention over this many layers up to probe_layer.")
+    probe_span: int = Field(4, ge=1, description="The probe sums the attention over this many layers up to probe_layer.")
     query_heads: HeadReduce = Field(HeadReduce.SUM, description="Query selections: sum or max over heads.")
     query_tokens: int = Field(
         0, ge=0, description="Query selections: only the question's last tokens' attention counts (0: all)."
@@ -126,12 +128,12 @@ class BlendSettings(BaseModel):
     )
     guard_ratio: float = Field(0.5, ge=0.0, le=1.0, description="The ratio a risky request is recomputed at.")
     reused_key_scale: float = Field(
-        0.9, gt=0.0, le=2.0,
+        1.0, gt=0.0, le=2.0,
         description="Keys of reused chunks not computed at their place are multiplied by this after the last check "
                     "layer (an attention temperature; 1 = CacheBlend; calibrated in the README).",
     )
     reused_attention_scale: float = Field(
-        1.0, gt=0.0, le=4.0,
+        0.5, gt=0.0, le=4.0,
         description="The attention weight of every query on a reused token of such a chunk (not recomputed) is "
                     "multiplied by this after the last check layer, in prefill and decode (APE's scaling factor; "
                     "1 = none; calibrated in the README).",

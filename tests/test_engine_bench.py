@@ -151,3 +151,20 @@ def test_bench_engine_reuse_variant_and_first_question(tmp_path, capsys):
     beyond = parser.parse_args(["--data", str(args.data), "--model", "random:tiny-llama", "--first-question", "3"])
     with pytest.raises(ValueError, match="no questions left"):
         engine_bench.run(beyond)
+
+
+def test_scaled_defaults_bring_cacheblend_rows_as_the_kl_reference():
+    """With a key or attention scale configured, the main rows add CacheBlend's own reuse and blend,
+    and the summary divides every row's KL by that unscaled reuse."""
+    from bench.engine_report import _is_cacheblend
+    from bench.engine_variants import main_variants
+    from blend_engine.types import BlendConfig
+    from configs import SinkMode
+
+    assert [v.label for v in main_variants(BlendConfig(), SinkMode.PREFIX, [0.15])] == [
+        "full", "prefix", "reuse", "blend@0.15"]
+    for scaled in (BlendConfig(reused_attention_scale=0.5), BlendConfig(reused_key_scale=0.9)):
+        variants = {v.label: v for v in main_variants(scaled, SinkMode.PREFIX, [0.15])}
+        assert not _is_cacheblend(variants["reuse"]) and not _is_cacheblend(variants["blend@0.15"])
+        assert _is_cacheblend(variants["reuse unscaled"]) and _is_cacheblend(variants["blend@0.15 unscaled"])
+        assert variants["blend@0.15 unscaled"].blend.recompute_ratio == 0.15

@@ -5,6 +5,7 @@ deviation, chunk starts always kept, and query-aware ranking against a brute-for
 import pytest
 import torch
 
+from blend_engine.engine import BlendEngine
 from blend_engine.selector import combine_scores
 from blend_engine.types import BlendConfig, HeadReduce, PrefillMode, ScoreCombine, SelectionKind, Segment
 from engine_models import MODEL_BUILDERS, build_engine, cpu_exact
@@ -202,4 +203,25 @@ def test_query_options_come_from_settings():
     config = BlendConfig.from_settings(settings.blend)
     assert (config.probe_layer, config.query_heads, config.query_tokens, config.combine) == (
         8, HeadReduce.MAX, 4, ScoreCombine.RANK_SUM)
-    assert BlendConfig.from_settings(load_settings().blend).probe_layer is None
+    default = BlendConfig.from_settings(load_settings().blend)
+    assert (default.selection, default.check_layers, default.probe_layer, default.probe_span) == (
+        SelectionKind.QUERY, (0,), 8, 4)
+
+
+def test_fitted_configs_suit_the_model():
+    """The server's defaults run on any model: a probe past the last layer probes at the last one (or
+    at the check, with no layer after it), and a deviation ranking never checks at layer 0."""
+    config = BlendConfig(check_layers=(0,), selection=SelectionKind.QUERY, probe_layer=8, probe_span=4)
+    assert config.fitted(30) == config
+    assert config.fitted(4).probe_layer == 3
+    assert config.fitted(1).probe_layer is None
+    for kind in (SelectionKind.DEVIATION, SelectionKind.QUERY_DEVIATION, SelectionKind.CHUNK_START):
+        fitted = BlendConfig(check_layers=(0,), selection=kind, probe_layer=8).fitted(30)
+        assert fitted.check_layers == (1,) and fitted.probe_layer == 8
+    assert BlendConfig(check_layers=(0, 1, 2)).fitted(30).check_layers == (1, 2)
+    assert BlendConfig(check_layers=(0,), probe_layer=1).fitted(30).probe_layer is None
+    engine = build_engine("llama-gqa")  # 4 layers: the defaults' probe at 8 is fitted
+    segments = rag_prompt(engine)
+    fitted = BlendEngine.from_model(engine.model, blend=config).blend
+    assert fitted.probe_layer == engine.num_layers - 1
+    assert engine.prefill(segments, PrefillMode.BLEND, fitted).stats.num_recomputed_tokens > 0

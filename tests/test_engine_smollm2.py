@@ -1,14 +1,12 @@
 """The real SmolLM2-135M: fused answers match full prefill; streaming text; loading."""
 
-from dataclasses import replace
-
 import pytest
 import torch
 
 from blend_engine.engine import BlendEngine
 from blend_engine.generate import IncrementalDetokenizer, StopStringFilter
 from blend_engine.loader import converted_gguf_dir, embedded_gguf_path, load_model
-from blend_engine.types import FinishReason, PrefillMode, SamplingParams, Segment
+from blend_engine.types import BlendConfig, FinishReason, PrefillMode, SamplingParams, Segment
 from configs import ModelSettings, SinkMode, load_settings
 
 pytestmark = pytest.mark.smollm2
@@ -44,7 +42,7 @@ def test_blend_answers_like_full_over_facts_in_three_chunks(engine, sink):
     assert "1832" in full
     blend = engine.prefill(segments, PrefillMode.BLEND)
     assert blend.stats.num_reused_tokens > 0
-    cacheblend = replace(engine.blend, reused_key_scale=1.0)
+    cacheblend = BlendConfig(recompute_ratio=engine.blend.recompute_ratio)  # CacheBlend's own selection, no scale
     assert answer(engine, segments, PrefillMode.BLEND, blend=cacheblend) == full
     assert "1832" in answer(engine, segments, PrefillMode.BLEND)
 

@@ -184,6 +184,7 @@ class RagPipeline:
         config = BlendConfig.from_settings(self.settings.blend)
         if request.selection is not None:
             config = replace(config, selection=request.selection)
+        config = config.fitted(self.engine.num_layers)  # e.g. a deviation selection checks at layer 1 at least
         ratio = request.recompute_ratio
         if ratio == "adaptive":
             return replace(config, adaptive_mass=self.settings.blend.adaptive_mass)
@@ -193,7 +194,7 @@ class RagPipeline:
 
     def measure_engine(self) -> None:
         """Fit the planner's cost model on timed prefills; run on the worker at start-up."""
-        blend = BlendConfig.from_settings(self.settings.blend)
+        blend = BlendConfig.from_settings(self.settings.blend).fitted(self.engine.num_layers)
         for shape, seconds in measure_engine(self.engine, self.settings.store.planner_profile_tokens, blend):
             self.kv_store.planner.observe(shape, seconds)
 
