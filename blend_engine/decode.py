@@ -116,7 +116,7 @@ class Decoder:
             q, k, v = runner.qkv(layer, hidden)
             cache.keys[layer].index_copy_(1, self._pos, apply_rope(k, cos, sin))
             cache.values[layer].index_copy_(1, self._pos, v)
-            layer_meta = biased if cache.bias_at(layer, 0) is not None else meta
+            layer_meta = biased if cache.is_biased_at(layer) else meta
             out = attend(apply_rope(q, cos, sin), cache.keys[layer], cache.values[layer], layer_meta, runner.scaling)
             hidden = runner.finish(layer, hidden, out)
         return runner.logits(hidden)[0]

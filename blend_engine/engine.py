@@ -208,12 +208,12 @@ class BlendEngine:
                 list(range(start, start + num_new)), self.dtype, bias)
 
         # a prefill that scaled the reused tokens' attention left its column bias on the cache
-        bias = cache.bias_at(runner.num_layers - 1, start + num_new)
-        metas = (meta_with(None), meta_with(bias) if bias is not None else None)
+        plain = meta_with(None)
+        biased = meta_with(cache.column_bias.values) if cache.column_bias is not None else plain
         for layer in range(runner.num_layers):
             q, k, v = runner.qkv(layer, hidden)
             keys, values = cache.update(layer, slice(start, start + num_new), apply_rope(k, cos, sin), v)
-            meta = metas[1] if cache.bias_at(layer, 0) is not None else metas[0]
+            meta = biased if cache.is_biased_at(layer) else plain
             hidden = runner.finish(layer, hidden, attend(apply_rope(q, cos, sin), keys, values, meta, runner.scaling))
         return runner.logits(hidden)
 

@@ -160,6 +160,9 @@ class SlotCache:
         """[num_keys] the column bias at `layer`, or None."""
         return None if self.column_bias is None else self.column_bias.at(layer, num_keys)
 
+    def is_biased_at(self, layer: int) -> bool:
+        return self.column_bias is not None and layer >= self.column_bias.first_layer
+
     def _grow(self, capacity: int) -> None:
         raise NotImplementedError
 
