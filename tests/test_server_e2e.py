@@ -234,6 +234,10 @@ def test_server_bench_reports_every_mode_and_ends_with_json(server, tmp_path, ca
 def test_selection_and_adaptive_ratio_per_request(client):
     body = ask(client, mode="blend", selection="query", recompute_ratio="adaptive")
     assert "4812" in body["answer"] and 0.05 <= body["recompute_ratio"] <= 0.5 and not body["quality_guarded"]
+    # a deviation ranking answers under the defaults (check layer 0): the config is fitted to check at layer 1
+    # (test_engine_selection::test_fitted_configs_suit_the_model)
+    body = ask(client, mode="blend", selection="deviation", recompute_ratio=0.5)
+    assert "4812" in body["answer"] and body["recompute_ratio"] == 0.5
     chat = client.post("/v1/chat/completions", json={
         "model": client.get("/v1/models").json()["data"][0]["id"], "messages": [{"role": "user", "content": QUESTION}],
         "max_tokens": 12,
