@@ -129,6 +129,17 @@ def test_query_probe_and_shift_signal_add_no_host_reads(check_layers):
     assert counter.reads["after"] == 1  # the selection and the signals, in one read after the loop
 
 
+@pytest.mark.parametrize("check_layers", [(0,), (1, 2)])
+def test_the_servers_defaults_add_no_host_reads(check_layers):
+    """Query ranking with a probe and the reused attention scaled (its bias indexed on the device)."""
+    defaults = dict(selection=SelectionKind.QUERY, probe_layer=8, probe_span=4, reused_attention_scale=0.5)
+    counter = count_blend_prefill(12, AttentionBackend.MASKED, check_layers, **defaults)
+    assert counter.reads["loop"] == 0, counter.reads
+    assert counter.reads["after"] == 1
+    # one attention call per layer (the bias rides in the mask), plus the probe's, from the check up to layer 8
+    assert counter.attention["loop"] == 12 + 8 - check_layers[0]
+
+
 def test_grouped_backend_reads_back_only_at_check_layers():
     """The CPU backend reads the new active positions once per check (its key cut-offs), never per layer."""
     for num_layers in (4, 12):
@@ -137,10 +148,13 @@ def test_grouped_backend_reads_back_only_at_check_layers():
 
 
 @pytest.mark.parametrize("family", list(MODEL_BUILDERS))
-def test_decoder_steps_equal_forward_tokens(family):
+@pytest.mark.parametrize("attention_scale", [1.0, 0.5])  # 0.5: the cache carries a column bias
+def test_decoder_steps_equal_forward_tokens(family, attention_scale):
     engine = build_engine(family)
     segments = rag_prompt(engine)
-    result = engine.prefill(segments, PrefillMode.BLEND, max_new_tokens=8)
+    blend = BlendConfig(reused_attention_scale=attention_scale)
+    result = engine.prefill(segments, PrefillMode.BLEND, blend, max_new_tokens=8)
+    assert (result.cache.column_bias is not None) == (attention_scale != 1.0)
     tokens = random_ids(6, 77)
     reference = engine.forward_tokens(result, tokens)  # [6, vocab], one multi-token pass
     decoder = engine.decoder(result, is_graphed=False)
