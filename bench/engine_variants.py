@@ -33,14 +33,16 @@ def main_variants(blend: BlendConfig, sink: SinkMode, ratios: list[float]) -> li
 
 
 def sweep_variants(blend: BlendConfig, sink: SinkMode) -> list[Variant]:
-    """Ablations at r=0.15: K vs V deviation at each check-layer choice (one layer, or gradual
-    filtering over several), then each attention-sink choice with its own `reuse` reference."""
+    """Ablations at r=0.15: K vs V deviation (the deviation ranking, whatever the default's) at each
+    check-layer choice (one layer, or gradual filtering over several), then each attention-sink choice
+    with its own `reuse` reference."""
     base = _with(blend, recompute_ratio=0.15)
     out = []
     for layers in [(0,), (1,), (2,), (1, 2), (1, 2, 3)]:
         for dev in DeviationKind:
             label = f"blend@0.15 {dev.value[0].upper()} check=" + ",".join(map(str, layers))
-            out.append(Variant(label, PrefillMode.BLEND, sink, _with(base, deviation=dev, check_layers=layers)))
+            config = _with(base, selection=SelectionKind.DEVIATION, deviation=dev, check_layers=layers)
+            out.append(Variant(label, PrefillMode.BLEND, sink, config))
     for other in SinkMode:
         if other != sink:
             out.append(Variant(f"reuse sink={other.value}", PrefillMode.REUSE, other))

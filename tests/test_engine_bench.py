@@ -34,6 +34,9 @@ def test_bench_engine_prints_table_then_json(tmp_path, capsys):
     assert {"full", "prefix", "reuse", "blend@0.10", "blend@0.50", "blend@0.15 K check=1,2,3",
             "blend@0.15 sel=query", "blend@0.15 sel=chunk_start k=32"} <= set(rows)
     assert rows["blend@0.15 sel=query_chunk_start k=8"]["selection"] == "query_chunk_start"
+    # the sweep ablates CacheBlend's deviation ranking, whatever the default's; the selection rows are fitted
+    assert rows["blend@0.15 K check=1,2,3"]["selection"] == "deviation"
+    assert rows["blend@0.15 sel=deviation"]["check_layers"] == [1]
     assert 0.05 <= rows["blend@adaptive m=0.50"]["mean_recompute_ratio"] <= 0.5
     assert rows["full"]["speedup_vs_full"] == 1.0
     assert rows["reuse"]["median_tokens_recomputed"] < rows["blend@0.50"]["median_tokens_recomputed"]
