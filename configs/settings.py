@@ -117,7 +117,7 @@ class BlendSettings(BaseModel):
         ScoreCombine.PRODUCT, description="query_deviation: attention mass x deviation, or the sum of their ranks."
     )
     adaptive_mass: float = Field(
-        0.5, gt=0.0, le=1.0,
+        0.9, gt=0.0, le=1.0,
         description="recompute_ratio='adaptive': recompute the fewest top-ranked tokens holding this share of the score.",
     )
     adaptive_min_ratio: float = Field(0.05, ge=0.0, le=1.0, description="Lower bound of an adaptive ratio.")
