@@ -57,7 +57,8 @@ class BlendConfig:
     # Attention temperature on reused KV (blend and reuse): keys of chunks not computed at their place
     # (not behind exactly the tokens before them) are multiplied by this from the layer after the last
     # check on, so the question and the recomputed tokens attend to them less sharply. 1.0 here is
-    # CacheBlend (the engine's own tests rely on it); the server's default (settings) is the calibrated 0.9.
+    # CacheBlend (the engine's own tests rely on it); the server's default (settings) is 1.0 as well since
+    # the attention scale below replaced it (README: both calibrated).
     reused_key_scale: float = 1.0
     # Attention weight on the same reused tokens (APE's scaling factor): from the same layer on, every
     # query's attention weight on a reused token of an inexact chunk (not one blend recomputed) is
