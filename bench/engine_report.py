@@ -12,8 +12,7 @@ from blend_engine.types import PrefillMode
 
 def _is_cacheblend(variant) -> bool:
     """No scale on the reused tokens' keys or attention: CacheBlend's own reuse / blend."""
-    blend = variant.blend
-    return blend is None or (blend.reused_key_scale == 1.0 and blend.reused_attention_scale == 1.0)
+    return variant.blend is None or not variant.blend.is_reuse_scaled
 
 
 def summarize(runs, variants, args, engine, is_quality: bool) -> dict:

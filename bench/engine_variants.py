@@ -24,7 +24,7 @@ def main_variants(blend: BlendConfig, sink: SinkMode, ratios: list[float]) -> li
            Variant("reuse", PrefillMode.REUSE, sink, blend)]
     out += [Variant(f"blend@{r:.2f}", PrefillMode.BLEND, sink, _with(blend, recompute_ratio=r, is_shift_measured=True))
             for r in ratios]  # the guard report's candidate signals are measured on these rows
-    if blend.reused_key_scale != 1.0 or blend.reused_attention_scale != 1.0:
+    if blend.is_reuse_scaled:
         plain = _with(blend, reused_key_scale=1.0, reused_attention_scale=1.0)
         out.append(Variant("reuse unscaled", PrefillMode.REUSE, sink, plain))
         out += [Variant(f"blend@{r:.2f} unscaled", PrefillMode.BLEND, sink, _with(plain, recompute_ratio=r))

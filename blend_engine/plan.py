@@ -4,6 +4,7 @@ reused tokens sit, and every count the loop needs (so the loop never asks the de
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from blend_engine.types import BlendConfig, PrefillMode, Segment
 
@@ -43,7 +44,7 @@ class PrefillPlan:
         """Whether some reused tokens get a column bias (BlendConfig.reused_attention_scale)."""
         return self.reused_attention_scale != 1.0 and bool(self.scaled_attention_pos)
 
-    @property
+    @cached_property  # read twice per prefill: computed once
     def scaled_attention_pos(self) -> tuple[int, ...]:
         """The reused positions of inexact chunks, ascending: where the column bias goes (less the
         tokens blend recomputes)."""

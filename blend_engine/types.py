@@ -137,6 +137,11 @@ class BlendConfig:
         )
 
     @property
+    def is_reuse_scaled(self) -> bool:
+        """Whether the reused tokens' keys or attention are scaled (else CacheBlend's own reuse / blend)."""
+        return self.reused_key_scale != 1.0 or self.reused_attention_scale != 1.0
+
+    @property
     def is_ratio_decided_at_check(self) -> bool:
         """The kept count is read back at the check layer (one host read per request)."""
         return self.adaptive_mass is not None or self.guard_unselected_mass is not None

@@ -31,10 +31,10 @@ def answer(engine, segments, mode, max_tokens=20, blend=None):
 
 @pytest.mark.parametrize("sink", list(SinkMode))
 def test_blend_answers_like_full_over_facts_in_three_chunks(engine, sink):
-    """CacheBlend's blend (no key scale) gives full's answer word for word. The server's default
-    (reused keys scaled by 0.9) agrees with full on more answer tokens over the MuSiQue questions
-    (README), but not on every prompt: here it ends the sentence after the fact that full goes on
-    from; the fact itself must be there."""
+    """CacheBlend's blend (deviation ranking, no scale) gives full's answer word for word. The server's
+    default (query ranking, reused attention scaled by 0.5) agrees with full on more answer tokens over
+    the MuSiQue questions (README), but not word for word on every prompt: here the fact itself must
+    be in its answer."""
     context = engine.sink_ids(sink)
     chunks = [Segment(tuple(engine.tokenize(f)), engine.precompute(engine.tokenize(f), context)) for f in FACTS]
     segments = engine.build_segments(QUESTION, chunks)
