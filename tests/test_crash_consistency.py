@@ -12,9 +12,12 @@ import os
 import random
 import time
 
+import pytest
+
 from crash_harness import CONFIG, Model, ServerProcess, check_invariants, fork_context, start_workload
 
 
+@pytest.mark.slow  # ~100 s at the default 30 crash points
 def test_random_kills_during_writes_leave_every_invariant_intact(tmp_path):
     num_points = int(os.environ.get("RAGBLEND_CRASH_POINTS", "30"))
     seed = int(os.environ.get("RAGBLEND_CRASH_SEED", random.randrange(2**32)))

@@ -106,6 +106,7 @@ def test_warm_load_uses_the_converted_copy(tmp_path):
     assert loaded.model.config.num_hidden_layers == 30
 
 
+@pytest.mark.slow  # ~70 s on 2 cores: one layer of Llama-3-8B with its 128k-token embedding, in bf16
 def test_random_shape_builds_the_architecture():
     loaded = load_model(ModelSettings(name="random:llama-3-8b:1", dtype="bfloat16"))
     config = loaded.model.config
