@@ -103,6 +103,15 @@ def test_readme_is_short():
     assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) <= 200
 
 
+def test_readme_figures_come_from_the_benchmark_page():
+    """The README's table quotes a benchmark page: every figure in it is on that page."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    page = (DOCS / "benchmarks" / "attention-scale.md").read_text(encoding="utf-8")
+    table = readme[readme.index("| prefill | TTFT |"):].split("\n\n", 1)[0]
+    figures = {f for row in table.splitlines()[2:] for f in re.findall(r"\d+(?: \d{3})*(?:\.\d+)?x?", row)}
+    assert figures and sorted(f for f in figures if f not in page) == []
+
+
 def _sections(model: type[BaseModel]) -> list[type[BaseModel]]:
     found = [model]
     for field in model.model_fields.values():
