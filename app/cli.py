@@ -12,7 +12,7 @@ import sys
 # prefill modes are thousands of small parallel regions, each far shorter than a sleeping thread's
 # wake-up, and libgomp's default (300 000 turns) keeps cores busy long after the work. Read when torch
 # loads, so set before any subcommand imports it; an environment that sets either variable wins.
-# Measured on 2 cores (README): int8 decode 20.9 ms/token vs 34.4 with passive waits (one thread; two
+# Measured on 2 cores (docs/decisions/0006): int8 decode 20.9 ms/token vs 34.4 with passive waits (one thread; two
 # were slower still), reuse TTFT 194 vs 379 ms. Spinning threads must not share a core with another
 # busy process, which is what the engine's thread governor (blend_engine/threads.py) sees to, nor
 # outnumber the CPUs across threads' OpenMP pools (then libgomp cuts spins to 100 turns): the server

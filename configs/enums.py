@@ -79,7 +79,7 @@ class SinkMode(str, Enum):
 class WeightFormat(str, Enum):
     """Format of the model's linear layers (blend_engine/weights.py); the rest keeps model.dtype."""
 
-    AUTO = "auto"  # int4 on CPU where the shapes fit, else int8 (measured: README); as loaded on CUDA
+    AUTO = "auto"  # int4 on CPU where the shapes fit, else int8 (measured: docs/decisions/0004); as loaded on CUDA
     FP32 = "fp32"  # as loaded, in model.dtype
     BF16 = "bf16"  # bf16 weights, bf16 activations at the matmul
     INT8 = "int8"  # int8 weight-only, per-output-channel scales

@@ -57,7 +57,7 @@ class ModelSettings(BaseModel):
         0, ge=0, le=1024,
         description="CPU threads of each engine job and decode step. 0: as many as the cores other processes "
         "left idle since the last look (at most torch's thread count), so the CLI's briefly spinning OpenMP "
-        "threads never share a core (README); n: always n.",
+        "threads never share a core (docs/decisions/0006); n: always n.",
     )
     decode_cache: DecodeCache = Field(
         DecodeCache.AUTO,
@@ -98,7 +98,7 @@ class BlendSettings(BaseModel):
     )
     deviation: DeviationKind = Field(DeviationKind.VALUE, description="Select tokens by K or V deviation.")
     selection: SelectionKind = Field(
-        SelectionKind.QUERY, description="How cached tokens are ranked for recompute (README: measured)."
+        SelectionKind.QUERY, description="How cached tokens are ranked for recompute (measured: docs/decisions/0002)."
     )
     chunk_start_tokens: int = Field(
         8, ge=0, le=256, description="chunk_start selections: each chunk's first tokens always recomputed."
@@ -130,16 +130,16 @@ class BlendSettings(BaseModel):
     reused_key_scale: float = Field(
         1.0, gt=0.0, le=2.0,
         description="Keys of reused chunks not computed at their place are multiplied by this after the last check "
-                    "layer (an attention temperature; 1 = CacheBlend; calibrated in the README).",
+                    "layer (an attention temperature; 1 = CacheBlend; calibrated: docs/benchmarks/key-scale.md).",
     )
     reused_attention_scale: float = Field(
         0.5, gt=0.0, le=4.0,
         description="The attention weight of every query on a reused token of such a chunk (not recomputed) is "
                     "multiplied by this after the last check layer, in prefill and decode (APE's scaling factor; "
-                    "1 = none; calibrated in the README).",
+                    "1 = none; calibrated: docs/decisions/0003).",
     )
     sink: SinkMode = Field(
-        SinkMode.PREFIX, description="What a chunk is computed behind at precompute (measured: README)."
+        SinkMode.PREFIX, description="What a chunk is computed behind at precompute (measured: docs/decisions/0001)."
     )
 
     @field_validator("check_layers")
