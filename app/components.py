@@ -12,13 +12,16 @@ from app.documents.limits import check_document_limit
 from app.documents.serving import DocumentService
 from app.metrics import Metrics
 from app.query.serving import QueryService
-from app.rag.pipeline import RagPipeline
 from app.documents.backfill import KVBackfill
+from app.documents.write_queue import WriteQueue
+from app.rag.pipeline import RagPipeline
 from app.rag.repair import KVRepairer
-from app.worker import EngineWorker
 from configs.settings import Settings
 from retrieval.chunker import Chunker
 from retrieval.retriever import Retriever
+from runtime.config import SchedulerConfig
+from runtime.executor import PrefillExecutor
+from runtime.loop import EngineLoop
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +32,8 @@ class Components:
     engine: Any  # blend_engine.engine.BlendEngine
     retriever: Retriever
     kv_store: Any  # kv_store.KVStore
-    worker: EngineWorker
+    loop: EngineLoop
+    executor: PrefillExecutor
     documents: DocumentService
     query: QueryService
     chat: ChatService
@@ -48,38 +52,60 @@ class Components:
         if engine is None:
             engine = BlendEngine.from_settings(settings, max_cpu_threads=single_threaded_default())
         check_document_limit(settings, engine)  # before any store opens: the limit must fit its bound
-        retriever = kv_store = worker = None
+        retriever = kv_store = loop = None
         try:
             retriever = Retriever.open(settings.data_dir, settings.retrieval)
             kv_store = KVStore.from_settings(settings, engine.fingerprint)
             _collect_kv_garbage(settings, kv_store, retriever)
-            worker = EngineWorker(settings.server.max_queue, settings.server.retry_after_s)
-            repairer = KVRepairer(engine, kv_store, worker, retriever.store.is_kv_key_used)
-            backfill = KVBackfill(engine, kv_store, worker, retriever.store.is_kv_key_used,
+            executor = PrefillExecutor(engine, kv_store, settings.blend, settings.store.planner_profile_tokens,
+                                       settings.server.prefill_chunk_tokens)
+            loop = EngineLoop(engine, executor, scheduler_config(settings), metrics,
+                              kv_bytes_per_token=kv_bytes_per_token(engine))
+            executor.repairer = KVRepairer(engine, kv_store, loop, retriever.store.is_kv_key_used)
+            backfill = KVBackfill(engine, kv_store, loop, retriever.store.is_kv_key_used,
                                   engine.sink_ids(settings.blend.sink))
-            metrics.watch_store(kv_store.stats, repairer.stats)
-            metrics.watch_worker(worker)
+            metrics.watch_store(kv_store.stats, executor.repairer.stats)
+            writes = WriteQueue(settings.server.max_queue, settings.server.retry_after_s)
+            metrics.watch_engine(loop, writes)
             chunker = Chunker(engine.tokenize, engine.tokenizer.decode, settings.retrieval.chunk_tokens,
                               settings.retrieval.chunk_overlap)
-            pipeline = RagPipeline(settings, engine, retriever, kv_store, worker, metrics, repairer)
+            pipeline = RagPipeline(settings, engine, retriever, kv_store, loop)
             model_id = settings.server.model_id or _model_id(engine.model_name)
             return cls(
-                settings=settings, engine=engine, retriever=retriever, kv_store=kv_store, worker=worker,
-                documents=DocumentService(settings, engine, retriever, kv_store, chunker, worker, backfill),
+                settings=settings, engine=engine, retriever=retriever, kv_store=kv_store, loop=loop,
+                executor=executor,
+                documents=DocumentService(settings, engine, retriever, kv_store, chunker, loop, writes, backfill),
                 query=QueryService(settings, pipeline), chat=ChatService(settings, pipeline, model_id),
                 pipeline=pipeline, model_id=model_id, started_at=time.time(),
             )
         except BaseException:
-            _close_all(worker, kv_store, retriever)
+            _close_all(loop, kv_store, retriever)
             raise
 
     def close(self) -> None:
-        """Stop the worker first (its job, e.g. an ingest, stops after the document it is writing);
-        the stores it writes are closed only once it has stopped."""
-        if self.worker.close():
+        """Stop the engine loop and the writes first (an ingest stops after the document it is
+        writing); the stores they write are closed only once both have stopped."""
+        is_loop_stopped = self.loop.close()
+        is_writes_stopped = self.documents.writes.close(timeout_s=60.0)
+        if is_loop_stopped and is_writes_stopped:
             _close_all(self.kv_store, self.retriever)
         else:  # never close SQLite or the store under a running job: both survive a hard exit
-            logger.error("engine worker did not stop: the stores are left open to the process exit")
+            logger.error("engine loop or a write did not stop: the stores are left open to the process exit")
+
+
+def kv_bytes_per_token(engine: Any) -> int:
+    """What a running answer's cache holds per token: keys and values of every layer in the model's
+    dtype (the prefill's cache; a CPU decode copy in int8 or bf16 is smaller, so this bounds both)."""
+    return 2 * engine.num_layers * engine.num_kv_heads * engine.head_dim * engine.dtype.itemsize
+
+
+def scheduler_config(settings: Settings) -> SchedulerConfig:
+    server = settings.server
+    return SchedulerConfig(
+        max_queue=server.max_queue, retry_after_s=server.retry_after_s, max_running=server.max_running,
+        max_running_kv_bytes=server.max_running_kv_bytes, max_prefill_tokens=server.max_prefill_tokens,
+        prefill_chunk_tokens=server.prefill_chunk_tokens, background_every_steps=server.background_every_steps,
+    )
 
 
 def _collect_kv_garbage(settings: Settings, kv_store: Any, retriever: Retriever) -> None:

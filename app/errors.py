@@ -11,6 +11,7 @@ from pydantic import BaseModel
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from runtime.jobs import QueueFull
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,8 @@ def stream_error_body(exc: Exception) -> dict:
     client; anything else is internal: a generic message with an id, the details go to the log."""
     if isinstance(exc, ApiError):
         return error_body(exc.error_type, exc.message)
+    if isinstance(exc, QueueFull):
+        return error_body(ErrorType.OVERLOADED, exc.message)
     error_id = uuid.uuid4().hex[:12]
     logger.error("generation failed (error id %s)", error_id, exc_info=exc)
     return error_body(ErrorType.SERVER, f"generation failed: internal error {type(exc).__name__} "
@@ -135,6 +138,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         return error_response(exc.status_code, exc.error_type, exc.message, exc.headers())
+
+    @app.exception_handler(QueueFull)
+    async def _queue_full(request: Request, exc: QueueFull) -> JSONResponse:
+        error = QueueFullError(exc.message, exc.retry_after_s)
+        return error_response(error.status_code, error.error_type, error.message, error.headers())
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -37,9 +37,9 @@ async def _load(app: FastAPI, settings: Settings, engine: Any | None) -> None:
         app.state.load_error = f"{type(exc).__name__}: {exc}"
         return
     app.state.components = components
-    # The loading planner's cost model, measured once on the worker before any question (which
+    # The loading planner's cost model, measured once on the engine loop before any question (which
     # queue behind it) rather than inside the first one.
-    components.worker.submit(lambda job: components.pipeline.measure_engine())
+    components.loop.submit(lambda job: components.executor.measure_engine())
     logger.info("ready: model %s, %d chunks indexed", components.model_id, components.retriever.index.num_vectors)
 
 

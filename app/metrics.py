@@ -67,6 +67,18 @@ class Metrics:
         self.load_plans = Counter(
             "ragblend_load_plans", "Loading planner choices (mode or ratio 'auto')", ["plan"], registry=self.registry
         )
+        self.batch_size = Histogram(
+            "ragblend_engine_batch_size", "Sequences in each batched decode step",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256), registry=self.registry,
+        )
+        self.inter_token = Histogram(
+            "ragblend_inter_token_seconds", "Time between a sequence's successive tokens",
+            buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5), registry=self.registry,
+        )
+        self.queue_wait = Histogram(
+            "ragblend_queue_wait_seconds", "From a request's submission to its prefill's start",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
         self.plan_error = Histogram(
             "ragblend_load_plan_error_ratio", "Actual prefill ms / predicted TTFT ms of planned answers",
             buckets=(0.25, 0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0), registry=self.registry,
@@ -75,8 +87,23 @@ class Metrics:
     def watch_store(self, get_stats: Callable[[], object], get_repairs: Callable[[], object] | None = None) -> None:
         self.registry.register(_StoreCollector(get_stats, get_repairs))
 
-    def watch_worker(self, worker: object) -> None:
-        self.registry.register(_WorkerCollector(worker))
+    def watch_engine(self, loop: object, writes: object) -> None:
+        self.registry.register(_EngineCollector(loop, writes))
+
+    # --- runtime.loop.LoopObserver ------------------------------------------------------------------
+    def observe_step(self, batch_size: int) -> None:
+        self.batch_size.observe(batch_size)
+
+    def observe_inter_token(self, seconds: float) -> None:
+        self.inter_token.observe(seconds)
+
+    def observe_done(self, event: object) -> None:
+        """A finished answer (runtime.types.DoneEvent): its TTFT, tokens and loading plan."""
+        if event.plan is not None:
+            self.observe_plan(event.plan.plan, event.plan.predicted_ttft_ms, event.plan.actual_prefill_ms)
+        self.observe_generation(event.mode.value, event.timings.ttft_ms / 1000, event.usage.reused_tokens,
+                                event.usage.recomputed_tokens, event.usage.completion_tokens)
+        self.queue_wait.observe(event.timings.queue_ms / 1000)
 
     def observe_generation(self, mode: str, ttft_s: float, reused: int, recomputed: int, completion: int) -> None:
         self.ttft.labels(mode=mode).observe(ttft_s)
@@ -93,15 +120,23 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-class _WorkerCollector(Collector):
-    def __init__(self, worker: object):
-        self._worker = worker
+class _EngineCollector(Collector):
+    """Reads the engine loop's (runtime.loop.EngineLoop) and the write queue's state at scrape time."""
+
+    def __init__(self, loop: object, writes: object):
+        self._loop, self._writes = loop, writes
 
     def collect(self) -> Iterator:
-        stats = self._worker.stats
-        jobs = CounterMetricFamily("ragblend_engine_jobs", "Engine jobs by outcome", labels=["outcome"])
+        stats = self._loop.stats
+        jobs = CounterMetricFamily("ragblend_engine_jobs", "Engine requests and jobs by outcome", labels=["outcome"])
         for outcome in ("completed", "failed", "cancelled", "rejected"):
             jobs.add_metric([outcome], float(getattr(stats, f"num_{outcome}")))
         yield jobs
-        yield GaugeMetricFamily("ragblend_engine_queue_depth", "Engine jobs waiting", value=self._worker.num_waiting)
-        yield GaugeMetricFamily("ragblend_engine_busy", "1 while the engine runs a job", value=int(self._worker.is_busy))
+        yield GaugeMetricFamily("ragblend_engine_waiting", "Requests and jobs waiting for the engine",
+                                value=self._loop.num_waiting)
+        yield GaugeMetricFamily("ragblend_engine_running", "Answers prefilling or decoding in the batch",
+                                value=self._loop.num_running)
+        yield GaugeMetricFamily("ragblend_engine_busy", "1 while the engine runs anything",
+                                value=int(self._loop.is_busy))
+        yield GaugeMetricFamily("ragblend_writes_waiting", "Ingests and deletes waiting for the write in progress",
+                                value=self._writes.num_waiting)

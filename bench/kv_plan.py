@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable, Sequence
 
-from app.rag.planning import measure_engine
+from runtime.planning import measure_engine
 from blend_engine.types import BlendConfig, PrefillMode, PrefillResult, Segment
 from kv_store import KVStore
 from kv_store.loader import StoredChunk

@@ -178,8 +178,27 @@ class ServerSettings(BaseModel):
     host: str = Field("127.0.0.1", description="Bind address of `ragblend serve`.")
     port: int = Field(8000, ge=0, le=65535, description="Port of `ragblend serve`.")
     api_key: str | None = Field(None, description="When set, every route but /healthz and /readyz needs Bearer KEY.")
-    max_queue: int = Field(16, ge=1, le=4096, description="Engine jobs waiting beyond this answer 503.")
+    max_queue: int = Field(16, ge=1, le=4096, description="Requests waiting for the engine (and, apart, writes waiting for the one in progress) beyond this answer 503.")
     retry_after_s: int = Field(2, ge=1, le=3600, description="Retry-After of a 503 when the queue is full.")
+    max_running: int = Field(
+        8, ge=1, le=256, description="Answers decoding together in one batch (1: one request at a time); beyond, "
+        "requests wait in the queue (docs/design/server.md).",
+    )
+    max_running_kv_bytes: int = Field(
+        4 << 30, ge=1 << 20, description="Bytes the running answers' KV caches may hold together; beyond, a request "
+        "waits (one always runs, whatever its size).",
+    )
+    max_prefill_tokens: int = Field(
+        4096, ge=1, description="Prompt tokens admitted per scheduler step (one prefill always is, whatever its size).",
+    )
+    prefill_chunk_tokens: int = Field(
+        512, ge=16, description="A full prefill longer than this runs one chunk per step, so running answers keep "
+        "streaming between its chunks.",
+    )
+    background_every_steps: int = Field(
+        8, ge=1, description="Background work (KV repair, backfill, an ingest's precompute) runs when nothing "
+        "waits, or at least once in this many busy steps.",
+    )
     model_id: str | None = Field(None, description="Model id shown by /v1/models (default: the engine's name).")
     allow_public_without_key: bool = Field(
         False, description="Let `ragblend serve` listen on a non-loopback host with no api_key (refused otherwise)."

@@ -12,7 +12,8 @@ import httpx
 
 from app.documents.backfill import KVBackfill
 from app.testing import LiveServer
-from app.worker import EngineWorker
+from runtime.config import SchedulerConfig
+from runtime.loop import EngineLoop
 from configs.settings import load_settings
 
 PRECOMPUTE_S = 0.05
@@ -44,7 +45,7 @@ class DictStore:
 
 def test_a_question_waits_for_one_chunk_not_the_whole_document():
     async def main():
-        worker, engine, store = EngineWorker(max_queue=8), SlowEngine(), DictStore()
+        worker, engine, store = EngineLoop(None, None, SchedulerConfig(max_queue=8)), SlowEngine(), DictStore()
         live = {f"k{i}" for i in range(40)} - {"k7"}  # k7's chunk was replaced meanwhile: skipped
         backfill = KVBackfill(engine, store, worker, lambda key: key in live, context_ids=(1,))
         chunks = [SimpleNamespace(kv_key=f"k{i}", token_ids=(i, i + 1)) for i in range(40)]

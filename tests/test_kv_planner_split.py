@@ -10,7 +10,7 @@ import torch
 
 from app.metrics import Metrics
 from app.query.protocol import PlanOut
-from app.rag.planning import planned_segments
+from runtime.planning import planned_segments
 from blend_engine.types import BlendConfig, PrefillMode, Segment
 from configs.settings import StorageDtype
 from kv_store import KVStore, StoreConfig, Tier

@@ -69,7 +69,7 @@ def test_chunk_overlap_counts_against_the_bound():
 def test_a_too_long_chat_history_is_reported_as_such():
     tokenizer = AutoTokenizer.from_pretrained(converted_gguf_dir(embedded_gguf_path(), load_settings().model.cache_dir))
     engine = SimpleNamespace(max_context=200, prompts=PromptBuilder(tokenizer, "Be brief."))
-    pipeline = RagPipeline(load_settings(), engine, retriever=None, kv_store=None, worker=None, metrics=None)
+    pipeline = RagPipeline(load_settings(), engine, retriever=None, kv_store=None, loop=None)
     history = ({"role": "user", "content": "tell me more " * 80}, {"role": "assistant", "content": "ok"})
     request = RagRequest("What is it?", PrefillMode.BLEND, SamplingParams(max_tokens=8), history=history)
     with pytest.raises(InvalidRequestError, match=r"the chat history \(2 messages, \d+ tokens\) with the question "

@@ -18,8 +18,8 @@ from app.rag.collect import IsDisconnected, collect
 from app.rag.pipeline import RagPipeline
 from app.rag.types import DoneEvent, RagContext, RagRequest, TokenEvent
 from app.sse import sse
-from app.worker import JobStream
 from configs.settings import Settings
+from runtime.jobs import JobStream
 
 
 @dataclass(frozen=True)

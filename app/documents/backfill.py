@@ -1,6 +1,6 @@
 """KV of large documents, computed between questions: a document over `ingest.max_inline_kv_chars` is
 committed at once (its text is searchable and answerable right away, recomputed per question) and its
-chunks' KV is precomputed afterwards, one chunk per low-priority worker task. A question that arrives
+chunks' KV is precomputed afterwards, one chunk per low-priority unit of the engine loop. A question that arrives
 meanwhile waits for at most one chunk's precompute, never for the whole document; `kv_cached` in
 `GET /v1/documents/{id}` fills in as it goes."""
 
@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from app.worker import EngineWorker
+from runtime.loop import EngineLoop
 from retrieval.doc_store import StoredChunk
 
 logger = logging.getLogger(__name__)
@@ -26,15 +26,15 @@ class BackfillStats:
 
 
 class KVBackfill:
-    def __init__(self, engine: Any, kv_store: Any, worker: EngineWorker, is_live: Callable[[str], bool],
+    def __init__(self, engine: Any, kv_store: Any, loop: EngineLoop, is_live: Callable[[str], bool],
                  context_ids: Sequence[int]):
         """`is_live(key)`: whether a stored chunk still points at the key (a replaced document's
         chunks are skipped). `context_ids`: the attention sink chunks are precomputed behind."""
-        self._engine, self._kv_store, self._worker, self._is_live = engine, kv_store, worker, is_live
+        self._engine, self._kv_store, self._loop, self._is_live = engine, kv_store, loop, is_live
         self._context_ids = tuple(context_ids)
         self._lock = threading.Lock()
         self._queue: deque[tuple[str, tuple[int, ...]]] = deque()  # (key, token ids), oldest first
-        self._is_scheduled = False  # one task in the worker's background queue at a time
+        self._is_scheduled = False  # one task in the loop's background queue at a time
         self._num_done = self._num_failed = 0
 
     def schedule(self, chunks: Sequence[StoredChunk]) -> None:
@@ -47,12 +47,12 @@ class KVBackfill:
             if self._is_scheduled or not self._queue:
                 return
             self._is_scheduled = True
-        if not self._worker.submit_background(self._step):  # full or closing: the next schedule retries
+        if not self._loop.submit_background(self._step):  # full or closing: the next schedule retries
             with self._lock:
                 self._is_scheduled = False
 
     def _step(self) -> None:
-        """One chunk (on the worker, when no request waits), then queue the next."""
+        """One chunk (on the engine loop, as a background unit), then queue the next."""
         with self._lock:
             key, token_ids = self._queue.popleft()
         try:

@@ -12,9 +12,13 @@ from app.documents.protocol import (
     IngestRequest, IngestResponse,
 )
 from app.documents.backfill import KVBackfill
+from app.documents.write_queue import Check, WriteQueue
 from app.documents.writes import DocumentWriter, WrittenDocument, content_id
 from app.errors import IngestInterruptedError, InvalidRequestError, NotFoundError, PayloadTooLargeError
-from app.worker import EngineWorker, Job, JobCancelled
+from blend_engine.kv import ChunkKV
+from blend_engine.threads import pin_one_thread
+from runtime.jobs import JobCancelled
+from runtime.loop import EngineLoop
 from configs.settings import ChunkingMode, Settings
 from retrieval.chunker import Chunker
 from retrieval.doc_store import StoredChunk
@@ -28,12 +32,18 @@ class DocumentService:
     retriever: Retriever
     kv_store: Any  # kv_store.KVStore
     chunker: Chunker
-    worker: EngineWorker
+    loop: EngineLoop
+    writes: WriteQueue
     backfill: KVBackfill | None = None  # KV of large documents, between questions
     writer: DocumentWriter = field(init=False)
 
     def __post_init__(self) -> None:
-        self.writer = DocumentWriter(self.settings, self.engine, self.retriever, self.kv_store, self.chunker)
+        self.writer = DocumentWriter(self.settings, self.engine, self.retriever, self.kv_store, self.chunker,
+                                     precompute=self._precompute)
+
+    def _precompute(self, token_ids: list[int], context_ids: tuple[int, ...]) -> ChunkKV:
+        """A chunk's KV, computed on the engine loop as one background unit (the write waits for it)."""
+        return self.loop.call_background(lambda: self.engine.precompute(token_ids, context_ids))
 
     def validate(self, request: IngestRequest) -> None:
         limits = self.settings.limits
@@ -53,14 +63,15 @@ class DocumentService:
     async def ingest(self, request: IngestRequest) -> IngestResponse:
         self.validate(request)
         chunking = request.chunking or self.settings.retrieval.chunking
-        return await self.worker.run(lambda job: self._ingest(job, request, chunking))
+        return await self.writes.run(lambda check: self._ingest(check, request, chunking))
 
-    def _ingest(self, job: Job, request: IngestRequest, chunking: ChunkingMode) -> IngestResponse:
+    def _ingest(self, check: Check, request: IngestRequest, chunking: ChunkingMode) -> IngestResponse:
         """Each document is committed on its own; a failure names those committed before it."""
+        pin_one_thread()  # the embedding runs torch on this side thread: one thread, no pool of its own
         written: list[WrittenDocument] = []
         try:
             for doc in request.documents:
-                job.check()
+                check()
                 try:
                     written.append(self._write(doc, chunking, request.precompute))
                 except JobCancelled:
@@ -99,7 +110,7 @@ class DocumentService:
         return [c.kv_key is not None and readable[c.kv_key] for c in chunks]
 
     async def delete(self, doc_id: str) -> DeleteResponse:
-        return await self.worker.run(lambda job: self._delete(doc_id))
+        return await self.writes.run(lambda check: self._delete(doc_id))
 
     def _delete(self, doc_id: str) -> DeleteResponse:
         chunks = self.writer.delete(doc_id)

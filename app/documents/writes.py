@@ -1,4 +1,4 @@
-"""The ordered, idempotent write path of documents (runs on the engine worker, one write at a time).
+"""The ordered, idempotent write path of documents (one write at a time: app/documents/write_queue.py).
 
 SQLite is the one source of truth. Each document is written in this order:
 1. prepare: chunk, embed, precompute the chunks' KV into the store (content-addressed entries; if
@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from app.documents.protocol import DocumentIn, DocumentStatus
 from configs.settings import ChunkingMode, Settings
@@ -39,6 +39,11 @@ class DocumentWriter:
     retriever: Retriever
     kv_store: Any  # kv_store.KVStore
     chunker: Chunker
+    # computes a chunk's KV (the engine's precompute, run on the engine loop); default: the engine's own
+    precompute: Callable[[list[int], tuple[int, ...]], Any] | None = None
+
+    def _precompute(self, token_ids: list[int], context_ids: tuple[int, ...]) -> Any:
+        return (self.precompute or self.engine.precompute)(token_ids, context_ids)
 
     def write(self, doc: DocumentIn, chunking: ChunkingMode, precompute: bool) -> WrittenDocument:
         store = self.retriever.store
@@ -75,7 +80,7 @@ class DocumentWriter:
         if precompute:  # a damaged entry reads as absent (and is deleted): computed again
             for chunk, key, is_readable in zip(chunks, keys, self.kv_store.readable_many(keys)):
                 if not is_readable:
-                    self.kv_store.put(key, self.engine.precompute(list(chunk.token_ids), context_ids))
+                    self.kv_store.put(key, self._precompute(list(chunk.token_ids), context_ids))
         return [NewChunk(c.text, c.token_ids, e, key) for c, e, key in zip(chunks, embeddings, keys)]
 
     def _fill_kv(self, chunks: Sequence[StoredChunk], context_ids: tuple[int, ...]) -> None:
@@ -83,7 +88,7 @@ class DocumentWriter:
         keyed = [c for c in chunks if c.kv_key is not None]
         for chunk, is_readable in zip(keyed, self.kv_store.readable_many([c.kv_key for c in keyed])):
             if not is_readable:
-                self.kv_store.put(chunk.kv_key, self.engine.precompute(list(chunk.token_ids), context_ids))
+                self.kv_store.put(chunk.kv_key, self._precompute(list(chunk.token_ids), context_ids))
 
     def release_kv(self, chunks: Sequence[StoredChunk]) -> None:
         """Delete the KV of chunks that are gone, unless another chunk shares the same content."""

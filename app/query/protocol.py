@@ -72,6 +72,7 @@ class UsageOut(BaseModel):
 
 class TimingsOut(BaseModel):
     retrieval_ms: float
+    queue_ms: float = Field(0.0, description="Waiting for the engine: from the request's submission to its prefill's start.")
     kv_load_ms: float
     prefill_ms: float
     ttft_ms: float

@@ -13,9 +13,9 @@ from app.rag.pipeline import RagPipeline
 from app.rag.types import DoneEvent, RagContext, RagRequest, Source, TokenEvent
 from app.sse import sse
 from app.text import is_blank
-from app.worker import JobStream
 from blend_engine.types import SamplingParams
 from configs.settings import Settings
+from runtime.jobs import JobStream
 
 
 def build_rag_request(

@@ -7,7 +7,7 @@ from typing import Awaitable, Callable
 
 from app.errors import ClientClosedError
 from app.rag.types import DoneEvent, TokenEvent
-from app.worker import JobCancelled, JobStream
+from runtime.jobs import JobCancelled, JobStream
 
 IsDisconnected = Callable[[], Awaitable[bool]]
 POLL_S = 0.25

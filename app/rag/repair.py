@@ -1,5 +1,5 @@
 """Self-healing KV: an existing chunk whose entry a question found missing or damaged is recomputed
-in the background, as a low-priority task of the engine worker (never beside the engine's own
+in the background, as a low-priority task of the engine loop (never beside the engine's own
 forward, never ahead of a request), so the next question reuses it again."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from app.worker import EngineWorker
+from runtime.loop import EngineLoop
 
 logger = logging.getLogger(__name__)
 
@@ -24,9 +24,9 @@ class RepairStats:
 
 
 class KVRepairer:
-    def __init__(self, engine: Any, kv_store: Any, worker: EngineWorker, is_live: Callable[[str], bool]):
+    def __init__(self, engine: Any, kv_store: Any, loop: EngineLoop, is_live: Callable[[str], bool]):
         """`is_live(key)`: whether a stored chunk still points at the key (checked when the task runs)."""
-        self._engine, self._kv_store, self._worker, self._is_live = engine, kv_store, worker, is_live
+        self._engine, self._kv_store, self._loop, self._is_live = engine, kv_store, loop, is_live
         self._lock = threading.Lock()
         self._pending: set[str] = set()
         self._counts = dict.fromkeys(RepairStats.__dataclass_fields__, 0)
@@ -38,7 +38,7 @@ class KVRepairer:
                 return False
             self._pending.add(key)
         task = lambda: self._repair(key, tuple(token_ids), tuple(context_ids))  # noqa: E731
-        if not self._worker.submit_background(task):
+        if not self._loop.submit_background(task):
             with self._lock:
                 self._pending.discard(key)
             self._count("num_dropped")

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
-from app.rag.planning import PlanReport
-from blend_engine.types import FinishReason, PrefillMode, SamplingParams, SelectionKind
+from blend_engine.types import SamplingParams, SelectionKind
 from configs.settings import RequestMode
-
-RecomputeRatio = float | Literal["auto", "adaptive"] | None
+from runtime.types import (  # noqa: F401 (the events are the runtime's; re-exported for app/)
+    DoneEvent, GenerationEvent, PromptChunk, RecomputeRatio, Timings, TokenEvent, Usage,
+)
 
 
 @dataclass(frozen=True)
@@ -49,40 +48,3 @@ class RagContext:
             return []
         return [f"dropped {len(self.dropped_chunk_ids)} lowest-ranked chunk(s) to fit the model's context: "
                 + ", ".join(self.dropped_chunk_ids)]
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    reused_tokens: int = 0
-    recomputed_tokens: int = 0
-    completion_tokens: int = 0
-
-
-@dataclass
-class Timings:
-    retrieval_ms: float = 0.0
-    kv_load_ms: float = 0.0
-    prefill_ms: float = 0.0
-    ttft_ms: float = 0.0
-    total_ms: float = 0.0
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    text: str
-
-
-@dataclass(frozen=True)
-class DoneEvent:
-    usage: Usage
-    timings: Timings
-    finish_reason: FinishReason
-    mode: PrefillMode
-    recompute_ratio: float | None = None
-    is_guarded: bool = False  # the quality guard raised the ratio
-    kv_tiers: dict[str, int] = field(default_factory=dict)
-    plan: PlanReport | None = None  # the loading planner's choice (mode 'auto' or ratio 'auto')
-
-
-GenerationEvent = TokenEvent | DoneEvent

@@ -75,10 +75,10 @@ class UploadService:
     async def _metadata(self, doc: ExtractedDocument, chunking: ChunkingMode) -> dict:
         if doc.file_format is not FileFormat.PDF:
             return doc.metadata
-        # The chunker runs on the engine worker (it shares the model's tokenizer) and cuts exactly as
-        # ingestion will, so chunk_pages[i] is the page where chunk i starts.
+        # The chunker cuts exactly as ingestion will, so chunk_pages[i] is the page where chunk i starts
+        # (tokenizing only: off the event loop, not on the engine loop).
         chunker = self.documents.chunker
-        pages = await self.documents.worker.run(lambda job: chunk_pages(chunker, doc.text, chunking, doc.page_starts))
+        pages = await anyio.to_thread.run_sync(chunk_pages, chunker, doc.text, chunking, doc.page_starts)
         return {**doc.metadata, "chunk_pages": pages}
 
 

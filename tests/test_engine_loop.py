@@ -1,4 +1,6 @@
-"""The engine worker: one job at a time, a bounded queue (503), cancellation between steps."""
+"""The engine loop's jobs: one exclusive job at a time, a bounded queue (503), cancellation between
+steps, background units only when nothing waits, a clean close. (Generations in the batch:
+tests/test_scheduler.py and tests/test_server_batching.py.)"""
 
 from __future__ import annotations
 
@@ -8,8 +10,15 @@ import time
 
 import pytest
 
-from app.errors import QueueFullError
-from app.worker import EngineWorker, JobCancelled
+from runtime.config import SchedulerConfig
+from runtime.jobs import JobCancelled, QueueFull
+from runtime.loop import EngineLoop
+
+
+def EngineWorker(max_queue: int, retry_after_s: int = 2, max_background: int = 64) -> EngineLoop:
+    """A loop that runs jobs only (no engine): what the old one-job-at-a-time worker was."""
+    return EngineLoop(None, None, SchedulerConfig(max_queue=max_queue, retry_after_s=retry_after_s,
+                                                  max_background=max_background))
 
 
 def test_jobs_run_one_at_a_time_and_failures_reach_the_caller():
@@ -26,7 +35,7 @@ def test_jobs_run_one_at_a_time_and_failures_reach_the_caller():
 
         try:
             names = await asyncio.gather(*(worker.run(job) for _ in range(5)))
-            assert set(names) == {"engine-worker"} and peak[0] == 1
+            assert set(names) == {"engine-loop"} and peak[0] == 1
 
             def boom(_):
                 raise ValueError("bad job")
@@ -48,9 +57,9 @@ def test_a_full_queue_is_rejected_with_retry_after():
             running = worker.submit(lambda job: release.wait(5))
             await asyncio.sleep(0.1)  # the first job is running; the queue is empty
             waiting = worker.submit(lambda job: "second")
-            with pytest.raises(QueueFullError) as error:
+            with pytest.raises(QueueFull) as error:
                 worker.submit(lambda job: "third")
-            assert error.value.headers() == {"Retry-After": "7"} and error.value.status_code == 503
+            assert error.value.retry_after_s == 7
             release.set()
             assert await running.future is True and await waiting.future == "second"
         finally:
@@ -139,7 +148,7 @@ def test_close_stops_the_running_job_and_waits_for_it():
     asyncio.run(main())
 
 
-def test_components_close_the_stores_only_after_the_worker_stopped():
+def test_components_close_the_stores_only_after_the_loop_and_the_writes_stopped():
     from app.components import Components
 
     closed = []
@@ -152,10 +161,15 @@ def test_components_close_the_stores_only_after_the_worker_stopped():
             closed.append(self.name)
             return self.stops
 
-    for stops, expected in ((True, ["worker", "kv_store", "retriever"]), (False, ["worker"])):
+    class Writes(Part):
+        def close(self, timeout_s):
+            return super().close()
+
+    for stops, expected in ((True, ["loop", "writes", "kv_store", "retriever"]), (False, ["loop", "writes"])):
         closed.clear()
         components = object.__new__(Components)
-        components.worker, components.kv_store = Part("worker", stops), Part("kv_store")
+        components.loop, components.kv_store = Part("loop", stops), Part("kv_store")
+        components.documents = type("Docs", (), {"writes": Writes("writes")})()
         components.retriever = Part("retriever")
         components.close()
         assert closed == expected

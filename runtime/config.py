@@ -1,0 +1,25 @@
+"""The scheduler's configuration (owned here; `configs.settings.ServerSettings` feeds it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_queue: int = 16  # requests and jobs waiting; beyond: QueueFull (503 + Retry-After)
+    retry_after_s: int = 2
+    max_running: int = 8  # sequences decoding together (1: one request at a time, the old worker)
+    max_running_kv_bytes: int = 4 << 30  # their caches' bytes; beyond, a request waits (one always runs)
+    max_prefill_tokens: int = 4096  # prompt tokens admitted per step (at least one prefill always is)
+    prefill_chunk_tokens: int = 512  # a full prefill longer than this runs one chunk per step
+    background_every_steps: int = 8  # a background unit runs at least once in this many busy steps
+    max_background: int = 64  # background units waiting; beyond, submit_background says no
+
+    def __post_init__(self) -> None:
+        for name in ("max_queue", "max_running", "max_prefill_tokens", "prefill_chunk_tokens",
+                     "background_every_steps", "max_background", "retry_after_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_running_kv_bytes < 1:
+            raise ValueError(f"max_running_kv_bytes must be >= 1, got {self.max_running_kv_bytes}")

@@ -1,0 +1,173 @@
+"""The per-request executor: a request's prompt -> segments with their stored KV -> the loading
+planner's choice -> the engine's prefill. Runs on the engine loop's thread only (it calls the model).
+
+A full prefill longer than `prefill_chunk_tokens` is cut into chunks, one per scheduler step
+(`prefill_steps` yields between them), so the sequences already decoding keep streaming: each chunk
+runs over the cache the earlier chunks filled (`BlendEngine.forward_tokens`), which computes what one
+full prefill computes."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Iterator, Protocol, Sequence
+
+from blend_engine.engine import BlendEngine
+from blend_engine.types import BlendConfig, PrefillMode, PrefillResult, PrefillStats, Segment
+from configs.settings import BlendSettings, RequestMode
+from kv_store import KVStore
+from kv_store.loader import StoredChunk
+from kv_store.planner import LoadPlan, PlanKind, PlanRequest
+from runtime.planning import PlanReport, compute_seconds, measure_engine, planned_segments, shape_of
+from runtime.types import PrefillRequest, PromptChunk
+
+logger = logging.getLogger(__name__)
+
+
+class Repairer(Protocol):
+    def schedule(self, key: str, token_ids: Sequence[int], context_ids: Sequence[int]) -> bool: ...
+
+
+@dataclass
+class PrefillOutcome:
+    result: PrefillResult
+    handles: list[StoredChunk]  # the store handles its KV was streamed from (promoted after the answer)
+    plan: PlanReport | None  # the loading planner's plan, where it chose
+
+
+@dataclass
+class PrefillExecutor:
+    engine: BlendEngine
+    kv_store: KVStore
+    blend: BlendSettings
+    profile_tokens: Sequence[int]  # the start-up measurement's prompt sizes (store.planner_profile_tokens)
+    prefill_chunk_tokens: int = 512
+    repairer: Repairer | None = None  # recomputes, in the background, the entries found missing
+
+    def prefill_steps(self, request: PrefillRequest) -> Iterator[PrefillOutcome | None]:
+        """The prefill, in one step or (a long full prefill) several: None after each chunk but the
+        last, then the outcome."""
+        is_full = request.mode is RequestMode.FULL
+        segments = self._segments(request, with_kv=not is_full)
+        handles = [s.kv for s in segments if isinstance(s.kv, StoredChunk)]
+        mode, plan = self._plan(request, segments, handles)
+        num_tokens = sum(len(s.token_ids) for s in segments)
+        if mode is PrefillMode.FULL and plan is None and num_tokens > self.prefill_chunk_tokens:
+            yield from self._chunked_full(segments, request.sampling.max_tokens)
+            return
+        yield self._prefill(request, segments, handles, mode, plan)
+
+    def num_prompt_tokens(self, request: PrefillRequest) -> int:
+        """The prompt's length, without model work (any thread)."""
+        return sum(len(s.token_ids) for s in self._segments(request, with_kv=False))
+
+    def _segments(self, request: PrefillRequest, with_kv: bool) -> list[Segment]:
+        """The prompt's segments. Without KV (for counting, off the loop) no model work is done: the
+        engine's own build_segments may compute a prompt prefix's KV, so only the loop calls it."""
+        chunks = [Segment(c.token_ids, self._handle(c) if with_kv else None) for c in request.chunks]
+        if not with_kv:
+            return self.engine.prompts.segments(request.question, chunks, list(request.history))
+        return self.engine.build_segments(request.question, chunks, list(request.history))
+
+    def _handle(self, chunk: PromptChunk) -> StoredChunk | None:
+        if chunk.kv_key is None:
+            return None
+        handle = self.kv_store.handle(chunk.kv_key)  # a damaged entry is deleted here: a miss
+        if handle is None and self.repairer is not None:  # this question recomputes it; later ones reuse it
+            self.repairer.schedule(chunk.kv_key, chunk.token_ids, self.engine.sink_ids(self.blend.sink))
+        return handle
+
+    def _prefill(self, request: PrefillRequest, segments: list[Segment], handles: list[StoredChunk],
+                 mode: PrefillMode, plan: LoadPlan | None) -> PrefillOutcome:
+        if plan is not None:
+            segments = planned_segments(segments, plan)
+        used = [s.kv for s in segments if isinstance(s.kv, StoredChunk)]
+        source = self._layer_source(used, mode) if used else None
+        try:
+            result = self.engine.prefill(
+                segments, mode=mode, blend=self._blend_config(request, plan), kv_source=source,
+                max_new_tokens=request.sampling.max_tokens,
+            )
+        finally:
+            if source is not None:
+                source.close()
+        self.kv_store.planner.observe(shape_of(result.stats, self.engine.num_layers, self._first_check_layer),
+                                      compute_seconds(result.stats))
+        if plan is None:
+            return PrefillOutcome(result, handles, None)
+        load_s = source.stats.load_seconds if source is not None else 0.0
+        report = PlanReport.of(plan, len(handles) - len(used), load_s, result.stats)
+        logger.info("load plan %s", report)
+        # chunks computed fresh from slow tiers are promoted after the answer, like streamed ones
+        return PrefillOutcome(result, handles, report)
+
+    def _chunked_full(self, segments: list[Segment], max_new_tokens: int) -> Iterator[PrefillOutcome | None]:
+        """A full prefill, `prefill_chunk_tokens` per step: the first chunk prefilled, each next one fed
+        after the cache's end (causal over everything before it: what one full prefill computes)."""
+        token_ids = [t for s in segments for t in s.token_ids]
+        chunk, num_tokens = self.prefill_chunk_tokens, len(token_ids)
+        t_start, elapsed_s = time.perf_counter(), 0.0
+        first = self.engine.prefill([Segment(tuple(token_ids[:chunk]))], mode=PrefillMode.FULL,
+                                    max_new_tokens=num_tokens - chunk + max_new_tokens)
+        logits = first.logits
+        for start in range(chunk, num_tokens, chunk):
+            elapsed_s += time.perf_counter() - t_start
+            yield None  # the running sequences decode a step before the next chunk
+            t_start = time.perf_counter()
+            logits = self.engine.forward_tokens(first, token_ids[start:start + chunk])[-1]  # [vocab]
+        elapsed_s += time.perf_counter() - t_start
+        stats = PrefillStats(PrefillMode.FULL, num_prompt_tokens=num_tokens, num_recomputed_tokens=num_tokens,
+                             compute_ms=elapsed_s * 1000, prefill_ms=elapsed_s * 1000)
+        yield PrefillOutcome(PrefillResult(token_ids, first.cache, logits, stats), [], None)
+
+    @property
+    def _first_check_layer(self) -> int:
+        """Blend's first check layer (a request may change the selection or ratio, never the checks)."""
+        return self.blend.check_layers[0]
+
+    def _plan(self, request: PrefillRequest, segments: list[Segment], handles: list) -> tuple[PrefillMode, LoadPlan | None]:
+        """The prefill mode to run, and the loading planner's plan where the request leaves it the choice."""
+        is_auto = request.mode is RequestMode.AUTO
+        if not handles or not (is_auto or request.recompute_ratio == "auto"):
+            return (PrefillMode.BLEND if is_auto else PrefillMode(request.mode.value)), None
+        if is_auto or request.mode is RequestMode.BLEND:
+            self._ensure_planner()
+            plan_request = PlanRequest(
+                chunks=handles, num_prompt_tokens=sum(len(s.token_ids) for s in segments),
+                num_fresh_tokens=sum(len(s.token_ids) for s in segments if not isinstance(s.kv, StoredChunk)),
+                first_reused_layer=self._first_check_layer,
+                num_layers=self.engine.num_layers,
+                is_pipelined=self.kv_store.config.is_pipelined,
+            )
+            plan = self.kv_store.plan(plan_request, is_blend_only=not is_auto)
+            return (PrefillMode.FULL if plan.kind is PlanKind.FULL else PrefillMode.BLEND), plan
+        return PrefillMode(request.mode.value), None  # 'auto' ratio outside blend: nothing to choose
+
+    def _layer_source(self, handles: list[StoredChunk], mode: PrefillMode):
+        start_layer = self._first_check_layer if mode is PrefillMode.BLEND else 0
+        return self.kv_store.layer_source(
+            handles, self.engine.device, self.engine.dtype, start_layer=start_layer, recompute=self.engine.precompute,
+        )
+
+    def _blend_config(self, request: PrefillRequest, plan: LoadPlan | None) -> BlendConfig:
+        config = BlendConfig.from_settings(self.blend)
+        if request.selection is not None:
+            config = replace(config, selection=request.selection)
+        config = config.fitted(self.engine.num_layers)  # e.g. a deviation selection checks at layer 1 at least
+        ratio = request.recompute_ratio
+        if ratio == "adaptive":
+            return replace(config, adaptive_mass=self.blend.adaptive_mass)
+        if ratio in (None, "auto"):  # the configured ratio, or the planner's (what the loads hide)
+            return config if plan is None or plan.ratio is None else replace(config, recompute_ratio=plan.ratio)
+        return replace(config, recompute_ratio=float(ratio))
+
+    def measure_engine(self) -> None:
+        """Fit the planner's cost model on timed prefills; run on the loop at start-up."""
+        blend = BlendConfig.from_settings(self.blend).fitted(self.engine.num_layers)
+        for shape, seconds in measure_engine(self.engine, self.profile_tokens, blend):
+            self.kv_store.planner.observe(shape, seconds)
+
+    def _ensure_planner(self) -> None:
+        if not self.kv_store.planner.is_ready:  # the start-up job did not run (e.g. it failed): measure now
+            self.measure_engine()

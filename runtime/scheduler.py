@@ -1,0 +1,118 @@
+"""What the engine runs next: the one place that decides (nano-vllm's `Scheduler`, vLLM's in spirit).
+
+Each step, in this order:
+1. a chunked prefill in progress runs its next chunk (nothing else is admitted meanwhile);
+   otherwise, from the head of the queue (FIFO): an exclusive job (a delete, the start-up measurement)
+   runs alone, or requests are admitted while the running sequences and their KV bytes stay under
+   their bounds and the step's prompt tokens under the prefill budget (one request is always admitted
+   when none runs, whatever its size, so nothing waits for good);
+2. one batched decode step for every running sequence (those admitted this step included);
+3. one background unit (KV repair, backfill, an ingest's precompute) when nothing waits, or anyway
+   once in `background_every_steps` busy steps, so it is never starved while an answer waits for at
+   most one unit.
+A new request therefore waits for the prefills ahead of it and at most one step, never for another
+request's whole answer. No threads and no model here: `EngineLoop` runs what `schedule()` returns.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Generic, Protocol, TypeVar
+
+from runtime.config import SchedulerConfig
+from runtime.jobs import Job
+
+
+class Schedulable(Protocol):
+    """A request as the scheduler sees it."""
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes its caches hold now (running) or are expected to hold (waiting)."""
+        ...
+
+
+G = TypeVar("G", bound=Schedulable)
+BackgroundTask = Callable[[], None]
+
+
+@dataclass
+class Step(Generic[G]):
+    """What one step runs."""
+
+    continued_prefill: G | None = None  # a chunked prefill's next chunk
+    admitted: list[G] = field(default_factory=list)  # prefills to run (then they decode)
+    job: Job | None = None  # an exclusive job, alone in its step
+    decode: list[G] = field(default_factory=list)  # the running sequences' batched decode step
+    background: BackgroundTask | None = None
+
+    @property
+    def is_idle(self) -> bool:
+        return (self.continued_prefill is None and not self.admitted and self.job is None and not self.decode
+                and self.background is None)
+
+
+class Scheduler(Generic[G]):
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.waiting: deque[G | Job] = deque()
+        self.running: list[G] = []  # decoding
+        self.prefilling: G | None = None  # a chunked prefill in progress
+        self.background: deque[BackgroundTask] = deque()
+        self._num_steps_without_background = 0
+
+    # --- queues (the loop holds its lock around these) --------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running) + (self.prefilling is not None)
+
+    @property
+    def running_kv_bytes(self) -> int:
+        return sum(g.kv_bytes for g in self.running) + (self.prefilling.kv_bytes if self.prefilling else 0)
+
+    def can_queue(self) -> bool:
+        return len(self.waiting) < self.config.max_queue
+
+    def can_queue_background(self) -> bool:
+        return len(self.background) < self.config.max_background
+
+    # --- the decision -----------------------------------------------------------------------------
+    def schedule(self) -> Step[G]:
+        step: Step[G] = Step()
+        if self.prefilling is not None:
+            step.continued_prefill = self.prefilling
+        else:
+            self._admit(step)
+        step.decode = [*self.running, *step.admitted]
+        is_busy = bool(self.waiting) or step.job is not None or bool(step.admitted) or step.continued_prefill
+        if self.background and (not is_busy or self._num_steps_without_background + 1 >= self.config.background_every_steps):
+            step.background = self.background.popleft()
+        self._num_steps_without_background = 0 if step.background or not self.background else (
+            self._num_steps_without_background + 1)
+        return step
+
+    def _admit(self, step: Step[G]) -> None:
+        config, num_tokens = self.config, 0
+        num_running, kv_bytes = len(self.running), self.running_kv_bytes
+        while self.waiting:
+            head = self.waiting[0]
+            if isinstance(head, Job):
+                if not step.admitted:  # a job runs alone; one admitted before it runs next step
+                    step.job = self.waiting.popleft()
+                return
+            if num_running >= config.max_running:
+                return
+            is_first = num_running == 0 and not step.admitted
+            if not is_first and (kv_bytes + head.kv_bytes > config.max_running_kv_bytes
+                                 or (step.admitted and num_tokens + head.num_prompt_tokens > config.max_prefill_tokens)):
+                return
+            step.admitted.append(self.waiting.popleft())
+            num_running, num_tokens, kv_bytes = num_running + 1, num_tokens + head.num_prompt_tokens, kv_bytes + head.kv_bytes

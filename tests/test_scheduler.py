@@ -1,0 +1,119 @@
+"""The scheduler's decisions, without threads or a model: admission under the running, KV-byte and
+prefill-token bounds; a job alone in its step; a chunked prefill continued before anything is
+admitted; background work when nothing waits and, while busy, at least once in N steps."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+
+from runtime.config import SchedulerConfig
+from runtime.jobs import Job
+from runtime.scheduler import Scheduler
+
+
+@dataclass(eq=False)
+class Req:
+    num_prompt_tokens: int = 100
+    kv_bytes: int = 10
+
+
+def job() -> Job:
+    loop = asyncio.new_event_loop()
+    try:
+        return Job(lambda j: None, loop, loop.create_future())
+    finally:
+        loop.close()
+
+
+def scheduler(**config) -> Scheduler:
+    return Scheduler(SchedulerConfig(**config))
+
+
+def test_waiting_requests_are_admitted_together_and_decode_with_the_running_ones():
+    s = scheduler(max_running=8)
+    running = Req()
+    s.running.append(running)
+    waiting = [Req() for _ in range(3)]
+    s.waiting.extend(waiting)
+    step = s.schedule()
+    assert step.admitted == waiting and step.decode == [running, *waiting] and not s.waiting
+
+
+def test_admission_stops_at_max_running_and_resumes_when_a_sequence_ends():
+    s = scheduler(max_running=2)
+    a, b, c = Req(), Req(), Req()
+    s.waiting.extend([a, b, c])
+    step = s.schedule()
+    assert step.admitted == [a, b] and list(s.waiting) == [c]
+    s.running.extend(step.admitted)
+    assert s.schedule().admitted == []  # full: c waits, a and b decode
+    s.running.remove(a)  # a finished
+    assert s.schedule().admitted == [c]
+
+
+def test_kv_bytes_bound_admission_but_one_request_always_runs():
+    s = scheduler(max_running=8, max_running_kv_bytes=100)
+    big, small = Req(kv_bytes=500), Req(kv_bytes=60)
+    s.waiting.extend([big, small])
+    step = s.schedule()
+    assert step.admitted == [big]  # alone it runs, however large
+    s.running.append(big)
+    assert s.schedule().admitted == []  # small would pass the bound beside it
+    s.running.remove(big)
+    assert s.schedule().admitted == [small]
+
+
+def test_prefill_token_budget_per_step_and_at_least_one_prefill():
+    s = scheduler(max_running=8, max_prefill_tokens=250)
+    reqs = [Req(num_prompt_tokens=100) for _ in range(3)] + [Req(num_prompt_tokens=1000)]
+    s.waiting.extend(reqs)
+    assert s.schedule().admitted == reqs[:2]
+    assert s.schedule().admitted == [reqs[2]]  # 100 + 1000 > 250: the long one goes next step
+    assert s.schedule().admitted == [reqs[3]]  # alone, over the budget: admitted all the same
+
+
+def test_a_job_runs_alone_in_its_step_in_queue_order():
+    s = scheduler()
+    a, j, b = Req(), job(), Req()
+    s.waiting.extend([a, j, b])
+    step = s.schedule()
+    assert step.admitted == [a] and step.job is None  # the job waits for the next step
+    s.running.append(a)
+    step = s.schedule()
+    assert step.job is j and step.admitted == [] and step.decode == [a]
+    assert s.schedule().admitted == [b]
+
+
+def test_a_chunked_prefill_goes_on_before_anything_is_admitted():
+    s = scheduler()
+    long, nxt, running = Req(num_prompt_tokens=5000), Req(), Req()
+    s.prefilling, s.running = long, [running]
+    s.waiting.append(nxt)
+    step = s.schedule()
+    assert step.continued_prefill is long and step.admitted == [] and step.decode == [running]
+    s.prefilling = None
+    assert s.schedule().admitted == [nxt]
+    assert s.num_running == 1
+
+
+def test_background_runs_when_idle_and_is_not_starved_while_busy():
+    s = scheduler(background_every_steps=3)
+    units = [lambda: None for _ in range(3)]
+    s.background.extend(units)
+    assert s.schedule().background is units[0]  # nothing else to do
+    s.running.append(Req())  # decoding, nothing waiting: not busy
+    assert s.schedule().background is units[1]
+    for _ in range(2):  # busy: a request admitted each step
+        s.waiting.append(Req())
+        assert s.schedule().background is None
+    s.waiting.append(Req())
+    assert s.schedule().background is units[2]  # the third busy step runs one anyway
+
+
+@pytest.mark.parametrize("name", ["max_running", "max_queue", "max_prefill_tokens", "prefill_chunk_tokens"])
+def test_config_refuses_zero(name):
+    with pytest.raises(ValueError, match=name):
+        SchedulerConfig(**{name: 0})
