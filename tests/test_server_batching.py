@@ -1,0 +1,204 @@
+"""Continuous batching on a live server (tiny random model, real HTTP for ingestion, the server's own
+pipeline and engine loop for the answers): answers in a batch equal the same requests alone; a new
+request does not wait for a running answer; a client that leaves is dropped from the batch; a long
+full prefill cut into chunks answers like one prefill; an upload's precompute interleaves with a
+running answer instead of holding it."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+from dataclasses import replace
+
+import httpx
+import pytest
+import torch
+
+from app.rag.types import DoneEvent, RagRequest, TokenEvent
+from app.testing import LiveServer
+from blend_engine.types import FinishReason, SamplingParams
+from configs.settings import RequestMode, load_settings
+from runtime.jobs import JobCancelled
+from runtime.types import PrefillRequest
+
+TOPICS = ["owls", "rivers", "copper", "violins", "glaciers", "tea", "bridges", "comets"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    settings = load_settings(
+        data_dir=tmp_path_factory.mktemp("batching"), model={"name": "random:tiny-llama", "device": "cpu"},
+        retrieval={"chunk_tokens": 24, "chunk_overlap": 0},
+        server={"max_running": 8, "prefill_chunk_tokens": 64},
+    )
+    docs = [{"id": t, "text": " ".join(f"Fact {i} about {t}: the {t} number {i} is remarkable." for i in range(6))}
+            for t in TOPICS]
+    with LiveServer(settings) as live, httpx.Client(base_url=live.url, timeout=120) as http:
+        assert http.post("/v1/documents", json={"documents": docs}).status_code == 200
+        yield live
+
+
+def rag_request(question: str, mode: RequestMode, max_tokens: int, top_k: int = 3, **sampling) -> RagRequest:
+    return RagRequest(question=question, mode=mode, sampling=SamplingParams(max_tokens=max_tokens, **sampling),
+                      top_k=top_k)
+
+
+async def answer(pipeline, request: RagRequest, on_token=None) -> tuple[str, DoneEvent]:
+    context = await pipeline.retrieve(request)
+    stream = pipeline.start(request, context, time.perf_counter())
+    pieces, done = [], None
+    async for event in stream:
+        if isinstance(event, TokenEvent):
+            pieces.append(event.text)
+            if on_token is not None:
+                on_token(len(pieces))
+        else:
+            done = event
+    return "".join(pieces), done
+
+
+def batch_sizes(server) -> dict[str, float]:
+    text = httpx.get(f"{server.url}/metrics").text
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r'ragblend_engine_batch_size_bucket\{le="([^"]+)"\} (\S+)', text)}
+
+
+MIXED = [
+    ("Tell me about owls.", RequestMode.BLEND, 20, {}),
+    ("What about rivers and copper?", RequestMode.FULL, 12, {}),
+    ("Glaciers?", RequestMode.REUSE, 16, {}),
+    ("Comets and tea, please.", RequestMode.BLEND, 8, {"temperature": 0.8, "seed": 7}),
+    ("Violins or bridges?", RequestMode.PREFIX, 14, {}),
+]
+
+
+def test_answers_in_a_batch_equal_the_same_requests_alone(server):
+    pipeline = server.components.pipeline
+    requests = [rag_request(q, mode, n, **sampling) for q, mode, n, sampling in MIXED]
+
+    async def alone():
+        return [await answer(pipeline, r) for r in requests]
+
+    async def together():
+        return await asyncio.gather(*(answer(pipeline, r) for r in requests))
+
+    before = batch_sizes(server)
+    solo, batched = asyncio.run(alone()), asyncio.run(together())
+    after = batch_sizes(server)
+    for (text_a, done_a), (text_b, done_b) in zip(solo, batched):
+        assert text_a == text_b and done_a.usage == done_b.usage and done_a.finish_reason == done_b.finish_reason
+    num_steps = after["+Inf"] - before["+Inf"]
+    num_single = after["1.0"] - before["1.0"]
+    assert num_steps - num_single > 0, "no decode step ran more than one sequence"
+
+
+def test_a_new_request_does_not_wait_for_a_running_answer(server):
+    pipeline = server.components.pipeline
+    order = []
+
+    async def main():
+        first_token = asyncio.Event()
+        long = asyncio.create_task(answer(pipeline, rag_request("Owls and rivers.", RequestMode.BLEND, 300),
+                                          on_token=lambda n: first_token.set()))
+        await first_token.wait()
+        short_text, short_done = await answer(pipeline, rag_request("Tea?", RequestMode.BLEND, 3))
+        order.append(("short", long.done()))
+        long_text, long_done = await long
+        return short_done, long_done
+
+    short_done, long_done = asyncio.run(main())
+    assert long_done.finish_reason is FinishReason.LENGTH  # it really ran 300 tokens
+    assert order == [("short", False)]  # the short answer ended while the long one was running
+    assert short_done.timings.queue_ms < long_done.timings.total_ms / 4
+
+
+def test_a_client_that_leaves_is_dropped_from_the_batch(server):
+    loop = server.components.loop
+    pipeline = server.components.pipeline
+
+    async def main():
+        request = rag_request("Copper and comets.", RequestMode.BLEND, 400)
+        context = await pipeline.retrieve(request)
+        stream = pipeline.start(request, context, time.perf_counter())
+        other = asyncio.create_task(answer(pipeline, rag_request("Bridges.", RequestMode.BLEND, 40)))
+        async for event in stream:
+            break  # the client goes away after its first piece
+        stream.cancel()
+        with pytest.raises(JobCancelled):
+            await stream.job.future
+        return await other
+
+    cancelled_before = loop.stats.num_cancelled
+    text, done = asyncio.run(main())
+    assert done.usage.completion_tokens > 0
+    assert loop.stats.num_cancelled == cancelled_before + 1
+    deadline = time.monotonic() + 5
+    while loop.num_running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert loop.num_running == 0
+
+
+def test_a_long_full_prefill_in_chunks_answers_like_one_prefill(server):
+    components = server.components
+    chunks = [c for c in components.retriever.store.get_document("owls").chunks]
+    chunks += components.retriever.store.get_document("rivers").chunks
+    from runtime.types import PromptChunk
+    request = PrefillRequest("Owls?", tuple(PromptChunk(tuple(c.token_ids), c.kv_key) for c in chunks),
+                             RequestMode.FULL, SamplingParams(max_tokens=4))
+
+    def run(executor):
+        steps = list(executor.prefill_steps(request))
+        return len(steps), steps[-1].result
+
+    # run on the engine loop, as the server does (nothing else uses the engine meanwhile)
+    async def on_loop(fn):
+        return await components.loop.run(lambda job: fn())
+
+    chunked = replace(components.executor, prefill_chunk_tokens=16)
+    whole = replace(components.executor, prefill_chunk_tokens=100_000)
+    num_chunked, a = asyncio.run(on_loop(lambda: run(chunked)))
+    num_whole, b = asyncio.run(on_loop(lambda: run(whole)))
+    n = len(b.token_ids)
+    assert num_whole == 1 and num_chunked == -(-n // 16) and a.token_ids == b.token_ids
+    torch.testing.assert_close(a.logits, b.logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(a.cache.keys[:, :, :n], b.cache.keys[:, :, :n], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(a.cache.values[:, :, :n], b.cache.values[:, :, :n], rtol=1e-4, atol=1e-4)
+
+
+def test_an_upload_interleaves_with_a_running_answer(server):
+    pipeline = server.components.pipeline
+    ingest_window = {}
+
+    def ingest():
+        docs = [{"id": f"bulk-{i}", "text": " ".join(f"Bulk note {i}.{j} on lanterns and maps." for j in range(40))}
+                for i in range(4)]
+        ingest_window["start"] = time.perf_counter()
+        response = httpx.post(f"{server.url}/v1/documents", json={"documents": docs}, timeout=120)
+        ingest_window["end"] = time.perf_counter()
+        ingest_window["status"] = response.status_code
+
+    token_times = []
+
+    async def main():
+        started = asyncio.Event()
+
+        def on_token(n):
+            token_times.append(time.perf_counter())
+            started.set()
+
+        task = asyncio.create_task(answer(pipeline, rag_request("Tea and owls.", RequestMode.BLEND, 600),
+                                          on_token=on_token))
+        await started.wait()
+        thread = threading.Thread(target=ingest)
+        thread.start()
+        result = await task
+        await asyncio.to_thread(thread.join)
+        return result
+
+    text, done = asyncio.run(main())
+    assert ingest_window["status"] == 200
+    during = [t for t in token_times if ingest_window["start"] < t < ingest_window["end"]]
+    assert during, "no token streamed while the upload was being ingested"
+    assert done.finish_reason is FinishReason.LENGTH or token_times[-1] > ingest_window["start"]
