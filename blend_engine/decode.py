@@ -78,11 +78,26 @@ class Decoder:
         with governed(self.threads):  # re-chosen as the load changes, at most every min_interval_s
             return self._step(token_id)
 
-    @torch.inference_mode()
-    def _step(self, token_id: int) -> torch.Tensor:
+    def reserve(self) -> int:
+        """Reserve the next slot of the cache (growing it, and the RoPE tables, when full); its position."""
         pos = self.cache.extend(1)
         if self._rope.cos.shape[0] < self.cache.capacity:  # the cache grew: longer table (and graph)
             self._rope, self._signed_sin = self._tables()
+        return pos
+
+    def rope_rows(self, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin [1, D] at `pos` (what `LayerCalls.qkv` rotates by)."""
+        return self._rope.cos[pos : pos + 1], self._signed_sin[pos : pos + 1]
+
+    def attend_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int) -> torch.Tensor:
+        """The token at `pos` (reserved): write its k, v [H_kv, 1, D] into the layer's slots and attend
+        q [H, 1, D] over keys 0..pos with the cache's column bias -> [1, H*D]."""
+        kv = self.cache.slots(layer).write(slice(pos, pos + 1), k, v, pos + 1)
+        return self._attend(q, kv, self.runner.scaling, self.cache.bias_at(layer, pos + 1))
+
+    @torch.inference_mode()
+    def _step(self, token_id: int) -> torch.Tensor:
+        pos = self.reserve()
         if not self.is_graphed:
             return self._eager(token_id, pos)
         if self._graph is None or self._graph_keys_ptr != self.cache.keys.data_ptr():

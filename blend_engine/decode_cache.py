@@ -97,6 +97,9 @@ class Int8KVCache(SlotCache):
             out.slots(layer).write(slice(0, cache.length), *cache.layer(layer), cache.length)
         return out
 
+    def _buffers(self) -> tuple[torch.Tensor, ...]:
+        return self.keys, self.key_scales, self.values_t, self.value_scales
+
     def update(self, layer: int, index: slice, k: torch.Tensor, v: torch.Tensor) -> Int8Layer:
         """Write k, v [H_kv, n, D] (k after RoPE) at slots `index`; returns this layer's cache."""
         return self.slots(layer).write(index, k, v, self.length)

@@ -1,4 +1,4 @@
-"""BlendEngine: the engine's public face (precompute, prefill in four modes, generate)."""
+"""BlendEngine: the engine's public face (precompute, prefill in four modes, generate, batched decode steps)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,16 @@ from typing import Callable, Iterator, Sequence, TypeVar
 import torch
 
 from blend_engine.attention import AttentionBackend, attend, causal_meta, last_meta, subset_meta
+from blend_engine.batch_decode import batch_step
 from blend_engine.decode import Decoder
 from blend_engine.decode_cache import resolve_decode_cache
-from blend_engine.generate import decode_loop
 from blend_engine.kv import ChunkKV, LayerKVSource, MemoryKVSource, MergedKVSource
 from blend_engine.loader import LoadedModel, load_model
 from blend_engine.plan import plan_prefill
 from blend_engine.prefill import run_prefill
 from blend_engine.prompt import PromptBuilder, encode_text
 from blend_engine.runner import ModelRunner, apply_rope
+from blend_engine.sequence import DecodeSequence, TokenSampler
 from blend_engine.threads import ThreadGovernor, governed
 from blend_engine.types import BlendConfig, Delta, PrefillMode, PrefillResult, SamplingParams, Segment
 from blend_engine.weights import weight_format
@@ -236,22 +237,51 @@ class BlendEngine:
         rest = self.forward_tokens(result, target_ids[:-1])
         return torch.cat([result.logits[None, :], rest], dim=0)
 
-    def generate(self, result: PrefillResult, sampling: SamplingParams = SamplingParams()) -> Iterator[Delta]:
-        """Decode from the prompt's end (the cache is rewound there first): text pieces as they form."""
+    # --- decoding: one sequence, or many in one batched step (a step scheduler) ---------------------
+    def start_sequence(self, result: PrefillResult, sampling: SamplingParams = SamplingParams(),
+                       ) -> tuple[DecodeSequence, Delta]:
+        """Sample the first token from the prefill's logits (no model work): the request's sequence and
+        the Delta for that token. Its decode cache is made later (`DecodeSequence.prepare`, or the first
+        `decode_step`), so the copy is not in the time to first token. The cache is rewound to the
+        prompt's end first."""
         result.cache.truncate(len(result.token_ids))
         room = self.max_context - result.cache.length
         if room <= 0:
             raise ValueError(f"the prompt fills the model's context of {self.max_context} tokens")
+        sampler = TokenSampler(self.tokenizer, self.eos_ids, sampling, room, result.logits.device)
+        delta, next_token = sampler.push(result.logits)
+        return DecodeSequence(result, sampler, next_token, self.decoder), delta
 
-        decoder: Decoder | None = None
+    @_on_cpu_threads
+    def decode_step(self, sequences: Sequence[DecodeSequence]) -> list[Delta]:
+        """One forward feeding every sequence's pending token (the linear layers on all B rows at once,
+        attention per sequence over its own cache), then each samples its next token from its own row:
+        one Delta per sequence, in order. A sequence's tokens do not depend on the others in the batch.
+        On CUDA a batch of one replays the sequence's CUDA graph."""
+        if not sequences:
+            raise ValueError("decode_step needs at least one sequence")
+        if any(s.is_finished for s in sequences):
+            raise ValueError("a finished sequence cannot decode: leave it out of the batch")
+        if len({id(s) for s in sequences}) != len(sequences):
+            raise ValueError("a sequence appears twice in the batch")
+        decoders = [s.prepare() for s in sequences]
+        tokens = [s.next_token for s in sequences]
+        if len(decoders) == 1 and decoders[0].is_graphed:
+            logits = decoders[0].step(tokens[0])[None]  # [1, vocab]
+        else:
+            logits = batch_step(self.runner, decoders, tokens)  # [B, vocab]
+        return [s.accept(row) for s, row in zip(sequences, logits)]
 
-        def step(token: int) -> torch.Tensor:
-            nonlocal decoder
-            if decoder is None:  # made after the first token is out: its cache copy is not in the TTFT
-                decoder = self.decoder(result)
-            return decoder.step(token)  # runs in inference mode itself: no grad mode held across yields
-
-        yield from decode_loop(result.logits, step, self.tokenizer, self.eos_ids, sampling, room)
+    def generate(self, result: PrefillResult, sampling: SamplingParams = SamplingParams()) -> Iterator[Delta]:
+        """Decode from the prompt's end (the cache is rewound there first): text pieces as they form
+        (a sequence decoded alone: `start_sequence`, then `decode_step` on it until it finishes)."""
+        sequence, delta = self.start_sequence(result, sampling)
+        while True:
+            if delta.text or delta.finish_reason is not None:
+                yield delta
+            if sequence.is_finished:
+                return
+            (delta,) = self.decode_step([sequence])
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:

@@ -1,12 +1,11 @@
-"""Decoding from a fused cache: sampling, incremental detokenization, stop strings."""
+"""The pieces of decoding from a fused cache: sampling, incremental detokenization, stop strings
+(put together per request by blend_engine/sequence.py's TokenSampler)."""
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
-
 import torch
 
-from blend_engine.types import Delta, FinishReason, SamplingParams
+from blend_engine.types import SamplingParams
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
@@ -73,36 +72,3 @@ def _overlap(text: str, stop: str) -> int:
         if text.endswith(stop[:n]):
             return n
     return 0
-
-
-def decode_loop(
-    first_logits: torch.Tensor,
-    step: Callable[[int], torch.Tensor],
-    tokenizer,
-    eos_ids: frozenset[int],
-    params: SamplingParams,
-    max_steps: int,
-) -> Iterator[Delta]:
-    """Yields text pieces; `step(token)` feeds a token and returns the next logits [vocab]."""
-    generator = None
-    if params.seed is not None:
-        generator = torch.Generator(device=first_logits.device).manual_seed(params.seed)
-    detok, stops = IncrementalDetokenizer(tokenizer), StopStringFilter(params.stop)
-    logits, num_tokens = first_logits, 0
-    limit = min(params.max_tokens, max_steps)
-    while True:
-        token = sample(logits, params, generator)
-        num_tokens += 1
-        if token in eos_ids:
-            yield Delta(stops.flush(), num_tokens, FinishReason.STOP)
-            return
-        text, is_stopped = stops.push(detok.push(token))
-        if is_stopped:
-            yield Delta(text, num_tokens, FinishReason.STOP)
-            return
-        if num_tokens >= limit:
-            yield Delta(text + stops.flush(), num_tokens, FinishReason.LENGTH)
-            return
-        if text:
-            yield Delta(text, num_tokens)
-        logits = step(token)

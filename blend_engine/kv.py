@@ -156,6 +156,14 @@ class SlotCache:
         start, self.length = self.length, self.length + num_tokens
         return start
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the cache holds (its whole capacity, every buffer), e.g. for a KV budget."""
+        return sum(t.nbytes for t in self._buffers())
+
+    def _buffers(self) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
     def bias_at(self, layer: int, num_keys: int) -> torch.Tensor | None:
         """[num_keys] the column bias at `layer`, or None."""
         return None if self.column_bias is None else self.column_bias.at(layer, num_keys)
@@ -200,6 +208,9 @@ class KVCache(SlotCache):
         self.keys = torch.empty(shape, device=device, dtype=dtype)  # [L, H_kv, capacity, D]
         self.values = torch.empty(shape, device=device, dtype=dtype)  # [L, H_kv, capacity, D]
         self.length = 0
+
+    def _buffers(self) -> tuple[torch.Tensor, ...]:
+        return self.keys, self.values
 
     def truncate(self, length: int) -> None:
         """Forget every slot from `length` on (e.g. to decode again from the prompt's end)."""
