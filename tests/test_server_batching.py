@@ -36,7 +36,7 @@ def server(tmp_path_factory):
     docs = [{"id": t, "text": " ".join(f"Fact {i} about {t}: the {t} number {i} is remarkable." for i in range(6))}
             for t in TOPICS]
     with LiveServer(settings) as live, httpx.Client(base_url=live.url, timeout=120) as http:
-        assert http.post("/v1/documents", json={"documents": docs}).status_code == 200
+        assert http.post("/v1/documents", json={"documents": docs}).status_code == 201
         yield live
 
 
@@ -162,9 +162,12 @@ def test_a_long_full_prefill_in_chunks_answers_like_one_prefill(server):
     num_whole, b = asyncio.run(on_loop(lambda: run(whole)))
     n = len(b.token_ids)
     assert num_whole == 1 and num_chunked == -(-n // 16) and a.token_ids == b.token_ids
-    torch.testing.assert_close(a.logits, b.logits, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(a.cache.keys[:, :, :n], b.cache.keys[:, :, :n], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(a.cache.values[:, :, :n], b.cache.values[:, :, :n], rtol=1e-4, atol=1e-4)
+    # the server's default int4 weights multiply in bf16 (~3 significant digits), and a GEMM over 16
+    # rows rounds otherwise than one over the whole prompt: equal to that precision, same argmax
+    torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=1e-2)
+    assert int(a.logits.argmax()) == int(b.logits.argmax())
+    torch.testing.assert_close(a.cache.keys[:, :, :n], b.cache.keys[:, :, :n], rtol=0, atol=2e-2)
+    torch.testing.assert_close(a.cache.values[:, :, :n], b.cache.values[:, :, :n], rtol=0, atol=2e-2)
 
 
 def test_an_upload_interleaves_with_a_running_answer(server):
@@ -198,7 +201,7 @@ def test_an_upload_interleaves_with_a_running_answer(server):
         return result
 
     text, done = asyncio.run(main())
-    assert ingest_window["status"] == 200
+    assert ingest_window["status"] == 201
     during = [t for t in token_times if ingest_window["start"] < t < ingest_window["end"]]
     assert during, "no token streamed while the upload was being ingested"
     assert done.finish_reason is FinishReason.LENGTH or token_times[-1] > ingest_window["start"]
