@@ -205,3 +205,38 @@ def test_an_upload_interleaves_with_a_running_answer(server):
     during = [t for t in token_times if ingest_window["start"] < t < ingest_window["end"]]
     assert during, "no token streamed while the upload was being ingested"
     assert done.finish_reason is FinishReason.LENGTH or token_times[-1] > ingest_window["start"]
+
+
+def test_close_ends_every_sequence_and_write_cleanly(tmp_path):
+    settings = load_settings(data_dir=tmp_path, model={"name": "random:tiny-llama", "device": "cpu"},
+                             retrieval={"chunk_tokens": 24, "chunk_overlap": 0})
+    with LiveServer(settings) as live, httpx.Client(base_url=live.url, timeout=60) as http:
+        assert http.post("/v1/documents", json={"documents": [{"id": "a", "text": "Owls hunt at night."}]}
+                         ).status_code == 201
+        components = live.components
+        pipeline, loop = components.pipeline, components.loop
+        outcomes = []
+
+        async def main():
+            started: set[int] = set()
+            running = [asyncio.create_task(answer(pipeline, rag_request(f"Owls {i}?", RequestMode.BLEND, 5000),
+                                                  on_token=lambda n, i=i: started.add(i))) for i in range(3)]
+            while len(started) < 3:  # all three are decoding
+                await asyncio.sleep(0.01)
+            # a write waiting on the engine loop for a chunk's KV: it must be released too
+            blocked = asyncio.create_task(asyncio.to_thread(
+                loop.call_background, lambda: time.sleep(0.2)))
+            t_close = time.perf_counter()
+            assert await asyncio.to_thread(components.loop.close, 30.0) is True
+            outcomes.append(time.perf_counter() - t_close)
+            for task in [*running, blocked]:
+                try:
+                    await task
+                    outcomes.append("finished")
+                except JobCancelled:
+                    outcomes.append("cancelled")
+
+        asyncio.run(main())
+        assert outcomes[0] < 5.0  # the loop stopped at its next step, not after 5000 tokens
+        assert outcomes[1:4] == ["cancelled"] * 3 and outcomes[4] in ("finished", "cancelled")
+        assert loop.num_running == 0 and loop.num_waiting == 0
