@@ -156,13 +156,15 @@ class EngineLoop:
 
         return JobStream(self.submit(body), items)
 
-    def generate(self, request: PrefillRequest, t_start: float, retrieval_ms: float = 0.0) -> JobStream:
-        """Queue a generation (QueueFull when full): TokenEvents, then one DoneEvent."""
+    def generate(self, request: PrefillRequest, t_start: float, retrieval_ms: float = 0.0,
+                 num_prompt_tokens: int | None = None) -> JobStream:
+        """Queue a generation (QueueFull when full): TokenEvents, then one DoneEvent.
+        `num_prompt_tokens`: the prompt's length where the caller counted it (else counted here)."""
         if self.executor is None:
             raise RuntimeError("this engine loop has no executor: it runs jobs only")
         items: asyncio.Queue[Any] = asyncio.Queue()
         job = new_job(lambda job: None)  # settled by the loop when the generation ends
-        num_tokens = self.executor.num_prompt_tokens(request)
+        num_tokens = num_prompt_tokens or self.executor.num_prompt_tokens(request)
         generation = Generation(
             request, job, emitter(job.loop, items), num_tokens,
             (num_tokens + request.sampling.max_tokens) * self.kv_bytes_per_token, t_start, time.perf_counter(),

@@ -36,10 +36,10 @@ class RagPipeline:
         start = time.perf_counter()
         scored = await anyio.to_thread.run_sync(self._scored_chunks, request)
         sources = [_source(s) for s in scored]
-        kept, dropped = await anyio.to_thread.run_sync(self._fit_context, request, sources)
+        kept, dropped, num_tokens = await anyio.to_thread.run_sync(self._fit_context, request, sources)
         if request.mode is not RequestMode.FULL:  # start moving their KV up while the request queues
             await anyio.to_thread.run_sync(self.kv_store.prefetch, [s.kv_key for s in kept if s.kv_key])
-        return RagContext(kept, dropped, (time.perf_counter() - start) * 1000)
+        return RagContext(kept, dropped, (time.perf_counter() - start) * 1000, num_tokens)
 
     def _scored_chunks(self, request: RagRequest) -> list[ScoredChunk]:
         pin_one_thread()  # the query's embedding runs torch on this worker thread: one thread, no pool
@@ -50,14 +50,15 @@ class RagPipeline:
             raise NotFoundError(f"unknown chunk id(s): {', '.join(missing[:10])}")
         return found
 
-    def _fit_context(self, request: RagRequest, sources: list[Source]) -> tuple[list[Source], list[str]]:
-        """Drop the lowest-scored chunks (the last named ones) until prompt + answer fit the context."""
+    def _fit_context(self, request: RagRequest, sources: list[Source]) -> tuple[list[Source], list[str], int]:
+        """Drop the lowest-scored chunks (the last named ones) until prompt + answer fit the context;
+        the chunks kept, those dropped, and the prompt's length."""
         kept, dropped = list(sources), []
         budget = self.engine.max_context - request.sampling.max_tokens
         while True:
             num_tokens = sum(len(s.token_ids) for s in self._segments(request, kept))
             if num_tokens <= budget:
-                return kept, dropped
+                return kept, dropped, num_tokens
             if not kept:
                 raise InvalidRequestError(self._too_long_message(request, num_tokens))
             worst = _lowest_ranked(kept)
@@ -82,7 +83,8 @@ class RagPipeline:
 
     def start(self, request: RagRequest, context: RagContext, t_start: float) -> JobStream:
         """Queue the generation on the engine loop (QueueFull when full): TokenEvents, then one DoneEvent."""
-        return self.loop.generate(prefill_request(request, context.sources), t_start, context.retrieval_ms)
+        return self.loop.generate(prefill_request(request, context.sources), t_start, context.retrieval_ms,
+                                  context.num_prompt_tokens or None)
 
 
 def prefill_request(request: RagRequest, sources: Sequence[Source]) -> PrefillRequest:

@@ -41,6 +41,7 @@ class RagContext:
     sources: list[Source]
     dropped_chunk_ids: list[str]
     retrieval_ms: float
+    num_prompt_tokens: int = 0  # the prompt's length with these sources (counted when fitting it)
 
     @property
     def warnings(self) -> list[str]:
