@@ -258,8 +258,8 @@ async def measure(targets: Sequence[Target], questions: Sequence[Question], fill
             for repeat in range(args.repeats):
                 for target in in_turn(targets, turn):
                     client, tag = clients[target.role], f"r{repeat}"
-                    one = await upload(client, f"bench-upload-{tag}-one.txt",
-                                       texts[target.role].text(f"Bench upload {tag}, one chunk", ONE_CHUNK_CHARS).encode())
+                    one_text = texts[target.role].text(f"Bench upload {tag}, one chunk", ONE_CHUNK_CHARS)
+                    one = await upload(client, f"bench-upload-{tag}-one.txt", one_text.encode())
                     await delete_documents(client, one.document_ids)
                     indices = round_questions(num_clients, repeat, len(questions))
                     without = await run_round(client, questions, indices, args)
@@ -543,5 +543,6 @@ def serve_and_bench(args: argparse.Namespace, questions: Sequence[Question], fil
         targets = [Target(Role.SERVER, server.url), Target(Role.BASELINE, baseline.url)]
         summary = asyncio.run(bench(args, targets, questions, filler, headers))
     summary["servers"][Role.BASELINE.value].update(env=BASELINE_ENV, is_max_running_known=is_known)
-    summary["servers"][Role.SERVER.value]["env"] = {name: os.environ[name] for name in BASELINE_ENV if name in os.environ}
+    summary["servers"][Role.SERVER.value]["env"] = {name: os.environ[name] for name in BASELINE_ENV
+                                                    if name in os.environ}
     return summary

@@ -159,3 +159,31 @@ def test_upload_statistics_pair_each_chat_by_question():
     assert [(c["question"], round(c["growth_ms"])) for c in stats["chats"]] == [(0, 500), (1, 50)]
     assert stats["max_ttft_growth_ms"] == pytest.approx(500) and stats["num_chunks"] == 6
     assert stats["one_chunk_upload_ms"] == 80.0 and stats["upload_max_ms"] == 900.0 and stats["num_files"] == 2
+
+
+@pytest.mark.slow
+def test_bench_server_serve_starts_both_servers_and_stops_them(tmp_path, capsys):
+    """--serve: `ragblend serve` twice in child processes (the baseline with max_running=1), then stopped.
+    Slow for the two servers' start-up (each imports torch and loads its model and embedder): 1.5 min on
+    2 busy cores, most of it start-up."""
+    import httpx
+
+    config = tmp_path / "tiny.yaml"
+    config.write_text(f"model: {json.dumps(TINY_MODEL)}\n")
+    code = main(["bench", "server", "--serve", "--config", str(config), "--data", dataset(tmp_path / "data.json"),
+                 "--questions", "2", "--passages", "2", "--concurrency", "1,2", "--max-tokens", "3"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    servers = summary["servers"]
+    assert servers["baseline"]["env"] == {"RAGBLEND_SERVER__MAX_RUNNING": "1"} and servers["server"]["env"] == {}
+    assert servers["server"]["model"] == servers["baseline"]["model"] == "random"
+    is_known = server_bench.is_max_running_known()
+    assert servers["baseline"]["is_max_running_known"] is is_known
+    assert ("no server.max_running setting" in captured.err) is not is_known
+    for role in ("server", "baseline"):
+        assert [row["num_requests"] for row in summary["results"][role]] == [1, 2]
+    assert summary["ratios"][1]["ttft_p50_vs_baseline"] > 0
+    for info in servers.values():  # stopped
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{info['url']}/healthz", timeout=2)
