@@ -10,7 +10,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Iterator, Mapping, Sequence
+from typing import IO, Iterator, Mapping
 
 from app.readiness import free_port, wait_ready
 
@@ -86,14 +86,11 @@ class LocalServer:
 
 
 @contextlib.contextmanager
-def serving(servers: Sequence[LocalServer], ready_timeout_s: float) -> Iterator[Sequence[LocalServer]]:
-    """Start every server at once (their start-ups overlap), wait until all are ready; stop them all on exit."""
+def started(server: LocalServer, ready_timeout_s: float) -> Iterator[LocalServer]:
+    """`server` started and ready; stopped (and its data dir removed) on exit, however it is left."""
     try:
-        for server in servers:
-            server.start()
-        for server in servers:
-            server.wait_ready(ready_timeout_s)
-        yield servers
+        server.start()
+        server.wait_ready(ready_timeout_s)
+        yield server
     finally:
-        for server in servers:
-            server.stop()
+        server.stop()

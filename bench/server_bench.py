@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -235,8 +236,10 @@ async def prepare(target: Target, questions: Sequence[Question], args: argparse.
 
 
 async def measure(targets: Sequence[Target], questions: Sequence[Question], filler: Sequence[str],
-                  args: argparse.Namespace, headers: dict[str, str]) -> dict[str, Any]:
-    servers = {t.role: await prepare(t, questions, args, headers) for t in targets}
+                  args: argparse.Namespace, headers: dict[str, str],
+                  prepared: dict[Role, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """`prepared`: the servers' `prepare` results where that ran already."""
+    servers = prepared or {t.role: await prepare(t, questions, args, headers) for t in targets}
     clients = {t.role: httpx.AsyncClient(base_url=t.url, headers=headers, timeout=args.timeout,
                                          limits=httpx.Limits(max_connections=None)) for t in targets}
     levels = {t.role: defaultdict(list) for t in targets}  # role -> clients -> rounds
@@ -489,8 +492,9 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 async def bench(args: argparse.Namespace, targets: Sequence[Target], questions: Sequence[Question],
-                filler: Sequence[str], headers: dict[str, str]) -> dict[str, Any]:
-    measured = await measure(targets, questions, filler, args, headers)
+                filler: Sequence[str], headers: dict[str, str],
+                prepared: dict[Role, dict[str, Any]] | None = None) -> dict[str, Any]:
+    measured = await measure(targets, questions, filler, args, headers, prepared)
     summary = {"bench": "server", "concurrency": args.concurrency, "questions": args.questions,
                "passages": args.passages, "max_tokens": args.max_tokens, "mode": args.mode, "repeats": args.repeats,
                "upload_files": args.uploads, "upload_chars": args.upload_chars, **measured}
@@ -530,7 +534,7 @@ def run(args: argparse.Namespace) -> int:
 
 def serve_and_bench(args: argparse.Namespace, questions: Sequence[Question], filler: Sequence[str],
                     headers: dict[str, str]) -> dict[str, Any]:
-    from bench.local_servers import LocalServer, serving
+    from bench.local_servers import LocalServer, started
 
     is_known = is_max_running_known()
     if not is_known:
@@ -538,10 +542,17 @@ def serve_and_bench(args: argparse.Namespace, questions: Sequence[Question], fil
               "with the same settings as the server", file=sys.stderr)
     config = args.config.resolve() if args.config else None
     # the server under test gets this environment as it is; the baseline, that and max_running=1
-    local = [LocalServer(Role.SERVER.value, config=config), LocalServer(Role.BASELINE.value, BASELINE_ENV, config)]
-    with serving(local, args.ready_timeout) as (server, baseline):
-        targets = [Target(Role.SERVER, server.url), Target(Role.BASELINE, baseline.url)]
-        summary = asyncio.run(bench(args, targets, questions, filler, headers))
+    local = {Role.SERVER: LocalServer(Role.SERVER.value, config=config),
+             Role.BASELINE: LocalServer(Role.BASELINE.value, BASELINE_ENV, config)}
+    with contextlib.ExitStack() as stack:
+        # One after the other: a server's loading planner times prefills right after start-up, and a
+        # second server starting meanwhile would slow those down and skew its plans (auto mode).
+        prepared = {}
+        for role, server in local.items():
+            stack.enter_context(started(server, args.ready_timeout))
+            prepared[role] = asyncio.run(prepare(Target(role, server.url), questions, args, headers))
+        targets = [Target(role, server.url) for role, server in local.items()]
+        summary = asyncio.run(bench(args, targets, questions, filler, headers, prepared))
     summary["servers"][Role.BASELINE.value].update(env=BASELINE_ENV, is_max_running_known=is_known)
     summary["servers"][Role.SERVER.value]["env"] = {name: os.environ[name] for name in BASELINE_ENV
                                                     if name in os.environ}
