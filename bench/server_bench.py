@@ -219,8 +219,8 @@ class UploadTexts:
 
 async def prepare(target: Target, questions: Sequence[Question], args: argparse.Namespace,
                   headers: dict[str, str]) -> dict[str, Any]:
-    """Readiness, model id, the questions' passages ingested, one warm-up answer (the loading planner
-    measures the machine at a server's first request)."""
+    """Readiness, model id, the questions' passages ingested, one warm-up answer (a server's first
+    request waits for its loading planner's start-up measurement)."""
     def sync_part() -> dict[str, Any]:
         with httpx.Client(base_url=target.url, headers=headers, timeout=args.timeout) as client:
             ready = client.get("/readyz")
@@ -235,6 +235,48 @@ async def prepare(target: Target, questions: Sequence[Question], args: argparse.
     return info
 
 
+async def chat_levels(targets: Sequence[Target], clients: dict[Role, httpx.AsyncClient],
+                      questions: Sequence[Question], args: argparse.Namespace,
+                      schedule: list[dict[str, Any]]) -> dict[Role, dict[int, list[Round]]]:
+    """Every level's rounds on every server, interleaved: role -> clients -> rounds."""
+    levels: dict[Role, dict[int, list[Round]]] = {t.role: defaultdict(list) for t in targets}
+    turn = 0
+    for repeat in range(args.repeats):
+        for num_clients in args.concurrency:
+            for target in in_turn(targets, turn):
+                indices = round_questions(num_clients, repeat, len(questions))
+                levels[target.role][num_clients].append(await run_round(clients[target.role], questions,
+                                                                        indices, args))
+                schedule.append({"repeat": repeat, "clients": num_clients, "server": target.role.value})
+            turn += 1
+    return levels
+
+
+async def upload_scenario(targets: Sequence[Target], clients: dict[Role, httpx.AsyncClient],
+                          questions: Sequence[Question], filler: Sequence[str], args: argparse.Namespace,
+                          schedule: list[dict[str, Any]]) -> dict[Role, list[tuple[Round, Round, Upload]]]:
+    """Per repeat and server: a one-chunk upload alone, the largest level's chats, the same chats with
+    `args.uploads` files uploaded meanwhile; the uploads are deleted after."""
+    num_clients = max(args.concurrency)
+    texts = {t.role: UploadTexts(filler) for t in targets}  # the same files for both servers
+    runs: dict[Role, list[tuple[Round, Round, Upload]]] = {t.role: [] for t in targets}
+    for repeat in range(args.repeats):
+        for target in in_turn(targets, repeat):
+            client, tag = clients[target.role], f"r{repeat}"
+            one_text = texts[target.role].text(f"Bench upload {tag}, one chunk", ONE_CHUNK_CHARS)
+            one = await upload(client, f"bench-upload-{tag}-one.txt", one_text.encode())
+            await delete_documents(client, one.document_ids)
+            indices = round_questions(num_clients, repeat, len(questions))
+            without = await run_round(client, questions, indices, args)
+            files = texts[target.role].files(tag, args.uploads, args.upload_chars)
+            with_uploads = await run_round(client, questions, indices, args, files)
+            await delete_documents(client, [i for u in with_uploads.uploads for i in u.document_ids])
+            runs[target.role].append((without, with_uploads, one))
+            schedule.append({"repeat": repeat, "clients": num_clients, "server": target.role.value,
+                             "uploads": args.uploads})
+    return runs
+
+
 async def measure(targets: Sequence[Target], questions: Sequence[Question], filler: Sequence[str],
                   args: argparse.Namespace, headers: dict[str, str],
                   prepared: dict[Role, dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -242,37 +284,10 @@ async def measure(targets: Sequence[Target], questions: Sequence[Question], fill
     servers = prepared or {t.role: await prepare(t, questions, args, headers) for t in targets}
     clients = {t.role: httpx.AsyncClient(base_url=t.url, headers=headers, timeout=args.timeout,
                                          limits=httpx.Limits(max_connections=None)) for t in targets}
-    levels = {t.role: defaultdict(list) for t in targets}  # role -> clients -> rounds
-    upload_runs: dict[Role, list[tuple[Round, Round, Upload]]] = {t.role: [] for t in targets}
-    schedule: list[dict[str, Any]] = []
+    schedule: list[dict[str, Any]] = []  # what ran, in order
     try:
-        turn = 0
-        for repeat in range(args.repeats):
-            for num_clients in args.concurrency:
-                for target in in_turn(targets, turn):
-                    indices = round_questions(num_clients, repeat, len(questions))
-                    levels[target.role][num_clients].append(await run_round(clients[target.role], questions,
-                                                                            indices, args))
-                    schedule.append({"repeat": repeat, "clients": num_clients, "server": target.role.value})
-                turn += 1
-        if args.uploads:
-            num_clients = max(args.concurrency)
-            texts = {t.role: UploadTexts(filler) for t in targets}  # the same files for both servers
-            for repeat in range(args.repeats):
-                for target in in_turn(targets, turn):
-                    client, tag = clients[target.role], f"r{repeat}"
-                    one_text = texts[target.role].text(f"Bench upload {tag}, one chunk", ONE_CHUNK_CHARS)
-                    one = await upload(client, f"bench-upload-{tag}-one.txt", one_text.encode())
-                    await delete_documents(client, one.document_ids)
-                    indices = round_questions(num_clients, repeat, len(questions))
-                    without = await run_round(client, questions, indices, args)
-                    files = texts[target.role].files(tag, args.uploads, args.upload_chars)
-                    with_uploads = await run_round(client, questions, indices, args, files)
-                    await delete_documents(client, [i for u in with_uploads.uploads for i in u.document_ids])
-                    upload_runs[target.role].append((without, with_uploads, one))
-                    schedule.append({"repeat": repeat, "clients": num_clients, "server": target.role.value,
-                                     "uploads": args.uploads})
-                turn += 1
+        levels = await chat_levels(targets, clients, questions, args, schedule)
+        uploads = await upload_scenario(targets, clients, questions, filler, args, schedule) if args.uploads else None
     finally:
         for client in clients.values():
             await client.aclose()
@@ -282,7 +297,7 @@ async def measure(targets: Sequence[Target], questions: Sequence[Question], fill
         "servers": {role.value: info for role, info in servers.items()},
         "results": results,
         "ratios": ratio_rows(results),
-        "uploads": {role.value: upload_stats(runs) for role, runs in upload_runs.items()} if args.uploads else None,
+        "uploads": {role.value: upload_stats(runs) for role, runs in uploads.items()} if uploads else None,
         "schedule": schedule,
     }
 
