@@ -11,8 +11,8 @@ import pytest
 from app.cli import main
 from app.testing import LiveServer
 from bench import server_bench
-from bench.server_bench import Chat, Round, Upload, level_stats, ratio_rows, upload_stats
 from bench.server_client import StreamedAnswer
+from bench.server_report import Chat, Round, Upload, level_stats, ratio_rows, target_checks, upload_stats
 from configs.settings import load_settings
 
 LEVEL_KEYS = {"clients", "num_rounds", "num_requests", "num_errors", "errors", "ttft_p50_ms", "ttft_p95_ms",
@@ -144,7 +144,7 @@ def test_level_statistics_and_ratios_on_known_answers():
     assert ratios[2]["tokens_per_s_vs_one_client"] == pytest.approx(3.75)
     assert ratios[2]["baseline_tokens_per_s_vs_one_client"] == pytest.approx(1.25)
     assert ratios[2]["tokens_per_s_vs_baseline"] == pytest.approx(3.0)
-    checks = server_bench.target_checks({"ratios": ratio_rows(results)})
+    checks = target_checks({"ratios": ratio_rows(results)})
     met = {(c["name"], c["clients"]): c["is_met"] for c in checks}
     assert met[("aggregate tok/s vs one client's", 2)] and met[("ttft p50 vs baseline", 2)]
     assert not met[("ttft p95 vs baseline", 2)] and met[("ttft p50 vs baseline", 1)]
