@@ -27,7 +27,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("ask",): ("app.commands.ask", "ask a running server a question, streaming the answer"),
     ("bench", "engine"): ("bench.engine_bench", "engine benchmark: TTFT and fidelity per prefill mode"),
     ("bench", "kv"): ("bench.kv_bench", "KV store benchmark: blend TTFT per tier, pipelined or not"),
-    ("bench", "server"): ("bench.server_bench", "end-to-end benchmark against a running server"),
+    ("bench", "server"): ("bench.server_bench", "concurrent streaming clients against servers, side by side with a "
+                          "one-sequence-at-a-time baseline: TTFT, inter-token latency, aggregate tok/s"),
+    ("bench", "server-modes"): ("bench.server_modes_bench", "end-to-end TTFT and fidelity per prefill mode against a "
+                                "running server"),
     ("bench", "plot"): ("bench.plot", "plot an engine bench's KL-vs-speed frontier (PNG)"),
 }
 

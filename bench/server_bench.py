@@ -1,194 +1,356 @@
-"""`ragblend bench server`: end-to-end benchmark against a running server.
+"""`ragblend bench server`: many streaming users at once, side by side with a one-at-a-time baseline.
 
-Ingests the MuSiQue dev passages (one passage, one chunk, KV precomputed), then asks each question
-with `chunk_ids` set to its passages in each mode, streaming: end-to-end TTFT (request sent to first
-token received), decode tokens/s, answer agreement with `full`, token F1 vs the gold answers; then
-throughput (requests/s) under concurrent clients. Prints a table, then one JSON object as the last line.
+For each concurrency level, that many streaming /v1/query clients start at once, each with its own
+MuSiQue question and its own passages (ingested beforehand: one passage, one chunk, KV precomputed;
+the request names them in `chunk_ids`), greedy, `--max-tokens` tokens. Per level: TTFT p50/p95
+(request sent to first token event), inter-token latency p50/p95 (gaps between token events as they
+arrive here), aggregate tok/s (completion tokens / the round's wall time), req/s, per-request decode
+tok/s, and the server's queue wait (`timings.queue_ms`) where the server reports one.
+
+Two servers are measured side by side, the levels interleaved so that noise hits both alike: the
+server at --url and a baseline at --baseline-url (one started with server.max_running=1), or both
+started here (--serve: `ragblend serve` twice on free loopback ports over temporary data dirs, the
+baseline with RAGBLEND_SERVER__MAX_RUNNING=1). `--uploads N` adds N text files uploaded through
+/v1/documents/files while the largest level's chats run: each chat's TTFT with and without them.
+Prints tables, then one JSON object as the last line.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
+import sys
 import time
-from dataclasses import dataclass, field
+from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
-from statistics import mean, median
+from typing import Any, Iterable, Sequence
 
 import httpx
 
-from app.commands.ask import iter_events
-from bench.metrics import best_f1, normalize_answer, token_f1
+from app.commands.client import error_message
+from app.commands.exit_codes import ExitCode
 from bench.musique import Question, load_questions
+from bench.server_client import QueryFailed, chunk_ids, ingest, stream_query
+from bench.server_report import (
+    Chat, Role, Round, Upload, level_stats, print_tables, ratio_rows, target_checks, upload_stats,
+)
+from configs.enums import RequestMode
+
+# The baseline: one sequence at a time (the scheduler's off switch). An environment variable, so the
+# same `ragblend serve` command line starts both servers.
+BASELINE_ENV = {"RAGBLEND_SERVER__MAX_RUNNING": "1"}
+WARMUP_TOKENS = 4
+ONE_CHUNK_CHARS = 1000  # well under one chunk (retrieval.chunk_tokens, 384 tokens by default)
+
+
+def concurrency_levels(text: str) -> list[int]:
+    try:
+        levels = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of client counts: {text!r}") from None
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"client counts must be >= 1: {text!r}")
+    return sorted(set(levels))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default="http://127.0.0.1:8000")
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--url", default=os.environ.get("RAGBLEND_URL", "http://127.0.0.1:8000"),
+                        help="the server measured (env RAGBLEND_URL)")
+    parser.add_argument("--baseline-url", help="a second server, started with server.max_running=1 "
+                        "(RAGBLEND_SERVER__MAX_RUNNING=1), measured side by side")
+    parser.add_argument("--serve", action="store_true", help="start both servers here instead (`ragblend serve` "
+                        "on free loopback ports, temporary data dirs; the baseline with "
+                        "RAGBLEND_SERVER__MAX_RUNNING=1, the other with this environment's settings)")
+    parser.add_argument("--config", type=Path, help="--serve: a YAML file both servers layer over the defaults")
+    parser.add_argument("--ready-timeout", type=float, default=600.0, help="--serve: seconds to wait for /readyz")
+    parser.add_argument("--api-key", default=os.environ.get("RAGBLEND_API_KEY"),
+                        help="API key of the servers, if they require one (env RAGBLEND_API_KEY)")
     parser.add_argument("--data", type=Path, default=Path("../shared/data/musique_dev.json"))
-    parser.add_argument("--questions", type=int, default=10)
-    parser.add_argument("--passages", type=int, default=5)
-    parser.add_argument("--modes", default="full,blend,reuse", help="comma-separated; full first (the reference)")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--concurrency", type=int, default=4, help="clients of the throughput phase")
-    parser.add_argument("--throughput-modes", default="full,blend")
+    parser.add_argument("--concurrency", type=concurrency_levels, default=concurrency_levels("1,2,4,8"),
+                        help="comma-separated client counts, e.g. 1,2,4,8")
+    parser.add_argument("--questions", type=int, help="questions (each with its passages) the clients draw from; "
+                        "default and least: the largest client count")
+    parser.add_argument("--passages", type=int, default=5, help="passages per question (5: a ~3k-token prompt)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--mode", choices=[m.value for m in RequestMode], help="prefill mode (default: the server's)")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds per level and server")
+    parser.add_argument("--uploads", type=int, default=0,
+                        help="files uploaded during the largest level's chats (0: no upload scenario)")
+    parser.add_argument("--upload-chars", type=int, default=16_000,
+                        help="characters per uploaded file (under retrieval.max_inline_kv_chars: KV computed inline)")
+    parser.add_argument("--upload-lead", type=float, default=0.5,
+                        help="seconds the uploads start before the chats (so they are in the server's queue)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--out", type=Path, help="also write the JSON summary here")
 
+@dataclass(frozen=True)
+class Target:
+    role: Role
+    url: str
 
-@dataclass
-class Sample:
-    ttft_ms: float
-    total_ms: float
-    num_tokens: int
-    answer: str
-    server_ttft_ms: float
-    reused_tokens: int
-    prompt_tokens: int
-
-    @property
-    def tokens_per_s(self) -> float | None:
-        decode_s = (self.total_ms - self.ttft_ms) / 1000
-        return (self.num_tokens - 1) / decode_s if self.num_tokens > 1 and decode_s > 0 else None
+# ---- measuring -------------------------------------------------------------------------------
 
 
-@dataclass
-class ModeRuns:
-    samples: list[Sample] = field(default_factory=list)
-    f1_gold: list[float] = field(default_factory=list)
-    f1_full: list[float] = field(default_factory=list)
-    agrees: list[float] = field(default_factory=list)
+def request_body(question: Question, qi: int, args: argparse.Namespace) -> dict[str, Any]:
+    body: dict[str, Any] = {"question": question.question, "chunk_ids": chunk_ids(qi, question),
+                            "max_tokens": args.max_tokens, "temperature": 0.0}
+    if args.mode:
+        body["mode"] = args.mode
+    return body
 
 
-def chunk_ids(qi: int, question: Question) -> list[str]:
-    return [f"q{qi}p{pi}#0" for pi in range(len(question.passages))]
+async def chat(client: httpx.AsyncClient, questions: Sequence[Question], qi: int, args: argparse.Namespace) -> Chat:
+    try:
+        return Chat(qi, await stream_query(client, request_body(questions[qi], qi, args)))
+    except (QueryFailed, httpx.HTTPError) as exc:  # counted and reported: a 503 under load is a result
+        return Chat(qi, None, f"{type(exc).__name__}: {exc}")
 
 
-def ingest(client: httpx.Client, questions: list[Question]) -> float:
+async def upload(client: httpx.AsyncClient, name: str, data: bytes) -> Upload:
     start = time.perf_counter()
-    for qi, question in enumerate(questions):
-        docs = [{"id": f"q{qi}p{pi}", "title": text.split("\n", 1)[0][:200], "text": text}
-                for pi, text in enumerate(question.passages)]
-        response = client.post("/v1/documents", json={"documents": docs, "chunking": "none", "precompute": True})
-        response.raise_for_status()
-    return time.perf_counter() - start
+    response = await client.post("/v1/documents/files", files=[("files", (name, data, "text/plain"))])
+    ms = (time.perf_counter() - start) * 1000
+    if response.status_code != 201:
+        raise QueryFailed(f"uploading {name}: {error_message(response)}")
+    documents = response.json()["documents"]
+    return Upload(name, ms, sum(len(d["chunks"]) for d in documents), tuple(d["id"] for d in documents))
 
 
-async def ask(client: httpx.AsyncClient, question: str, ids: list[str], mode: str, max_tokens: int) -> Sample:
-    body = {"question": question, "chunk_ids": ids, "mode": mode, "max_tokens": max_tokens, "stream": True}
-    sent = time.perf_counter()
-    first, pieces, done = None, [], {}
-    async with client.stream("POST", "/v1/query", json=body) as response:
+async def delete_documents(client: httpx.AsyncClient, ids: Iterable[str]) -> None:
+    for doc_id in ids:
+        response = await client.delete(f"/v1/documents/{doc_id}")
         if response.status_code != 200:
-            await response.aread()
-            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
-        lines = []
-        async for line in response.aiter_lines():
-            if line.startswith("event: token") and first is None:
-                first = time.perf_counter()
-            lines.append(line)
-    end = time.perf_counter()
-    for kind, data in iter_events(lines):
-        if kind == "token":
-            pieces.append(data["text"])
-        elif kind == "done":
-            done = data
-        elif kind == "error":
-            raise RuntimeError(data["error"]["message"])
-    first = first or end
-    usage, timings = done.get("usage", {}), done.get("timings", {})
-    return Sample((first - sent) * 1000, (end - sent) * 1000, usage.get("completion_tokens", 0), "".join(pieces),
-                  timings.get("ttft_ms", 0.0), usage.get("reused_tokens", 0), usage.get("prompt_tokens", 0))
+            raise QueryFailed(f"deleting uploaded document {doc_id}: {error_message(response)}")
 
 
-async def latency_phase(client, questions: list[Question], modes: list[str], max_tokens: int) -> dict[str, ModeRuns]:
-    runs = {mode: ModeRuns() for mode in modes}
-    await ask(client, questions[0].question, chunk_ids(0, questions[0]), modes[-1], 4)  # warm-up
-    for qi, question in enumerate(questions):
-        reference = None
-        for mode in modes:
-            sample = await ask(client, question.question, chunk_ids(qi, question), mode, max_tokens)
-            reference = sample.answer if reference is None else reference
-            run = runs[mode]
-            run.samples.append(sample)
-            run.f1_gold.append(best_f1(sample.answer, question.answers))
-            run.f1_full.append(token_f1(sample.answer, reference))
-            run.agrees.append(float(normalize_answer(sample.answer) == normalize_answer(reference)))
+async def run_round(client: httpx.AsyncClient, questions: Sequence[Question], indices: Sequence[int],
+                    args: argparse.Namespace, files: Sequence[tuple[str, bytes]] = ()) -> Round:
+    """The chats of `indices` started at once, after `files` (uploaded one request each, as the web page
+    does) have had `args.upload_lead` seconds to reach the server's queue."""
+    uploads = [asyncio.create_task(upload(client, name, data)) for name, data in files]
+    if uploads:
+        await asyncio.sleep(args.upload_lead)
+    start = time.perf_counter()
+    chats = await asyncio.gather(*(chat(client, questions, qi, args) for qi in indices))
+    wall_s = time.perf_counter() - start
+    return Round(len(indices), wall_s, tuple(chats), tuple(await asyncio.gather(*uploads)))
+
+
+def round_questions(num_clients: int, repeat: int, num_questions: int) -> list[int]:
+    """Distinct questions for one round's clients, moving on through the set from one repeat to the next."""
+    return [(repeat * num_clients + j) % num_questions for j in range(num_clients)]
+
+
+def in_turn(targets: Sequence[Target], turn: int) -> Sequence[Target]:
+    """Alternate which server goes first, so neither always runs right after the other's round."""
+    return targets if turn % 2 == 0 else targets[::-1]
+
+
+def filler_passages(path: Path, num_questions: int, num_passages: int) -> list[str]:
+    """Passages the benched questions do not use (for the uploaded files): later questions' passages,
+    then the benched questions' unused ones; everything when the data set has no other."""
+    items = load_questions(path, 1_000_000, 1_000)
+    rest = [p for q in items[num_questions:] for p in q.passages]
+    rest += [p for q in items[:num_questions] for p in q.passages[num_passages:]]
+    return rest or [p for q in items for p in q.passages]
+
+
+class UploadTexts:
+    """Upload files cut from the filler passages, each from where the last ended (so no two files share
+    text, and no chunk's KV is already stored, while the passages last)."""
+
+    def __init__(self, passages: Sequence[str]):
+        self.passages, self.cursor = list(passages), 0
+
+    def text(self, title: str, num_chars: int) -> str:
+        parts, size = [title], len(title)
+        while size < num_chars:
+            passage = self.passages[self.cursor % len(self.passages)]
+            self.cursor += 1
+            parts.append(passage)
+            size += len(passage) + 2
+        text = "\n\n".join(parts)[:num_chars]
+        return text[: text.rfind(" ")] if " " in text[len(title):] else text
+
+    def files(self, tag: str, num_files: int, num_chars: int) -> list[tuple[str, bytes]]:
+        return [(f"bench-upload-{tag}-{i}.txt", self.text(f"Bench upload {tag}, file {i}", num_chars).encode())
+                for i in range(num_files)]
+
+
+async def prepare(target: Target, questions: Sequence[Question], args: argparse.Namespace,
+                  headers: dict[str, str]) -> dict[str, Any]:
+    """Readiness, model id, the questions' passages ingested, one warm-up answer (a server's first
+    request waits for its loading planner's start-up measurement)."""
+    def sync_part() -> dict[str, Any]:
+        with httpx.Client(base_url=target.url, headers=headers, timeout=args.timeout) as client:
+            ready = client.get("/readyz")
+            if ready.status_code != 200:
+                raise QueryFailed(f"{target.url} is not ready: {ready.text[:300]}")
+            model = client.get("/v1/models").json()["data"][0]["id"]
+            return {"url": target.url, "model": model, "ingest_s": ingest(client, questions)}
+
+    info = await asyncio.to_thread(sync_part)
+    async with httpx.AsyncClient(base_url=target.url, headers=headers, timeout=args.timeout) as client:
+        await stream_query(client, {**request_body(questions[0], 0, args), "max_tokens": WARMUP_TOKENS})
+    return info
+
+
+async def chat_levels(targets: Sequence[Target], clients: dict[Role, httpx.AsyncClient],
+                      questions: Sequence[Question], args: argparse.Namespace,
+                      schedule: list[dict[str, Any]]) -> dict[Role, dict[int, list[Round]]]:
+    """Every level's rounds on every server, interleaved: role -> clients -> rounds."""
+    levels: dict[Role, dict[int, list[Round]]] = {t.role: defaultdict(list) for t in targets}
+    turn = 0
+    for repeat in range(args.repeats):
+        for num_clients in args.concurrency:
+            for target in in_turn(targets, turn):
+                indices = round_questions(num_clients, repeat, len(questions))
+                levels[target.role][num_clients].append(await run_round(clients[target.role], questions,
+                                                                        indices, args))
+                schedule.append({"repeat": repeat, "clients": num_clients, "server": target.role.value})
+            turn += 1
+    return levels
+
+
+async def upload_scenario(targets: Sequence[Target], clients: dict[Role, httpx.AsyncClient],
+                          questions: Sequence[Question], filler: Sequence[str], args: argparse.Namespace,
+                          schedule: list[dict[str, Any]]) -> dict[Role, list[tuple[Round, Round, Upload]]]:
+    """Per repeat and server: a one-chunk upload alone, the largest level's chats, the same chats with
+    `args.uploads` files uploaded meanwhile; the uploads are deleted after."""
+    num_clients = max(args.concurrency)
+    texts = {t.role: UploadTexts(filler) for t in targets}  # the same files for both servers
+    runs: dict[Role, list[tuple[Round, Round, Upload]]] = {t.role: [] for t in targets}
+    for repeat in range(args.repeats):
+        for target in in_turn(targets, repeat):
+            client, tag = clients[target.role], f"r{repeat}"
+            one_text = texts[target.role].text(f"Bench upload {tag}, one chunk", ONE_CHUNK_CHARS)
+            one = await upload(client, f"bench-upload-{tag}-one.txt", one_text.encode())
+            await delete_documents(client, one.document_ids)
+            indices = round_questions(num_clients, repeat, len(questions))
+            without = await run_round(client, questions, indices, args)
+            files = texts[target.role].files(tag, args.uploads, args.upload_chars)
+            with_uploads = await run_round(client, questions, indices, args, files)
+            await delete_documents(client, [i for u in with_uploads.uploads for i in u.document_ids])
+            runs[target.role].append((without, with_uploads, one))
+            schedule.append({"repeat": repeat, "clients": num_clients, "server": target.role.value,
+                             "uploads": args.uploads})
     return runs
 
 
-async def throughput_phase(client, questions: list[Question], mode: str, concurrency: int, max_tokens: int) -> float:
-    pending = list(enumerate(questions))
+async def measure(targets: Sequence[Target], questions: Sequence[Question], filler: Sequence[str],
+                  args: argparse.Namespace, headers: dict[str, str],
+                  prepared: dict[Role, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """`prepared`: the servers' `prepare` results where that ran already."""
+    servers = prepared or {t.role: await prepare(t, questions, args, headers) for t in targets}
+    clients = {t.role: httpx.AsyncClient(base_url=t.url, headers=headers, timeout=args.timeout,
+                                         limits=httpx.Limits(max_connections=None)) for t in targets}
+    schedule: list[dict[str, Any]] = []  # what ran, in order
+    try:
+        levels = await chat_levels(targets, clients, questions, args, schedule)
+        uploads = await upload_scenario(targets, clients, questions, filler, args, schedule) if args.uploads else None
+    finally:
+        for client in clients.values():
+            await client.aclose()
+    results = {role.value: [level_stats(rounds) for _, rounds in sorted(by_level.items())]
+               for role, by_level in levels.items()}
+    return {
+        "servers": {role.value: info for role, info in servers.items()},
+        "results": results,
+        "ratios": ratio_rows(results),
+        "uploads": {role.value: upload_stats(runs) for role, runs in uploads.items()} if uploads else None,
+        "schedule": schedule,
+    }
 
-    async def worker():
-        while pending:
-            qi, question = pending.pop()
-            await ask(client, question.question, chunk_ids(qi, question), mode, max_tokens)
-
-    start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return len(questions) / (time.perf_counter() - start)
-
-
-def summarize(runs: dict[str, ModeRuns], throughput: dict[str, float], args, ingest_s: float, model: str) -> dict:
-    rows = {}
-    for mode, run in runs.items():
-        rates = [r for r in (s.tokens_per_s for s in run.samples) if r is not None]
-        rows[mode] = {
-            "median_e2e_ttft_ms": median(s.ttft_ms for s in run.samples),
-            "median_server_ttft_ms": median(s.server_ttft_ms for s in run.samples),
-            "median_tokens_per_s": median(rates) if rates else None,
-            "median_prompt_tokens": median(s.prompt_tokens for s in run.samples),
-            "median_reused_tokens": median(s.reused_tokens for s in run.samples),
-            "answer_agreement_vs_full": mean(run.agrees),
-            "f1_vs_full": mean(run.f1_full),
-            "f1_vs_gold": mean(run.f1_gold),
-            "throughput_rps": throughput.get(mode),
-        }
-    full, blend = rows.get("full"), rows.get("blend")
-    speedup = full["median_e2e_ttft_ms"] / blend["median_e2e_ttft_ms"] if full and blend else None
-    return {"bench": "server", "url": args.url, "model": model, "questions": args.questions,
-            "passages": args.passages, "max_tokens": args.max_tokens, "concurrency": args.concurrency,
-            "ingest_s": ingest_s, "blend_ttft_speedup_vs_full": speedup, "target_speedup": 4.0,
-            "is_target_met": speedup is not None and speedup >= 4.0, "results": rows}
+# ---- the command -----------------------------------------------------------------------------
 
 
-def print_table(summary: dict) -> None:
-    print(f"\nserver bench: {summary['model']}, {summary['questions']} questions x {summary['passages']} passages, "
-          f"max_tokens {summary['max_tokens']}, ingest {summary['ingest_s']:.1f} s")
-    print(f"{'mode':<7}{'e2e TTFT ms':>12}{'server TTFT':>12}{'tok/s':>8}{'prompt':>8}{'reused':>8}"
-          f"{'agree':>7}{'F1 full':>8}{'F1 gold':>8}{'req/s@' + str(summary['concurrency']):>10}")
-    for mode, r in summary["results"].items():
-        rps = f"{r['throughput_rps']:.3f}" if r["throughput_rps"] else "-"
-        tps = f"{r['median_tokens_per_s']:.1f}" if r["median_tokens_per_s"] else "-"
-        print(f"{mode:<7}{r['median_e2e_ttft_ms']:>12.0f}{r['median_server_ttft_ms']:>12.0f}{tps:>8}"
-              f"{r['median_prompt_tokens']:>8.0f}{r['median_reused_tokens']:>8.0f}{r['answer_agreement_vs_full']:>7.2f}"
-              f"{r['f1_vs_full']:>8.2f}{r['f1_vs_gold']:>8.2f}{rps:>10}")
-    if summary["blend_ttft_speedup_vs_full"]:
-        print(f"blend e2e TTFT speed-up vs full: {summary['blend_ttft_speedup_vs_full']:.2f}x (target 4x)")
+def is_max_running_known() -> bool:
+    """Whether this checkout's settings have server.max_running (else the baseline env var is ignored)."""
+    from configs.settings import ServerSettings
+
+    return "max_running" in ServerSettings.model_fields
 
 
-async def bench(args: argparse.Namespace, questions: list[Question], headers: dict) -> dict:
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    with httpx.Client(base_url=args.url, headers=headers, timeout=600) as client:
-        client.get("/readyz").raise_for_status()
-        model = client.get("/v1/models").json()["data"][0]["id"]
-        ingest_s = ingest(client, questions)
-    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=600) as client:
-        runs = await latency_phase(client, questions, modes, args.max_tokens)
-        throughput = {}
-        for mode in [m.strip() for m in args.throughput_modes.split(",") if m.strip()]:
-            throughput[mode] = await throughput_phase(client, questions, mode, args.concurrency, args.max_tokens)
-    return summarize(runs, throughput, args, ingest_s, model)
+def check_args(args: argparse.Namespace) -> None:
+    if args.questions is None:
+        args.questions = max(args.concurrency)
+    if args.questions < max(args.concurrency):
+        raise ValueError(f"--questions {args.questions} < {max(args.concurrency)} clients: each client asks its own")
+    if args.repeats < 1 or args.max_tokens < 1 or args.uploads < 0 or args.upload_chars < 100:
+        raise ValueError("--repeats and --max-tokens must be >= 1, --uploads >= 0, --upload-chars >= 100")
+    if args.serve and args.baseline_url:
+        raise ValueError("--serve starts both servers: give no --baseline-url")
+    if args.config is not None and not args.serve:
+        raise ValueError("--config is for the servers --serve starts")
+
+
+async def bench(args: argparse.Namespace, targets: Sequence[Target], questions: Sequence[Question],
+                filler: Sequence[str], headers: dict[str, str],
+                prepared: dict[Role, dict[str, Any]] | None = None) -> dict[str, Any]:
+    measured = await measure(targets, questions, filler, args, headers, prepared)
+    summary = {"bench": "server", "concurrency": args.concurrency, "questions": args.questions,
+               "passages": args.passages, "max_tokens": args.max_tokens, "mode": args.mode, "repeats": args.repeats,
+               "upload_files": args.uploads, "upload_chars": args.upload_chars, **measured}
+    summary["targets"] = target_checks(summary)
+    return summary
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        check_args(args)
+    except ValueError as exc:
+        print(f"ragblend bench server: {exc}", file=sys.stderr)
+        return ExitCode.USAGE
     questions = load_questions(args.data, args.questions, args.passages)
+    if len(questions) < args.questions:
+        print(f"ragblend bench server: {args.data} has {len(questions)} questions, {args.questions} needed",
+              file=sys.stderr)
+        return ExitCode.USAGE
+    filler = filler_passages(args.data, args.questions, args.passages) if args.uploads else []
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    summary = asyncio.run(bench(args, questions, headers))
-    print_table(summary)
+    if args.serve:
+        summary = serve_and_bench(args, questions, filler, headers)
+    else:
+        targets = [Target(Role.SERVER, args.url)]
+        if args.baseline_url:
+            targets.append(Target(Role.BASELINE, args.baseline_url))
+        summary = asyncio.run(bench(args, targets, questions, filler, headers))
+    print_tables(summary)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary))
-    return 0
+    num_errors = sum(row["num_errors"] for rows in summary["results"].values() for row in rows)
+    num_errors += sum(run["num_errors"] for run in (summary["uploads"] or {}).values())
+    return ExitCode.FAILED if num_errors else ExitCode.OK
+
+
+def serve_and_bench(args: argparse.Namespace, questions: Sequence[Question], filler: Sequence[str],
+                    headers: dict[str, str]) -> dict[str, Any]:
+    from bench.local_servers import LocalServer, started
+
+    is_known = is_max_running_known()
+    if not is_known:
+        print("ragblend bench server: this checkout has no server.max_running setting; the baseline runs "
+              "with the same settings as the server", file=sys.stderr)
+    config = args.config.resolve() if args.config else None
+    # the server under test gets this environment as it is; the baseline, that and max_running=1
+    local = {Role.SERVER: LocalServer(Role.SERVER.value, config=config),
+             Role.BASELINE: LocalServer(Role.BASELINE.value, BASELINE_ENV, config)}
+    with contextlib.ExitStack() as stack:
+        # One after the other: a server's loading planner times prefills right after start-up, and a
+        # second server starting meanwhile would slow those down and skew its plans (auto mode).
+        prepared = {}
+        for role, server in local.items():
+            stack.enter_context(started(server, args.ready_timeout))
+            prepared[role] = asyncio.run(prepare(Target(role, server.url), questions, args, headers))
+        targets = [Target(role, server.url) for role, server in local.items()]
+        summary = asyncio.run(bench(args, targets, questions, filler, headers, prepared))
+    summary["servers"][Role.BASELINE.value].update(env=BASELINE_ENV, is_max_running_known=is_known)
+    summary["servers"][Role.SERVER.value]["env"] = {name: os.environ[name] for name in BASELINE_ENV
+                                                    if name in os.environ}
+    return summary

@@ -21,7 +21,7 @@ import faiss
 import httpx
 
 from app import cli
-from app.testing import free_port, wait_ready
+from app.readiness import free_port, wait_ready
 from kv_store import codec
 from kv_store.disk import SUFFIX
 from kv_store.keys import StorageFormat

@@ -216,14 +216,15 @@ def test_cli_ingest_and_ask_talk_to_the_server(server, client, tmp_path, capsys)
         client.delete(f"/v1/documents/{doc_id}")
 
 
-def test_server_bench_reports_every_mode_and_ends_with_json(server, tmp_path, capsys):
+def test_server_modes_bench_reports_every_mode_and_ends_with_json(server, tmp_path, capsys):
     from app.cli import main
 
     item = {"question": QUESTION, "answers": ["4812"], "ctxs": [{"title": "Vault", "text": DOCUMENTS[0]["text"]},
                                                                 {"title": "Bridge", "text": DOCUMENTS[1]["text"]}]}
     (tmp_path / "mini.json").write_text(json.dumps([item]))
-    assert main(["bench", "server", "--url", server.url, "--data", str(tmp_path / "mini.json"), "--questions", "1",
-                 "--passages", "2", "--max-tokens", "6", "--concurrency", "2", "--out", str(tmp_path / "b.json")]) == 0
+    assert main(["bench", "server-modes", "--url", server.url, "--data", str(tmp_path / "mini.json"),
+                 "--questions", "1", "--passages", "2", "--max-tokens", "6", "--concurrency", "2",
+                 "--out", str(tmp_path / "b.json")]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(summary["results"]) == {"full", "blend", "reuse"} and summary["blend_ttft_speedup_vs_full"] > 0
     assert summary["results"]["full"]["f1_vs_full"] == 1.0 and summary["results"]["blend"]["throughput_rps"] > 0

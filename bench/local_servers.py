@@ -1,0 +1,96 @@
+"""`ragblend bench server --serve`: `ragblend serve` started here, as a user would start it, each on a
+free loopback port over its own temporary data dir, its output in a log file there."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Iterator, Mapping
+
+from app.readiness import free_port, wait_ready
+
+# The checkout this bench runs from: the servers import the same code (PYTHONPATH), whatever the cwd.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+STOP_TIMEOUT_S = 60.0
+LOG_TAIL_CHARS = 3000
+
+
+@dataclass
+class LocalServer:
+    """One `ragblend serve` child process; `env` is layered over this process's environment."""
+
+    name: str
+    env: Mapping[str, str] = field(default_factory=dict)
+    config: Path | None = None
+    port: int = 0
+    process: subprocess.Popen | None = None
+    _dir: tempfile.TemporaryDirectory | None = None
+    _log: IO[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        if self._dir is None:
+            raise RuntimeError(f"server {self.name} was never started")
+        return Path(self._dir.name) / "server.log"
+
+    def start(self) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix=f"ragblend-bench-{self.name}-")
+        self.port = free_port()
+        argv = [sys.executable, "-m", "app.cli", "serve", "--port", str(self.port), "--data-dir",
+                str(Path(self._dir.name) / "data"), "--log-level", "warning"]
+        if self.config is not None:
+            argv += ["--config", str(self.config)]
+        pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, **self.env, "PYTHONPATH": pythonpath}
+        self._log = self.log_path.open("wb")
+        self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        try:
+            wait_ready(self.url, self._check_alive, timeout_s, poll_s=0.2)
+        except (RuntimeError, TimeoutError) as exc:
+            raise RuntimeError(f"server {self.name} ({self.url}) did not start: {exc}\n{self.log_tail()}") from exc
+
+    def _check_alive(self) -> None:
+        if self.process is not None and self.process.poll() is not None:
+            raise RuntimeError(f"`ragblend serve` exited with code {self.process.returncode}")
+
+    def log_tail(self) -> str:
+        if self._log is not None:
+            self._log.flush()
+        text = self.log_path.read_text(errors="replace") if self._dir is not None else ""
+        return f"--- last of {self.log_path} ---\n{text[-LOG_TAIL_CHARS:]}"
+
+    def stop(self) -> None:
+        """SIGTERM (uvicorn's graceful shutdown), SIGKILL if it is not over in a minute; then the data dir goes."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(STOP_TIMEOUT_S)
+        if self._log is not None:
+            self._log.close()
+        if self._dir is not None:
+            self._dir.cleanup()
+
+
+@contextlib.contextmanager
+def started(server: LocalServer, ready_timeout_s: float) -> Iterator[LocalServer]:
+    """`server` started and ready; stopped (and its data dir removed) on exit, however it is left."""
+    try:
+        server.start()
+        server.wait_ready(ready_timeout_s)
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,107 @@
+"""HTTP helpers of the server benches: ingest questions' passages, and stream one /v1/query timing
+each event's arrival on the client (time.perf_counter)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import httpx
+
+from app.commands.ask import iter_events
+from app.commands.client import error_message
+from bench.musique import Question
+
+
+class QueryFailed(Exception):
+    """A query answered with an HTTP error or an in-stream `error` event; the message is the server's."""
+
+
+def chunk_ids(qi: int, question: Question) -> list[str]:
+    """The chunk ids `ingest` gives question `qi`'s passages (one passage, one chunk)."""
+    return [f"q{qi}p{pi}#0" for pi in range(len(question.passages))]
+
+
+def ingest(client: httpx.Client, questions: Sequence[Question]) -> float:
+    """Ingest every question's passages (one passage, one chunk, KV precomputed); seconds taken."""
+    start = time.perf_counter()
+    for qi, question in enumerate(questions):
+        docs = [{"id": f"q{qi}p{pi}", "title": text.split("\n", 1)[0][:200], "text": text}
+                for pi, text in enumerate(question.passages)]
+        response = client.post("/v1/documents", json={"documents": docs, "chunking": "none", "precompute": True})
+        if response.status_code != 201:
+            raise QueryFailed(f"ingesting question {qi}'s passages: {error_message(response)}")
+    return time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class StreamedAnswer:
+    """One streamed answer, times in perf_counter seconds as the client saw them."""
+
+    sent_s: float  # the request went out
+    token_s: tuple[float, ...]  # each `token` event arrived
+    end_s: float  # the stream ended
+    answer: str
+    done: dict[str, Any]  # the `done` event: mode, usage, timings, plan
+
+    @property
+    def ttft_ms(self) -> float:
+        """Request sent to the first token received (the whole stream when no token came)."""
+        return ((self.token_s[0] if self.token_s else self.end_s) - self.sent_s) * 1000
+
+    @property
+    def total_ms(self) -> float:
+        return (self.end_s - self.sent_s) * 1000
+
+    @property
+    def inter_token_ms(self) -> list[float]:
+        """Gaps between consecutive token events."""
+        return [(b - a) * 1000 for a, b in zip(self.token_s, self.token_s[1:])]
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return int(self.done.get("usage", {}).get("completion_tokens", len(self.token_s)))
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens after the first over the time after the first (None for answers of one token)."""
+        decode_s = (self.total_ms - self.ttft_ms) / 1000
+        n = self.num_completion_tokens
+        return (n - 1) / decode_s if n > 1 and decode_s > 0 else None
+
+    @property
+    def timings(self) -> dict[str, float]:
+        return self.done.get("timings", {})
+
+    @property
+    def usage(self) -> dict[str, int]:
+        return self.done.get("usage", {})
+
+
+async def stream_query(client: httpx.AsyncClient, body: dict[str, Any]) -> StreamedAnswer:
+    """POST /v1/query with stream=true; raises QueryFailed with the server's message on an error."""
+    pieces: list[str] = []
+    token_s: list[float] = []
+    done: dict[str, Any] = {}
+    sent = time.perf_counter()
+    async with client.stream("POST", "/v1/query", json={**body, "stream": True}) as response:
+        if response.status_code != 200:
+            await response.aread()
+            raise QueryFailed(error_message(response))
+        lines = []
+        async for line in response.aiter_lines():
+            if line.startswith("event: token"):
+                token_s.append(time.perf_counter())
+            lines.append(line)
+    end = time.perf_counter()
+    for kind, data in iter_events(lines):
+        if kind == "token":
+            pieces.append(data["text"])
+        elif kind == "done":
+            done = data
+        elif kind == "error":
+            raise QueryFailed(data["error"]["message"])
+    if not done:
+        raise QueryFailed("the stream ended without a done event")
+    return StreamedAnswer(sent, tuple(token_s), end, "".join(pieces), done)

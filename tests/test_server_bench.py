@@ -1,0 +1,189 @@
+"""`ragblend bench server` on tiny inputs: two real servers (a tiny random model) over loopback, 2
+questions, a few tokens, 1 and 2 clients, uploads during the chats; and its statistics on hand-made
+answers, where every figure is known."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app.cli import main
+from app.testing import LiveServer
+from bench import server_bench
+from bench.server_client import StreamedAnswer
+from bench.server_report import Chat, Round, Upload, level_stats, ratio_rows, target_checks, upload_stats
+from configs.settings import load_settings
+
+LEVEL_KEYS = {"clients", "num_rounds", "num_requests", "num_errors", "errors", "ttft_p50_ms", "ttft_p95_ms",
+              "itl_p50_ms", "itl_p95_ms", "queue_p50_ms", "queue_p95_ms", "tokens_per_s", "requests_per_s",
+              "wall_s", "completion_tokens", "decode_tokens_per_s_p50", "server_ttft_p50_ms", "mean_prompt_tokens",
+              "modes"}
+RATIO_KEYS = {"clients", "ttft_p50_vs_baseline", "ttft_p95_vs_baseline", "tokens_per_s_vs_baseline",
+              "decode_tokens_per_s_vs_baseline", "tokens_per_s_vs_one_client", "baseline_tokens_per_s_vs_one_client"}
+UPLOAD_KEYS = {"clients", "num_files", "num_chunks", "upload_p50_ms", "upload_max_ms", "one_chunk_upload_ms",
+               "num_errors", "chats", "max_ttft_growth_ms", "ttft_p50_ms_without", "ttft_p50_ms_with"}
+TINY_MODEL = {"name": "random:tiny-llama", "device": "cpu"}
+WORDS = ("the river flows past an old mill near the town of harlow where people trade wool and the bridge "
+         "was painted red in the spring by a team of workers from the valley").split()
+
+
+def dataset(path, num_questions: int = 3) -> str:
+    """MuSiQue-shaped questions with 3 passages each (the third, unused by the bench, fills uploads)."""
+    items = [{"question": f"where is mill number {qi}?", "answers": ["harlow"],
+              "ctxs": [{"title": f"t{qi}{pi}", "text": " ".join(WORDS[pi + qi:] + WORDS[: pi + qi]) * 2}
+                       for pi in range(3)]} for qi in range(num_questions)]
+    path.write_text(json.dumps(items))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """The server and its baseline: both the tiny model (this checkout may predate server.max_running)."""
+    settings = [load_settings(data_dir=tmp_path_factory.mktemp(name), model=TINY_MODEL) for name in ("s", "b")]
+    with LiveServer(settings[0]) as server, LiveServer(settings[1]) as baseline:
+        yield server, baseline
+
+
+def test_bench_server_measures_both_servers_interleaved_and_writes_json(servers, tmp_path, capsys):
+    server, baseline = servers
+    out = tmp_path / "out.json"
+    code = main(["bench", "server", "--url", server.url, "--baseline-url", baseline.url,
+                 "--data", dataset(tmp_path / "data.json"), "--questions", "2", "--passages", "2",
+                 "--concurrency", "2,1", "--max-tokens", "3", "--uploads", "2", "--upload-chars", "400",
+                 "--upload-lead", "0.05", "--out", str(out)])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert code == 0
+    summary = json.loads(lines[-1])
+    assert json.loads(out.read_text()) == summary
+    assert summary["bench"] == "server" and summary["concurrency"] == [1, 2] and summary["max_tokens"] == 3
+    assert summary["servers"]["server"]["url"] == server.url and summary["servers"]["baseline"]["ingest_s"] > 0
+    for role in ("server", "baseline"):
+        rows = summary["results"][role]
+        assert [row["clients"] for row in rows] == [1, 2]
+        for row in rows:
+            assert set(row) == LEVEL_KEYS
+            assert row["num_requests"] == row["clients"] and row["num_errors"] == 0
+            assert 0 < row["ttft_p50_ms"] <= row["ttft_p95_ms"] and row["itl_p50_ms"] <= row["itl_p95_ms"]
+            assert 0 < row["completion_tokens"] <= 3 * row["clients"] and row["tokens_per_s"] > 0
+            assert row["requests_per_s"] == pytest.approx(row["clients"] / row["wall_s"])
+            assert row["mean_prompt_tokens"] > 40  # the question's 2 passages are in its prompt
+    # the ratios are the rows' own figures divided
+    results = {role: {row["clients"]: row for row in rows} for role, rows in summary["results"].items()}
+    for row in summary["ratios"]:
+        assert set(row) == RATIO_KEYS
+        mine, base = results["server"][row["clients"]], results["baseline"][row["clients"]]
+        assert row["ttft_p50_vs_baseline"] == pytest.approx(mine["ttft_p50_ms"] / base["ttft_p50_ms"])
+        assert row["ttft_p95_vs_baseline"] == pytest.approx(mine["ttft_p95_ms"] / base["ttft_p95_ms"])
+        assert row["tokens_per_s_vs_one_client"] == pytest.approx(mine["tokens_per_s"]
+                                                                  / results["server"][1]["tokens_per_s"])
+        assert row["baseline_tokens_per_s_vs_one_client"] == pytest.approx(base["tokens_per_s"]
+                                                                           / results["baseline"][1]["tokens_per_s"])
+    assert {check["clients"] for check in summary["targets"]} == {1, 2}
+    # interleaved: each level runs on both servers back to back, who goes first alternating
+    chat_runs = [(s["clients"], s["server"]) for s in summary["schedule"] if "uploads" not in s]
+    assert chat_runs == [(1, "server"), (1, "baseline"), (2, "baseline"), (2, "server")]
+    for role in ("server", "baseline"):
+        uploads = summary["uploads"][role]
+        assert set(uploads) == UPLOAD_KEYS and uploads["clients"] == 2 and uploads["num_files"] == 2
+        assert uploads["num_chunks"] >= 2 and uploads["one_chunk_upload_ms"] > 0 and uploads["num_errors"] == 0
+        assert [c["question"] for c in uploads["chats"]] == [0, 1]
+        for c in uploads["chats"]:
+            assert c["growth_ms"] == pytest.approx(c["ttft_ms_with"] - c["ttft_ms_without"])
+        assert uploads["max_ttft_growth_ms"] == max(c["growth_ms"] for c in uploads["chats"])
+    # the uploaded files are deleted again; the questions' passages stay
+    import httpx
+
+    listing = httpx.get(f"{server.url}/v1/documents", params={"limit": 100}).json()
+    assert listing["total"] == 2 * 2 and all(d["id"].startswith("q") for d in listing["documents"])
+    table = "\n".join(lines[:-1])
+    assert "TTFT p50 vs base" in table and "largest TTFT growth" in table and "baseline" in table
+
+
+def test_bench_server_without_baseline_and_bad_arguments(servers, tmp_path, capsys):
+    server, _ = servers
+    data = dataset(tmp_path / "data.json")
+    assert main(["bench", "server", "--url", server.url, "--data", data, "--questions", "2", "--passages", "2",
+                 "--concurrency", "1", "--max-tokens", "2", "--repeats", "2"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(summary["results"]) == {"server"} and summary["results"]["server"][0]["num_requests"] == 2
+    assert summary["ratios"][0]["ttft_p50_vs_baseline"] is None and summary["targets"] == []
+    assert summary["uploads"] is None
+    assert main(["bench", "server", "--url", server.url, "--data", data, "--concurrency", "1,4",
+                 "--questions", "2"]) == 2
+    assert "each client asks its own" in capsys.readouterr().err
+    assert main(["bench", "server", "--serve", "--baseline-url", server.url, "--data", data]) == 2
+    with pytest.raises(SystemExit):
+        main(["bench", "server", "--concurrency", "0,2"])
+
+
+def answer(question_s: float, token_s: tuple[float, ...], end_s: float, **timings: float) -> StreamedAnswer:
+    done = {"mode": "blend", "usage": {"prompt_tokens": 100, "completion_tokens": len(token_s)}, "timings": timings}
+    return StreamedAnswer(question_s, token_s, end_s, "x" * len(token_s), done)
+
+
+def test_level_statistics_and_ratios_on_known_answers():
+    # two rounds of 2 clients: TTFTs 100, 300, 200, 400 ms; gaps 50, 100 | 50 | 20, 30 | 40 ms
+    one = Round(2, 1.0, (Chat(0, answer(0.0, (0.1, 0.15, 0.25), 0.3, queue_ms=10.0)),
+                         Chat(1, answer(0.0, (0.3, 0.35), 0.4, queue_ms=30.0))))
+    two = Round(2, 0.5, (Chat(0, answer(1.0, (1.2, 1.22, 1.25), 1.3)),
+                         Chat(1, answer(1.0, (1.4, 1.44), 1.5)), Chat(0, None, "QueryFailed: queue full")))
+    row = level_stats([one, two])
+    assert row["num_requests"] == 5 and row["num_errors"] == 1 and row["errors"] == ["QueryFailed: queue full"]
+    assert row["ttft_p50_ms"] == pytest.approx(250) and row["ttft_p95_ms"] == pytest.approx(385)
+    assert row["itl_p50_ms"] == pytest.approx(45) and row["itl_p95_ms"] == pytest.approx(87.5)
+    assert row["queue_p50_ms"] == pytest.approx(20)  # only the answers that report a queue wait
+    # 5 tokens in 1 s, 5 in 0.5 s: median of 5 and 10 tok/s; requests 2/1 s and 2/0.5 s
+    assert row["tokens_per_s"] == pytest.approx(7.5) and row["requests_per_s"] == pytest.approx(3.0)
+    assert row["completion_tokens"] == 10 and row["mean_prompt_tokens"] == 100 and row["modes"] == {"blend": 4}
+    lone = level_stats([Round(1, 1.0, (Chat(0, answer(0.0, (0.1, 0.2), 0.2)),))])
+    assert lone["queue_p50_ms"] is None and lone["tokens_per_s"] == 2.0
+    results = {"server": [lone, row], "baseline": [lone, {**row, "ttft_p50_ms": 500.0, "tokens_per_s": 2.5}]}
+    ratios = {r["clients"]: r for r in ratio_rows(results)}
+    assert ratios[1]["ttft_p50_vs_baseline"] == 1.0 and ratios[2]["ttft_p50_vs_baseline"] == pytest.approx(0.5)
+    assert ratios[2]["tokens_per_s_vs_one_client"] == pytest.approx(3.75)
+    assert ratios[2]["baseline_tokens_per_s_vs_one_client"] == pytest.approx(1.25)
+    assert ratios[2]["tokens_per_s_vs_baseline"] == pytest.approx(3.0)
+    checks = target_checks({"ratios": ratio_rows(results)})
+    met = {(c["name"], c["clients"]): c["is_met"] for c in checks}
+    assert met[("aggregate tok/s vs one client's", 2)] and met[("ttft p50 vs baseline", 2)]
+    assert not met[("ttft p95 vs baseline", 2)] and met[("ttft p50 vs baseline", 1)]
+
+
+def test_upload_statistics_pair_each_chat_by_question():
+    upload = Upload("f.txt", 900.0, 3, ("f",))
+    plain = Round(2, 1.0, (Chat(0, answer(0.0, (0.1,), 0.2)), Chat(1, answer(0.0, (0.2,), 0.3))))
+    loaded = Round(2, 1.0, (Chat(1, answer(0.0, (0.25,), 0.3)), Chat(0, answer(0.0, (0.6,), 0.7))),
+                   (upload, upload))
+    stats = upload_stats([(plain, loaded, Upload("one.txt", 80.0, 1, ("one",)))])
+    assert [(c["question"], round(c["growth_ms"])) for c in stats["chats"]] == [(0, 500), (1, 50)]
+    assert stats["max_ttft_growth_ms"] == pytest.approx(500) and stats["num_chunks"] == 6
+    assert stats["one_chunk_upload_ms"] == 80.0 and stats["upload_max_ms"] == 900.0 and stats["num_files"] == 2
+
+
+@pytest.mark.slow
+def test_bench_server_serve_starts_both_servers_and_stops_them(tmp_path, capsys):
+    """--serve: `ragblend serve` twice in child processes (the baseline with max_running=1), then stopped.
+    Slow for the two servers' start-up (each imports torch and loads its model and embedder): 1.5 min on
+    2 busy cores, most of it start-up."""
+    import httpx
+
+    config = tmp_path / "tiny.yaml"
+    config.write_text(f"model: {json.dumps(TINY_MODEL)}\n")
+    code = main(["bench", "server", "--serve", "--config", str(config), "--data", dataset(tmp_path / "data.json"),
+                 "--questions", "2", "--passages", "2", "--concurrency", "1,2", "--max-tokens", "3"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    servers = summary["servers"]
+    assert servers["baseline"]["env"] == {"RAGBLEND_SERVER__MAX_RUNNING": "1"} and servers["server"]["env"] == {}
+    assert servers["server"]["model"] == servers["baseline"]["model"] == "random"
+    is_known = server_bench.is_max_running_known()
+    assert servers["baseline"]["is_max_running_known"] is is_known
+    assert ("no server.max_running setting" in captured.err) is not is_known
+    for role in ("server", "baseline"):
+        assert [row["num_requests"] for row in summary["results"][role]] == [1, 2]
+    assert summary["ratios"][1]["ttft_p50_vs_baseline"] > 0
+    for info in servers.values():  # stopped
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{info['url']}/healthz", timeout=2)
