@@ -154,7 +154,11 @@ class EngineLoop:
             finally:
                 emit(END)
 
-        return JobStream(self.submit(body), items)
+        job = self.submit(body)
+        # a job cancelled before it started never runs `body`: only its settling can end the stream
+        # (else a queued request whose client left awaits its items for ever, and holds shutdown)
+        job.future.add_done_callback(lambda _: items.put_nowait(END))
+        return JobStream(job, items)
 
     def generate(self, request: PrefillRequest, t_start: float, retrieval_ms: float = 0.0,
                  num_prompt_tokens: int | None = None) -> JobStream:
