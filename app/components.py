@@ -19,6 +19,7 @@ from app.worker import EngineWorker
 from configs.settings import Settings
 from retrieval.chunker import Chunker
 from retrieval.retriever import Retriever
+from retrieval.store_types import DocumentStore
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class Components:
         check_document_limit(settings, engine)  # before any store opens: the limit must fit its bound
         retriever = kv_store = worker = None
         try:
-            retriever = Retriever.open(settings.data_dir, settings.retrieval)
+            retriever = Retriever.open(settings.data_dir, settings.retrieval, _shared_store(settings))
             kv_store = KVStore.from_settings(settings, engine.fingerprint)
             _collect_kv_garbage(settings, kv_store, retriever)
             worker = EngineWorker(settings.server.max_queue, settings.server.retry_after_s)
@@ -80,6 +81,16 @@ class Components:
             _close_all(self.kv_store, self.retriever)
         else:  # never close SQLite or the store under a running job: both survive a hard exit
             logger.error("engine worker did not stop: the stores are left open to the process exit")
+
+
+def _shared_store(settings: Settings) -> DocumentStore | None:
+    """The Postgres store replicas share (`store.database_url`), or None: SQLite under the data dir."""
+    store = settings.store
+    if store.database_url is None:
+        return None
+    from retrieval.pg_store import PostgresDocumentStore  # psycopg only where it is used
+
+    return PostgresDocumentStore(store.database_url, store.database_max_connections, store.database_timeout_s)
 
 
 def _collect_kv_garbage(settings: Settings, kv_store: Any, retriever: Retriever) -> None:

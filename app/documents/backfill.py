@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from app.worker import EngineWorker
-from retrieval.doc_store import StoredChunk
+from retrieval.store_types import StoredChunk
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from app.errors import IngestInterruptedError, InvalidRequestError, NotFoundErro
 from app.worker import EngineWorker, Job, JobCancelled
 from configs.settings import ChunkingMode, Settings
 from retrieval.chunker import Chunker
-from retrieval.doc_store import StoredChunk
+from retrieval.store_types import StoredChunk
 from retrieval.retriever import Retriever
 
 

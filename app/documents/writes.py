@@ -1,9 +1,9 @@
 """The ordered, idempotent write path of documents (runs on the engine worker, one write at a time).
 
-SQLite is the one source of truth. Each document is written in this order:
+The document store (SQLite, or Postgres shared by replicas) is the one source of truth. Each document is written in this order:
 1. prepare: chunk, embed, precompute the chunks' KV into the store (content-addressed entries; if
    the process dies here they are orphans, deleted by the start-up garbage collection);
-2. commit: one SQLite transaction replaces the document and its chunks (atomic per document);
+2. commit: one store transaction replaces the document and its chunks (atomic per document);
 3. follow: the vector index drops the replaced chunks' ids and adds the new ones (saved at the end
    of the request; start-up reconciles it with the store by id sets), and the KV of replaced
    chunks no other chunk shares is deleted (orphans again if the process dies first).
@@ -21,7 +21,7 @@ from typing import Any, Sequence
 from app.documents.protocol import DocumentIn, DocumentStatus
 from configs.settings import ChunkingMode, Settings
 from retrieval.chunker import Chunker, TextChunk
-from retrieval.doc_store import NewChunk, StoredChunk
+from retrieval.store_types import NewChunk, StoredChunk
 from retrieval.retriever import Retriever
 
 
@@ -52,9 +52,12 @@ class DocumentWriter:
                     self._fill_kv(stored.chunks, context_ids)
                 return WrittenDocument(doc_id, DocumentStatus.UNCHANGED, stored.chunks)
         new_chunks = self._prepare(self.chunker.split(doc.text, chunking), context_ids, precompute)
-        stored, replaced = store.put_document(  # the commit point
+        result = store.put_document(  # the commit point
             doc_id, doc.title, doc.metadata or {}, len(doc.text), new_chunks, content_hash
         )
+        if result.is_unchanged:  # another replica committed the same content meanwhile: one version
+            return WrittenDocument(doc_id, DocumentStatus.UNCHANGED, result.document.chunks)
+        stored, replaced = result.document, result.replaced
         self.retriever.follow(replaced, [c.row_id for c in stored.chunks], [n.embedding for n in new_chunks])
         self.release_kv(replaced)
         status = DocumentStatus.REPLACED if replaced else DocumentStatus.CREATED
