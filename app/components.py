@@ -16,6 +16,7 @@ from app.rag.pipeline import RagPipeline
 from app.documents.backfill import KVBackfill
 from app.rag.repair import KVRepairer
 from app.worker import EngineWorker
+from kv_store.single_flight import PrecomputeLocks, SingleFlight
 from configs.settings import Settings
 from retrieval.chunker import Chunker
 from retrieval.retriever import Retriever
@@ -37,6 +38,8 @@ class Components:
     pipeline: RagPipeline
     model_id: str
     started_at: float
+    follower: Any = None  # retrieval.follower.IndexFollower: the index following a shared store
+    locks: PrecomputeLocks | None = None  # the single-flight KV precompute lock's Redis connection
 
     @classmethod
     def build(cls, settings: Settings, metrics: Metrics, engine: Any | None = None) -> Components:
@@ -49,36 +52,41 @@ class Components:
         if engine is None:
             engine = BlendEngine.from_settings(settings, max_cpu_threads=single_threaded_default())
         check_document_limit(settings, engine)  # before any store opens: the limit must fit its bound
-        retriever = kv_store = worker = None
+        retriever = kv_store = worker = locks = None
         try:
             retriever = Retriever.open(settings.data_dir, settings.retrieval, _shared_store(settings))
             kv_store = KVStore.from_settings(settings, engine.fingerprint)
             _collect_kv_garbage(settings, kv_store, retriever)
             worker = EngineWorker(settings.server.max_queue, settings.server.retry_after_s)
-            repairer = KVRepairer(engine, kv_store, worker, retriever.store.is_kv_key_used)
+            locks = PrecomputeLocks(settings.store.redis_url, settings.store.lock_ttl_s)
+            single_flight = SingleFlight(kv_store, locks, metrics.observe_precompute)
+            repairer = KVRepairer(engine, kv_store, worker, retriever.store.is_kv_key_used, single_flight)
             backfill = KVBackfill(engine, kv_store, worker, retriever.store.is_kv_key_used,
-                                  engine.sink_ids(settings.blend.sink))
+                                  engine.sink_ids(settings.blend.sink), single_flight)
             metrics.watch_store(kv_store.stats, repairer.stats)
             metrics.watch_worker(worker)
             chunker = Chunker(engine.tokenize, engine.tokenizer.decode, settings.retrieval.chunk_tokens,
                               settings.retrieval.chunk_overlap)
             pipeline = RagPipeline(settings, engine, retriever, kv_store, worker, metrics, repairer)
             model_id = settings.server.model_id or _model_id(engine.model_name)
+            follower = _start_follower(settings, retriever)
             return cls(
                 settings=settings, engine=engine, retriever=retriever, kv_store=kv_store, worker=worker,
-                documents=DocumentService(settings, engine, retriever, kv_store, chunker, worker, backfill),
+                documents=DocumentService(settings, engine, retriever, kv_store, chunker, worker, backfill,
+                                          single_flight),
                 query=QueryService(settings, pipeline), chat=ChatService(settings, pipeline, model_id),
-                pipeline=pipeline, model_id=model_id, started_at=time.time(),
+                pipeline=pipeline, model_id=model_id, started_at=time.time(), follower=follower,
+                locks=locks,
             )
         except BaseException:
-            _close_all(worker, kv_store, retriever)
+            _close_all(worker, locks, kv_store, retriever)
             raise
 
     def close(self) -> None:
         """Stop the worker first (its job, e.g. an ingest, stops after the document it is writing);
         the stores it writes are closed only once it has stopped."""
         if self.worker.close():
-            _close_all(self.kv_store, self.retriever)
+            _close_all(self.follower, self.locks, self.kv_store, self.retriever)
         else:  # never close SQLite or the store under a running job: both survive a hard exit
             logger.error("engine worker did not stop: the stores are left open to the process exit")
 
@@ -91,6 +99,15 @@ def _shared_store(settings: Settings) -> DocumentStore | None:
     from retrieval.pg_store import PostgresDocumentStore  # psycopg only where it is used
 
     return PostgresDocumentStore(store.database_url, store.database_max_connections, store.database_timeout_s)
+
+
+def _start_follower(settings: Settings, retriever: Retriever) -> Any:
+    """With a shared store, a thread that makes the index follow the other replicas' commits."""
+    if not retriever.store.is_shared or settings.store.database_url is None:
+        return None
+    from retrieval.follower import IndexFollower
+
+    return IndexFollower(retriever, settings.store.database_url, settings.store.database_poll_s).start()
 
 
 def _collect_kv_garbage(settings: Settings, kv_store: Any, retriever: Retriever) -> None:

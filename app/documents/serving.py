@@ -16,6 +16,7 @@ from app.documents.writes import DocumentWriter, WrittenDocument, content_id
 from app.errors import IngestInterruptedError, InvalidRequestError, NotFoundError, PayloadTooLargeError
 from app.worker import EngineWorker, Job, JobCancelled
 from configs.settings import ChunkingMode, Settings
+from kv_store.single_flight import SingleFlight
 from retrieval.chunker import Chunker
 from retrieval.store_types import StoredChunk
 from retrieval.retriever import Retriever
@@ -30,10 +31,12 @@ class DocumentService:
     chunker: Chunker
     worker: EngineWorker
     backfill: KVBackfill | None = None  # KV of large documents, between questions
+    single_flight: SingleFlight | None = None  # KV precompute once across replicas
     writer: DocumentWriter = field(init=False)
 
     def __post_init__(self) -> None:
-        self.writer = DocumentWriter(self.settings, self.engine, self.retriever, self.kv_store, self.chunker)
+        self.writer = DocumentWriter(self.settings, self.engine, self.retriever, self.kv_store, self.chunker,
+                                     self.single_flight)
 
     def validate(self, request: IngestRequest) -> None:
         limits = self.settings.limits

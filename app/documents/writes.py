@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from app.documents.protocol import DocumentIn, DocumentStatus
 from configs.settings import ChunkingMode, Settings
+from kv_store.single_flight import PrecomputeLocks, PrecomputeReason, SingleFlight
 from retrieval.chunker import Chunker, TextChunk
 from retrieval.store_types import NewChunk, StoredChunk
 from retrieval.retriever import Retriever
@@ -39,6 +40,11 @@ class DocumentWriter:
     retriever: Retriever
     kv_store: Any  # kv_store.KVStore
     chunker: Chunker
+    single_flight: SingleFlight | None = None  # one replica precomputes a chunk, others wait (Redis lock)
+    _flight: SingleFlight = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._flight = self.single_flight or SingleFlight(self.kv_store, PrecomputeLocks(None, 1.0))
 
     def write(self, doc: DocumentIn, chunking: ChunkingMode, precompute: bool) -> WrittenDocument:
         store = self.retriever.store
@@ -78,7 +84,7 @@ class DocumentWriter:
         if precompute:  # a damaged entry reads as absent (and is deleted): computed again
             for chunk, key, is_readable in zip(chunks, keys, self.kv_store.readable_many(keys)):
                 if not is_readable:
-                    self.kv_store.put(key, self.engine.precompute(list(chunk.token_ids), context_ids))
+                    self._precompute(key, chunk.token_ids, context_ids)
         return [NewChunk(c.text, c.token_ids, e, key) for c, e, key in zip(chunks, embeddings, keys)]
 
     def _fill_kv(self, chunks: Sequence[StoredChunk], context_ids: tuple[int, ...]) -> None:
@@ -86,7 +92,11 @@ class DocumentWriter:
         keyed = [c for c in chunks if c.kv_key is not None]
         for chunk, is_readable in zip(keyed, self.kv_store.readable_many([c.kv_key for c in keyed])):
             if not is_readable:
-                self.kv_store.put(chunk.kv_key, self.engine.precompute(list(chunk.token_ids), context_ids))
+                self._precompute(chunk.kv_key, chunk.token_ids, context_ids)
+
+    def _precompute(self, key: str, token_ids: Sequence[int], context_ids: tuple[int, ...]) -> None:
+        """Once across replicas: another replica computing the same chunk is waited for, not repeated."""
+        self._flight.ensure(key, lambda: self.engine.precompute(list(token_ids), context_ids), PrecomputeReason.INGEST)
 
     def release_kv(self, chunks: Sequence[StoredChunk]) -> None:
         """Delete the KV of chunks that are gone, unless another chunk shares the same content."""
