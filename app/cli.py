@@ -25,6 +25,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("serve",): ("app.commands.serve", "run the RAG server"),
     ("ingest",): ("app.commands.ingest", "ingest txt/md/jsonl files into a running server"),
     ("ask",): ("app.commands.ask", "ask a running server a question, streaming the answer"),
+    ("store", "copy"): ("app.commands.store_copy", "copy a data directory's SQLite documents into Postgres"),
     ("bench", "engine"): ("bench.engine_bench", "engine benchmark: TTFT and fidelity per prefill mode"),
     ("bench", "kv"): ("bench.kv_bench", "KV store benchmark: blend TTFT per tier, pipelined or not"),
     ("bench", "server"): ("bench.server_bench", "end-to-end benchmark against a running server"),

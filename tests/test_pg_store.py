@@ -95,3 +95,45 @@ def test_a_stopped_server_is_a_clear_unavailable_error_and_a_restart_heals(postg
 def test_an_unreachable_database_at_start_is_a_clear_error():
     with pytest.raises(StoreUnavailableError, match="cannot connect"):
         PostgresDocumentStore("postgresql://nobody@127.0.0.1:1/none", timeout_s=1.0)
+
+
+def test_store_copy_moves_a_sqlite_install_into_postgres_and_is_safe_to_rerun(postgres, tmp_path, capsys):
+    """`ragblend store copy`: documents, chunks, token ids, KV keys, embeddings and content hashes
+    arrive whole; a re-run is a no-op; a document that differs in Postgres is kept unless --overwrite;
+    a replica opening the Postgres store builds its index from what was copied."""
+    from app import cli
+    from retrieval.doc_store import SqliteDocumentStore
+
+    data_dir, url = tmp_path / "old", postgres.new_database()
+    old = Retriever.open(data_dir, RetrievalSettings())
+    texts = {"vault": ["The secret code of the blue vault is 4812."],
+             "bridge": ["The red bridge in Lisbon was painted in 1966.", "Forty workers painted it."]}
+    for doc_id, chunk_texts in texts.items():
+        vectors = old.embedder.encode(chunk_texts)
+        chunks = [NewChunk(t, (i + 1, 7), v, f"key-{doc_id}-{i}") for i, (t, v) in enumerate(zip(chunk_texts, vectors))]
+        old.store.put_document(doc_id, doc_id.title(), {"from": "sqlite"}, 40, chunks, content_hash=f"hash-{doc_id}")
+    old.close()
+    argv = ["store", "copy", "--data-dir", str(data_dir), "--database-url", url]
+    assert cli.main(argv) == 0
+    assert "copied 2 documents (3 chunks)" in capsys.readouterr().out
+    source, target = SqliteDocumentStore(data_dir / "documents.sqlite3"), PostgresDocumentStore(url)
+    try:
+        for want, got in zip(source.export_documents(), target.export_documents()):
+            assert (got.document.id, got.document.title, got.document.metadata, got.content_hash) == (
+                want.document.id, want.document.title, want.document.metadata, want.content_hash)
+            assert [(c.text, c.token_ids, c.kv_key) for c in got.chunks] == [
+                (c.text, c.token_ids, c.kv_key) for c in want.chunks]
+            assert all(np.array_equal(g.embedding, w.embedding) for g, w in zip(got.chunks, want.chunks))
+        assert cli.main(argv) == 0 and "unchanged 2" in capsys.readouterr().out
+        target.put_document("vault", None, {}, 3, [NewChunk("other", (1,), np.ones(384, np.float32))], "hash-new")
+        assert cli.main(argv) == 1 and "kept (differs; --overwrite replaces it): vault" in capsys.readouterr().out
+        assert cli.main(argv + ["--overwrite"]) == 0 and "replaced 1" in capsys.readouterr().out
+    finally:
+        source.close()
+        target.close()
+    replica = Retriever.open(tmp_path / "replica", RetrievalSettings(), PostgresDocumentStore(url))
+    try:
+        assert replica.search("What is the code of the blue vault?", 1)[0].chunk.kv_key == "key-vault-0"
+    finally:
+        replica.close()
+    assert cli.main(["store", "copy", "--data-dir", str(tmp_path / "none"), "--database-url", url]) == 2
