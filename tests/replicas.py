@@ -18,7 +18,10 @@ try:
 except ImportError:  # tests/ is not a package: pytest put it on sys.path itself
     from crash_harness import ServerProcess, fork_context
 
+API_KEY = "replica-test-key"  # required, as in docker-compose.yml
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 REPLICA_CONFIG = """\
+server: {{api_key: "%s"}}
 model: {{name: "random:tiny-llama", device: cpu}}
 retrieval: {{chunk_tokens: 32, chunk_overlap: 0}}
 store:
@@ -29,7 +32,7 @@ store:
   database_url: "{database_url}"
   database_timeout_s: {timeout_s}
   database_poll_s: {poll_s}
-"""
+""" % API_KEY
 
 
 def write_config(path: Path, redis_url: str, database_url: str, poll_s: float = 30.0, timeout_s: float = 2.0) -> Path:
@@ -91,7 +94,7 @@ def until(predicate: Callable[[], bool], timeout_s: float, poll_s: float = 0.02)
 
 def metric(url: str, name: str, **labels: str) -> float:
     """The sum of a Prometheus metric's samples whose labels include `labels` (0 when none)."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
+    text = httpx.get(f"{url}/metrics", headers=HEADERS, timeout=30).text
     total = 0.0
     for line in text.splitlines():
         match = re.match(rf"^{re.escape(name)}(?:\{{(.*)\}})? (\S+)$", line)
@@ -105,16 +108,23 @@ def metric(url: str, name: str, **labels: str) -> float:
 
 def ask(url: str, question: str, top_k: int = 3, timeout_s: float = 60, **extra) -> dict:
     response = httpx.post(f"{url}/v1/query", json={"question": question, "top_k": top_k, "max_tokens": 1, **extra},
-                          timeout=timeout_s)
+                          headers=HEADERS, timeout=timeout_s)
     response.raise_for_status()
     return response.json()
 
 
 def listed(url: str) -> set[str]:
-    response = httpx.get(f"{url}/v1/documents", params={"limit": 1000}, timeout=30)
+    response = httpx.get(f"{url}/v1/documents", params={"limit": 1000}, headers=HEADERS, timeout=30)
     response.raise_for_status()
     return {d["id"] for d in response.json()["documents"]}
 
 
-__all__ = ["Replica", "ask", "fork_context", "listed", "metric", "restart", "start_replicas", "stop_all", "until",
+def ingest(url: str, doc_id: str, text: str, timeout_s: float = 120) -> dict:
+    response = httpx.post(f"{url}/v1/documents", json={"documents": [{"id": doc_id, "text": text}]},
+                          headers=HEADERS, timeout=timeout_s)
+    assert response.status_code in (200, 201), response.text
+    return response.json()["documents"][0]
+
+
+__all__ = ["HEADERS", "Replica", "ingest", "ask", "fork_context", "listed", "metric", "restart", "start_replicas", "stop_all", "until",
            "write_config"]

@@ -1,6 +1,7 @@
-"""Two real `ragblend serve` replicas on one Postgres (documents, change log) and one redis-server (KV):
-what one replica commits, the other lists, retrieves and answers from, within a second, reusing the
-KV the first put in Redis; the same document sent to both at once is one version, precomputed once."""
+"""Two real `ragblend serve` replicas on one Postgres (documents, change log) and one redis-server (KV),
+an API key required, nginx (deploy/nginx.conf) in front: what one replica commits, the other lists,
+retrieves and answers from, within a second, reusing the KV the first put in Redis; the same document
+sent to both at once is one version, precomputed once; an answer streams through nginx unbuffered."""
 
 from __future__ import annotations
 
@@ -11,11 +12,15 @@ import psycopg
 import pytest
 
 try:
+    from tests.nginx_server import NginxServer
     from tests.redis_server import start_or_skip as start_redis_or_skip
-    from tests.replicas import ask, fork_context, listed, metric, start_replicas, stop_all, until, write_config
+    from tests.replicas import (
+        HEADERS, ask, fork_context, ingest, listed, metric, start_replicas, stop_all, until, write_config,
+    )
 except ImportError:  # tests/ is not a package: pytest put it on sys.path itself
+    from nginx_server import NginxServer
     from redis_server import start_or_skip as start_redis_or_skip
-    from replicas import ask, fork_context, listed, metric, start_replicas, stop_all, until, write_config
+    from replicas import HEADERS, ask, fork_context, ingest, listed, metric, start_replicas, stop_all, until, write_config
 
 FOLLOW_S = 1.0  # the issue's bound on change propagation between replicas
 
@@ -36,12 +41,6 @@ def cluster(postgres, tmp_path_factory):
         redis_server.stop()
 
 
-def _ingest(url: str, doc_id: str, text: str) -> dict:
-    response = httpx.post(f"{url}/v1/documents", json={"documents": [{"id": doc_id, "text": text}]}, timeout=120)
-    assert response.status_code in (200, 201), response.text
-    return response.json()["documents"][0]
-
-
 def _retrieves(url: str, question: str, doc_id: str) -> bool:
     return doc_id in {s["document_id"] for s in ask(url, question)["sources"]}
 
@@ -50,7 +49,7 @@ def test_a_document_ingested_through_a_is_answered_through_b_from_redis(cluster)
     a, b, _ = cluster
     ask(b, "warm up the question path")
     text = "The secret code of the blue vault is 4812. The vault stands in the old harbour of Porto."
-    assert _ingest(a, "vault", text)["status"] == "created"
+    assert ingest(a, "vault", text)["status"] == "created"
     seconds = until(lambda: _retrieves(b, "What is the secret code of the blue vault?", "vault"), FOLLOW_S)
     assert seconds < FOLLOW_S and "vault" in listed(b)
     answer = ask(b, "What is the secret code of the blue vault?", mode="blend")
@@ -61,9 +60,9 @@ def test_a_document_ingested_through_a_is_answered_through_b_from_redis(cluster)
 
 def test_a_replace_and_a_delete_through_b_are_followed_by_a(cluster):
     a, b, _ = cluster
-    _ingest(a, "ships", "Old ships sail from Lisbon at dawn. Their sails are red.")
+    ingest(a, "ships", "Old ships sail from Lisbon at dawn. Their sails are red.")
     until(lambda: _retrieves(b, "When do the old ships sail?", "ships"), FOLLOW_S)
-    assert _ingest(b, "ships", "The violet zeppelin lands in Oslo every Tuesday.")["status"] == "replaced"
+    assert ingest(b, "ships", "The violet zeppelin lands in Oslo every Tuesday.")["status"] == "replaced"
 
     def a_answers_the_new_version() -> bool:
         sources = ask(a, "Where does the violet zeppelin land?")["sources"]
@@ -71,11 +70,12 @@ def test_a_replace_and_a_delete_through_b_are_followed_by_a(cluster):
         return bool(texts) and all("zeppelin" in t for t in texts)
 
     assert until(a_answers_the_new_version, FOLLOW_S) < FOLLOW_S
-    assert "sail" not in " ".join(c["text"] for c in httpx.get(f"{a}/v1/documents/ships").json()["chunks"])
-    assert httpx.delete(f"{b}/v1/documents/ships", timeout=60).status_code == 200
+    chunks = httpx.get(f"{a}/v1/documents/ships", headers=HEADERS).json()["chunks"]
+    assert "sail" not in " ".join(c["text"] for c in chunks)
+    assert httpx.delete(f"{b}/v1/documents/ships", headers=HEADERS, timeout=60).status_code == 200
     assert until(lambda: "ships" not in listed(a), FOLLOW_S) < FOLLOW_S
     assert until(lambda: not _retrieves(a, "Where does the violet zeppelin land?", "ships"), FOLLOW_S) < FOLLOW_S
-    assert httpx.get(f"{a}/v1/documents/ships").status_code == 404
+    assert httpx.get(f"{a}/v1/documents/ships", headers=HEADERS).status_code == 404
 
 
 def test_the_same_document_through_both_at_once_is_one_version_and_one_precompute(cluster):
@@ -86,7 +86,7 @@ def test_the_same_document_through_both_at_once_is_one_version_and_one_precomput
 
     def send(url: str) -> None:
         barrier.wait()
-        results[url] = _ingest(url, "twin", text)
+        results[url] = ingest(url, "twin", text)
 
     threads = [threading.Thread(target=send, args=(url,)) for url in (a, b)]
     for thread in threads:
@@ -102,3 +102,38 @@ def test_the_same_document_through_both_at_once_is_one_version_and_one_precomput
     with psycopg.connect(database_url) as conn:
         assert conn.execute("SELECT COUNT(*) FROM chunks WHERE document_id = 'twin'").fetchone()[0] == num_chunks
         assert conn.execute("SELECT COUNT(*) FROM changes WHERE document_id = 'twin'").fetchone()[0] == 1
+
+
+@pytest.fixture(scope="module")
+def nginx(cluster, tmp_path_factory):
+    from app.testing import free_port
+
+    a, b, _ = cluster
+    try:
+        server = NginxServer([u.removeprefix("http://") for u in (a, b)], free_port(), tmp_path_factory.mktemp("nginx"))
+    except FileNotFoundError as exc:
+        pytest.skip(f"no nginx to put in front: {exc}")
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def test_nginx_in_front_requires_the_key_and_streams_an_answer_unbuffered(cluster, nginx):
+    a, b, _ = cluster
+    assert httpx.get(f"{nginx}/v1/documents", timeout=30).status_code == 401
+    text = "The lighthouse of Kalmar flashes green twice every nine seconds."
+    assert ingest(nginx, "lighthouse", text)["status"] in ("created", "unchanged")
+    question = "How does the lighthouse of Kalmar flash?"
+    for url in (a, b):  # whichever replica nginx picks next knows it
+        until(lambda: _retrieves(url, question, "lighthouse"), FOLLOW_S)
+    reads = []
+    body = {"question": question, "top_k": 2, "max_tokens": 24, "stream": True}
+    with httpx.stream("POST", f"{nginx}/v1/query", json=body, headers=HEADERS, timeout=120) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        reads = [chunk.decode() for chunk in response.iter_raw() if chunk]
+    stream = "".join(reads)
+    assert '"document_id":"lighthouse"' in stream and "event: done" in stream
+    # Unbuffered: the sources event came through on its own, before the answer was complete.
+    assert len(reads) > 1 and "sources" in reads[0] and "event: done" not in reads[0]
