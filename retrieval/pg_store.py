@@ -150,7 +150,8 @@ class PostgresDocumentStore(DocumentStore):
                     "INSERT INTO chunks (id, document_id, position, text, token_ids, kv_key, embedding)"
                     " VALUES (%s, %s, %s, %s, %s, %s, %s)",
                     [(f"{doc_id}#{position}", doc_id, position, chunk.text, list(chunk.token_ids), chunk.kv_key,
-                      np.asarray(chunk.embedding, dtype=np.float32).tobytes()) for position, chunk in enumerate(chunks)],
+                      np.asarray(chunk.embedding, dtype=np.float32).tobytes())
+                     for position, chunk in enumerate(chunks)],
                 )
             stored = self._chunks_where(conn, "c.document_id = %s", (doc_id,))
             self._log_change(conn, doc_id, [c.row_id for c in replaced] + [c.row_id for c in stored])

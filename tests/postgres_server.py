@@ -12,7 +12,6 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 DATABASE = "ragblend"
@@ -77,7 +76,8 @@ class PostgresServer:
     def start(self) -> None:
         options = (f"-c listen_addresses=127.0.0.1 -c port={self.port} -c unix_socket_directories={self.root}"
                    " -c fsync=off -c full_page_writes=off -c synchronous_commit=off -c max_connections=100")
-        self._run("pg_ctl", "-D", str(self.data_dir), "-l", str(self.log_path), "-o", options, "-w", "-t", "60", "start")
+        self._run("pg_ctl", "-D", str(self.data_dir), "-l", str(self.log_path), "-o", options, "-w", "-t", "60",
+                  "start")
         self._is_running = True
         import psycopg
 

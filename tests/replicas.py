@@ -126,5 +126,5 @@ def ingest(url: str, doc_id: str, text: str, timeout_s: float = 120) -> dict:
     return response.json()["documents"][0]
 
 
-__all__ = ["HEADERS", "Replica", "ingest", "ask", "fork_context", "listed", "metric", "restart", "start_replicas", "stop_all", "until",
-           "write_config"]
+__all__ = ["HEADERS", "Replica", "ask", "fork_context", "ingest", "listed", "metric", "restart", "start_replicas",
+           "stop_all", "until", "write_config"]

@@ -20,7 +20,9 @@ try:
 except ImportError:  # tests/ is not a package: pytest put it on sys.path itself
     from nginx_server import NginxServer
     from redis_server import start_or_skip as start_redis_or_skip
-    from replicas import HEADERS, ask, fork_context, ingest, listed, metric, start_replicas, stop_all, until, write_config
+    from replicas import (
+        HEADERS, ask, fork_context, ingest, listed, metric, start_replicas, stop_all, until, write_config,
+    )
 
 FOLLOW_S = 1.0  # the bound on change propagation between replicas
 

@@ -22,7 +22,9 @@ try:
 except ImportError:  # tests/ is not a package: pytest put it on sys.path itself
     from crash_harness import _sentence
     from redis_server import start_or_skip as start_redis_or_skip
-    from replicas import HEADERS, ask, fork_context, ingest, listed, restart, start_replicas, stop_all, until, write_config
+    from replicas import (
+        HEADERS, ask, fork_context, ingest, listed, restart, start_replicas, stop_all, until, write_config,
+    )
 
 from kv_store.disk import SUFFIX
 

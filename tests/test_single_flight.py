@@ -74,8 +74,9 @@ def test_an_ingest_waits_for_the_replica_computing_the_same_chunk(server):
     assert num_computed == ["a"] and is_readable  # one precompute; B returned once A's entry was in Redis
 
 
-def test_background_work_leaves_a_chunk_to_the_replica_computing_it(server):
-    results, num_computed, _ = _race(server, PrecomputeReason.REPAIR)
+@pytest.mark.parametrize("reason", [PrecomputeReason.REPAIR, PrecomputeReason.BACKFILL])
+def test_background_work_leaves_a_chunk_to_the_replica_computing_it(server, reason):
+    results, num_computed, _ = _race(server, reason)
     assert results == {"a": PrecomputeOutcome.COMPUTED, "b": PrecomputeOutcome.SKIPPED}
     assert num_computed == ["a"]
 

@@ -1,6 +1,7 @@
 """The ordered, idempotent write path of documents (runs on the engine worker, one write at a time).
 
-The document store (SQLite, or Postgres shared by replicas) is the one source of truth. Each document is written in this order:
+The document store (SQLite, or Postgres shared by replicas) is the one source of truth. Each
+document is written in this order:
 1. prepare: chunk, embed, precompute the chunks' KV into the store (content-addressed entries; if
    the process dies here they are orphans, deleted by the start-up garbage collection);
 2. commit: one store transaction replaces the document and its chunks (atomic per document);
