@@ -42,7 +42,7 @@ class StoreSettings(BaseModel):
         "(the fallback; a NOTIFY wakes it at once).",
     )
     lock_ttl_s: float = Field(
-        120.0, gt=0, description="Expiry of the Redis lock that makes one replica precompute a chunk's KV while "
+        30.0, gt=0, description="Expiry of the Redis lock that makes one replica precompute a chunk's KV while "
         "the others wait for it (a replica that dies holding it frees it after this long).",
     )
     dtype: StorageDtype = Field(StorageDtype.FLOAT16, description="dtype of stored KV.")
