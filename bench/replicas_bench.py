@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import threading
 import time
@@ -125,6 +126,7 @@ def bench(args: argparse.Namespace, questions: list[Question]) -> dict:
                         ingest_s[store] += seconds
                         if store == "pg":
                             propagation_ms += _propagation_ms(conn, pg_a, watcher, doc_ids)
+                    print(f"ingested question {qi + 1}/{len(questions)}'s passages", file=sys.stderr, flush=True)
             _ask(sqlite_http, questions[0].question, args)  # warm-up, both
             _ask(pg_http, questions[0].question, args)
             ttft = {store: {"e2e": [], "server": []} for store in STORES}
@@ -135,6 +137,7 @@ def bench(args: argparse.Namespace, questions: list[Question]) -> dict:
                         e2e, server = _ask(clients[store], question.question, args)
                         ttft[store]["e2e"].append(e2e)
                         ttft[store]["server"].append(server)
+                print(f"round {rnd + 1}/{args.rounds} asked", file=sys.stderr, flush=True)
     num_docs = sum(len(q.passages) for q in questions)
     rows = {store: {"median_e2e_ttft_ms": median(ttft[store]["e2e"]),
                     "median_server_ttft_ms": median(ttft[store]["server"]),
