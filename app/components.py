@@ -17,8 +17,10 @@ from app.documents.write_queue import WriteQueue
 from app.rag.pipeline import RagPipeline
 from app.rag.repair import KVRepairer
 from configs.settings import Settings
+from kv_store.single_flight import PrecomputeLocks, SingleFlight
 from retrieval.chunker import Chunker
 from retrieval.retriever import Retriever
+from retrieval.store_types import DocumentStore
 from runtime.config import SchedulerConfig
 from runtime.executor import PrefillExecutor
 from runtime.loop import EngineLoop
@@ -40,6 +42,8 @@ class Components:
     pipeline: RagPipeline
     model_id: str
     started_at: float
+    follower: Any = None  # retrieval.follower.IndexFollower: the index following a shared store
+    locks: PrecomputeLocks | None = None  # the single-flight KV precompute lock's Redis connection
 
     @classmethod
     def build(cls, settings: Settings, metrics: Metrics, engine: Any | None = None) -> Components:
@@ -52,18 +56,20 @@ class Components:
         if engine is None:
             engine = BlendEngine.from_settings(settings, max_cpu_threads=single_threaded_default())
         check_document_limit(settings, engine)  # before any store opens: the limit must fit its bound
-        retriever = kv_store = loop = None
+        retriever = kv_store = loop = locks = None
         try:
-            retriever = Retriever.open(settings.data_dir, settings.retrieval)
+            retriever = Retriever.open(settings.data_dir, settings.retrieval, _shared_store(settings))
             kv_store = KVStore.from_settings(settings, engine.fingerprint)
             _collect_kv_garbage(settings, kv_store, retriever)
             executor = PrefillExecutor(engine, kv_store, settings.blend, settings.store.planner_profile_tokens,
                                        settings.server.prefill_chunk_tokens)
             loop = EngineLoop(engine, executor, scheduler_config(settings), metrics,
                               kv_bytes_per_token=kv_bytes_per_token(engine))
-            executor.repairer = KVRepairer(engine, kv_store, loop, retriever.store.is_kv_key_used)
+            locks = PrecomputeLocks(settings.store.redis_url, settings.store.lock_ttl_s)
+            single_flight = SingleFlight(kv_store, locks, metrics.observe_precompute)
+            executor.repairer = KVRepairer(engine, kv_store, loop, retriever.store.is_kv_key_used, single_flight)
             backfill = KVBackfill(engine, kv_store, loop, retriever.store.is_kv_key_used,
-                                  engine.sink_ids(settings.blend.sink))
+                                  engine.sink_ids(settings.blend.sink), single_flight)
             metrics.watch_store(kv_store.stats, executor.repairer.stats)
             writes = WriteQueue(settings.server.max_queue, settings.server.retry_after_s)
             metrics.watch_engine(loop, writes)
@@ -71,15 +77,18 @@ class Components:
                               settings.retrieval.chunk_overlap)
             pipeline = RagPipeline(settings, engine, retriever, kv_store, loop)
             model_id = settings.server.model_id or _model_id(engine.model_name)
+            follower = _start_follower(settings, retriever)
             return cls(
                 settings=settings, engine=engine, retriever=retriever, kv_store=kv_store, loop=loop,
                 executor=executor,
-                documents=DocumentService(settings, engine, retriever, kv_store, chunker, loop, writes, backfill),
+                documents=DocumentService(settings, engine, retriever, kv_store, chunker, loop, writes, backfill,
+                                          single_flight),
                 query=QueryService(settings, pipeline), chat=ChatService(settings, pipeline, model_id),
-                pipeline=pipeline, model_id=model_id, started_at=time.time(),
+                pipeline=pipeline, model_id=model_id, started_at=time.time(), follower=follower,
+                locks=locks,
             )
         except BaseException:
-            _close_all(loop, kv_store, retriever)
+            _close_all(loop, locks, kv_store, retriever)
             raise
 
     def close(self) -> None:
@@ -88,7 +97,7 @@ class Components:
         is_loop_stopped = self.loop.close()
         is_writes_stopped = self.documents.writes.close(timeout_s=60.0)
         if is_loop_stopped and is_writes_stopped:
-            _close_all(self.kv_store, self.retriever)
+            _close_all(self.follower, self.locks, self.kv_store, self.retriever)
         else:  # never close SQLite or the store under a running job: both survive a hard exit
             logger.error("engine loop or a write did not stop: the stores are left open to the process exit")
 
@@ -106,6 +115,25 @@ def scheduler_config(settings: Settings) -> SchedulerConfig:
         max_running_kv_bytes=server.max_running_kv_bytes, max_prefill_tokens=server.max_prefill_tokens,
         prefill_chunk_tokens=server.prefill_chunk_tokens, background_every_steps=server.background_every_steps,
     )
+
+
+def _shared_store(settings: Settings) -> DocumentStore | None:
+    """The Postgres store replicas share (`store.database_url`), or None: SQLite under the data dir."""
+    store = settings.store
+    if store.database_url is None:
+        return None
+    from retrieval.pg_store import PostgresDocumentStore  # psycopg only where it is used
+
+    return PostgresDocumentStore(store.database_url, store.database_max_connections, store.database_timeout_s)
+
+
+def _start_follower(settings: Settings, retriever: Retriever) -> Any:
+    """With a shared store, a thread that makes the index follow the other replicas' commits."""
+    if not retriever.store.is_shared or settings.store.database_url is None:
+        return None
+    from retrieval.follower import IndexFollower
+
+    return IndexFollower(retriever, settings.store.database_url, settings.store.database_poll_s).start()
 
 
 def _collect_kv_garbage(settings: Settings, kv_store: Any, retriever: Retriever) -> None:

@@ -13,6 +13,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from runtime.jobs import QueueFull
 
+from retrieval.store_types import StoreUnavailableError
+
 logger = logging.getLogger(__name__)
 
 
@@ -23,6 +25,7 @@ class ErrorType(str, Enum):
     PAYLOAD_TOO_LARGE = "payload_too_large"
     OVERLOADED = "overloaded_error"
     NOT_READY = "not_ready"
+    UNAVAILABLE = "service_unavailable"
     SERVER = "server_error"
 
 
@@ -88,6 +91,23 @@ class QueueFullError(ApiError):
         return {"Retry-After": str(self.retry_after_s)}
 
 
+STORE_RETRY_AFTER_S = 2
+
+
+class StoreDownError(ApiError):
+    """The shared document store (Postgres) is unreachable: nothing of the failed call was written."""
+
+    status_code = 503
+    error_type = ErrorType.UNAVAILABLE
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(STORE_RETRY_AFTER_S)}
+
+
+def store_down(exc: StoreUnavailableError) -> StoreDownError:
+    return StoreDownError(f"{exc}; nothing was lost, retry the request")
+
+
 class IngestInterruptedError(ApiError):
     """An ingest failed part-way: the documents before the failure are committed, the rest are not."""
 
@@ -95,6 +115,8 @@ class IngestInterruptedError(ApiError):
     error_type = ErrorType.SERVER
 
     def __init__(self, committed: list[str], failed_id: str, cause: Exception):
+        if isinstance(cause, StoreUnavailableError):
+            cause = store_down(cause)
         cause_text = cause.message if isinstance(cause, ApiError) else type(cause).__name__
         super().__init__(
             f"ingest stopped at document {failed_id} ({cause_text}); committed before it: "
@@ -112,6 +134,8 @@ def error_body(error_type: ErrorType | str, message: str) -> dict:
 def stream_error_body(exc: Exception) -> dict:
     """The in-band error of a stream whose headers are out. An ApiError's message is meant for the
     client; anything else is internal: a generic message with an id, the details go to the log."""
+    if isinstance(exc, StoreUnavailableError):
+        exc = store_down(exc)
     if isinstance(exc, ApiError):
         return error_body(exc.error_type, exc.message)
     if isinstance(exc, QueueFull):
@@ -142,6 +166,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(QueueFull)
     async def _queue_full(request: Request, exc: QueueFull) -> JSONResponse:
         error = QueueFullError(exc.message, exc.retry_after_s)
+        return error_response(error.status_code, error.error_type, error.message, error.headers())
+
+    @app.exception_handler(StoreUnavailableError)
+    async def _store_down(request: Request, exc: StoreUnavailableError) -> JSONResponse:
+        error = store_down(exc)
         return error_response(error.status_code, error.error_type, error.message, error.headers())
 
     @app.exception_handler(RequestValidationError)

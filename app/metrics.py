@@ -3,6 +3,7 @@ TTFT per mode, tokens reused / recomputed, and the KV store's per-tier hits and 
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -79,6 +80,11 @@ class Metrics:
             "ragblend_queue_wait_seconds", "From a request's submission to its prefill's start",
             buckets=_LATENCY_BUCKETS, registry=self.registry,
         )
+        self.precomputes = Counter(
+            "ragblend_kv_precomputes", "Chunk KV precomputes by why (ingest, backfill, repair) and outcome (computed "
+            "here; found: another replica computed it; skipped: another replica is computing it)",
+            ["reason", "outcome"], registry=self.registry,
+        )
         self.plan_error = Histogram(
             "ragblend_load_plan_error_ratio", "Actual prefill ms / predicted TTFT ms of planned answers",
             buckets=(0.25, 0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0), registry=self.registry,
@@ -110,6 +116,9 @@ class Metrics:
         self.tokens.labels(kind="reused").inc(reused)
         self.tokens.labels(kind="recomputed").inc(recomputed)
         self.completion_tokens.inc(completion)
+
+    def observe_precompute(self, reason: Enum, outcome: Enum) -> None:
+        self.precomputes.labels(reason=reason.value, outcome=outcome.value).inc()
 
     def observe_plan(self, plan: str, predicted_ms: float, actual_ms: float) -> None:
         self.load_plans.labels(plan=plan).inc()

@@ -28,6 +28,23 @@ class StoreSettings(BaseModel):
     max_disk_bytes: int = Field(20 << 30, ge=0, description="Disk tier bound (LRU by last use).")
     redis_url: str | None = Field(None, description="redis://host:port/db of a shared tier; unset = no Redis.")
     redis_ttl_s: int = Field(7 * 86400, ge=1, description="Expiry of Redis entries.")
+    database_url: str | None = Field(
+        None, description="postgresql://user@host:5432/db of a document store shared by server replicas "
+        "(documents, chunks, embeddings; each replica's vector index follows it); unset = SQLite under the data "
+        "directory. Design: docs/design/server.md#replicas.",
+    )
+    database_max_connections: int = Field(8, ge=1, description="Size bound of the Postgres connection pool.")
+    database_timeout_s: float = Field(
+        5.0, gt=0, description="Seconds a call waits for a Postgres connection before answering 503 (server down)."
+    )
+    database_poll_s: float = Field(
+        1.0, gt=0, description="How often a replica polls the shared store's change log when no NOTIFY arrives "
+        "(the fallback; a NOTIFY wakes it at once).",
+    )
+    lock_ttl_s: float = Field(
+        30.0, gt=0, description="Expiry of the Redis lock that makes one replica precompute a chunk's KV while "
+        "the others wait for it (a replica that dies holding it frees it after this long).",
+    )
     dtype: StorageDtype = Field(StorageDtype.FLOAT16, description="dtype of stored KV.")
     quantization: KVQuantization = Field(KVQuantization.NONE, description="int8 for the disk/Redis tiers.")
     write_tiers: list[Literal["gpu", "memory", "disk", "redis"]] = Field(

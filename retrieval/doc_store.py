@@ -1,4 +1,5 @@
-"""SQLite document store: documents and their chunks (text, token ids, KV key, embedding)."""
+"""SQLite document store (the embedded default, one process): documents and their chunks (text,
+token ids, KV key, embedding). The interface and row types: retrieval/store_types.py."""
 
 from __future__ import annotations
 
@@ -6,11 +7,17 @@ import json
 import sqlite3
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np
+
+from retrieval.store_types import (
+    Changes, DocumentStore, DocumentSummaryRow, ExportedDocument, NewChunk, PutResult, StoredChunk, StoredDocument,
+)
+
+__all__ = ["Changes", "DocumentStore", "DocumentSummaryRow", "ExportedDocument", "NewChunk", "PutResult",
+           "SqliteDocumentStore", "StoredChunk", "StoredDocument"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS documents (
@@ -35,51 +42,10 @@ CREATE INDEX IF NOT EXISTS chunks_by_document ON chunks(document_id, position);
 """
 
 
-@dataclass(frozen=True)
-class NewChunk:
-    text: str
-    token_ids: tuple[int, ...]
-    embedding: np.ndarray  # [dim] float32
-    kv_key: str | None = None
-
-
-@dataclass(frozen=True)
-class StoredChunk:
-    row_id: int
-    id: str
-    document_id: str
-    position: int
-    text: str
-    token_ids: tuple[int, ...]
-    kv_key: str | None
-    title: str | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass(frozen=True)
-class DocumentSummaryRow:
-    id: str
-    title: str | None
-    num_chunks: int
-    num_chars: int
-    created_at: float
-
-
-@dataclass(frozen=True)
-class StoredDocument:
-    id: str
-    title: str | None
-    metadata: dict[str, Any]
-    num_chars: int
-    created_at: float
-    chunks: list[StoredChunk] = field(default_factory=list)
-
-
-class DocumentStore:
+class SqliteDocumentStore(DocumentStore):
     """Thread-safe (one connection behind a lock); every write is one transaction."""
+
+    is_shared = False  # one process owns the file: no change log to follow
 
     def __init__(self, path: Path | str):
         self.path = Path(path)
@@ -102,10 +68,15 @@ class DocumentStore:
     def put_document(
         self, doc_id: str, title: str | None, metadata: dict[str, Any], num_chars: int, chunks: Sequence[NewChunk],
         content_hash: str | None = None,
-    ) -> tuple[StoredDocument, list[StoredChunk]]:
+    ) -> PutResult:
         """Insert (or replace) a document and its chunks in one transaction: after a crash either the
-        old or the new version is stored, never a mix. Returns it and the chunks it replaced."""
+        old or the new version is stored, never a mix. Nothing is written when `content_hash` is
+        already stored for `doc_id`."""
         with self._lock, self._transaction():
+            if content_hash is not None:
+                row = self._conn.execute("SELECT * FROM documents WHERE id = ?", (doc_id,)).fetchone()
+                if row is not None and row["content_hash"] == content_hash:
+                    return PutResult(_document(row, self._chunks_where("c.document_id = ?", (doc_id,))), [], True)
             replaced = self._chunks_where("c.document_id = ?", (doc_id,))
             self._conn.execute("DELETE FROM documents WHERE id = ?", (doc_id,))
             now = time.time()
@@ -122,8 +93,7 @@ class DocumentStore:
                      chunk.kv_key, np.asarray(chunk.embedding, dtype=np.float32).tobytes()),
                 )
             stored = self._chunks_where("c.document_id = ?", (doc_id,))
-        document = StoredDocument(doc_id, title, metadata, num_chars, now, stored)
-        return document, replaced
+        return PutResult(StoredDocument(doc_id, title, metadata, num_chars, now, stored), replaced)
 
     def delete_document(self, doc_id: str) -> list[StoredChunk] | None:
         """Delete a document; returns its chunks, or None when there was no such document."""
@@ -212,6 +182,28 @@ class DocumentStore:
             batch = rows[start : start + batch_size]
             ids = np.array([r["row_id"] for r in batch], dtype=np.int64)
             yield ids, np.stack([np.frombuffer(r["embedding"], dtype=np.float32) for r in batch])
+
+    def change_seq(self) -> int:
+        return 0  # nobody else writes this file: the index follows this process's own writes
+
+    def changes_since(self, seq: int) -> Changes:
+        return Changes(0, frozenset())
+
+    def export_documents(self) -> Iterator[ExportedDocument]:
+        with self._lock:
+            doc_ids = [r["id"] for r in self._conn.execute("SELECT id FROM documents ORDER BY created_at, id")]
+        for doc_id in doc_ids:
+            with self._lock:
+                row = self._conn.execute("SELECT * FROM documents WHERE id = ?", (doc_id,)).fetchone()
+                if row is None:  # deleted meanwhile
+                    continue
+                rows = self._conn.execute(
+                    "SELECT text, token_ids, kv_key, embedding FROM chunks WHERE document_id = ? ORDER BY position",
+                    (doc_id,),
+                ).fetchall()
+            chunks = [NewChunk(r["text"], tuple(json.loads(r["token_ids"])), np.frombuffer(r["embedding"], np.float32),
+                               r["kv_key"]) for r in rows]
+            yield ExportedDocument(_document(row, []), row["content_hash"], chunks)
 
     def _chunks_in(self, column: str, values: list[Any]) -> list[StoredChunk]:
         if not values:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -10,7 +11,8 @@ from typing import Sequence
 import numpy as np
 
 from configs.settings import RetrievalSettings
-from retrieval.doc_store import DocumentStore, StoredChunk
+from retrieval.doc_store import SqliteDocumentStore
+from retrieval.store_types import DocumentStore, StoredChunk
 from retrieval.embedder import Embedder
 from retrieval.index import VectorIndex
 
@@ -36,18 +38,38 @@ class ScoredChunk:
     score: float | None  # cosine similarity; None when the chunk was named, not retrieved
 
 
+@dataclass(frozen=True)
+class CatchUp:
+    """What following the shared store's change log did to the index."""
+
+    seq: int
+    num_added: int = 0
+    num_removed: int = 0
+    is_reconciled: bool = False  # the log no longer reached back: reconciled by id sets instead
+
+
 class Retriever:
     def __init__(self, embedder: Embedder, index: VectorIndex, store: DocumentStore):
         self.embedder, self.index, self.store = embedder, index, store
+        # follow() (this process's writes) and catch_up() (other replicas') each read then change the
+        # index: one at a time, or a chunk could be added twice.
+        self._follow_lock = threading.Lock()
+        self.seq = 0  # the last change of the store's log the index has followed
 
     @classmethod
-    def open(cls, data_dir: Path, settings: RetrievalSettings) -> Retriever:
-        """Open (or create) the store and index under `data_dir`; rebuild the index if it is stale."""
+    def open(cls, data_dir: Path, settings: RetrievalSettings, store: DocumentStore | None = None) -> Retriever:
+        """Open the store (default: SQLite under `data_dir`) and the index under `data_dir`; reconcile
+        the index with the store by id sets (rebuilt if stale or unreadable)."""
         embedder = Embedder.from_name(settings.embedder, batch_size=settings.embed_batch_size)
-        store = DocumentStore(data_dir / "documents.sqlite3")
-        index = VectorIndex.load_or_create(data_dir / "index.faiss", embedder.dim, settings.index, settings.hnsw_m)
-        retriever = cls(embedder, index, store)
-        retriever.reconcile()
+        store = store if store is not None else SqliteDocumentStore(data_dir / "documents.sqlite3")
+        try:
+            index = VectorIndex.load_or_create(data_dir / "index.faiss", embedder.dim, settings.index, settings.hnsw_m)
+            retriever = cls(embedder, index, store)
+            retriever.seq = store.change_seq()  # before reading the id sets: a later commit is caught up
+            retriever.reconcile()
+        except BaseException:
+            store.close()
+            raise
         return retriever
 
     def reconcile(self) -> Reconciliation:
@@ -57,6 +79,10 @@ class Retriever:
         is saved lazily, so after a crash it may miss new chunks and hold dead ones (row ids are
         never reused, so a dead id can never pass for a live chunk).
         """
+        with self._follow_lock:
+            return self._reconcile()
+
+    def _reconcile(self) -> Reconciliation:
         stored = self.store.row_ids()
         indexed = self.index.ids()
         has_duplicates = len(np.unique(indexed)) != len(indexed)
@@ -94,6 +120,16 @@ class Retriever:
         self, removed: Sequence[StoredChunk], added_row_ids: Sequence[int], added_vectors: Sequence[np.ndarray]
     ) -> None:
         """Make the index follow a committed store write: drop `removed` chunks, add the new ones."""
+        with self._follow_lock:
+            self._follow(removed, added_row_ids, added_vectors)
+
+    def _follow(
+        self, removed: Sequence[StoredChunk], added_row_ids: Sequence[int], added_vectors: Sequence[np.ndarray]
+    ) -> None:
+        indexed = set(self.index.ids().tolist())  # a replica's catch-up may have added them already
+        keep = [(i, v) for i, v in zip(added_row_ids, added_vectors) if int(i) not in indexed]
+        added_row_ids, added_vectors = [i for i, _ in keep], [v for _, v in keep]
+        removed = [c for c in removed if c.row_id in indexed]
         if removed and not self.index.supports_remove:
             self.index.rebuild(self.store.iter_embeddings())  # the store already holds the new chunks
             return
@@ -101,6 +137,34 @@ class Retriever:
             self.index.remove(c.row_id for c in removed)
         if len(added_row_ids):
             self.index.add(np.asarray(added_row_ids, dtype=np.int64), np.stack(list(added_vectors)))
+
+    def catch_up(self) -> CatchUp:
+        """Make the index follow the commits other replicas made to a shared store since `self.seq`:
+        each touched row id is dropped from the index unless it is live, and added if live and
+        missing (idempotent, whatever the order of the commits or this process's own follow())."""
+        with self._follow_lock:
+            changes = self.store.changes_since(self.seq)
+            if not changes.is_complete:
+                seq = self.store.change_seq()
+                result = self._reconcile()
+                self.seq = seq
+                return CatchUp(seq, result.num_added, result.num_removed, is_reconciled=True)
+            if not changes.row_ids:
+                self.seq = changes.seq
+                return CatchUp(self.seq)
+            indexed = set(self.index.ids().tolist()) & changes.row_ids
+            live_ids, live_vectors = self.store.embeddings_of(sorted(changes.row_ids))
+            live = set(live_ids.tolist())
+            dead, keep = indexed - live, [n for n, i in enumerate(live_ids.tolist()) if i not in indexed]
+            if dead and not self.index.supports_remove:
+                self.index.rebuild(self.store.iter_embeddings())
+            else:
+                if dead:
+                    self.index.remove(sorted(dead))
+                if keep:
+                    self.index.add(live_ids[keep], live_vectors[keep])
+            self.seq = changes.seq
+            return CatchUp(self.seq, len(keep), len(dead))
 
     def close(self) -> None:
         self.index.save()

@@ -1,4 +1,5 @@
-"""Retrieval without the LLM: chunker, SQLite store, FAISS index, and the retriever with real MiniLM."""
+"""Retrieval without the LLM: chunker, the document store (SQLite and Postgres: every store test runs
+against both), FAISS index, and the retriever with real MiniLM."""
 
 from __future__ import annotations
 
@@ -9,9 +10,33 @@ import pytest
 
 from configs.settings import ChunkingMode, IndexKind, RetrievalSettings
 from retrieval.chunker import Chunker
-from retrieval.doc_store import DocumentStore, NewChunk
+from retrieval.doc_store import NewChunk, SqliteDocumentStore
 from retrieval.index import VectorIndex
+from retrieval.pg_store import PostgresDocumentStore
 from retrieval.retriever import Retriever
+from retrieval.store_types import DocumentStore
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def open_store(request, tmp_path):
+    """A callable opening the test's document store (the same one each call: reopening after a
+    "crash" sees what was committed), for each backend; every store it opened is closed after."""
+    opened: list[DocumentStore] = []
+    if request.param == "sqlite":
+        path = tmp_path / "documents.sqlite3"
+        make = lambda: SqliteDocumentStore(path)  # noqa: E731
+    else:
+        url = request.getfixturevalue("postgres").new_database()
+        make = lambda: PostgresDocumentStore(url)  # noqa: E731
+
+    def open_() -> DocumentStore:
+        store = make()
+        opened.append(store)
+        return store
+
+    yield open_
+    for store in opened:
+        store.close()
 
 
 class WordVocab:
@@ -74,12 +99,13 @@ def _chunk(text: str, dim: int = 4, seed: int = 0, key: str | None = None) -> Ne
     return NewChunk(text, (1, 2, 3), vector / np.linalg.norm(vector), key)
 
 
-def test_document_store_replaces_deletes_and_never_reuses_row_ids(tmp_path):
-    store = DocumentStore(tmp_path / "docs.sqlite3")
-    doc, replaced = store.put_document("a", "A", {"k": 1}, 10, [_chunk("x", key="k1"), _chunk("y", key="k2")])
+def test_document_store_replaces_deletes_and_never_reuses_row_ids(open_store):
+    store = open_store()
+    doc, replaced, _ = _astuple(store.put_document("a", "A", {"k": 1}, 10, [_chunk("x", key="k1"), _chunk("y", key="k2")]))
     assert replaced == [] and [c.id for c in doc.chunks] == ["a#0", "a#1"]
+    assert store.get_document("a").metadata == {"k": 1}
     first_rows = {c.row_id for c in doc.chunks}
-    doc2, replaced = store.put_document("a", "A2", {}, 5, [_chunk("z", key="k2")])
+    doc2, replaced, _ = _astuple(store.put_document("a", "A2", {}, 5, [_chunk("z", key="k2")]))
     assert {c.row_id for c in replaced} == first_rows
     assert min(c.row_id for c in doc2.chunks) > max(first_rows)
     assert store.is_kv_key_used("k2") and not store.is_kv_key_used("k1")
@@ -87,7 +113,30 @@ def test_document_store_replaces_deletes_and_never_reuses_row_ids(tmp_path):
     assert store.chunks_by_ids(["a#0", "missing"]).keys() == {"a#0"}
     assert [c.text for c in store.delete_document("a")] == ["z"]
     assert store.delete_document("a") is None and store.get_document("a") is None and store.num_chunks() == 0
-    store.close()
+
+
+def _astuple(result):
+    return result.document, result.replaced, result.is_unchanged
+
+
+def test_a_put_of_the_stored_content_hash_writes_nothing(open_store):
+    """Two replicas committing the same document: the second finds its content stored, keeps it."""
+    store = open_store()
+    first = store.put_document("a", "A", {}, 2, [_chunk("x", key="k1")], content_hash="h1")
+    again = store.put_document("a", "A", {}, 2, [_chunk("x", key="k1")], content_hash="h1")
+    assert again.is_unchanged and again.replaced == []
+    assert [c.row_id for c in again.document.chunks] == [c.row_id for c in first.document.chunks]
+    other = store.put_document("a", "A", {}, 2, [_chunk("y", key="k2")], content_hash="h2")
+    assert not other.is_unchanged and [c.row_id for c in other.replaced] == [c.row_id for c in first.document.chunks]
+
+
+def test_store_exports_whole_documents_with_embeddings(open_store):
+    store = open_store()
+    store.put_document("a", "A", {"n": 1}, 2, [_chunk("x", seed=1, key="k1"), _chunk("y", seed=2)], content_hash="h")
+    [exported] = list(store.export_documents())
+    assert (exported.document.id, exported.document.metadata, exported.content_hash) == ("a", {"n": 1}, "h")
+    assert [(c.text, c.kv_key) for c in exported.chunks] == [("x", "k1"), ("y", None)]
+    assert np.allclose(exported.chunks[0].embedding, _chunk("x", seed=1).embedding)
 
 
 @pytest.mark.parametrize("kind", list(IndexKind))
@@ -121,7 +170,7 @@ def retriever(tmp_path_factory):
     }
     for doc_id, text in texts.items():
         vector = retriever.embedder.encode([text])[0]
-        doc, _ = retriever.store.put_document(doc_id, None, {}, len(text), [NewChunk(text, (1,), vector)])
+        doc = retriever.store.put_document(doc_id, None, {}, len(text), [NewChunk(text, (1,), vector)]).document
         retriever.index.add([doc.chunks[0].row_id], vector[None])
     yield retriever, data_dir
     retriever.close()
@@ -152,30 +201,31 @@ def test_retriever_rebuilds_a_lost_index_from_the_store(retriever):
 def _put(retriever, doc_id, texts):
     vectors = retriever.embedder.encode(texts)
     chunks = [NewChunk(t, (i + 1,), v) for i, (t, v) in enumerate(zip(texts, vectors))]
-    return retriever.store.put_document(doc_id, None, {}, sum(map(len, texts)), chunks), vectors
+    result = retriever.store.put_document(doc_id, None, {}, sum(map(len, texts)), chunks)
+    return (result.document, result.replaced), vectors
 
 
 @pytest.mark.parametrize("kind", list(IndexKind))
-def test_a_crash_between_the_commit_and_the_index_is_reconciled_by_id_sets(tmp_path, kind):
-    """A replace with as many chunks as before, killed after the SQLite commit and before the index
+def test_a_crash_between_the_commit_and_the_index_is_reconciled_by_id_sets(tmp_path, kind, open_store):
+    """A replace with as many chunks as before, killed after the store's commit and before the index
     follows: the counts match, the ids do not. Start-up must swap the dead ids for the new chunks."""
     settings = RetrievalSettings(index=kind)
-    retriever = Retriever.open(tmp_path, settings)
+    retriever = Retriever.open(tmp_path, settings, open_store())
     (doc, _), vectors = _put(retriever, "ships", ["Old ships sail at dawn.", "Old harbours smell of tar."])
     retriever.follow([], [c.row_id for c in doc.chunks], list(vectors))
     retriever.index.save()
     _put(retriever, "ships", ["The violet zeppelin lands in Oslo.", "Zeppelins carry forty passengers."])
     retriever.store.close()  # killed here: the index file still holds the old ids
-    reopened = Retriever.open(tmp_path, settings)
+    reopened = Retriever.open(tmp_path, settings, open_store())
     assert set(reopened.index.ids().tolist()) == reopened.store.row_ids()
     hit = reopened.search("Where does the violet zeppelin land?", 1)[0]
     assert hit.chunk.text == "The violet zeppelin lands in Oslo."
-    assert Retriever.open(tmp_path, settings).reconcile().is_changed is False  # now in step: nothing to do
+    assert Retriever.open(tmp_path, settings, open_store()).reconcile().is_changed is False  # in step now
     reopened.close()
 
 
-def test_reconcile_adds_missing_removes_dead_and_survives_an_unreadable_index(tmp_path):
-    retriever = Retriever.open(tmp_path, RetrievalSettings())
+def test_reconcile_adds_missing_removes_dead_and_survives_an_unreadable_index(tmp_path, open_store):
+    retriever = Retriever.open(tmp_path, RetrievalSettings(), open_store())
     (a, _), vectors = _put(retriever, "a", ["Alpha one.", "Alpha two."])
     retriever.index.add([999], vectors[:1])  # a dead id: no chunk has it
     result = retriever.reconcile()
@@ -183,26 +233,26 @@ def test_reconcile_adds_missing_removes_dead_and_survives_an_unreadable_index(tm
     assert set(retriever.index.ids().tolist()) == {c.row_id for c in a.chunks}
     retriever.close()
     (tmp_path / "index.faiss").write_bytes(b"not a faiss index")
-    reopened = Retriever.open(tmp_path, RetrievalSettings())
+    reopened = Retriever.open(tmp_path, RetrievalSettings(), open_store())
     assert set(reopened.index.ids().tolist()) == {c.row_id for c in a.chunks}
     reopened.close()
 
 
-def test_store_lists_with_counts_and_keeps_content_hashes(tmp_path):
-    store = DocumentStore(tmp_path / "docs.sqlite3")
+def test_store_lists_with_counts_and_keeps_content_hashes(open_store):
+    store = open_store()
     store.put_document("a", "A", {}, 3, [_chunk("x", key="k1"), _chunk("y", key="k2")], content_hash="h1")
     store.put_document("b", None, {}, 1, [_chunk("z")])
     assert [(r.id, r.num_chunks) for r in store.list_documents()] == [("a", 2), ("b", 1)]
     assert store.content_hash("a") == "h1" and store.content_hash("b") is None and store.content_hash("c") is None
     assert store.kv_keys() == {"k1", "k2"} and len(store.row_ids()) == 3
-    store.close()
+    assert store.num_documents() == 2 and store.num_chunks() == 3
 
 
 @pytest.mark.parametrize("kind", list(IndexKind))
-def test_follow_a_replace_leaves_each_chunk_indexed_once(tmp_path, kind):
+def test_follow_a_replace_leaves_each_chunk_indexed_once(tmp_path, kind, open_store):
     """HNSW cannot remove: the index is rebuilt from the store, which already holds the new chunks
     (adding them again would index them twice)."""
-    retriever = Retriever.open(tmp_path, RetrievalSettings(index=kind))
+    retriever = Retriever.open(tmp_path, RetrievalSettings(index=kind), open_store())
     (doc, _), vectors = _put(retriever, "a", ["Alpha one.", "Alpha two."])
     retriever.follow([], [c.row_id for c in doc.chunks], list(vectors))
     (doc2, replaced), vectors2 = _put(retriever, "a", ["Beta one.", "Beta two.", "Beta three."])

@@ -169,6 +169,9 @@ def test_docker_compose_publishes_on_loopback_and_requires_a_key():
     from pathlib import Path
 
     compose = yaml.safe_load((Path(__file__).parents[1] / "docker-compose.yml").read_text())
-    service = compose["services"]["ragblend"]
-    assert all(port.startswith("${RAGBLEND_PUBLISH_HOST:-127.0.0.1}:") for port in service["ports"])
-    assert ":?" in service["environment"]["RAGBLEND_SERVER__API_KEY"]  # compose stops when it is unset
+    services = compose["services"]
+    published = {name for name, service in services.items() if service.get("ports")}
+    assert published == {"nginx"}  # the replicas are reached through it only
+    assert all(port.startswith("${RAGBLEND_PUBLISH_HOST:-127.0.0.1}:") for port in services["nginx"]["ports"])
+    for name in ("ragblend-a", "ragblend-b"):  # compose stops when the key is unset
+        assert ":?" in services[name]["environment"]["RAGBLEND_SERVER__API_KEY"]

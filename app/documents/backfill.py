@@ -12,8 +12,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from kv_store.single_flight import PrecomputeLocks, PrecomputeReason, SingleFlight
+from retrieval.store_types import StoredChunk
 from runtime.loop import EngineLoop
-from retrieval.doc_store import StoredChunk
 
 logger = logging.getLogger(__name__)
 
@@ -27,10 +28,12 @@ class BackfillStats:
 
 class KVBackfill:
     def __init__(self, engine: Any, kv_store: Any, loop: EngineLoop, is_live: Callable[[str], bool],
-                 context_ids: Sequence[int]):
+                 context_ids: Sequence[int], single_flight: SingleFlight | None = None):
         """`is_live(key)`: whether a stored chunk still points at the key (a replaced document's
-        chunks are skipped). `context_ids`: the attention sink chunks are precomputed behind."""
+        chunks are skipped). `context_ids`: the attention sink chunks are precomputed behind.
+        `single_flight`: a chunk another replica is computing is skipped, not computed twice."""
         self._engine, self._kv_store, self._loop, self._is_live = engine, kv_store, loop, is_live
+        self._flight = single_flight or SingleFlight(kv_store, PrecomputeLocks(None, 1.0))
         self._context_ids = tuple(context_ids)
         self._lock = threading.Lock()
         self._queue: deque[tuple[str, tuple[int, ...]]] = deque()  # (key, token ids), oldest first
@@ -57,7 +60,8 @@ class KVBackfill:
             key, token_ids = self._queue.popleft()
         try:
             if self._is_live(key) and not self._kv_store.readable_many([key])[0]:
-                self._kv_store.put(key, self._engine.precompute(list(token_ids), self._context_ids))
+                self._flight.ensure(key, lambda: self._engine.precompute(list(token_ids), self._context_ids),
+                                    PrecomputeReason.BACKFILL)
             self._count(is_failed=False)
         except Exception:
             logger.exception("precomputing KV %s in the background failed", key[:16])

@@ -20,8 +20,9 @@ from blend_engine.threads import pin_one_thread
 from runtime.jobs import JobCancelled
 from runtime.loop import EngineLoop
 from configs.settings import ChunkingMode, Settings
+from kv_store.single_flight import SingleFlight
 from retrieval.chunker import Chunker
-from retrieval.doc_store import StoredChunk
+from retrieval.store_types import StoredChunk
 from retrieval.retriever import Retriever
 
 
@@ -35,13 +36,14 @@ class DocumentService:
     loop: EngineLoop
     writes: WriteQueue
     backfill: KVBackfill | None = None  # KV of large documents, between questions
+    single_flight: SingleFlight | None = None  # KV precompute once across replicas
     writer: DocumentWriter = field(init=False)
 
     def __post_init__(self) -> None:
         self.writer = DocumentWriter(self.settings, self.engine, self.retriever, self.kv_store, self.chunker,
-                                     precompute=self._precompute)
+                                     compute_kv=self._compute_kv, single_flight=self.single_flight)
 
-    def _precompute(self, token_ids: list[int], context_ids: tuple[int, ...]) -> ChunkKV:
+    def _compute_kv(self, token_ids: list[int], context_ids: tuple[int, ...]) -> ChunkKV:
         """A chunk's KV, computed on the engine loop as one background unit (the write waits for it)."""
         return self.loop.call_background(lambda: self.engine.precompute(token_ids, context_ids))
 

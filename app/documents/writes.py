@@ -1,9 +1,10 @@
 """The ordered, idempotent write path of documents (one write at a time: app/documents/write_queue.py).
 
-SQLite is the one source of truth. Each document is written in this order:
+The document store (SQLite, or Postgres shared by replicas) is the one source of truth. Each
+document is written in this order:
 1. prepare: chunk, embed, precompute the chunks' KV into the store (content-addressed entries; if
    the process dies here they are orphans, deleted by the start-up garbage collection);
-2. commit: one SQLite transaction replaces the document and its chunks (atomic per document);
+2. commit: one store transaction replaces the document and its chunks (atomic per document);
 3. follow: the vector index drops the replaced chunks' ids and adds the new ones (saved at the end
    of the request; start-up reconciles it with the store by id sets), and the KV of replaced
    chunks no other chunk shares is deleted (orphans again if the process dies first).
@@ -15,13 +16,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from app.documents.protocol import DocumentIn, DocumentStatus
 from configs.settings import ChunkingMode, Settings
+from kv_store.single_flight import PrecomputeLocks, PrecomputeReason, SingleFlight
 from retrieval.chunker import Chunker, TextChunk
-from retrieval.doc_store import NewChunk, StoredChunk
+from retrieval.store_types import NewChunk, StoredChunk
 from retrieval.retriever import Retriever
 
 
@@ -40,10 +42,12 @@ class DocumentWriter:
     kv_store: Any  # kv_store.KVStore
     chunker: Chunker
     # computes a chunk's KV (the engine's precompute, run on the engine loop); default: the engine's own
-    precompute: Callable[[list[int], tuple[int, ...]], Any] | None = None
+    compute_kv: Callable[[list[int], tuple[int, ...]], Any] | None = None
+    single_flight: SingleFlight | None = None  # one replica precomputes a chunk, others wait (Redis lock)
+    _flight: SingleFlight = field(init=False, repr=False)
 
-    def _precompute(self, token_ids: list[int], context_ids: tuple[int, ...]) -> Any:
-        return (self.precompute or self.engine.precompute)(token_ids, context_ids)
+    def __post_init__(self) -> None:
+        self._flight = self.single_flight or SingleFlight(self.kv_store, PrecomputeLocks(None, 1.0))
 
     def write(self, doc: DocumentIn, chunking: ChunkingMode, precompute: bool) -> WrittenDocument:
         store = self.retriever.store
@@ -57,9 +61,12 @@ class DocumentWriter:
                     self._fill_kv(stored.chunks, context_ids)
                 return WrittenDocument(doc_id, DocumentStatus.UNCHANGED, stored.chunks)
         new_chunks = self._prepare(self.chunker.split(doc.text, chunking), context_ids, precompute)
-        stored, replaced = store.put_document(  # the commit point
+        result = store.put_document(  # the commit point
             doc_id, doc.title, doc.metadata or {}, len(doc.text), new_chunks, content_hash
         )
+        if result.is_unchanged:  # another replica committed the same content meanwhile: one version
+            return WrittenDocument(doc_id, DocumentStatus.UNCHANGED, result.document.chunks)
+        stored, replaced = result.document, result.replaced
         self.retriever.follow(replaced, [c.row_id for c in stored.chunks], [n.embedding for n in new_chunks])
         self.release_kv(replaced)
         status = DocumentStatus.REPLACED if replaced else DocumentStatus.CREATED
@@ -80,7 +87,7 @@ class DocumentWriter:
         if precompute:  # a damaged entry reads as absent (and is deleted): computed again
             for chunk, key, is_readable in zip(chunks, keys, self.kv_store.readable_many(keys)):
                 if not is_readable:
-                    self.kv_store.put(key, self._precompute(list(chunk.token_ids), context_ids))
+                    self._precompute(key, chunk.token_ids, context_ids)
         return [NewChunk(c.text, c.token_ids, e, key) for c, e, key in zip(chunks, embeddings, keys)]
 
     def _fill_kv(self, chunks: Sequence[StoredChunk], context_ids: tuple[int, ...]) -> None:
@@ -88,7 +95,13 @@ class DocumentWriter:
         keyed = [c for c in chunks if c.kv_key is not None]
         for chunk, is_readable in zip(keyed, self.kv_store.readable_many([c.kv_key for c in keyed])):
             if not is_readable:
-                self.kv_store.put(chunk.kv_key, self._precompute(list(chunk.token_ids), context_ids))
+                self._precompute(chunk.kv_key, chunk.token_ids, context_ids)
+
+    def _precompute(self, key: str, token_ids: Sequence[int], context_ids: tuple[int, ...]) -> None:
+        """Once across replicas: another replica computing the same chunk is waited for (on this write's
+        thread), not repeated; the compute itself runs where `compute_kv` runs it (the engine loop)."""
+        compute = self.compute_kv or self.engine.precompute
+        self._flight.ensure(key, lambda: compute(list(token_ids), context_ids), PrecomputeReason.INGEST)
 
     def release_kv(self, chunks: Sequence[StoredChunk]) -> None:
         """Delete the KV of chunks that are gone, unless another chunk shares the same content."""

@@ -9,6 +9,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from kv_store.single_flight import PrecomputeLocks, PrecomputeOutcome, PrecomputeReason, SingleFlight
 from runtime.loop import EngineLoop
 
 logger = logging.getLogger(__name__)
@@ -21,12 +22,16 @@ class RepairStats:
     num_skipped: int = 0  # healed meanwhile, or the chunk is gone
     num_failed: int = 0
     num_dropped: int = 0  # the background queue was full: retried at the next miss
+    num_elsewhere: int = 0  # another replica was repairing it (its lock held): not done twice
 
 
 class KVRepairer:
-    def __init__(self, engine: Any, kv_store: Any, loop: EngineLoop, is_live: Callable[[str], bool]):
-        """`is_live(key)`: whether a stored chunk still points at the key (checked when the task runs)."""
+    def __init__(self, engine: Any, kv_store: Any, loop: EngineLoop, is_live: Callable[[str], bool],
+                 single_flight: SingleFlight | None = None):
+        """`is_live(key)`: whether a stored chunk still points at the key (checked when the task runs).
+        `single_flight`: a chunk another replica is repairing is left to it."""
         self._engine, self._kv_store, self._loop, self._is_live = engine, kv_store, loop, is_live
+        self._flight = single_flight or SingleFlight(kv_store, PrecomputeLocks(None, 1.0))
         self._lock = threading.Lock()
         self._pending: set[str] = set()
         self._counts = dict.fromkeys(RepairStats.__dataclass_fields__, 0)
@@ -55,8 +60,10 @@ class KVRepairer:
                 logger.warning("KV %s: not this chunk's key under the current config; not repaired", key[:16])
                 self._count("num_skipped")
                 return
-            self._kv_store.put(key, self._engine.precompute(list(token_ids), context_ids))
-            self._count("num_repaired")
+            outcome = self._flight.ensure(key, lambda: self._engine.precompute(list(token_ids), context_ids),
+                                          PrecomputeReason.REPAIR)
+            self._count({PrecomputeOutcome.COMPUTED: "num_repaired", PrecomputeOutcome.FOUND: "num_skipped",
+                         PrecomputeOutcome.SKIPPED: "num_elsewhere"}[outcome])
         except Exception:
             logger.exception("repairing KV %s failed", key[:16])
             self._count("num_failed")

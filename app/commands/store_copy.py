@@ -1,0 +1,72 @@
+"""`ragblend store copy`: move an existing install onto the shared store. Copies every document of a
+data directory's SQLite store (documents, chunks, token ids, KV keys, embeddings, content hashes)
+into Postgres, one transaction per document, so an interrupted copy is re-run safely (a document
+already there with the same content is left as it is). KV entries stay where they are: their keys
+are content-addressed, so a replica finds them in a shared tier, or recomputes a missing one on its
+first miss (self-healing). Each replica's vector index is built from Postgres when it starts."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+
+from app.commands.exit_codes import ExitCode
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data-dir", type=Path, required=True,
+                        help="the data directory whose documents.sqlite3 is copied (read only)")
+    parser.add_argument("--database-url", default=os.environ.get("RAGBLEND_STORE__DATABASE_URL"),
+                        help="postgresql://... to copy into (default: $RAGBLEND_STORE__DATABASE_URL)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a document already in Postgres whose content differs (default: keep it, "
+                             "report it, exit 1)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from retrieval.doc_store import SqliteDocumentStore
+    from retrieval.pg_store import PostgresDocumentStore
+    from retrieval.store_types import StoreUnavailableError
+
+    source_path = args.data_dir / "documents.sqlite3"
+    if not source_path.is_file():
+        print(f"ragblend store copy: no document store at {source_path}", file=sys.stderr)
+        return ExitCode.USAGE
+    if not args.database_url:
+        print("ragblend store copy: give --database-url (or set RAGBLEND_STORE__DATABASE_URL)", file=sys.stderr)
+        return ExitCode.USAGE
+    source = SqliteDocumentStore(source_path)
+    try:
+        target = PostgresDocumentStore(args.database_url)
+    except StoreUnavailableError as exc:
+        source.close()
+        print(f"ragblend store copy: {exc}", file=sys.stderr)
+        return ExitCode.UNREACHABLE
+    counts: Counter[str] = Counter()
+    conflicts: list[str] = []
+    try:
+        for exported in source.export_documents():
+            doc = exported.document
+            stored_hash = target.content_hash(doc.id)
+            is_present = stored_hash is not None or target.get_document(doc.id) is not None
+            if is_present and stored_hash != exported.content_hash and not args.overwrite:
+                conflicts.append(doc.id)
+                continue
+            result = target.put_document(doc.id, doc.title, doc.metadata, doc.num_chars, exported.chunks,
+                                         exported.content_hash)
+            counts["unchanged" if result.is_unchanged else "replaced" if result.replaced else "copied"] += 1
+            counts["chunks"] += 0 if result.is_unchanged else len(exported.chunks)
+    except StoreUnavailableError as exc:
+        print(f"ragblend store copy: {exc} (after {counts['copied']} documents; re-running is safe)", file=sys.stderr)
+        return ExitCode.UNREACHABLE
+    finally:
+        source.close()
+        target.close()
+    print(f"copied {counts['copied']} documents ({counts['chunks']} chunks), replaced {counts['replaced']}, "
+          f"unchanged {counts['unchanged']}, kept {len(conflicts)} that differ")
+    for doc_id in conflicts:
+        print(f"  kept (differs; --overwrite replaces it): {doc_id}")
+    return ExitCode.FAILED if conflicts else ExitCode.OK

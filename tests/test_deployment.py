@@ -1,0 +1,88 @@
+"""docker-compose.yml and deploy/nginx.conf, checked without a container runtime: `docker compose
+config` where the compose plugin runs here, else the file's structure with PyYAML (this machine's docker
+has no compose plugin and no daemon). The topology itself runs for real, without docker, in
+tests/test_replicas.py (Postgres, Redis, two replicas, nginx with deploy/nginx.conf)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+REPLICAS = ("ragblend-a", "ragblend-b")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def _compose_plugin_works() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    done = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True, timeout=30)
+    return done.returncode == 0
+
+
+@pytest.mark.skipif(not _compose_plugin_works(), reason="no `docker compose` plugin on this machine; "
+                    "test_compose_topology_is_complete checks the file's structure instead")
+def test_docker_compose_config_accepts_the_file():
+    env = {"RAGBLEND_API_KEY": "k", "RAGBLEND_DB_PASSWORD": "p", "PATH": "/usr/bin:/bin:/usr/local/bin"}
+    done = subprocess.run(["docker", "compose", "-f", str(ROOT / "docker-compose.yml"), "config", "--quiet"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def test_compose_topology_is_complete(compose):
+    services = compose["services"]
+    assert set(services) == {"postgres", "redis", *REPLICAS, "nginx"}
+    for name, service in services.items():
+        assert service["healthcheck"]["test"], f"{name} has no health check"
+        assert service["restart"] == "unless-stopped"
+    urls = set()
+    for name in REPLICAS:
+        replica = services[name]
+        assert replica["build"] == "."
+        assert {dep: c["condition"] for dep, c in replica["depends_on"].items()} == {
+            "postgres": "service_healthy", "redis": "service_healthy"}
+        env = replica["environment"]
+        assert env["RAGBLEND_STORE__DATABASE_URL"].startswith("postgresql://ragblend:")
+        assert "@postgres:5432/ragblend" in env["RAGBLEND_STORE__DATABASE_URL"]
+        assert env["RAGBLEND_STORE__REDIS_URL"] == "redis://redis:6379/0"
+        assert ":?" in env["RAGBLEND_SERVER__API_KEY"]
+        urls.add(env["RAGBLEND_STORE__DATABASE_URL"])
+        assert "/readyz" in " ".join(replica["healthcheck"]["test"])
+    assert len(urls) == 1  # one shared store
+    data_volumes = [v.split(":")[0] for name in REPLICAS for v in services[name]["volumes"]]
+    assert len(set(data_volumes)) == 2 and set(data_volumes) <= set(compose["volumes"])  # a data dir each
+    assert ":?" in services["postgres"]["environment"]["POSTGRES_PASSWORD"]
+    nginx = services["nginx"]
+    assert {dep: c["condition"] for dep, c in nginx["depends_on"].items()} == dict.fromkeys(REPLICAS, "service_healthy")
+    assert "./deploy/nginx.conf:/etc/nginx/nginx.conf:ro" in nginx["volumes"]
+
+
+def test_nginx_config_balances_both_replicas_and_streams_unbuffered(compose):
+    conf = (ROOT / "deploy" / "nginx.conf").read_text()
+    assert re.findall(r"server (ragblend-\w):8000", conf) == list(REPLICAS)
+    for directive in ("proxy_buffering off;", "proxy_http_version 1.1;", "listen 8000;"):
+        assert directive in conf
+    assert "8000:8000" in compose["services"]["nginx"]["ports"][0]
+    if shutil.which("nginx") or Path("/usr/sbin/nginx").exists():  # nginx's own parser, where it is installed
+        try:
+            from tests.nginx_server import find_nginx, loopback_config
+        except ImportError:
+            from nginx_server import find_nginx, loopback_config
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "nginx.conf"
+            path.write_text(loopback_config(["127.0.0.1:1", "127.0.0.1:2"], 8, Path(tmp)))
+            directives = f"pid {tmp}/pid; error_log {tmp}/e.log;"
+            done = subprocess.run([find_nginx(), "-t", "-p", tmp, "-c", str(path), "-g", directives],
+                                  capture_output=True, text=True, timeout=30)
+            assert done.returncode == 0, done.stderr
