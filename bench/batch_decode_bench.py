@@ -2,7 +2,7 @@
 over its own ~3k-token cache) against B separate single-sequence steps, and the single-sequence check
 that batching did not slow B = 1 down (today's `Decoder.step` against `BlendEngine.decode_step`).
 
-    python -m bench.batch_decode_bench --threads 2 --out docs/results/batch_decode_cpu_int4.json
+    python -m bench.batch_decode_bench --threads 1 --out docs/results/batch_decode_cpu_int4_t1.json
 
 Everything is measured side by side, interleaved in rounds (the machine is shared and noisy): each
 figure is the median over rounds (blocks) of their mean step time, each ratio the median of ratios
