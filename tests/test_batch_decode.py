@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from blend_engine.batch_decode import batch_step
+from blend_engine.batch_decode import StaticBatch, batch_step
 from blend_engine.engine import BlendEngine
 from blend_engine.types import BlendConfig, FinishReason, PrefillMode, SamplingParams
 from blend_engine.weights import convert_linears
@@ -137,3 +137,121 @@ def test_decode_step_refuses_an_empty_batch_finished_and_repeated_sequences():
     other, _ = engine.start_sequence(engine.prefill(rag_prompt(engine), PrefillMode.BLEND), SamplingParams())
     with pytest.raises(ValueError, match="twice"):
         engine.decode_step([other, other])
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The real SmolLM2 tokenizer (no weights): a tiny model's ids 0..255 are its special tokens, ASCII
+    characters and byte pieces, so its text pieces, stop strings and held-back bytes are real ones."""
+    from transformers import AutoTokenizer
+
+    from blend_engine.loader import converted_gguf_dir, embedded_gguf_path
+    from configs import load_settings
+
+    return AutoTokenizer.from_pretrained(converted_gguf_dir(embedded_gguf_path(), load_settings().model.cache_dir))
+
+
+def text_engine(tokenizer, family: str = "qwen2-bias", cache: DecodeCache = DecodeCache.INT8) -> BlendEngine:
+    torch.manual_seed(0)
+    model = MODEL_BUILDERS[family]().eval()
+    convert_linears(model, WeightFormat.INT8)
+    return BlendEngine.from_model(model, tokenizer=tokenizer, name=family, decode_cache=cache)
+
+
+def run_batch(engine: BlendEngine, results, params, cancel_at: dict[int, int] | None = None):
+    """Decode every request in one batch until all finish; per request its deltas. `cancel_at`:
+    request -> the step before which it is cancelled."""
+    started = [engine.start_sequence(r, p) for r, p in zip(results, params)]
+    sequences = [s for s, _ in started]
+    deltas = [[d] for _, d in started]
+    step = 0
+    while running := [i for i, s in enumerate(sequences) if not s.is_finished]:
+        for i in running:
+            if (cancel_at or {}).get(i) == step:
+                sequences[i].cancel()
+        running = [i for i in running if not sequences[i].is_finished]
+        if not running:
+            break
+        for i, delta in zip(running, engine.decode_step([sequences[i] for i in running])):
+            deltas[i].append(delta)
+        step += 1
+    return sequences, deltas
+
+
+def joined(deltas) -> str:
+    return "".join(d.text for d in deltas)
+
+
+def test_seeded_sampling_gives_the_same_tokens_alone_and_in_a_batch(tokenizer):
+    """Each request samples from its own generator with its own temperature / top-p: beside greedy and
+    other sampled requests it draws what it draws alone (and another seed draws otherwise)."""
+    engine = text_engine(tokenizer)
+    params = [SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=7),
+              SamplingParams(max_tokens=18),
+              SamplingParams(max_tokens=30, temperature=1.3, seed=8),
+              SamplingParams(max_tokens=21, temperature=0.7, top_p=0.5, seed=7)]
+    alone = [decode_alone(engine, r, p) for r, p in zip(prefills(engine), params)]
+    sequences, deltas = run_batch(engine, prefills(engine), params)
+    assert [s.token_ids for s in sequences] == alone
+    assert [joined(d) for d in deltas] == [joined(list(engine.generate(r, p)))
+                                           for r, p in zip(prefills(engine), params)]
+    reseeded = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=8)
+    assert decode_alone(engine, prefills(engine)[0], reseeded) != alone[0]
+
+
+def test_stop_strings_max_tokens_and_cancellation_act_on_their_own_sequence(tokenizer):
+    """A stop string ends its sequence (text before it, finish "stop"), max_tokens another ("length"),
+    a cancelled one leaves the batch and lets go of its cache; the others' text is what it is alone."""
+    engine = text_engine(tokenizer)
+    free = [joined(engine.generate(r, SamplingParams(max_tokens=30))) for r in prefills(engine)]
+    stop = free[0][10:12]
+    assert len(free[0]) >= 12 and stop.strip()
+    params = [SamplingParams(max_tokens=30, stop=("\x00never", stop)), SamplingParams(max_tokens=7),
+              SamplingParams(max_tokens=30), SamplingParams(max_tokens=30)]
+    sequences, deltas = run_batch(engine, prefills(engine), params, cancel_at={3: 4})
+    assert joined(deltas[0]) == free[0][: free[0].index(stop)]
+    assert deltas[0][-1].finish_reason == FinishReason.STOP
+    assert deltas[1][-1].finish_reason == FinishReason.LENGTH and deltas[1][-1].num_tokens == 7
+    assert free[1].startswith(joined(deltas[1]))
+    assert joined(deltas[2]) == free[2]
+    assert sequences[3].is_finished and sequences[3].nbytes == 0 and len(deltas[3]) == 5  # the first + 4 steps
+    assert free[3].startswith(joined(deltas[3]))
+    assert all(d.finish_reason is None for d in deltas[3])  # cancelled: no finish of its own
+    assert all(d.finish_reason is None for ds in deltas for d in ds[:-1])
+
+
+def test_nbytes_is_the_decode_cache_the_sequence_holds():
+    engine = engine_for("llama-gqa", WeightFormat.INT8, DecodeCache.INT8)
+    result = prefills(engine)[1]
+    sequence, _ = engine.start_sequence(result, SamplingParams(max_tokens=5))
+    assert sequence.nbytes == result.cache.keys.nbytes * 2  # before its first step: the prefill's cache
+    decoder = sequence.prepare()
+    assert sequence.nbytes == decoder.cache.nbytes < result.cache.keys.nbytes  # int8 + scales < fp32 keys
+    while not sequence.is_finished:
+        engine.decode_step([sequence])
+    assert sequence.nbytes == 0 and sequence.decoder is None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_static_batched_step_run_eagerly_equals_the_eager_batched_step(family):
+    """The CUDA graph's function (static shapes: a bucket of 4 rows, 3 sequences and a padding row,
+    each over its cache's whole capacity with a mask from its position), run eagerly: the logits of
+    the eager batched step, through a column bias and a cache growing mid-run (rebound)."""
+    engine = engine_for(family, WeightFormat.FP32, DecodeCache.MODEL)
+    tokens = random_ids(12, 3)  # the third cache (room for 9 new tokens at its 16-slot rounding) grows
+    eager = [engine.decoder(r, is_graphed=False) for r in prefills(engine)[1:]]
+    reference = torch.stack([batch_step(engine.runner, eager, [t] * 3) for t in tokens])  # [steps, 3, vocab]
+    decoders = [engine.decoder(r, is_graphed=False) for r in prefills(engine)[1:]]
+    bucket = StaticBatch(engine.runner, num_rows=4)
+    rebinds, static, grown = [], [], []
+    for t in tokens:
+        capacities = [d.cache.capacity for d in decoders]
+        positions = [d.reserve() for d in decoders]
+        grown.append([d.cache.capacity for d in decoders] != capacities)
+        rebinds.append(bucket.bind([d.cache for d in decoders]))
+        static.append(bucket.step([d.cache for d in decoders], [t] * 3, positions))
+    assert rebinds == [True] + grown[1:] and sum(grown) >= 1  # bound first, again after each growth only
+    assert decoders[0].cache.column_bias is None and decoders[2].cache.column_bias is not None
+    torch.testing.assert_close(torch.stack(static), reference, atol=1e-5 * float(reference.abs().max()), rtol=0)
+    with pytest.raises(ValueError, match="1 to 4"):
+        bucket.bind([d.cache for d in decoders] * 2)

@@ -1,0 +1,244 @@
+"""Batched decode on the real model: the time of one decode step for B = 1, 2, 4, 8 sequences (each
+over its own ~3k-token cache) against B separate single-sequence steps, and the single-sequence check
+that batching did not slow B = 1 down (today's `Decoder.step` against `BlendEngine.decode_step`).
+
+    python -m bench.batch_decode_bench --threads 1 --out docs/results/batch_decode_cpu_int4_t1.json
+
+Everything is measured side by side, interleaved in rounds (the machine is shared and noisy): each
+figure is the median over rounds (blocks) of their mean step time, each ratio the median of ratios
+taken within one round (block pair). Tokens are greedy, EOS ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # as the `ragblend` script sets it (app/cli.py)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from blend_engine.batch_decode import batch_step  # noqa: E402
+from blend_engine.decode import Decoder  # noqa: E402
+from blend_engine.engine import BlendEngine  # noqa: E402
+from blend_engine.sequence import DecodeSequence, TokenSampler  # noqa: E402
+from blend_engine.threads import governed  # noqa: E402
+from blend_engine.types import PrefillMode, PrefillResult, SamplingParams, Segment  # noqa: E402
+from configs import load_settings  # noqa: E402
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads of every step (fixed)")
+    parser.add_argument("--context", type=int, default=3000, help="prompt tokens of each sequence's cache")
+    parser.add_argument("--batch-sizes", default="1,2,4,8")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (the median is reported)")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per batch size and round")
+    parser.add_argument("--single-tokens", type=int, default=64, help="tokens per round of the B = 1 check (each way)")
+    parser.add_argument("--parts", default="single,batch,overhead",
+                        help="single: the B = 1 check; batch: the B sweep; overhead: the API's own cost at B = 1")
+    parser.add_argument("--out", type=Path, default=None, help="write the figures here as JSON")
+
+
+BLOCK = 8  # tokens per timed block of the B = 1 check
+
+
+def _prompt(engine: BlendEngine, num_tokens: int) -> list[Segment]:
+    """~num_tokens of real text (the repo's docs, repeated): decode speed depends on the length only."""
+    text = " ".join(p.read_text() for p in sorted(Path("docs/design").glob("*.md")))
+    ids = engine.tokenize(text)
+    while len(ids) < num_tokens:
+        ids = ids + ids
+    return [Segment(tuple(ids[:num_tokens]))]
+
+
+def _mean_ms(run, num_steps: int) -> float:
+    start = time.perf_counter()
+    for _ in range(num_steps):
+        run()
+    return (time.perf_counter() - start) * 1000 / num_steps
+
+
+def _single_check(engine: BlendEngine, result: PrefillResult, args) -> dict:
+    """B = 1, ms per token: today's `Decoder.step` plus sampling and detokenizing (what generate ran
+    before, `decode_loop`) against `decode_step` on one sequence (what it runs now), alternating blocks
+    of `BLOCK` tokens; the ratio is the median of each block pair's (robust to the load drifting)."""
+    params = SamplingParams(max_tokens=10**6)
+
+    def sampler() -> TokenSampler:  # no EOS ids: every block decodes its tokens (greedy, as the server's default)
+        return TokenSampler(engine.tokenizer, frozenset(), params, engine.max_context, engine.device)
+
+    old_ms, new_ms = [], []
+    for _ in range(args.rounds):
+        decoder, old_sampler = engine.decoder(result), sampler()  # a fresh copy of the prompt's cache
+        _, token = old_sampler.push(result.logits)
+
+        def old_step() -> None:
+            nonlocal token
+            _, token = old_sampler.push(decoder.step(token))
+
+        new_sampler = sampler()
+        _, first = new_sampler.push(result.logits)
+        sequence = DecodeSequence(result, new_sampler, first, engine.decoder)
+        sequence.prepare()  # the cache copy, outside the timing as for the old decoder
+        for _ in range(args.single_tokens // BLOCK):
+            old_ms.append(_mean_ms(old_step, BLOCK))
+            new_ms.append(_mean_ms(lambda: engine.decode_step([sequence]), BLOCK))
+    ratios = [new / old for old, new in zip(old_ms, new_ms)]
+    return {"tokens_per_round": args.single_tokens, "rounds": args.rounds, "block_tokens": BLOCK,
+            "decoder_step_ms": statistics.median(old_ms), "decode_step_ms": statistics.median(new_ms),
+            "ratio_new_over_old": statistics.median(ratios),
+            "decoder_step_ms_blocks": old_ms, "decode_step_ms_blocks": new_ms}
+
+
+def _overhead_check(engine: BlendEngine, args) -> dict:
+    """What the batched API adds to a step in Python, measured where the model's work is small: a random
+    model of the real one's layer count (hidden 64, 4 heads, fp32, a 32-token prompt), B = 1, the old
+    step + sampling against decode_step in alternating blocks (the real model's compute is the same ops,
+    bit for bit: tests/test_batch_decode.py). Its difference is what B = 1 pays per token."""
+    config = engine.model.config.__class__(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=engine.num_layers, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    tiny = BlendEngine.from_model(type(engine.model)(config).eval(), tokenizer=engine.tokenizer, name="tiny",
+                                  cpu_threads=args.threads, max_cpu_threads=args.threads)
+    result = tiny.prefill([Segment(tuple(range(17, 49)))], PrefillMode.FULL, max_new_tokens=4096 - 40)
+    figures = _single_check(tiny, result, argparse.Namespace(**{**vars(args), "rounds": args.rounds * 4}))
+    figures["added_us_per_token"] = 1000 * (figures["decode_step_ms"] - figures["decoder_step_ms"])
+    figures["num_layers"] = engine.num_layers
+    figures.update(_counts(tiny, result))
+    return figures
+
+
+def _counts(engine: BlendEngine, result: PrefillResult) -> dict:
+    """Per token, the torch ops dispatched and the Python calls made, old step (+ sampling) and new:
+    counts, so the load of a shared machine does not blur them."""
+    import cProfile
+    import pstats
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpCounter(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.num_ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.num_ops += 1
+            return func(*args, **(kwargs or {}))
+
+    params = SamplingParams(max_tokens=10**6)
+    old_sampler = TokenSampler(engine.tokenizer, frozenset(), params, engine.max_context, engine.device)
+    _, token = old_sampler.push(result.logits)
+    decoder = engine.decoder(result)
+
+    def old_step() -> None:
+        nonlocal token
+        _, token = old_sampler.push(decoder.step(token))
+
+    new_sampler = TokenSampler(engine.tokenizer, frozenset(), params, engine.max_context, engine.device)
+    _, first = new_sampler.push(result.logits)
+    sequence = DecodeSequence(result, new_sampler, first, engine.decoder)
+    sequence.prepare()
+    out = {}
+    for name, step in (("decoder_step", old_step), ("decode_step", lambda: engine.decode_step([sequence]))):
+        step()  # warm
+        with OpCounter() as counter:
+            step()
+        profile = cProfile.Profile()
+        profile.enable()
+        step()
+        profile.disable()
+        out[f"{name}_torch_ops"] = counter.num_ops
+        out[f"{name}_python_calls"] = pstats.Stats(profile).total_calls
+    return out
+
+
+def _batch_sweep(engine: BlendEngine, result: PrefillResult, batch_sizes: list[int], args) -> list[dict]:
+    """Per B: the batched step's ms (median over rounds), per token, and against B single steps."""
+    decoders: dict[int, list[Decoder]] = {b: [engine.decoder(result) for _ in range(b)] for b in batch_sizes}
+    tokens = {b: [int(result.logits.argmax())] * b for b in batch_sizes}
+    timings: dict[int, list[float]] = {b: [] for b in batch_sizes}
+
+    def step(b: int) -> None:
+        with governed(engine.threads):
+            logits = batch_step(engine.runner, decoders[b], tokens[b])  # [B, vocab]
+        tokens[b] = logits.argmax(-1).tolist()
+
+    for _ in range(args.rounds):
+        for b in batch_sizes:
+            timings[b].append(_mean_ms(lambda: step(b), args.steps))
+    rows = []
+    for b in batch_sizes:
+        ms = statistics.median(timings[b])
+        # the gain against B single-sequence steps: per round (the same load), then the median
+        speedups = [b * one / ms_b for one, ms_b in zip(timings.get(1, []), timings[b])]
+        rows.append({"batch_size": b, "step_ms": ms, "ms_per_token": ms / b,
+                     "speedup_vs_single_steps": statistics.median(speedups) if speedups else None,
+                     "step_ms_rounds": timings[b]})
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    settings = load_settings(model={"cpu_threads": args.threads})
+    engine = BlendEngine.from_settings(settings, max_cpu_threads=args.threads)
+    steps_needed = args.rounds * args.steps + args.single_tokens + 8  # no cache grows while timed
+    parts = set(args.parts.split(","))
+    result = None
+    if parts & {"single", "batch"}:
+        result = engine.prefill(_prompt(engine, args.context), PrefillMode.FULL, max_new_tokens=steps_needed)
+    single = _single_check(engine, result, args) if "single" in parts else None
+    sweep = _batch_sweep(engine, result, batch_sizes, args) if "batch" in parts else []
+    overhead = _overhead_check(engine, args) if "overhead" in parts else None
+
+    print(f"model {engine.model_name}, weights {engine.weights.value}, decode cache {engine.decode_cache.value}, "
+          f"{args.threads} threads, {args.context}-token caches; medians of {args.rounds} interleaved rounds")
+    if single is not None:
+        print(f"\nB = 1: Decoder.step + sampling {single['decoder_step_ms']:.2f} ms/token, decode_step "
+              f"{single['decode_step_ms']:.2f} ms/token (new / old, median of block pairs = "
+              f"{single['ratio_new_over_old']:.3f})")
+    if overhead is not None:
+        print(f"\nAPI overhead at B = 1 ({overhead['num_layers']}-layer random model, hidden 64): Decoder.step + "
+              f"sampling {overhead['decoder_step_ms']:.3f} ms/token, decode_step {overhead['decode_step_ms']:.3f} "
+              f"(added {overhead['added_us_per_token']:.0f} us/token; new / old {overhead['ratio_new_over_old']:.3f}); "
+              f"per token: torch ops {overhead['decoder_step_torch_ops']} -> {overhead['decode_step_torch_ops']}, "
+              f"Python calls {overhead['decoder_step_python_calls']} -> {overhead['decode_step_python_calls']}")
+    if sweep:
+        print("\n| B | step ms | ms / token | vs B single steps |")
+        print("| ---: | ---: | ---: | ---: |")
+    for row in sweep:
+        speedup = row["speedup_vs_single_steps"]
+        print(f"| {row['batch_size']} | {row['step_ms']:.2f} | {row['ms_per_token']:.2f} | "
+              f"{'' if speedup is None else f'{speedup:.2f}x'} |")
+    if args.out is not None:
+        figures = {
+            "machine": {"cpu": _cpu_name(), "num_cpus": os.cpu_count(), "platform": platform.platform(),
+                        "torch": torch.__version__, "load_avg_1m_at_end": os.getloadavg()[0]},
+            "model": engine.model_name, "weights": engine.weights.value, "decode_cache": engine.decode_cache.value,
+            "threads": args.threads, "context_tokens": args.context,
+            "single_sequence": single, "batch": sweep, "api_overhead": overhead,
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(figures, indent=1) + "\n")
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+def _cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    raise SystemExit(run(parser.parse_args()))
