@@ -305,9 +305,15 @@ class EngineLoop:
                     self.scheduler.prefilling = None
             self._fail([generation], exc)
             return
-        if self._deliver(generation, first, time.perf_counter()):
-            with self._cond:
-                self.scheduler.running.append(generation)
+        if not self._deliver(generation, first, time.perf_counter()):
+            return
+        try:  # its decode cache now, after the first token is out: not inside a shared decode step
+            generation.sequence.prepare()
+        except Exception as exc:
+            self._fail([generation], exc)
+            return
+        with self._cond:
+            self.scheduler.running.append(generation)
 
     def _decode(self, batch: list[Generation]) -> None:
         try:
