@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from app.extract import ExtractionLimits, FileFormat, extract_file
+from app.documents.protocol import DOCUMENT_ID_PATTERN
 from app.extract.dispatch import document_id, join_pages, page_at
 from app.extract.types import FileRejected
 from tests.docgen import encrypt_pdf, make_docx, make_pdf, make_zip_bomb_docx
@@ -87,8 +90,21 @@ def test_join_pages_offsets():
 
 
 def test_document_ids_from_file_names():
-    assert document_id("dir/My report (v2).pdf") == "My-report--v2-.pdf"
-    assert document_id("C:\\docs\\a.txt") == "a.txt" and document_id("...") == "file"
+    assert document_id("dir/report-v2.pdf") == "report-v2.pdf" and document_id("C:\\docs\\a.txt") == "a.txt"
+    assert re.fullmatch(r"My-report--v2-[0-9a-f]{10}\.pdf", document_id("dir/My report (v2).pdf"))
+    assert re.fullmatch(r"[0-9a-f]{10}", document_id("..."))
+
+
+def test_names_that_clean_alike_keep_different_ids():
+    """Cleaning is lossy ('\\xff\\xfe.txt' and '   .txt' both clean to 'txt'), so a cleaned name is tagged
+    with its hash; a cut name keeps its extension; every id is valid."""
+    names = ["\udcff\udcfe.txt", "   .txt", ".txt", "txt", "my notes.pdf", "my-notes.pdf", "my:notes.pdf",
+             "x" * 200 + "1.docx", "x" * 200 + "2.docx", "é.html", "e.html"]
+    ids = [document_id(name) for name in names]
+    assert len(set(ids)) == len(names), ids
+    assert all(re.fullmatch(DOCUMENT_ID_PATTERN, i) for i in ids), ids
+    assert ids[5] == "my-notes.pdf" and ids[-1] == "e.html"
+    assert ids[7].endswith(".docx") and len(ids[7]) == 128
 
 
 @pytest.mark.parametrize(
