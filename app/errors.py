@@ -18,6 +18,7 @@ logger = logging.getLogger(__name__)
 class ErrorType(str, Enum):
     INVALID_REQUEST = "invalid_request_error"
     AUTHENTICATION = "authentication_error"
+    PERMISSION = "permission_error"
     NOT_FOUND = "not_found_error"
     PAYLOAD_TOO_LARGE = "payload_too_large"
     OVERLOADED = "overloaded_error"

@@ -190,6 +190,15 @@ class ServerSettings(BaseModel):
     body_timeout_s: float = Field(
         30.0, gt=0.0, le=3600.0, description="A request body not all in by then (from its first byte read) is a 408."
     )
+    allowed_hosts: list[str] | None = Field(
+        None, description="Host header names the server answers (port ignored; '*': any); others get a 403 "
+        "(DNS rebinding). Default (null): localhost, 127.0.0.1, ::1 and server.host; any name when server.host "
+        "is a wildcard address (0.0.0.0, ::), where the API key guards.",
+    )
+    allowed_origins: list[str] = Field(
+        [], description="Browser origins (scheme://host:port; '*': any) besides the server's own whose pages may "
+        "send POST/PUT/PATCH/DELETE; a request with another Origin gets a 403 (drive-by writes).",
+    )
 
 
 class LimitsSettings(BaseModel):
