@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import tracemalloc
 
 import pytest
 
@@ -10,7 +11,7 @@ from app.extract import ExtractionLimits, FileFormat, extract_file
 from app.documents.protocol import DOCUMENT_ID_PATTERN
 from app.extract.dispatch import document_id, join_pages, page_at
 from app.extract.types import FileRejected
-from tests.docgen import encrypt_pdf, make_docx, make_pdf, make_zip_bomb_docx
+from tests.docgen import encrypt_pdf, make_docx, make_lying_zip_bomb_docx, make_pdf, make_zip_bomb_docx
 
 LIMITS = ExtractionLimits(max_document_chars=10_000, max_unzipped_bytes=4 << 20, max_documents=3)
 
@@ -24,7 +25,7 @@ def extract_one(name: str, data: bytes):
 def test_pdf_keeps_pages_title_and_offsets():
     pdf = make_pdf([["The green vault code is 7391."], ["Page two: the moon is made of cheese."]], title="Vault Report")
     doc = extract_one("Vault report.pdf", pdf)
-    assert doc.file_format is FileFormat.PDF and doc.title == "Vault Report" and doc.id == "Vault-report.pdf"
+    assert doc.file_format is FileFormat.PDF and doc.title == "Vault Report" and doc.id == document_id("Vault report.pdf")
     assert doc.metadata == {"source": "Vault report.pdf", "format": "pdf", "num_pages": 2}
     assert len(doc.page_starts) == 2
     assert page_at(doc.page_starts, doc.text.index("7391")) == 1
@@ -136,3 +137,29 @@ def test_bad_files_are_refused_by_name(name, data, fragment, is_too_large):
     assert name.split(".")[0] in caught.value.message
     assert fragment.lower() in caught.value.message.lower()
     assert caught.value.is_too_large is is_too_large
+
+
+def peak_traced_bytes(fn) -> tuple[object, int]:
+    """(what fn returns or raises, the peak of Python allocations meanwhile: zlib's output included)."""
+    tracemalloc.start()
+    try:
+        result = fn()
+    except FileRejected as exc:
+        result = exc
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return result, peak
+
+
+@pytest.mark.parametrize("num_declared", [1024, 3 << 20])
+def test_a_docx_lying_about_its_sizes_is_never_decompressed_past_the_cap(num_declared):
+    """A member declared small whose deflate stream expands to 256 MB: decompressing it whole (what
+    zipfile's read() does before its CRC check) would allocate 256 MB; reading is bounded instead."""
+    bomb = make_lying_zip_bomb_docx(256 << 20, num_declared)
+    assert len(bomb) < 2 << 20
+    result, peak = peak_traced_bytes(lambda: extract_file("lying.docx", bomb, LIMITS))
+    assert peak < 3 * LIMITS.max_unzipped_bytes, f"{peak >> 20} MiB allocated"
+    # refused either way, by name: the CRC of more than the declared zeros is wrong, and zeros are no XML
+    assert isinstance(result, FileRejected) and "lying.docx" in result.message, result
+

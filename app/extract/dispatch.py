@@ -9,7 +9,7 @@ from pathlib import PurePath
 from typing import Sequence
 
 from app.documents.ids import id_from_file_name, id_from_value
-from app.extract.docx import check_zip, extract_docx
+from app.extract.docx import extract_docx, unzip_bounded
 from app.extract.html import decode_html, extract_html
 from app.extract.pdf import extract_pdf
 from app.extract.text import decode_text, first_line_title, markdown_title, parse_jsonl
@@ -79,8 +79,7 @@ def _extract(name: str, data: bytes, fmt: FileFormat, limits: ExtractionLimits, 
         return [ExtractedDocument(doc_id, title or first_line_title(text), text, fmt,
                                   {**base, "num_pages": len(pages)}, starts)]
     if fmt is FileFormat.DOCX:
-        check_zip(name, data, limits.max_unzipped_bytes)
-        title, text = extract_docx(name, data)
+        title, text = extract_docx(name, unzip_bounded(name, data, limits.max_unzipped_bytes))
         return [ExtractedDocument(doc_id, title or first_line_title(text), text, fmt, base)]
     if fmt is FileFormat.HTML:
         markup = decode_html(data)
