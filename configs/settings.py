@@ -210,6 +210,13 @@ class LimitsSettings(BaseModel):
     max_top_k: int = Field(20, ge=1, le=1000, description="Largest top_k a request may ask.")
     max_tokens: int = Field(1024, ge=1, description="Largest max_tokens a request may ask.")
     max_question_chars: int = Field(4000, ge=1, description="Longest question / user message.")
+    max_history_messages: int = Field(
+        200, ge=0, description="Most earlier messages in one chat request (422 above, before anything is tokenized)."
+    )
+    max_history_chars: int = Field(
+        100_000, ge=0, description="Most characters in a chat request's earlier messages together (422 above, before "
+        "anything is tokenized; SmolLM2's 8192-token context holds ~30 000; raise it for a longer-context model).",
+    )
     max_chunk_ids: int = Field(32, ge=1, description="Longest chunk_ids list.")
     max_upload_bytes: int = Field(
         100_000_000, ge=1024, description="Largest request body of POST /v1/documents/files (413 above)."
