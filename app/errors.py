@@ -95,7 +95,7 @@ class IngestInterruptedError(ApiError):
     error_type = ErrorType.SERVER
 
     def __init__(self, committed: list[str], failed_id: str, cause: Exception):
-        cause_text = cause.message if isinstance(cause, ApiError) else type(cause).__name__
+        cause_text = cause.message if isinstance(cause, ApiError) else f"an internal error, error id {log_internal(cause)}"
         super().__init__(
             f"ingest stopped at document {failed_id} ({cause_text}); committed before it: "
             f"{', '.join(committed) if committed else 'none'}; re-sending the request is safe"
@@ -114,10 +114,17 @@ def stream_error_body(exc: Exception) -> dict:
     client; anything else is internal: a generic message with an id, the details go to the log."""
     if isinstance(exc, ApiError):
         return error_body(exc.error_type, exc.message)
+    error_id = log_internal(exc, "generation failed")
+    return error_body(ErrorType.SERVER, f"generation failed: internal error (error id {error_id}; "
+                                        "the server log has the details)")
+
+
+def log_internal(exc: BaseException, what: str = "internal error") -> str:
+    """Log `exc` with its traceback under a new error id, and return the id: a client's message names
+    the id, never the internal exception's class or text."""
     error_id = uuid.uuid4().hex[:12]
-    logger.error("generation failed (error id %s)", error_id, exc_info=exc)
-    return error_body(ErrorType.SERVER, f"generation failed: internal error {type(exc).__name__} "
-                                        f"(error id {error_id}; the server log has the details)")
+    logger.error("%s (error id %s)", what, error_id, exc_info=exc)
+    return error_id
 
 
 def error_response(status_code: int, error_type: ErrorType | str, message: str, headers=None) -> JSONResponse:
@@ -150,8 +157,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(500, ErrorType.SERVER, f"internal error: {type(exc).__name__}")
+        error_id = log_internal(exc, f"unhandled error on {request.method} {request.url.path}")
+        return error_response(500, ErrorType.SERVER,
+                              f"internal error (error id {error_id}; the server log has the details)")
 
 
 class ErrorDetail(BaseModel):

@@ -35,7 +35,7 @@ async def _load(app: FastAPI, settings: Settings, engine: Any | None) -> None:
         components = await anyio.to_thread.run_sync(Components.build, settings, app.state.metrics, engine)
     except Exception as exc:
         logger.exception("start-up failed")
-        app.state.load_error = f"{type(exc).__name__}: {exc}"
+        app.state.load_error = str(exc) or "see the server log"  # /readyz shows it: no class names
         return
     app.state.components = components
     # The loading planner's cost model, measured once on the worker before any question (which

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from app.errors import QueueFullError
+from app.errors import ApiError, QueueFullError
 
 logger = logging.getLogger(__name__)
 
@@ -195,9 +195,12 @@ class EngineWorker:
                 result, error = None, exc
                 self.stats.num_cancelled += 1
             except Exception as exc:  # the job's own failure goes back to its request
-                logger.exception("engine job failed")
                 result, error = None, exc
-                self.stats.num_failed += 1
+                if isinstance(exc, ApiError) and exc.status_code < 500:
+                    self.stats.num_completed += 1  # a 4xx (a DELETE of no such document) is an answer, not a failure
+                else:
+                    logger.exception("engine job failed")
+                    self.stats.num_failed += 1
             job.loop.call_soon_threadsafe(_settle, job.future, result, error)
         finally:
             with self._cond:

@@ -163,3 +163,14 @@ def test_a_docx_lying_about_its_sizes_is_never_decompressed_past_the_cap(num_dec
     # refused either way, by name: the CRC of more than the declared zeros is wrong, and zeros are no XML
     assert isinstance(result, FileRejected) and "lying.docx" in result.message, result
 
+
+
+@pytest.mark.parametrize(("name", "data"), [
+    ("broken.pdf", make_pdf([["some text"]])[:200]),
+    ("garbled.docx", make_zip_bomb_docx(0)),
+    ("lying.docx", make_lying_zip_bomb_docx(8 << 20, 1024)),
+])
+def test_refusals_name_no_internal_exception_class(name, data):
+    with pytest.raises(FileRejected) as refused:
+        extract_file(name, data, LIMITS)
+    assert not re.search(r"[A-Z]\w*(Error|Exception|File)\b", refused.value.message), refused.value.message

@@ -158,6 +158,7 @@ def test_stream_errors_send_an_id_not_the_internal_message(caplog):
         events = asyncio.run(_events(_FailingStream()))
     error = events[-1]
     assert error.startswith("event: error") and "secret" not in error and "error id" in error
+    assert "RuntimeError" not in error  # no internal class names either
     error_id = error.split("error id ")[1].split(";")[0]
     assert any(error_id in r.getMessage() and "secret internal detail" in str(r.exc_info[1]) for r in caplog.records)
     # an ApiError's message is meant for the client and is kept

@@ -15,7 +15,7 @@ from docx.document import Document as DocxDocument
 from docx.table import Table
 from docx.text.paragraph import Paragraph
 
-from app.extract.types import FileRejected
+from app.extract.types import FileRejected, reason
 
 
 READ_BYTES = 64 << 10  # per read of a member: zlib produces at most this much per call
@@ -64,7 +64,7 @@ def extract_docx(name: str, data: bytes) -> tuple[str | None, str]:
         blocks = [_block_text(block) for block in document.iter_inner_content()]
         title = document.core_properties.title or _first_heading(document)
     except Exception as exc:  # damaged XML or parts can fail anywhere in the parser: the file's fault, not ours
-        raise FileRejected(f"{name}: not a readable DOCX ({type(exc).__name__}: {exc})") from exc
+        raise FileRejected(f"{name}: not a readable DOCX ({reason(exc)})") from exc
     return (title or "").strip()[:512] or None, "\n\n".join(b for b in blocks if b.strip())
 
 
