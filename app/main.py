@@ -39,15 +39,17 @@ async def _load(app: FastAPI, settings: Settings, engine: Any | None) -> None:
         return
     app.state.components = components
     # The loading planner's cost model, measured once on the worker before any question (which
-    # queue behind it) rather than inside the first one.
-    components.worker.submit(lambda job: components.pipeline.measure_engine())
+    # queue behind it) rather than inside the first one; /readyz says ready only once it is done
+    # (a failed measurement is logged by the worker and leaves the planner on its defaults).
+    measuring = components.worker.submit(lambda job: components.pipeline.measure_engine())
+    measuring.future.add_done_callback(lambda _: setattr(app.state, "is_measured", True))
     logger.info("ready: model %s, %d chunks indexed", components.model_id, components.retriever.index.num_vectors)
 
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
-    app.state.components, app.state.load_error = None, None
+    app.state.components, app.state.load_error, app.state.is_measured = None, None, False
     loading = asyncio.create_task(_load(app, settings, app.state.preloaded_engine))
     try:
         yield

@@ -53,6 +53,7 @@ class StoredChunk:
     token_ids: tuple[int, ...]
     kv_key: str | None
     title: str | None = None
+    pages: tuple[int, int] | None = None  # PDFs: the first and last page the chunk's text is on
 
     @property
     def num_tokens(self) -> int:
@@ -222,13 +223,16 @@ class DocumentStore:
 
     def _chunks_where(self, where: str, params: tuple[Any, ...]) -> list[StoredChunk]:
         rows = self._conn.execute(
-            "SELECT c.row_id, c.id, c.document_id, c.position, c.text, c.token_ids, c.kv_key, d.title"
+            "SELECT c.row_id, c.id, c.document_id, c.position, c.text, c.token_ids, c.kv_key, d.title,"
+            # an uploaded PDF's pages per chunk (metadata.chunk_pages / chunk_last_pages, by position)
+            " json_extract(d.metadata, '$.chunk_pages[' || c.position || ']') AS first_page,"
+            " json_extract(d.metadata, '$.chunk_last_pages[' || c.position || ']') AS last_page"
             f" FROM chunks c JOIN documents d ON d.id = c.document_id WHERE {where} ORDER BY c.document_id, c.position",
             params,
         ).fetchall()
         return [
             StoredChunk(r["row_id"], r["id"], r["document_id"], r["position"], r["text"],
-                        tuple(json.loads(r["token_ids"])), r["kv_key"], r["title"])
+                        tuple(json.loads(r["token_ids"])), r["kv_key"], r["title"], _pages(r["first_page"], r["last_page"]))
             for r in rows
         ]
 
@@ -250,3 +254,10 @@ class _Transaction:
 def _document(row: sqlite3.Row, chunks: list[StoredChunk]) -> StoredDocument:
     return StoredDocument(row["id"], row["title"], json.loads(row["metadata"]), row["num_chars"],
                           row["created_at"], chunks)
+
+
+def _pages(first: Any, last: Any) -> tuple[int, int] | None:
+    """(first, last) page from a chunk's metadata; a document stored before chunk_last_pages has its first only."""
+    if not isinstance(first, int) or isinstance(first, bool):
+        return None
+    return (first, last if isinstance(last, int) and not isinstance(last, bool) and last >= first else first)

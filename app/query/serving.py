@@ -71,7 +71,8 @@ def plan_out(done: DoneEvent) -> PlanOut | None:
 
 
 def sources_out(sources: Sequence[Source]) -> list[SourceOut]:
-    return [SourceOut(chunk_id=s.chunk_id, document_id=s.document_id, title=s.title, score=s.score, text=s.text)
+    return [SourceOut(chunk_id=s.chunk_id, document_id=s.document_id, title=s.title, score=s.score, text=s.text,
+                      pages=list(s.pages) if s.pages else None)
             for s in sources]
 
 

@@ -81,8 +81,9 @@ class UploadService:
         # The chunker runs on the engine worker (it shares the model's tokenizer) and cuts exactly as
         # ingestion will, so chunk_pages[i] is the page where chunk i starts.
         chunker = self.documents.chunker
-        pages = await self.documents.worker.run(lambda job: chunk_pages(chunker, doc.text, chunking, doc.page_starts))
-        return {**doc.metadata, "chunk_pages": pages}
+        spans = await self.documents.worker.run(lambda job: chunk_pages(chunker, doc.text, chunking, doc.page_starts))
+        return {**doc.metadata, "chunk_pages": [first for first, _ in spans],
+                "chunk_last_pages": [last for _, last in spans]}
 
 
 def _check_ids(ids: Sequence[str] | None, num_files: int) -> list[str | None]:
@@ -106,12 +107,14 @@ def _document_in(doc: ExtractedDocument, metadata: dict) -> DocumentIn:
         raise InvalidRequestError(f"{doc.metadata['source']}: document {doc.id!r} is invalid ({reasons})") from exc
 
 
-def chunk_pages(chunker: Chunker, text: str, chunking: ChunkingMode, page_starts: Sequence[int]) -> list[int]:
-    """The 1-based page where each chunk of `text` starts (chunks are found in order in the text)."""
+def chunk_pages(chunker: Chunker, text: str, chunking: ChunkingMode,
+                page_starts: Sequence[int]) -> list[tuple[int, int]]:
+    """The 1-based first and last page of each chunk of `text` (chunks are found in order in the text)."""
     pages, cursor = [], 0
     for chunk in chunker.split(text, chunking):
         found = text.find(chunk.text[:64], cursor)
         offset = found if found >= 0 else cursor  # a detokenized over-long sentence may not match exactly
-        pages.append(page_at(page_starts, offset))
+        end = min(offset + len(chunk.text.rstrip()), len(text)) - 1  # its last character
+        pages.append((page_at(page_starts, offset), page_at(page_starts, max(end, offset))))
         cursor = offset + 1
     return pages
