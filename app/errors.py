@@ -23,6 +23,7 @@ class ErrorType(str, Enum):
     PAYLOAD_TOO_LARGE = "payload_too_large"
     OVERLOADED = "overloaded_error"
     NOT_READY = "not_ready"
+    INSUFFICIENT_STORAGE = "insufficient_storage"
     SERVER = "server_error"
 
 
@@ -86,6 +87,13 @@ class QueueFullError(ApiError):
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)}
+
+
+class InsufficientStorageError(ApiError):
+    """The disk is full: the message says which and how much more a write needs."""
+
+    status_code = 507
+    error_type = ErrorType.INSUFFICIENT_STORAGE
 
 
 class IngestInterruptedError(ApiError):
@@ -173,5 +181,5 @@ class ErrorResponse(BaseModel):
 
 # Documented on every router, so the OpenAPI schema (and schemathesis) knows the error shapes.
 ERROR_RESPONSES: dict[int | str, dict] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 422, 503)
+    code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 413, 422, 503, 507)
 }
