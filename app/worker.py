@@ -139,7 +139,12 @@ class EngineWorker:
             finally:
                 emit(_END)
 
-        return JobStream(self.submit(body), items)
+        job = self.submit(body)
+        # A job cancelled before it started never runs `body`, so only its settling can end the stream:
+        # without this, a queued request whose client left awaited its items for ever, and uvicorn's
+        # shutdown waited on that task ("Waiting for background tasks") before it stopped this worker.
+        job.future.add_done_callback(lambda _: items.put_nowait(_END))
+        return JobStream(job, items)
 
     def close(self, timeout_s: float = 60.0) -> bool:
         """Cancel the running and queued jobs (they stop at their next check: an ingest after the

@@ -190,6 +190,11 @@ class ServerSettings(BaseModel):
     body_timeout_s: float = Field(
         30.0, gt=0.0, le=3600.0, description="A request body not all in by then (from its first byte read) is a 408."
     )
+    shutdown_timeout_s: float = Field(
+        10.0, gt=0.0, le=3600.0, description="On SIGTERM/SIGINT, requests in flight get this long to finish; then "
+        "they are cancelled, the engine worker stops (a running ingest after its current document) and the stores "
+        "close.",
+    )
     allowed_hosts: list[str] | None = Field(
         None, description="Host header names the server answers (port ignored; '*': any); others get a 403 "
         "(DNS rebinding). Default (null): localhost, 127.0.0.1, ::1 and server.host; any name when server.host "
