@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from app.errors import ApiError, QueueFullError
+from app.errors import ApiError, ErrorType, QueueFullError
 
 logger = logging.getLogger(__name__)
 
@@ -21,8 +21,12 @@ Emit = Callable[[Any], None]
 _END = object()
 
 
-class JobCancelled(Exception):
-    """Raised inside a job whose client went away."""
+class JobCancelled(ApiError):
+    """Raised inside a job whose client went away, or when the server shuts down. An ApiError (503), so
+    a request still waiting for it at shutdown answers plainly, without a traceback in the log."""
+
+    status_code = 503
+    error_type = ErrorType.NOT_READY
 
 
 @dataclass
@@ -34,7 +38,7 @@ class Job:
 
     def check(self) -> None:
         if self.cancelled.is_set():
-            raise JobCancelled("client went away")
+            raise JobCancelled("cancelled: the client went away or the server is shutting down")
 
 
 class JobStream:

@@ -70,11 +70,13 @@ class DocumentService:
         written: list[WrittenDocument] = []
         try:
             for doc in request.documents:
-                job.check()
                 try:
+                    job.check()  # a cancel (shutdown) stops between documents: those before are committed
                     written.append(self._write(doc, chunking, request.precompute))
-                except JobCancelled:
-                    raise
+                except JobCancelled as exc:
+                    if not written:
+                        raise
+                    raise IngestInterruptedError([w.id for w in written], doc.id or content_id(doc), exc) from exc
                 except Exception as exc:
                     error = self._disk_full(exc, doc, request.precompute) if is_disk_full(exc) else exc
                     if not written:
