@@ -76,7 +76,10 @@ class DocumentService:
                 except JobCancelled as exc:
                     if not written:
                         raise
-                    raise IngestInterruptedError([w.id for w in written], doc.id or content_id(doc), exc) from exc
+                    # still a cancel (counted as one, no error logged), saying what is committed
+                    raise JobCancelled(f"ingest stopped at document {doc.id or content_id(doc)} ({exc.message}); "
+                                       f"committed before it: {', '.join(w.id for w in written)}; re-sending the "
+                                       "request is safe") from exc
                 except Exception as exc:
                     error = self._disk_full(exc, doc, request.precompute) if is_disk_full(exc) else exc
                     if not written:
