@@ -159,3 +159,48 @@ def test_components_close_the_stores_only_after_the_worker_stopped():
         components.retriever = Part("retriever")
         components.close()
         assert closed == expected
+
+
+def test_a_stream_cancelled_while_queued_ends_instead_of_waiting_for_ever():
+    """The shutdown hang's cause: a stream job cancelled before it starts never runs its body (which
+    emits the stream's end), so its reader (a non-streaming request collecting the answer) waited for
+    ever. The stream ends, raising JobCancelled, once the worker skips the job."""
+    async def main():
+        worker = EngineWorker(max_queue=4)
+        release = threading.Event()
+        try:
+            running = worker.submit(lambda job: release.wait(5))
+            stream = worker.stream(lambda job, emit: emit("never"))
+            stream.cancel()  # the client left while the job was queued
+            release.set()
+            await running.future
+
+            async def read():
+                return [item async for item in stream]
+
+            with pytest.raises(JobCancelled):
+                await asyncio.wait_for(read(), timeout=10)
+            assert worker.stats.num_cancelled == 1
+        finally:
+            worker.close()
+
+    asyncio.run(main())
+
+
+def test_a_client_error_raised_in_a_job_is_no_failure():
+    async def main():
+        from app.errors import NotFoundError
+
+        worker = EngineWorker(max_queue=4)
+
+        def missing(_):
+            raise NotFoundError("document not found: x")
+
+        try:
+            with pytest.raises(NotFoundError):
+                await worker.run(missing)
+            assert worker.stats.num_failed == 0 and worker.stats.num_completed == 1
+        finally:
+            worker.close()
+
+    asyncio.run(main())
