@@ -9,6 +9,7 @@ from typing import Any
 
 from app.chat.serving import ChatService
 from app.documents.limits import check_document_limit
+from app.documents.storage import DiskReserve, check_free_space
 from app.documents.serving import DocumentService
 from app.metrics import Metrics
 from app.query.serving import QueryService
@@ -61,6 +62,7 @@ class Components:
             retriever = Retriever.open(settings.data_dir, settings.retrieval, _shared_store(settings))
             kv_store = KVStore.from_settings(settings, engine.fingerprint)
             _collect_kv_garbage(settings, kv_store, retriever)
+            reserve = _take_reserve(settings, kv_store)
             executor = PrefillExecutor(engine, kv_store, settings.blend, settings.store.planner_profile_tokens,
                                        settings.server.prefill_chunk_tokens)
             loop = EngineLoop(engine, executor, scheduler_config(settings), metrics,
@@ -82,7 +84,7 @@ class Components:
                 settings=settings, engine=engine, retriever=retriever, kv_store=kv_store, loop=loop,
                 executor=executor,
                 documents=DocumentService(settings, engine, retriever, kv_store, chunker, loop, writes, backfill,
-                                          single_flight),
+                                          single_flight, reserve),
                 query=QueryService(settings, pipeline), chat=ChatService(settings, pipeline, model_id),
                 pipeline=pipeline, model_id=model_id, started_at=time.time(), follower=follower,
                 locks=locks,
@@ -145,6 +147,19 @@ def _collect_kv_garbage(settings: Settings, kv_store: Any, retriever: Retriever)
     num_orphans = kv_store.collect_garbage(retriever.store.kv_keys())
     if num_orphans:
         logger.warning("deleted %d KV entries no chunk points at", num_orphans)
+
+
+def _take_reserve(settings: Settings, kv_store: Any) -> DiskReserve:
+    """The DELETE reserve, and the warning when the disk cannot hold what the bounds allow."""
+    reserve = DiskReserve(settings.data_dir, settings.store.disk_reserve_bytes)
+    if not reserve.take():
+        logger.warning("the disk holding %s has no room for the %d-byte reserve that lets a DELETE run on a "
+                       "full disk; it is taken once there is", settings.data_dir, reserve.num_bytes)
+    disk = kv_store.stats().tiers.get("disk")
+    warning = check_free_space(settings, disk.bytes_used if disk is not None else 0)
+    if warning:
+        logger.warning(warning)
+    return reserve
 
 
 def _model_id(model_name: str) -> str:

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from runtime.jobs import QueueFull
+from runtime.jobs import JobCancelled, QueueFull
 
 from retrieval.store_types import StoreUnavailableError
 
@@ -21,11 +21,13 @@ logger = logging.getLogger(__name__)
 class ErrorType(str, Enum):
     INVALID_REQUEST = "invalid_request_error"
     AUTHENTICATION = "authentication_error"
+    PERMISSION = "permission_error"
     NOT_FOUND = "not_found_error"
     PAYLOAD_TOO_LARGE = "payload_too_large"
     OVERLOADED = "overloaded_error"
     NOT_READY = "not_ready"
     UNAVAILABLE = "service_unavailable"
+    INSUFFICIENT_STORAGE = "insufficient_storage"
     SERVER = "server_error"
 
 
@@ -108,6 +110,13 @@ def store_down(exc: StoreUnavailableError) -> StoreDownError:
     return StoreDownError(f"{exc}; nothing was lost, retry the request")
 
 
+class InsufficientStorageError(ApiError):
+    """The disk is full: the message says which and how much more a write needs."""
+
+    status_code = 507
+    error_type = ErrorType.INSUFFICIENT_STORAGE
+
+
 class IngestInterruptedError(ApiError):
     """An ingest failed part-way: the documents before the failure are committed, the rest are not."""
 
@@ -117,7 +126,7 @@ class IngestInterruptedError(ApiError):
     def __init__(self, committed: list[str], failed_id: str, cause: Exception):
         if isinstance(cause, StoreUnavailableError):
             cause = store_down(cause)
-        cause_text = cause.message if isinstance(cause, ApiError) else type(cause).__name__
+        cause_text = cause.message if isinstance(cause, ApiError) else f"an internal error, error id {log_internal(cause)}"
         super().__init__(
             f"ingest stopped at document {failed_id} ({cause_text}); committed before it: "
             f"{', '.join(committed) if committed else 'none'}; re-sending the request is safe"
@@ -140,10 +149,19 @@ def stream_error_body(exc: Exception) -> dict:
         return error_body(exc.error_type, exc.message)
     if isinstance(exc, QueueFull):
         return error_body(ErrorType.OVERLOADED, exc.message)
+    if isinstance(exc, JobCancelled):
+        return error_body(ErrorType.NOT_READY, f"cancelled: {exc}")
+    error_id = log_internal(exc, "generation failed")
+    return error_body(ErrorType.SERVER, f"generation failed: internal error (error id {error_id}; "
+                                        "the server log has the details)")
+
+
+def log_internal(exc: BaseException, what: str = "internal error") -> str:
+    """Log `exc` with its traceback under a new error id, and return the id: a client's message names
+    the id, never the internal exception's class or text."""
     error_id = uuid.uuid4().hex[:12]
-    logger.error("generation failed (error id %s)", error_id, exc_info=exc)
-    return error_body(ErrorType.SERVER, f"generation failed: internal error {type(exc).__name__} "
-                                        f"(error id {error_id}; the server log has the details)")
+    logger.error("%s (error id %s)", what, error_id, exc_info=exc)
+    return error_id
 
 
 def error_response(status_code: int, error_type: ErrorType | str, message: str, headers=None) -> JSONResponse:
@@ -168,6 +186,11 @@ def install_error_handlers(app: FastAPI) -> None:
         error = QueueFullError(exc.message, exc.retry_after_s)
         return error_response(error.status_code, error.error_type, error.message, error.headers())
 
+    @app.exception_handler(JobCancelled)
+    async def _cancelled(request: Request, exc: JobCancelled) -> JSONResponse:
+        # the server is shutting down (a client that went away reads no answer)
+        return error_response(503, ErrorType.NOT_READY, f"cancelled: {exc}")
+
     @app.exception_handler(StoreUnavailableError)
     async def _store_down(request: Request, exc: StoreUnavailableError) -> JSONResponse:
         error = store_down(exc)
@@ -186,8 +209,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(500, ErrorType.SERVER, f"internal error: {type(exc).__name__}")
+        error_id = log_internal(exc, f"unhandled error on {request.method} {request.url.path}")
+        return error_response(500, ErrorType.SERVER,
+                              f"internal error (error id {error_id}; the server log has the details)")
 
 
 class ErrorDetail(BaseModel):
@@ -201,5 +225,5 @@ class ErrorResponse(BaseModel):
 
 # Documented on every router, so the OpenAPI schema (and schemathesis) knows the error shapes.
 ERROR_RESPONSES: dict[int | str, dict] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 422, 503)
+    code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 413, 422, 503, 507)
 }

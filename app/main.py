@@ -20,6 +20,7 @@ from app.errors import install_error_handlers
 from app.health.api_router import metrics_router, router as health_router
 from app.metrics import Metrics
 from app.middleware import BodyGuardMiddleware, MetricsMiddleware
+from app.origin_guard import OriginGuardMiddleware
 from app.models.api_router import router as models_router
 from app.query.api_router import router as query_router
 from app.uploads.api_router import router as uploads_router
@@ -34,19 +35,21 @@ async def _load(app: FastAPI, settings: Settings, engine: Any | None) -> None:
         components = await anyio.to_thread.run_sync(Components.build, settings, app.state.metrics, engine)
     except Exception as exc:
         logger.exception("start-up failed")
-        app.state.load_error = f"{type(exc).__name__}: {exc}"
+        app.state.load_error = str(exc) or "see the server log"  # /readyz shows it: no class names
         return
     app.state.components = components
     # The loading planner's cost model, measured once on the engine loop before any question (which
-    # queue behind it) rather than inside the first one.
-    components.loop.submit(lambda job: components.executor.measure_engine())
+    # queue behind it) rather than inside the first one; /readyz says ready only once it is done
+    # (a failed measurement is logged by the loop and leaves the planner on its defaults).
+    measuring = components.loop.submit(lambda job: components.executor.measure_engine())
+    measuring.future.add_done_callback(lambda _: setattr(app.state, "is_measured", True))
     logger.info("ready: model %s, %d chunks indexed", components.model_id, components.retriever.index.num_vectors)
 
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
-    app.state.components, app.state.load_error = None, None
+    app.state.components, app.state.load_error, app.state.is_measured = None, None, False
     loading = asyncio.create_task(_load(app, settings, app.state.preloaded_engine))
     try:
         yield
@@ -76,6 +79,7 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
         path_limits={"/v1/documents/files": settings.limits.max_upload_bytes},
     )
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
+    app.add_middleware(OriginGuardMiddleware, server=settings.server)  # outermost: refused before anything runs
     app.include_router(health_router)
     app.include_router(metrics_router, dependencies=[Depends(require_api_key)])
     protected = [Depends(require_api_key)]

@@ -4,8 +4,12 @@ a second, not after the model has loaded), and the header deadline against slowl
 
 from __future__ import annotations
 
+import asyncio
+import fcntl
 import ipaddress
+import os
 import socket
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -24,6 +28,31 @@ class InsecureBindError(ServeError):
 
 class PortUnavailableError(ServeError):
     pass
+
+
+class DataDirInUseError(ServeError):
+    pass
+
+
+LOCK_NAME = "ragblend.lock"
+
+
+def lock_data_dir(data_dir: Path) -> int:
+    """An exclusive lock on `data_dir` for this process's life (the returned fd holds it; the kernel
+    drops it when the process ends, however it ends). A second server on the same directory would
+    write the same SQLite file, index and KV files: it refuses to start instead."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(data_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise DataDirInUseError(f"the data directory {data_dir} is in use by another ragblend server (pid "
+                                f"{holder}); stop it, or give this one another --data-dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def is_loopback(host: str) -> bool:
@@ -66,8 +95,24 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class Server(uvicorn.Server):
+    """uvicorn's server, stopping the engine loop as soon as shutdown begins: running answers leave the
+    batch at the next step, an ingest stops after its current document (its precompute is cancelled),
+    and queued work ends at once, so the requests waiting on them answer and their connections close,
+    instead of uvicorn waiting on them (up to server.shutdown_timeout_s) with the engine still working."""
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        components = getattr(getattr(self.config.app, "state", None), "components", None)
+        if components is not None:
+            await asyncio.to_thread(components.loop.close)
+        await super().shutdown(sockets)
+
+
 def uvicorn_config(app: Any, settings: Settings, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
     return uvicorn.Config(
         app, host=host, port=port, log_level=log_level, lifespan="on",
         http=header_deadline_protocol(settings.server.header_timeout_s),
+        # without it uvicorn waits for every open connection (a queued answer, a stream) before the
+        # lifespan's shutdown may stop the engine loop: shutdown would take as long as the queue's work
+        timeout_graceful_shutdown=settings.server.shutdown_timeout_s,
     )

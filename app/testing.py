@@ -10,7 +10,7 @@ import uvicorn
 
 from app.main import create_app
 from app.readiness import free_port, wait_ready
-from app.server import uvicorn_config
+from app.server import Server, uvicorn_config
 from configs.settings import Settings
 
 
@@ -24,7 +24,7 @@ class LiveServer:
         self.is_waiting = is_waiting  # False: return once uvicorn listens, ready or not
         self.port = free_port()
         self.app = create_app(settings, engine)
-        self._server = uvicorn.Server(uvicorn_config(self.app, settings, "127.0.0.1", self.port, "warning"))
+        self._server = Server(uvicorn_config(self.app, settings, "127.0.0.1", self.port, "warning"))
         self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
 
     @property

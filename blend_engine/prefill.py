@@ -172,8 +172,10 @@ def _read_back(state: _Loop) -> tuple[list[int], float | None, float | None]:
 
 
 def _ratio_used(plan: PrefillPlan, blend: BlendConfig, num_selected: int) -> float | None:
+    """The share of the reused tokens actually recomputed: what ran, not what was asked (a requested
+    1e-320 keeps round(1e-320 * n) = 0 tokens, and says 0.0)."""
     if not plan.check_layers:
         return None
-    if blend.is_ratio_decided_at_check:
-        return num_selected / plan.num_cached
-    return blend.recompute_ratio
+    if plan.num_cached == 0:
+        return blend.recompute_ratio  # nothing to select from: the ratio had nothing to apply to
+    return num_selected / plan.num_cached

@@ -209,6 +209,20 @@ class ServerSettings(BaseModel):
     body_timeout_s: float = Field(
         30.0, gt=0.0, le=3600.0, description="A request body not all in by then (from its first byte read) is a 408."
     )
+    shutdown_timeout_s: float = Field(
+        10.0, gt=0.0, le=3600.0, description="On SIGTERM/SIGINT, requests in flight get this long to finish; then "
+        "they are cancelled, the engine worker stops (a running ingest after its current document) and the stores "
+        "close.",
+    )
+    allowed_hosts: list[str] | None = Field(
+        None, description="Host header names the server answers (port ignored; '*': any); others get a 403 "
+        "(DNS rebinding). Default (null): localhost, 127.0.0.1, ::1 and server.host; any name when server.host "
+        "is a wildcard address (0.0.0.0, ::), where the API key guards.",
+    )
+    allowed_origins: list[str] = Field(
+        [], description="Browser origins (scheme://host:port; '*': any) besides the server's own whose pages may "
+        "send POST/PUT/PATCH/DELETE; a request with another Origin gets a 403 (drive-by writes).",
+    )
 
 
 class LimitsSettings(BaseModel):
@@ -220,6 +234,13 @@ class LimitsSettings(BaseModel):
     max_top_k: int = Field(20, ge=1, le=1000, description="Largest top_k a request may ask.")
     max_tokens: int = Field(1024, ge=1, description="Largest max_tokens a request may ask.")
     max_question_chars: int = Field(4000, ge=1, description="Longest question / user message.")
+    max_history_messages: int = Field(
+        200, ge=0, description="Most earlier messages in one chat request (422 above, before anything is tokenized)."
+    )
+    max_history_chars: int = Field(
+        100_000, ge=0, description="Most characters in a chat request's earlier messages together (422 above, before "
+        "anything is tokenized; SmolLM2's 8192-token context holds ~30 000; raise it for a longer-context model).",
+    )
     max_chunk_ids: int = Field(32, ge=1, description="Longest chunk_ids list.")
     max_upload_bytes: int = Field(
         100_000_000, ge=1024, description="Largest request body of POST /v1/documents/files (413 above)."

@@ -26,6 +26,10 @@ class StoreSettings(BaseModel):
     disk_enabled: bool = Field(True, description="Keep chunk caches on disk (survives restarts).")
     disk_dir: Path | None = Field(None, description="Disk tier directory; default <data_dir>/kv.")
     max_disk_bytes: int = Field(20 << 30, ge=0, description="Disk tier bound (LRU by last use).")
+    disk_reserve_bytes: int = Field(
+        16 << 20, ge=0, description="Space held in <data_dir>/reserve.bin so that a DELETE can free space on a full "
+        "disk (SQLite needs room even to delete): released for it, retaken when there is room; 0: none.",
+    )
     redis_url: str | None = Field(None, description="redis://host:port/db of a shared tier; unset = no Redis.")
     redis_ttl_s: int = Field(7 * 86400, ge=1, description="Expiry of Redis entries.")
     database_url: str | None = Field(

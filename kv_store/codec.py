@@ -109,6 +109,9 @@ def encode(kv: ChunkKV, key: str, fingerprint: str, fmt: StorageFormat) -> bytes
     return safetensors.torch.save(tensors, metadata={META_KEY: json.dumps(meta, separators=(",", ":"))})
 
 
+MAX_REASON_CHARS = 200  # of a damaged entry's reason: enough to say what is wrong, never its content
+
+
 def header_size(prefix: bytes) -> int:
     """Bytes of the whole header (8-byte length + JSON), from the blob's first 8 bytes."""
     if len(prefix) < 8:
@@ -130,7 +133,8 @@ def parse_header(head: bytes, total_bytes: int, expected_key: str, fingerprint: 
         checksums = tuple(int(c) for c in meta["checksums"])
         stored_fmt = StorageFormat(StorageDtype(meta["format"][1]), KVQuantization(meta["format"][2]), int(meta["format"][0]))
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
-        raise CorruptEntryError(f"unreadable header: {exc!r}") from exc
+        # str, cut: the repr of a UnicodeDecodeError holds the whole header (kilobytes of a document's token ids)
+        raise CorruptEntryError(f"unreadable header: {str(exc)[:MAX_REASON_CHARS]}") from exc
     if meta["fingerprint"] != fingerprint or stored_fmt != fmt:
         raise CorruptEntryError(f"entry is for another model/format: {meta['fingerprint'][:40]!r}, {stored_fmt.tag}")
     if meta["key"] != expected_key:

@@ -169,7 +169,7 @@ class DiskBackend(Backend):
         return DiskReader(self, fd, header)
 
     def discard_corrupt(self, key: str, exc: Exception) -> None:
-        log.warning("disk KV entry %s is damaged (%s): deleted, will be recomputed", key[:16], exc)
+        log.warning("disk KV entry %s is damaged (%s): deleted, will be recomputed", key[:16], str(exc)[:codec.MAX_REASON_CHARS])
         self.delete(key)
         self.counters.add(corrupt=1, misses=1)
 

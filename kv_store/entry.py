@@ -18,7 +18,7 @@ import torch
 
 from blend_engine.kv import ChunkKV
 from kv_store.backend import Backend, LayerPair, LayerReader, Tier
-from kv_store.codec import EncodedLayer, unpacked
+from kv_store.codec import MAX_REASON_CHARS, EncodedLayer, unpacked
 from kv_store.errors import CorruptEntryError, EntryLostError
 
 log = logging.getLogger(__name__)
@@ -179,6 +179,6 @@ def keep_for_promotion(readers: Sequence[LayerReader], max_bytes: int, fastest: 
 def drop_if_corrupt(backend: Backend, key: str, exc: Exception) -> None:
     """A damaged entry is deleted from its tier, and counted once (by whoever deletes it)."""
     if isinstance(exc, CorruptEntryError) and backend.contains(key):
-        log.warning("%s KV entry %s is damaged (%s): deleted, will be recomputed", backend.tier.value, key[:16], exc)
+        log.warning("%s KV entry %s is damaged (%s): deleted, will be recomputed", backend.tier.value, key[:16], str(exc)[:MAX_REASON_CHARS])
         backend.delete(key)
         backend.counters.add(corrupt=1)

@@ -137,7 +137,7 @@ class RedisBackend(Backend):
         return RedisReader(self, header)
 
     def discard_corrupt(self, key: str, exc: Exception) -> None:
-        log.warning("redis KV entry %s is damaged (%s): deleted, will be recomputed", key[:16], exc)
+        log.warning("redis KV entry %s is damaged (%s): deleted, will be recomputed", key[:16], str(exc)[:codec.MAX_REASON_CHARS])
         self.delete(key)
         self.counters.add(corrupt=1, misses=1)
 

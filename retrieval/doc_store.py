@@ -14,6 +14,7 @@ import numpy as np
 
 from retrieval.store_types import (
     Changes, DocumentStore, DocumentSummaryRow, ExportedDocument, NewChunk, PutResult, StoredChunk, StoredDocument,
+    chunk_pages,
 )
 
 __all__ = ["Changes", "DocumentStore", "DocumentSummaryRow", "ExportedDocument", "NewChunk", "PutResult",
@@ -214,13 +215,16 @@ class SqliteDocumentStore(DocumentStore):
 
     def _chunks_where(self, where: str, params: tuple[Any, ...]) -> list[StoredChunk]:
         rows = self._conn.execute(
-            "SELECT c.row_id, c.id, c.document_id, c.position, c.text, c.token_ids, c.kv_key, d.title"
+            "SELECT c.row_id, c.id, c.document_id, c.position, c.text, c.token_ids, c.kv_key, d.title,"
+            # an uploaded PDF's pages per chunk (metadata.chunk_pages / chunk_last_pages, by position)
+            " json_extract(d.metadata, '$.chunk_pages[' || c.position || ']') AS first_page,"
+            " json_extract(d.metadata, '$.chunk_last_pages[' || c.position || ']') AS last_page"
             f" FROM chunks c JOIN documents d ON d.id = c.document_id WHERE {where} ORDER BY c.document_id, c.position",
             params,
         ).fetchall()
         return [
             StoredChunk(r["row_id"], r["id"], r["document_id"], r["position"], r["text"],
-                        tuple(json.loads(r["token_ids"])), r["kv_key"], r["title"])
+                        tuple(json.loads(r["token_ids"])), r["kv_key"], r["title"], chunk_pages(r["first_page"], r["last_page"]))
             for r in rows
         ]
 

@@ -6,6 +6,7 @@ FAISS ids are the document store's chunk row ids, so a hit maps straight to its 
 from __future__ import annotations
 
 import logging
+import errno
 import os
 import threading
 from dataclasses import dataclass
@@ -97,9 +98,16 @@ class VectorIndex:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
-        with self._lock:
-            faiss.write_index(self._index, str(tmp))
-        os.replace(tmp, self.path)
+        try:
+            with self._lock:
+                faiss.write_index(self._index, str(tmp))
+            os.replace(tmp, self.path)
+        except RuntimeError as exc:  # faiss reports a failed write as a RuntimeError naming strerror
+            if os.strerror(errno.ENOSPC) in str(exc):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp)) from exc
+            raise
+        finally:  # a failed write (a full disk) leaves no half-written index.tmp behind
+            tmp.unlink(missing_ok=True)
 
     @classmethod
     def load_or_create(cls, path: Path, dim: int, kind: IndexKind, hnsw_m: int = 32) -> VectorIndex:

@@ -21,7 +21,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from retrieval.store_types import (
     Changes, DocumentStore, DocumentSummaryRow, ExportedDocument, NewChunk, PutResult, StoredChunk, StoredDocument,
-    StoreUnavailableError,
+    StoreUnavailableError, chunk_pages,
 )
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,9 @@ _MIGRATIONS: dict[int, str] = {
     """,
 }
 
-_CHUNK_COLUMNS = "c.row_id, c.id, c.document_id, c.position, c.text, c.token_ids, c.kv_key, d.title"
+# an uploaded PDF's pages per chunk (metadata.chunk_pages / chunk_last_pages, by position)
+_CHUNK_COLUMNS = ("c.row_id, c.id, c.document_id, c.position, c.text, c.token_ids, c.kv_key, d.title,"
+                  " d.metadata->'chunk_pages'->c.position, d.metadata->'chunk_last_pages'->c.position")
 
 
 class PostgresDocumentStore(DocumentStore):
@@ -289,7 +291,8 @@ class PostgresDocumentStore(DocumentStore):
             f"SELECT {_CHUNK_COLUMNS} FROM chunks c JOIN documents d ON d.id = c.document_id"
             f" WHERE {where} ORDER BY c.document_id, c.position", params,
         ).fetchall()
-        return [StoredChunk(int(r[0]), r[1], r[2], r[3], r[4], tuple(r[5]), r[6], r[7]) for r in rows]
+        return [StoredChunk(int(r[0]), r[1], r[2], r[3], r[4], tuple(r[5]), r[6], r[7], chunk_pages(r[8], r[9]))
+                for r in rows]
 
 
 def _document(row: tuple, chunks: list[StoredChunk]) -> StoredDocument:

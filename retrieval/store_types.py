@@ -32,6 +32,7 @@ class StoredChunk:
     token_ids: tuple[int, ...]
     kv_key: str | None
     title: str | None = None
+    pages: tuple[int, int] | None = None  # PDFs: the first and last page the chunk's text is on
 
     @property
     def num_tokens(self) -> int:
@@ -162,3 +163,10 @@ class DocumentStore(Protocol):
     def export_documents(self) -> Iterator[ExportedDocument]:
         """Every document, whole, with its chunks' embeddings (for copying the store elsewhere)."""
         ...
+
+
+def chunk_pages(first: Any, last: Any) -> tuple[int, int] | None:
+    """(first, last) page from a chunk's metadata; a document stored before chunk_last_pages has its first only."""
+    if not isinstance(first, int) or isinstance(first, bool):
+        return None
+    return (first, last if isinstance(last, int) and not isinstance(last, bool) and last >= first else first)

@@ -16,12 +16,12 @@ def chromium_path() -> str | None:
     return next((path for path in map(shutil.which, CANDIDATES) if path), None)
 
 
-def launch(playwright):
-    """(browser, None), or (None, why not)."""
+def launch(playwright, args: tuple[str, ...] = ()):
+    """(browser, None), or (None, why not). `args`: more Chromium switches."""
     path = chromium_path()
     if path is None:
         return None, "no chromium on PATH (apt-get install chromium, or set RAGBLEND_CHROMIUM)"
     try:
-        return playwright.chromium.launch(executable_path=path, args=["--no-sandbox"]), None
+        return playwright.chromium.launch(executable_path=path, args=["--no-sandbox", *args]), None
     except Exception as exc:  # any failure to start is a reason to skip, printed in full
         return None, f"chromium at {path} did not start: {type(exc).__name__}: {str(exc)[:300]}"

@@ -88,3 +88,40 @@ def make_zip_bomb_docx(num_unzipped_bytes: int) -> bytes:
             for _ in range(num_unzipped_bytes >> 20):
                 member.write(block)
     return out.getvalue()
+
+
+BOMB_PART = "word/styles.xml"
+
+
+def make_lying_zip_bomb_docx(num_unzipped_bytes: int, num_declared_bytes: int = 1024) -> bytes:
+    """A real DOCX whose word/styles.xml (a part python-docx reads) is deflated zeros expanding to
+    `num_unzipped_bytes` while the zip's directory declares `num_declared_bytes` (with the CRC of that
+    many zeros, so the lie holds up to the declared size). Written by hand: zipfile writes true sizes."""
+    import struct
+    import zlib
+
+    members = []
+    with zipfile.ZipFile(io.BytesIO(make_docx("Lying", "Lying", ["A bomb rides along."]))) as real:
+        for info in real.infolist():
+            if info.filename == BOMB_PART:
+                continue
+            payload = real.read(info)
+            members.append((info.filename, 0, payload, len(payload), zlib.crc32(payload)))
+    packer = zlib.compressobj(9, zlib.DEFLATED, -15)  # raw deflate, as zip stores it
+    block, compressed = b"\0" * (1 << 20), []
+    for _ in range(num_unzipped_bytes >> 20):
+        compressed.append(packer.compress(block))
+    compressed.append(packer.flush())
+    members.append((BOMB_PART, 8, b"".join(compressed), num_declared_bytes,
+                    zlib.crc32(b"\0" * num_declared_bytes)))
+    out, directory = io.BytesIO(), []
+    for name, method, payload, declared, crc in members:
+        encoded = name.encode()
+        directory.append(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0, method, 0, 0x21, crc,
+                                     len(payload), declared, len(encoded), 0, 0, 0, 0, 0, out.tell()) + encoded)
+        out.write(struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, method, 0, 0x21, crc, len(payload), declared,
+                              len(encoded), 0) + encoded + payload)
+    start = out.tell()
+    out.write(b"".join(directory))
+    out.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, len(members), len(members), out.tell() - start, start, 0))
+    return out.getvalue()

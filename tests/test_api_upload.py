@@ -9,6 +9,7 @@ import socket
 import httpx
 import pytest
 
+from app.extract.dispatch import document_id
 from app.testing import LiveServer
 from configs.settings import load_settings
 from tests.docgen import encrypt_pdf, make_docx, make_pdf, make_zip_bomb_docx
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.smollm2
 API_KEY = "upload-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 FILLER = [f"Filler sentence number {i} talks about nothing in particular at all." for i in range(12)]
+VAULT_ID = document_id("vault report.pdf")  # a space in the name: the id is tagged with its hash
 PDF = make_pdf([FILLER, ["The secret code of the green vault is 7391."] + FILLER, FILLER], title="Vault Report")
 
 
@@ -63,16 +65,16 @@ def test_every_format_in_one_upload(client):
     assert response.status_code == 201, response.text
     docs = {d["id"]: d for d in response.json()["documents"]}
     assert {k: (d["title"], d["format"]) for k, d in docs.items()} == {
-        "vault-report.pdf": ("Vault Report", "pdf"), "bridges.html": ("Bridges", "html"),
+        VAULT_ID: ("Vault Report", "pdf"), "bridges.html": ("Bridges", "html"),
         "handbook.docx": ("Handbook", "docx"), "owls.md": ("Owls", "markdown"), "fox.txt": ("The red fox sleeps in the barn.", "text"),
         "cheese": ("Cheese", "jsonl"),
     }
-    assert docs["vault-report.pdf"]["num_pages"] == 3 and len(docs["vault-report.pdf"]["chunks"]) > 3
+    assert docs[VAULT_ID]["num_pages"] == 3 and len(docs[VAULT_ID]["chunks"]) > 3
     assert all(c["kv_cached"] for d in docs.values() for c in d["chunks"])
 
 
 def test_pdf_chunks_know_their_page(client):
-    detail = client.get("/v1/documents/vault-report.pdf").json()
+    detail = client.get(f"/v1/documents/{VAULT_ID}").json()
     pages = detail["metadata"]["chunk_pages"]
     assert len(pages) == len(detail["chunks"]) and pages == sorted(pages) and set(pages) == {1, 2, 3}
     assert detail["metadata"]["num_pages"] == 3 and detail["metadata"]["source"] == "vault report.pdf"
@@ -85,7 +87,7 @@ def test_a_question_about_the_pdf_cites_it(client):
                                               "max_tokens": 8})
     assert response.status_code == 200, response.text
     sources = response.json()["sources"]
-    assert any(s["document_id"] == "vault-report.pdf" and "7391" in s["text"] for s in sources)
+    assert any(s["document_id"] == VAULT_ID and "7391" in s["text"] for s in sources)
 
 
 def test_reupload_replaces_and_form_options_apply(client):

@@ -4,12 +4,16 @@ one line per problem naming the file (and line), no tracebacks, distinct exit co
 from __future__ import annotations
 
 import json
+import os
+import re
 
+import httpx
 import pytest
 
 from app.cli import main
 from app.commands.exit_codes import ExitCode
 from app.commands.ingest_files import collect, document_id
+from app.documents.protocol import DOCUMENT_ID_PATTERN
 from app.testing import LiveServer, free_port
 from configs.settings import load_settings
 
@@ -32,10 +36,11 @@ def unreachable_url() -> str:
 
 def test_ids_come_from_the_path_relative_to_the_argument(docs):
     assert document_id(docs / "a" / "notes.txt", docs) == "a:notes"
-    assert document_id(docs / "b" / "my notes.md", docs) == "b:my-notes"
+    my_notes = document_id(docs / "b" / "my notes.md", docs)  # lossy cleaning: tagged with the path's hash
+    assert re.fullmatch(r"b:my-notes-[0-9a-f]{10}", my_notes)
     assert document_id(docs / "a" / "notes.txt", docs / "a" / "notes.txt") == "notes"
     collected = collect([docs])
-    assert sorted(d["id"] for d in collected.documents) == ["a:notes", "b:my-notes", "b:notes"]
+    assert sorted(d["id"] for d in collected.documents) == sorted(["a:notes", "b:notes", my_notes])
     assert collected.errors == [] and collected.warnings == [f"{docs / 'empty.txt'}: empty, skipped"]
     assert next(d for d in collected.documents if d["id"] == "a:notes")["title"] == "Alpha notes"
 
@@ -92,3 +97,55 @@ def test_jsonl_documents_keep_their_own_ids(tmp_path):
     lines = [{"id": "x1", "text": "first"}, {"text": "no id"}]
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(line) for line in lines))
     assert collect([tmp_path]).documents == lines
+
+
+def lossy_names(root):
+    """Files whose names clean to the same characters: they must still be different documents."""
+    (root / "a").mkdir(parents=True)
+    (root / "b").mkdir()
+    (root / "a" / "notes.html").write_text("<title>A</title><p>The alpha page is about kites.</p>")
+    (root / "b" / "notes.html").write_text("<title>B</title><p>The beta page is about boats.</p>")
+    (root / os.fsdecode(b"\xff\xfe.txt")).write_text("Not UTF-8 named, about owls.")
+    (root / "   .txt").write_text("Blank named, about foxes.")
+    (root / os.fsdecode(b"\xfe.html")).write_text("<p>Not UTF-8 named either, about eels.</p>")
+    (root / "my notes.txt").write_text("Spaced, about cats.")
+    (root / "my-notes.txt").write_text("Dashed, about dogs.")
+    (root / ("x" * 140 + "1.html")).write_text("<p>Long name one, about bees.</p>")
+    (root / ("x" * 140 + "2.html")).write_text("<p>Long name two, about ants.</p>")
+
+
+def test_different_paths_never_share_an_id(tmp_path):
+    lossy_names(tmp_path / "docs")
+    collected = collect([tmp_path / "docs"])
+    assert collected.errors == []
+    ids = [d["id"] for d in collected.documents] + [u.doc_id for u in collected.uploads]
+    assert len(ids) == len(set(ids)) == 9, ids
+    assert all(re.fullmatch(DOCUMENT_ID_PATTERN, i) for i in ids), ids
+    assert {"a:notes.html", "b:notes.html", "my-notes"} <= set(ids)
+    assert sum(i.endswith(".html") and len(i) <= 128 for i in ids) == 5  # the cut keeps the extension
+
+
+def test_two_names_left_with_one_id_are_an_error_naming_both(tmp_path):
+    (tmp_path / "notes.txt").write_text("one")
+    (tmp_path / "notes.md").write_text("two")
+    (tmp_path / "r.pdf").write_bytes(b"%PDF-1.4")
+    (tmp_path / "r.jsonl").write_text(json.dumps({"id": "r.pdf", "text": "three"}))
+    errors = collect([tmp_path]).errors
+    assert errors == [f"{tmp_path / 'notes.txt'}: document id 'notes' is also {tmp_path / 'notes.md'}'s; rename one",
+                      f"{tmp_path / 'r.pdf'}: document id 'r.pdf' is also {tmp_path / 'r.jsonl'}:1's; rename one"]
+
+
+def test_cli_ingest_stores_every_file_under_its_own_id(tmp_path, capsys):
+    """Through a live server: two notes.html in different folders and names that clean alike are all kept."""
+    lossy_names(tmp_path / "docs")
+    settings = load_settings(data_dir=tmp_path / "data", model={"name": "random:tiny-llama", "device": "cpu"},
+                             retrieval={"chunking": "none"})
+    with LiveServer(settings) as server, httpx.Client(base_url=server.url, timeout=120) as http:
+        assert main(["ingest", str(tmp_path / "docs"), "--url", server.url, "--no-precompute"]) == 0
+        assert "ingested 9 documents" in capsys.readouterr().out
+        stored = http.get("/v1/documents", params={"limit": 100}).json()
+        assert stored["total"] == 9, stored
+        texts = {doc["id"]: http.get(f"/v1/documents/{doc['id']}").json()["chunks"][0]["text"]
+                 for doc in stored["documents"]}
+        assert "kites" in texts["a:notes.html"] and "boats" in texts["b:notes.html"]
+        assert texts["a:notes.html"] != texts["b:notes.html"]

@@ -173,3 +173,29 @@ def test_components_close_the_stores_only_after_the_loop_and_the_writes_stopped(
         components.retriever = Part("retriever")
         components.close()
         assert closed == expected
+
+
+def test_a_stream_cancelled_while_queued_ends_instead_of_waiting_for_ever():
+    """The shutdown hang's cause: a stream job cancelled before it starts never runs its body (which
+    emits the stream's end), so its reader (a non-streaming request collecting the answer) waited for
+    ever. The stream ends, raising JobCancelled, once the worker skips the job."""
+    async def main():
+        worker = EngineWorker(max_queue=4)
+        release = threading.Event()
+        try:
+            running = worker.submit(lambda job: release.wait(5))
+            stream = worker.stream(lambda job, emit: emit("never"))
+            stream.cancel()  # the client left while the job was queued
+            release.set()
+            await running.future
+
+            async def read():
+                return [item async for item in stream]
+
+            with pytest.raises(JobCancelled):
+                await asyncio.wait_for(read(), timeout=10)
+            assert worker.stats.num_cancelled == 1
+        finally:
+            worker.close()
+
+    asyncio.run(main())

@@ -225,3 +225,14 @@ def test_fitted_configs_suit_the_model():
     fitted = BlendEngine.from_model(engine.model, blend=config).blend
     assert fitted.probe_layer == engine.num_layers - 1
     assert engine.prefill(segments, PrefillMode.BLEND, fitted).stats.num_recomputed_tokens > 0
+
+
+@pytest.mark.parametrize("asked", [1e-320, 0.0, 0.001, 0.15, 0.5])
+def test_the_reported_ratio_is_the_share_that_ran(asked):
+    """A requested 1e-320 keeps round(1e-320 * n) = 0 tokens: the stats say 0.0, not the number asked."""
+    engine = build_engine("llama-gqa")
+    segments = rag_prompt(engine, chunk_len=40)
+    num_cached = len(cached_positions(segments))
+    stats = engine.prefill(segments, PrefillMode.BLEND, BlendConfig(recompute_ratio=asked)).stats
+    assert stats.recompute_ratio == len(stats.selected_positions) / num_cached
+    assert stats.recompute_ratio == pytest.approx(asked, abs=1 / num_cached)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import re
+import tracemalloc
+
 import pytest
 
 from app.extract import ExtractionLimits, FileFormat, extract_file
+from app.documents.protocol import DOCUMENT_ID_PATTERN
 from app.extract.dispatch import document_id, join_pages, page_at
 from app.extract.types import FileRejected
-from tests.docgen import encrypt_pdf, make_docx, make_pdf, make_zip_bomb_docx
+from tests.docgen import encrypt_pdf, make_docx, make_lying_zip_bomb_docx, make_pdf, make_zip_bomb_docx
 
 LIMITS = ExtractionLimits(max_document_chars=10_000, max_unzipped_bytes=4 << 20, max_documents=3)
 
@@ -21,7 +25,7 @@ def extract_one(name: str, data: bytes):
 def test_pdf_keeps_pages_title_and_offsets():
     pdf = make_pdf([["The green vault code is 7391."], ["Page two: the moon is made of cheese."]], title="Vault Report")
     doc = extract_one("Vault report.pdf", pdf)
-    assert doc.file_format is FileFormat.PDF and doc.title == "Vault Report" and doc.id == "Vault-report.pdf"
+    assert doc.file_format is FileFormat.PDF and doc.title == "Vault Report" and doc.id == document_id("Vault report.pdf")
     assert doc.metadata == {"source": "Vault report.pdf", "format": "pdf", "num_pages": 2}
     assert len(doc.page_starts) == 2
     assert page_at(doc.page_starts, doc.text.index("7391")) == 1
@@ -87,8 +91,21 @@ def test_join_pages_offsets():
 
 
 def test_document_ids_from_file_names():
-    assert document_id("dir/My report (v2).pdf") == "My-report--v2-.pdf"
-    assert document_id("C:\\docs\\a.txt") == "a.txt" and document_id("...") == "file"
+    assert document_id("dir/report-v2.pdf") == "report-v2.pdf" and document_id("C:\\docs\\a.txt") == "a.txt"
+    assert re.fullmatch(r"My-report--v2-[0-9a-f]{10}\.pdf", document_id("dir/My report (v2).pdf"))
+    assert re.fullmatch(r"[0-9a-f]{10}", document_id("..."))
+
+
+def test_names_that_clean_alike_keep_different_ids():
+    """Cleaning is lossy ('\\xff\\xfe.txt' and '   .txt' both clean to 'txt'), so a cleaned name is tagged
+    with its hash; a cut name keeps its extension; every id is valid."""
+    names = ["\udcff\udcfe.txt", "   .txt", ".txt", "txt", "my notes.pdf", "my-notes.pdf", "my:notes.pdf",
+             "x" * 200 + "1.docx", "x" * 200 + "2.docx", "é.html", "e.html"]
+    ids = [document_id(name) for name in names]
+    assert len(set(ids)) == len(names), ids
+    assert all(re.fullmatch(DOCUMENT_ID_PATTERN, i) for i in ids), ids
+    assert ids[5] == "my-notes.pdf" and ids[-1] == "e.html"
+    assert ids[7].endswith(".docx") and len(ids[7]) == 128
 
 
 @pytest.mark.parametrize(
@@ -120,3 +137,40 @@ def test_bad_files_are_refused_by_name(name, data, fragment, is_too_large):
     assert name.split(".")[0] in caught.value.message
     assert fragment.lower() in caught.value.message.lower()
     assert caught.value.is_too_large is is_too_large
+
+
+def peak_traced_bytes(fn) -> tuple[object, int]:
+    """(what fn returns or raises, the peak of Python allocations meanwhile: zlib's output included)."""
+    tracemalloc.start()
+    try:
+        result = fn()
+    except FileRejected as exc:
+        result = exc
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return result, peak
+
+
+@pytest.mark.parametrize("num_declared", [1024, 3 << 20])
+def test_a_docx_lying_about_its_sizes_is_never_decompressed_past_the_cap(num_declared):
+    """A member declared small whose deflate stream expands to 256 MB: decompressing it whole (what
+    zipfile's read() does before its CRC check) would allocate 256 MB; reading is bounded instead."""
+    bomb = make_lying_zip_bomb_docx(256 << 20, num_declared)
+    assert len(bomb) < 2 << 20
+    result, peak = peak_traced_bytes(lambda: extract_file("lying.docx", bomb, LIMITS))
+    assert peak < 3 * LIMITS.max_unzipped_bytes, f"{peak >> 20} MiB allocated"
+    # refused either way, by name: the CRC of more than the declared zeros is wrong, and zeros are no XML
+    assert isinstance(result, FileRejected) and "lying.docx" in result.message, result
+
+
+
+@pytest.mark.parametrize(("name", "data"), [
+    ("broken.pdf", make_pdf([["some text"]])[:200]),
+    ("garbled.docx", make_zip_bomb_docx(0)),
+    ("lying.docx", make_lying_zip_bomb_docx(8 << 20, 1024)),
+])
+def test_refusals_name_no_internal_exception_class(name, data):
+    with pytest.raises(FileRejected) as refused:
+        extract_file(name, data, LIMITS)
+    assert not re.search(r"[A-Z]\w*(Error|Exception|File)\b", refused.value.message), refused.value.message

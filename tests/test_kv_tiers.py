@@ -132,7 +132,14 @@ def _corrupt_shapes(path: Path) -> None:
     path.write_bytes(data.replace(b'"shape":[2,2,32,8]', b'"shape":[2,2,16,8]', 1))
 
 
-@pytest.mark.parametrize("damage", [_corrupt_flip, _corrupt_truncate, _corrupt_fingerprint, _corrupt_shapes])
+def _corrupt_header_utf8(path: Path) -> None:
+    """A byte that is not UTF-8 in the JSON header: the decode error's repr would carry the whole header."""
+    data = path.read_bytes()
+    path.write_bytes(data.replace(b"token_ids", b"token_id\xff", 1))
+
+
+@pytest.mark.parametrize("damage", [_corrupt_flip, _corrupt_truncate, _corrupt_fingerprint, _corrupt_shapes,
+                                    _corrupt_header_utf8])
 def test_damaged_entry_is_a_miss_then_clean_recompute(tmp_path, damage, caplog):
     kv = random_kv()
     store = make_store(tmp_path, max_memory_bytes=0)
@@ -143,6 +150,8 @@ def test_damaged_entry_is_a_miss_then_clean_recompute(tmp_path, damage, caplog):
     assert not path.exists(), "the damaged file must be deleted"
     assert store.stats().tiers["disk"].corrupt == 1
     assert "damaged" in caplog.text
+    [line] = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert len(line) < 400 and ",".join(map(str, kv.token_ids[:4])) not in line, line  # no header dump
     store.put(key, kv)  # the caller recomputes and stores again
     assert torch.equal(store.get(key).keys, kv.keys)
 

@@ -101,3 +101,21 @@ def test_uploaded_files_meet_the_same_kv_bound(tmp_path):
         assert "store.max_disk_bytes" in refused.json()["error"]["message"]
         assert http.get("/v1/documents").json()["total"] == 0
         assert http.post("/v1/documents/files", files=files[:1]).status_code == 201
+
+
+def test_a_huge_chat_history_is_refused_by_size_before_anything_is_tokenized():
+    """A 7 MB history used to be tokenized (once per chunk the context fit dropped) before its 422: the
+    request is now refused by its sizes in build_rag_request, before retrieval or any tokenizer runs."""
+    from app.chat.protocol import ChatCompletionRequest
+    from app.query.serving import build_rag_request
+
+    settings = load_settings(limits={"max_history_chars": 1000, "max_history_messages": 3})
+    options = ChatCompletionRequest(messages=[{"role": "user", "content": "q"}])
+    huge = [{"role": "user", "content": "tell me more " * 550_000}]  # 7.2 MB
+    with pytest.raises(InvalidRequestError, match=r"7150000 characters; the limit is 1000 \(limits.max_history_chars\)"):
+        build_rag_request(settings, "What is it?", options, history=huge)
+    many = [{"role": "user", "content": "hi"}] * 4
+    with pytest.raises(InvalidRequestError, match=r"4 earlier messages; the limit is 3 \(limits.max_history_messages\)"):
+        build_rag_request(settings, "What is it?", options, history=many)
+    fits = [{"role": "user", "content": "x" * 500}, {"role": "assistant", "content": "y" * 500}]
+    assert build_rag_request(settings, "What is it?", options, history=fits).history == tuple(fits)

@@ -4,6 +4,7 @@ a damaged or missing entry found at a question is recomputed in the background (
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 
@@ -121,5 +122,15 @@ def test_a_batch_failing_part_way_names_the_documents_committed_before(server, m
         assert response.status_code == 500
         message = response.json()["error"]["message"]
         assert "stopped at document second" in message and "committed before it: first" in message
+        assert "RuntimeError" not in message and "disk on fire" not in message and "error id" in message
         assert http.get("/v1/documents/first").status_code == 200
         assert http.get("/v1/documents/second").status_code == 404
+
+
+def test_a_delete_of_no_such_document_is_a_404_not_a_failed_engine_job(server, caplog):
+    with httpx.Client(base_url=server.url, timeout=60) as http, caplog.at_level(logging.WARNING):
+        failed = _metric(http, "ragblend_engine_jobs_total", outcome="failed")
+        response = http.delete("/v1/documents/no-such-document")
+        assert response.status_code == 404 and "no-such-document" in response.json()["error"]["message"]
+        assert _metric(http, "ragblend_engine_jobs_total", outcome="failed") == failed
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []

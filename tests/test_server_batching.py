@@ -207,6 +207,16 @@ def test_an_upload_interleaves_with_a_running_answer(server):
     assert done.finish_reason is FinishReason.LENGTH or token_times[-1] > ingest_window["start"]
 
 
+def test_a_delete_of_no_such_document_is_a_404_not_an_engine_failure(server, caplog):
+    loop = server.components.loop
+    before = (loop.stats.num_failed, loop.stats.num_completed)
+    with caplog.at_level("ERROR"):
+        response = httpx.delete(f"{server.url}/v1/documents/no-such-document", timeout=30)
+    assert response.status_code == 404 and response.json()["error"]["type"] == "not_found_error"
+    assert (loop.stats.num_failed, loop.stats.num_completed) == before  # writes do not run on the engine loop
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
 def test_close_ends_every_sequence_and_write_cleanly(tmp_path):
     settings = load_settings(data_dir=tmp_path, model={"name": "random:tiny-llama", "device": "cpu"},
                              retrieval={"chunk_tokens": 24, "chunk_overlap": 0})

@@ -238,13 +238,13 @@ def test_selection_and_adaptive_ratio_per_request(client):
     # a deviation ranking answers under the defaults (check layer 0): the config is fitted to check at layer 1
     # (test_engine_selection::test_fitted_configs_suit_the_model)
     body = ask(client, mode="blend", selection="deviation", recompute_ratio=0.5)
-    assert "4812" in body["answer"] and body["recompute_ratio"] == 0.5
+    assert "4812" in body["answer"] and body["recompute_ratio"] == pytest.approx(0.5, abs=0.01)  # the share that ran
     chat = client.post("/v1/chat/completions", json={
         "model": client.get("/v1/models").json()["data"][0]["id"], "messages": [{"role": "user", "content": QUESTION}],
         "max_tokens": 12,
         "selection": "query_chunk_start", "recompute_ratio": 0.3})
     assert chat.status_code == 200, chat.text
-    assert chat.json()["recompute_ratio"] == 0.3
+    assert chat.json()["recompute_ratio"] == pytest.approx(0.3, abs=0.01)
     bad = client.post("/v1/query", json={"question": QUESTION, "selection": "random"})
     assert bad.status_code in (400, 422) and "selection" in bad.text
 

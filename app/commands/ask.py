@@ -42,6 +42,14 @@ def iter_events(lines: Iterable[str]) -> Iterator[tuple[str, dict]]:
             event = "message"
 
 
+def page_label(pages: list[int] | None) -> str:
+    """', p. 3' or ', pp. 1-2' for a PDF's chunk; '' otherwise."""
+    if not pages:
+        return ""
+    first, last = pages[0], pages[-1]
+    return f", p. {first}" if first == last else f", pp. {first}-{last}"
+
+
 def run(args: argparse.Namespace) -> int:
     sources: list[dict] = []
     with make_client(args) as client, client.stream("POST", "/v1/query", json=request_body(args)) as response:
@@ -67,5 +75,6 @@ def run(args: argparse.Namespace) -> int:
     for number, source in enumerate(sources, 1):
         score = "" if source["score"] is None else f" (score {source['score']:.3f})"
         title = f" {source['title']}" if source.get("title") else ""
-        print(f"  [{number}] {source['chunk_id']}{title}{score}: {source['text'][:120]!r}")
+        print(f"  [{number}] {source['chunk_id']}{title}{page_label(source.get('pages'))}{score}: "
+              f"{source['text'][:120]!r}")
     return ExitCode.OK

@@ -1,23 +1,25 @@
 """Reading the files `ragblend ingest` posts: one place for every format, so more can hook in.
 
 A document id comes from the file's path relative to the argument it was found under, without the
-suffix, folders joined by ':' (`docs/a/notes.txt` under `docs` is `a:notes`; a file given directly
-is its stem). Empty files are skipped with a warning. Every problem is one line naming the file (and
+suffix (kept for the PDF, HTML and DOCX files the server extracts), folders joined by ':'
+(`docs/a/notes.txt` under `docs` is `a:notes`, `docs/a/r.pdf` is `a:r.pdf`; a file given directly is
+its stem). A path that is no valid id as it is gets a hash of itself in its id (app/documents/ids.py),
+and two files or lines that still claim one id are an error naming both: nothing replaces another
+unseen. Empty files are skipped with a warning. Every problem is one line naming the file (and
 the line, for JSONL); all are collected so a run reports them together before sending anything.
 """
 
 from __future__ import annotations
 
 import json
-import re
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from app.commands.upload import UPLOAD_SUFFIXES
+from app.commands.upload import UPLOAD_SUFFIXES, Upload
+from app.documents.ids import id_from_parts
 from app.text import is_blank
-
-_ID_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
 class InputError(Exception):
@@ -29,25 +31,34 @@ class Collected:
     documents: list[dict] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
-    uploads: list[Path] = field(default_factory=list)  # PDF, HTML, DOCX: sent as files, extracted by the server
+    uploads: list[Upload] = field(default_factory=list)  # PDF, HTML, DOCX: sent as files, extracted by the server
     _origins: dict[str, str] = field(default_factory=dict)  # document id -> where it came from
+
+    def claim(self, doc_id: object, origin: str) -> bool:
+        """Claim `doc_id` for `origin`; False (and an error) when another file or line has it already."""
+        if not isinstance(doc_id, str):
+            return True
+        if doc_id in self._origins:
+            self.errors.append(f"{origin}: document id {doc_id!r} is also {self._origins[doc_id]}'s; rename one")
+            return False
+        self._origins[doc_id] = origin
+        return True
 
     def add(self, doc: dict, origin: str) -> None:
         """Keep `doc`, unless its id was claimed already (by another file or line): that is an error."""
-        doc_id = doc.get("id")
-        if isinstance(doc_id, str) and doc_id in self._origins:
-            self.errors.append(f"{origin}: document id {doc_id!r} is also {self._origins[doc_id]}'s; rename one")
-            return
-        if isinstance(doc_id, str):
-            self._origins[doc_id] = origin
-        self.documents.append(doc)
+        if self.claim(doc.get("id"), origin):
+            self.documents.append(doc)
 
 
-def document_id(path: Path, root: Path) -> str:
+def document_id(path: Path, root: Path, keep_suffix: bool = False) -> str:
     relative = path.relative_to(root) if path != root else Path(path.name)
     parts = [*relative.parent.parts, relative.stem]
-    joined = ":".join(_ID_UNSAFE.sub("-", part) for part in parts if part)
-    return joined.lstrip("._:-")[:128] or "doc"
+    return id_from_parts(parts, relative.suffix if keep_suffix else "")
+
+
+def shown(path: Path) -> str:
+    """`path` as UTF-8 text a request can carry: bytes of a non-UTF-8 name become \\xNN escapes."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 def read_text(path: Path) -> str:
@@ -69,7 +80,7 @@ def read_plain(path: Path, doc_id: str, collected: Collected) -> None:
         return
     first = next(line for line in text.splitlines() if not is_blank(line))
     collected.add({"id": doc_id, "title": first.lstrip("# ").strip()[:200], "text": text,
-                   "metadata": {"source": str(path)}}, str(path))
+                   "metadata": {"source": shown(path)}}, str(path))
 
 
 def read_jsonl(path: Path, doc_id: str, collected: Collected) -> None:
@@ -91,15 +102,15 @@ def read_jsonl(path: Path, doc_id: str, collected: Collected) -> None:
 
 
 def read_upload(path: Path, doc_id: str, collected: Collected) -> None:
-    """A file the server extracts (its id there comes from the file name)."""
+    """A file the server extracts, sent with its id (the path's, suffix kept)."""
     try:
         size = path.stat().st_size
     except OSError as exc:
         raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from exc
     if size == 0:
         collected.warnings.append(f"{path}: empty, skipped")
-    else:
-        collected.uploads.append(path)
+    elif collected.claim(doc_id, str(path)):
+        collected.uploads.append(Upload(path, doc_id))
 
 
 # suffix -> reader(path, document id, collected): add a format by adding a reader here
@@ -132,7 +143,7 @@ def collect(paths: list[Path]) -> Collected:
             collected.errors.append(f"{path}: unsupported file type (one of {', '.join(sorted(READERS))})")
             continue
         try:
-            reader(path, document_id(path, root), collected)
+            reader(path, document_id(path, root, keep_suffix=reader is read_upload), collected)
         except InputError as exc:
             collected.errors.append(str(exc))
     return collected

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,16 +36,19 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from app.server import ServeError, bind_socket, check_exposure, uvicorn_config
+    from app.server import Server, ServeError, bind_socket, check_exposure, lock_data_dir, uvicorn_config
     from configs.settings import load_settings
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = load_settings(args.config, **overrides_from(args))
     try:
         check_exposure(settings.server)
-        sock = bind_socket(settings.server.host, settings.server.port)
+        lock_fd = lock_data_dir(settings.data_dir)  # held until the process ends
+        try:
+            sock = bind_socket(settings.server.host, settings.server.port)
+        except ServeError:
+            os.close(lock_fd)
+            raise
     except ServeError as exc:
         print(f"ragblend serve: {exc}", file=sys.stderr)
         return ExitCode.CANNOT_START
@@ -52,6 +56,9 @@ def run(args: argparse.Namespace) -> int:
 
     config = uvicorn_config(create_app(settings), settings, settings.server.host, settings.server.port,
                             args.log_level)
-    with sock:
-        uvicorn.Server(config).run(sockets=[sock])
+    try:
+        with sock:
+            Server(config).run(sockets=[sock])
+    finally:
+        os.close(lock_fd)  # after the lifespan has closed the stores
     return ExitCode.OK

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
 from typing import Any, Sequence
 
 import anyio
@@ -14,7 +17,11 @@ from app.documents.protocol import (
 from app.documents.backfill import KVBackfill
 from app.documents.write_queue import Check, WriteQueue
 from app.documents.writes import DocumentWriter, WrittenDocument, content_id
-from app.errors import IngestInterruptedError, InvalidRequestError, NotFoundError, PayloadTooLargeError
+from app.documents.limits import KVBudget
+from app.documents.storage import SQLITE_BYTES_PER_TOKEN, DiskReserve, disk_full_error, is_disk_full
+from app.errors import (
+    IngestInterruptedError, InsufficientStorageError, InvalidRequestError, NotFoundError, PayloadTooLargeError,
+)
 from blend_engine.kv import ChunkKV
 from blend_engine.threads import pin_one_thread
 from runtime.jobs import JobCancelled
@@ -24,6 +31,8 @@ from kv_store.single_flight import SingleFlight
 from retrieval.chunker import Chunker
 from retrieval.store_types import StoredChunk
 from retrieval.retriever import Retriever
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,6 +46,7 @@ class DocumentService:
     writes: WriteQueue
     backfill: KVBackfill | None = None  # KV of large documents, between questions
     single_flight: SingleFlight | None = None  # KV precompute once across replicas
+    reserve: DiskReserve | None = None  # released for a DELETE on a full disk
     writer: DocumentWriter = field(init=False)
 
     def __post_init__(self) -> None:
@@ -73,19 +83,43 @@ class DocumentService:
         written: list[WrittenDocument] = []
         try:
             for doc in request.documents:
-                check()
                 try:
+                    check()  # a cancel (client gone, shutdown) stops between documents: those before are committed
                     written.append(self._write(doc, chunking, request.precompute))
-                except JobCancelled:
-                    raise
-                except Exception as exc:
+                except JobCancelled as exc:
                     if not written:
                         raise
-                    raise IngestInterruptedError([w.id for w in written], doc.id or content_id(doc), exc) from exc
+                    # still a cancel (counted as one, no error logged), saying what is committed
+                    raise JobCancelled(f"ingest stopped at document {doc.id or content_id(doc)} ({exc}); "
+                                       f"committed before it: {', '.join(w.id for w in written)}; re-sending the "
+                                       "request is safe") from exc
+                except Exception as exc:
+                    error = self._disk_full(exc, doc, request.precompute) if is_disk_full(exc) else exc
+                    if not written:
+                        raise error from exc
+                    raise IngestInterruptedError([w.id for w in written], doc.id or content_id(doc), error) from exc
         finally:
-            self.retriever.index.save()
+            self._save_index()
         return IngestResponse(documents=[self._document_out(w, self._is_backfilled(d, request.precompute))
                                          for w, d in zip(written, request.documents)])
+
+    def _disk_full(self, exc: Exception, doc: DocumentIn, precompute: bool) -> InsufficientStorageError:
+        """A 507 naming the full disk and what the document needs (its KV, if precomputed, and its rows)."""
+        num_tokens = len(self.engine.tokenize(doc.text))
+        budget = KVBudget.of(self.settings, self.engine) if precompute else None
+        per_token = SQLITE_BYTES_PER_TOKEN + (budget.bytes_per_token if budget is not None else 0)
+        directory = Path(exc.filename).parent if isinstance(exc, OSError) and exc.filename else self.settings.data_dir
+        return disk_full_error(directory, f"document {doc.id or content_id(doc)} ({num_tokens} tokens)",
+                               num_tokens * per_token)
+
+    def _save_index(self) -> None:
+        """Save the vector index; on a full disk, say so and go on: it is rebuilt from SQLite at start-up."""
+        try:
+            self.retriever.index.save()
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            logger.warning("the vector index was not saved (the disk is full); start-up rebuilds it from the store")
 
     def _is_backfilled(self, doc: DocumentIn, precompute: bool) -> bool:
         """A large document: committed now, its KV computed in the background between questions."""
@@ -115,7 +149,8 @@ class DocumentService:
         return await self.writes.run(lambda check: self._delete(doc_id))
 
     def _delete(self, doc_id: str) -> DeleteResponse:
-        chunks = self.writer.delete(doc_id)
+        delete = partial(self.writer.delete, doc_id, save_index=self._save_index)
+        chunks = self.reserve.run_freeing(delete) if self.reserve is not None else delete()
         if chunks is None:
             raise NotFoundError(f"document not found: {doc_id}")
         return DeleteResponse(id=doc_id, deleted=True, num_chunks=len(chunks))

@@ -72,12 +72,13 @@ class DocumentWriter:
         status = DocumentStatus.REPLACED if replaced else DocumentStatus.CREATED
         return WrittenDocument(doc_id, status, stored.chunks)
 
-    def delete(self, doc_id: str) -> list[StoredChunk] | None:
+    def delete(self, doc_id: str, save_index: Callable[[], None] | None = None) -> list[StoredChunk] | None:
+        """`save_index`: how to save the index (default: index.save)."""
         chunks = self.retriever.store.delete_document(doc_id)  # the commit point
         if chunks is None:
             return None
         self.retriever.follow(chunks, [], [])
-        self.retriever.index.save()
+        (save_index or self.retriever.index.save)()
         self.release_kv(chunks)
         return chunks
 

@@ -3,13 +3,13 @@ bytes, then the format's extractor. Every refusal is a FileRejected naming the f
 
 from __future__ import annotations
 
-import re
 from bisect import bisect_right
 from dataclasses import replace
 from pathlib import PurePath
 from typing import Sequence
 
-from app.extract.docx import check_zip, extract_docx
+from app.documents.ids import id_from_file_name, id_from_value
+from app.extract.docx import extract_docx, unzip_bounded
 from app.extract.html import decode_html, extract_html
 from app.extract.pdf import extract_pdf
 from app.extract.text import decode_text, first_line_title, markdown_title, parse_jsonl
@@ -28,17 +28,21 @@ def file_format(name: str) -> FileFormat:
 
 
 def document_id(name: str) -> str:
-    """A document id from a file name ('My report.pdf' -> 'My-report.pdf'): re-uploading replaces it."""
-    base = PurePath(name.replace("\\", "/")).name
-    return re.sub(r"[^A-Za-z0-9._:-]", "-", base).lstrip("._:-")[:128] or "file"
+    """A document id from a file name: the base name when it is a valid id ('report.pdf'; re-uploading
+    replaces it), else cleaned and tagged with the name's hash ('My report.pdf' -> 'My-report-<hash>.pdf'),
+    so two different names never share an id (app/documents/ids.py)."""
+    base = PurePath(PurePath(name.replace("\\", "/")).name)
+    return id_from_file_name(base.stem if base.suffix else base.name, base.suffix)
 
 
-def extract_file(name: str, data: bytes, limits: ExtractionLimits) -> list[ExtractedDocument]:
+def extract_file(name: str, data: bytes, limits: ExtractionLimits, doc_id: str | None = None) -> list[ExtractedDocument]:
+    """`doc_id`: the id the client chose for the file (a JSONL file's lines without an id get `<doc_id>:<n>`);
+    None: from the file's name."""
     fmt = file_format(name)
     if not data.strip():
         raise FileRejected(f"{name}: the file is empty")
     _check_magic(name, data, fmt)
-    docs = [replace(doc, title=_clean_title(doc.title)) for doc in _extract(name, data, fmt, limits)]
+    docs = [replace(doc, title=_clean_title(doc.title)) for doc in _extract(name, data, fmt, limits, doc_id or document_id(name))]
     for doc in docs:
         if not doc.text.strip():
             raise FileRejected(f"{name}: no text found in the file")
@@ -67,17 +71,15 @@ def _check_magic(name: str, data: bytes, fmt: FileFormat) -> None:
         raise FileRejected(f"{name}: the content is {kind}, not {fmt.value}; is the extension right?")
 
 
-def _extract(name: str, data: bytes, fmt: FileFormat, limits: ExtractionLimits) -> list[ExtractedDocument]:
+def _extract(name: str, data: bytes, fmt: FileFormat, limits: ExtractionLimits, doc_id: str) -> list[ExtractedDocument]:
     base = {"source": PurePath(name).name, "format": fmt.value}
-    doc_id = document_id(name)
     if fmt is FileFormat.PDF:
         title, pages = extract_pdf(name, data)
         text, starts = join_pages(pages)
         return [ExtractedDocument(doc_id, title or first_line_title(text), text, fmt,
                                   {**base, "num_pages": len(pages)}, starts)]
     if fmt is FileFormat.DOCX:
-        check_zip(name, data, limits.max_unzipped_bytes)
-        title, text = extract_docx(name, data)
+        title, text = extract_docx(name, unzip_bounded(name, data, limits.max_unzipped_bytes))
         return [ExtractedDocument(doc_id, title or first_line_title(text), text, fmt, base)]
     if fmt is FileFormat.HTML:
         markup = decode_html(data)
@@ -97,7 +99,7 @@ def _jsonl_document(row: dict, file_id: str, number: int, base: dict) -> Extract
     metadata = row.get("metadata") if isinstance(row.get("metadata"), dict) else {}
     doc_id = row["id"] if isinstance(row.get("id"), str) and row["id"] else f"{file_id}:{number}"
     title = row["title"] if isinstance(row.get("title"), str) else None
-    return ExtractedDocument(document_id(doc_id), title, row["text"].strip(), FileFormat.JSONL, {**base, **metadata})
+    return ExtractedDocument(id_from_value(doc_id), title, row["text"].strip(), FileFormat.JSONL, {**base, **metadata})
 
 
 def join_pages(pages: Sequence[str]) -> tuple[str, tuple[int, ...]]:

@@ -8,7 +8,7 @@ import logging
 from pypdf import PdfReader
 from pypdf.errors import DependencyError, FileNotDecryptedError, PdfReadError
 
-from app.extract.types import FileRejected
+from app.extract.types import FileRejected, reason
 
 # pypdf logs every recoverable syntax error of a damaged file as a warning; they are not ours to act on.
 logging.getLogger("pypdf").setLevel(logging.ERROR)
@@ -28,7 +28,7 @@ def extract_pdf(name: str, data: bytes) -> tuple[str | None, list[str]]:
     except (FileNotDecryptedError, DependencyError) as exc:
         raise FileRejected(f"{name}: the PDF is encrypted and cannot be read ({exc})") from exc
     except Exception as exc:  # a damaged file can fail anywhere in the parser: it is the file's fault, not ours
-        raise FileRejected(f"{name}: not a readable PDF ({type(exc).__name__}: {exc})") from exc
+        raise FileRejected(f"{name}: not a readable PDF ({reason(exc)})") from exc
     if not any(text.strip() for text in pages):
         raise FileRejected(
             f"{name}: the PDF has no extractable text ({len(pages)} page(s); scanned images need OCR, "

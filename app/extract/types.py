@@ -48,6 +48,12 @@ class ExtractedDocument:
     page_starts: tuple[int, ...] = ()
 
 
+def reason(exc: BaseException) -> str:
+    """What a parser said was wrong with a file, for its 422: the message, never the parser's class name."""
+    text = " ".join(str(exc).split())[:300]
+    return text or "damaged or unsupported content"
+
+
 class FileRejected(Exception):
     """A file that cannot be ingested; the message names it. `is_too_large` maps to 413, else 422."""
 

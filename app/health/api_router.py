@@ -25,6 +25,8 @@ async def readyz(request: Request):
         status = "failed" if error else "loading"
         return JSONResponse(Readiness(status=status, error=error).model_dump(), status_code=503)
     store = components.retriever.store
+    if not getattr(request.app.state, "is_measured", True):  # requests queue behind the start-up measurement
+        return JSONResponse(Readiness(status="measuring", model=components.model_id).model_dump(), status_code=503)
     return Readiness(status="ready", model=components.model_id, num_documents=store.num_documents(),
                      num_chunks=store.num_chunks(), num_indexed=components.retriever.index.num_vectors)
 

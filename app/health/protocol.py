@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
 class Health(BaseModel):
@@ -10,7 +10,8 @@ class Health(BaseModel):
 
 
 class Readiness(BaseModel):
-    status: str
+    status: str = Field(description="ready; else (503) loading, measuring (the loading planner's start-up "
+                                    "measurement on the engine: requests queue behind it) or failed.")
     model: str | None = None
     num_documents: int = 0
     num_chunks: int = 0

@@ -61,6 +61,7 @@ class SourceOut(BaseModel):
     title: str | None
     score: float | None
     text: str
+    pages: list[int] | None = Field(None, description="Uploaded PDFs: [first, last] page the chunk's text is on.")
 
 
 class UsageOut(BaseModel):

@@ -14,7 +14,7 @@ from app.rag.types import DoneEvent, RagContext, RagRequest, Source, TokenEvent
 from app.sse import sse
 from app.text import is_blank
 from blend_engine.types import SamplingParams
-from configs.settings import Settings
+from configs.settings import LimitsSettings, Settings
 from runtime.jobs import JobStream
 
 
@@ -28,6 +28,7 @@ def build_rag_request(
         raise InvalidRequestError("the question is empty")
     if len(question) > limits.max_question_chars:
         raise InvalidRequestError(f"the question has {len(question)} characters; the limit is {limits.max_question_chars}")
+    _check_history(history, limits)
     top_k = options.top_k or settings.retrieval.top_k
     if top_k > limits.max_top_k:
         raise InvalidRequestError(f"top_k={top_k} exceeds the limit of {limits.max_top_k}")
@@ -53,12 +54,25 @@ def build_rag_request(
     )
 
 
+def _check_history(history: Sequence[dict], limits: LimitsSettings) -> None:
+    """Sizes first: a history past these is refused before its tokens are counted (tokenizing megabytes
+    of history, once per chunk the context fit drops, cost half a minute of CPU for the same 422)."""
+    if len(history) > limits.max_history_messages:
+        raise InvalidRequestError(f"{len(history)} earlier messages; the limit is {limits.max_history_messages} "
+                                  "(limits.max_history_messages): shorten the history")
+    num_chars = sum(len(message["content"]) for message in history)
+    if num_chars > limits.max_history_chars:
+        raise InvalidRequestError(f"the earlier messages have {num_chars} characters; the limit is "
+                                  f"{limits.max_history_chars} (limits.max_history_chars): shorten the history")
+
+
 def plan_out(done: DoneEvent) -> PlanOut | None:
     return None if done.plan is None else PlanOut(**asdict(done.plan))
 
 
 def sources_out(sources: Sequence[Source]) -> list[SourceOut]:
-    return [SourceOut(chunk_id=s.chunk_id, document_id=s.document_id, title=s.title, score=s.score, text=s.text)
+    return [SourceOut(chunk_id=s.chunk_id, document_id=s.document_id, title=s.title, score=s.score, text=s.text,
+                      pages=list(s.pages) if s.pages else None)
             for s in sources]
 
 

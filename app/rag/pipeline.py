@@ -98,7 +98,7 @@ def prefill_request(request: RagRequest, sources: Sequence[Source]) -> PrefillRe
 
 def _source(scored: ScoredChunk) -> Source:
     c = scored.chunk
-    return Source(c.id, c.document_id, c.title, scored.score, c.text, c.token_ids, c.kv_key)
+    return Source(c.id, c.document_id, c.title, scored.score, c.text, c.token_ids, c.kv_key, c.pages)
 
 
 def _lowest_ranked(sources: list[Source]) -> int:

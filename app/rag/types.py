@@ -32,6 +32,7 @@ class Source:
     text: str
     token_ids: tuple[int, ...]
     kv_key: str | None
+    pages: tuple[int, int] | None = None  # PDFs: first and last page
 
 
 @dataclass(frozen=True)

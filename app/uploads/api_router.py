@@ -20,5 +20,9 @@ async def upload_files(
     uploads: UploadsDep,
     chunking: Annotated[ChunkingMode | None, Form()] = None,
     precompute: Annotated[bool, Form()] = True,
+    ids: Annotated[list[str] | None, Form(
+        description="One document id per file, in order (default: from each file's name); "
+                    "`ragblend ingest` sends the file's path under its argument."
+    )] = None,
 ) -> UploadResponse:
-    return await uploads.upload(files, chunking, precompute)
+    return await uploads.upload(files, chunking, precompute, ids)

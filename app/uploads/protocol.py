@@ -14,7 +14,8 @@ class UploadedDocument(BaseModel):
     title: str | None
     source: str = Field(description="The uploaded file's name.")
     format: str = Field(description="pdf, html, docx, markdown, text or jsonl.")
-    num_pages: int | None = Field(None, description="PDFs: pages; metadata.chunk_pages[i] is chunk i's first page.")
+    num_pages: int | None = Field(None, description="PDFs: pages; metadata.chunk_pages[i] is chunk i's first page, "
+                                 "metadata.chunk_last_pages[i] its last.")
     status: DocumentStatus = Field(description="created, replaced, or unchanged (the same content was already stored).")
     chunks: list[ChunkOut]
 

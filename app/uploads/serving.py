@@ -3,6 +3,7 @@ bad file rejects the request with nothing stored; PDF chunks get their page in m
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -10,7 +11,7 @@ import anyio
 from fastapi import UploadFile
 from pydantic import ValidationError
 
-from app.documents.protocol import DocumentIn, IngestRequest
+from app.documents.protocol import DOCUMENT_ID_PATTERN, DocumentIn, IngestRequest
 from app.documents.limits import KVBudget
 from app.documents.serving import DocumentService
 from app.errors import InvalidRequestError, PayloadTooLargeError
@@ -33,9 +34,11 @@ class UploadService:
         return ExtractionLimits(limits.max_document_chars, limits.max_unzipped_bytes, limits.max_documents_per_request)
 
     async def upload(
-        self, files: Sequence[UploadFile], chunking: ChunkingMode | None, precompute: bool
+        self, files: Sequence[UploadFile], chunking: ChunkingMode | None, precompute: bool,
+        ids: Sequence[str] | None = None,
     ) -> UploadResponse:
-        extracted = [doc for file in files for doc in await self._extract(file)]
+        ids = _check_ids(ids, len(files))
+        extracted = [doc for file, doc_id in zip(files, ids) for doc in await self._extract(file, doc_id)]
         self._check(extracted)
         chunking = chunking or self.settings.retrieval.chunking
         metadata = [await self._metadata(doc, chunking) for doc in extracted]
@@ -52,11 +55,11 @@ class UploadService:
             for doc, out in zip(extracted, ingested.documents)
         ])
 
-    async def _extract(self, file: UploadFile) -> list[ExtractedDocument]:
+    async def _extract(self, file: UploadFile, doc_id: str | None) -> list[ExtractedDocument]:
         name = file.filename or "(unnamed file)"
         data = await file.read()
         try:
-            return await anyio.to_thread.run_sync(extract_file, name, data, self.limits)
+            return await anyio.to_thread.run_sync(extract_file, name, data, self.limits, doc_id)
         except FileRejected as exc:
             raise (PayloadTooLargeError if exc.is_too_large else InvalidRequestError)(exc.message) from exc
 
@@ -78,8 +81,21 @@ class UploadService:
         # The chunker cuts exactly as ingestion will, so chunk_pages[i] is the page where chunk i starts
         # (tokenizing only: off the event loop, not on the engine loop).
         chunker = self.documents.chunker
-        pages = await anyio.to_thread.run_sync(chunk_pages, chunker, doc.text, chunking, doc.page_starts)
-        return {**doc.metadata, "chunk_pages": pages}
+        spans = await anyio.to_thread.run_sync(chunk_pages, chunker, doc.text, chunking, doc.page_starts)
+        return {**doc.metadata, "chunk_pages": [first for first, _ in spans],
+                "chunk_last_pages": [last for _, last in spans]}
+
+
+def _check_ids(ids: Sequence[str] | None, num_files: int) -> list[str | None]:
+    """The client's ids, one per file (or None for each: ids from the names), checked like the JSON route's."""
+    if not ids:
+        return [None] * num_files
+    if len(ids) != num_files:
+        raise InvalidRequestError(f"{len(ids)} ids for {num_files} files; send one id per file, in order")
+    for doc_id in ids:
+        if not re.fullmatch(DOCUMENT_ID_PATTERN, doc_id):
+            raise InvalidRequestError(f"ids: {doc_id[:200]!r} is not a valid document id ({DOCUMENT_ID_PATTERN})")
+    return list(ids)
 
 
 def _document_in(doc: ExtractedDocument, metadata: dict) -> DocumentIn:
@@ -91,12 +107,14 @@ def _document_in(doc: ExtractedDocument, metadata: dict) -> DocumentIn:
         raise InvalidRequestError(f"{doc.metadata['source']}: document {doc.id!r} is invalid ({reasons})") from exc
 
 
-def chunk_pages(chunker: Chunker, text: str, chunking: ChunkingMode, page_starts: Sequence[int]) -> list[int]:
-    """The 1-based page where each chunk of `text` starts (chunks are found in order in the text)."""
+def chunk_pages(chunker: Chunker, text: str, chunking: ChunkingMode,
+                page_starts: Sequence[int]) -> list[tuple[int, int]]:
+    """The 1-based first and last page of each chunk of `text` (chunks are found in order in the text)."""
     pages, cursor = [], 0
     for chunk in chunker.split(text, chunking):
         found = text.find(chunk.text[:64], cursor)
         offset = found if found >= 0 else cursor  # a detokenized over-long sentence may not match exactly
-        pages.append(page_at(page_starts, offset))
+        end = min(offset + len(chunk.text.rstrip()), len(text)) - 1  # its last character
+        pages.append((page_at(page_starts, offset), page_at(page_starts, max(end, offset))))
         cursor = offset + 1
     return pages

@@ -35,11 +35,14 @@ const docs = {
     try { return await docs.details.get(id); } catch (err) { docs.details.delete(id); throw err; }
   },
 
-  // The 1-based PDF page where a chunk starts, or null (other formats, or an older document).
+  // The 1-based PDF page (or "first–last" pages) a chunk is on, or null (other formats, or an older document).
   pageOf(detail, chunkId) {
     const pages = detail && detail.metadata && detail.metadata.chunk_pages;
+    const lasts = detail && detail.metadata && detail.metadata.chunk_last_pages;
     const position = Number(chunkId.slice(chunkId.lastIndexOf("#") + 1));
-    return Array.isArray(pages) && Number.isInteger(pages[position]) ? pages[position] : null;
+    if (!Array.isArray(pages) || !Number.isInteger(pages[position])) return null;
+    const last = Array.isArray(lasts) && Number.isInteger(lasts[position]) ? lasts[position] : pages[position];
+    return last > pages[position] ? `${pages[position]}–${last}` : pages[position];
   },
 
   async open(id, chunkId = null, chunkText = null) {
