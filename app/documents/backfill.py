@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from app.worker import EngineWorker
+from kv_store.admission import Admission
 from retrieval.doc_store import StoredChunk
 
 logger = logging.getLogger(__name__)
@@ -56,8 +57,9 @@ class KVBackfill:
         with self._lock:
             key, token_ids = self._queue.popleft()
         try:
-            if self._is_live(key) and not self._kv_store.readable_many([key])[0]:
-                self._kv_store.put(key, self._engine.precompute(list(token_ids), self._context_ids))
+            if (self._is_live(key) and not self._kv_store.readable_many([key])[0]
+                    and self._kv_store.should_compute(key, len(token_ids), Admission.PRECOMPUTE)):  # budget: free room only
+                self._kv_store.offer(key, self._engine.precompute(list(token_ids), self._context_ids), Admission.PRECOMPUTE)
             self._count(is_failed=False)
         except Exception:
             logger.exception("precomputing KV %s in the background failed", key[:16])

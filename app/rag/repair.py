@@ -1,6 +1,8 @@
-"""Self-healing KV: an existing chunk whose entry a question found missing or damaged is recomputed
-in the background, as a low-priority task of the engine worker (never beside the engine's own
-forward, never ahead of a request), so the next question reuses it again."""
+"""Self-healing KV, and KV computed on first use: a chunk whose entry a question found missing
+(damaged, evicted, or never precomputed: the collection's KV budget was full at ingestion) is
+computed in the background, as a low-priority task of the engine worker (never beside the engine's
+own forward, never ahead of a request), and cached when the budget admits it (kv_store/admission.py:
+it has been used more than what it would evict), so the next question reuses it."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from app.worker import EngineWorker
+from kv_store.admission import Admission
 
 logger = logging.getLogger(__name__)
 
@@ -19,6 +22,7 @@ class RepairStats:
     num_scheduled: int = 0
     num_repaired: int = 0
     num_skipped: int = 0  # healed meanwhile, or the chunk is gone
+    num_not_admitted: int = 0  # the budget keeps hotter chunks' KV: not computed (yet)
     num_failed: int = 0
     num_dropped: int = 0  # the background queue was full: retried at the next miss
 
@@ -55,8 +59,11 @@ class KVRepairer:
                 logger.warning("KV %s: not this chunk's key under the current config; not repaired", key[:16])
                 self._count("num_skipped")
                 return
-            self._kv_store.put(key, self._engine.precompute(list(token_ids), context_ids))
-            self._count("num_repaired")
+            if not self._kv_store.should_compute(key, len(token_ids), Admission.USE):
+                self._count("num_not_admitted")
+                return
+            kv = self._engine.precompute(list(token_ids), context_ids)
+            self._count("num_repaired" if self._kv_store.offer(key, kv, Admission.USE) else "num_not_admitted")
         except Exception:
             logger.exception("repairing KV %s failed", key[:16])
             self._count("num_failed")
