@@ -28,6 +28,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "engine"): ("bench.engine_bench", "engine benchmark: TTFT and fidelity per prefill mode"),
     ("bench", "kv"): ("bench.kv_bench", "KV store benchmark: blend TTFT per tier, pipelined or not"),
     ("bench", "kv-codec"): ("bench.kv_codec_bench", "KV entry formats: bytes per token, decode speed, fidelity"),
+    ("bench", "corpus"): ("bench.corpus_bench", "KV budget at corpus scale: hit rate and TTFT per budget, Zipf stream"),
     ("bench", "server"): ("bench.server_bench", "end-to-end benchmark against a running server"),
     ("bench", "plot"): ("bench.plot", "plot an engine bench's KL-vs-speed frontier (PNG)"),
 }

@@ -47,13 +47,10 @@ def candidates() -> list[Candidate]:
             out.append(Candidate(q.value, StorageFormat(StorageDtype.FLOAT16, q)))
     # measured, not shipped: the alternatives the default was picked over
     for name, spec in [
-        ("k4v4 g64 packed, no zstd", dict(key_bits=4, value_bits=4, group_tokens=64, zstd_level=0)),
-        ("k4v4 g64 delta+zstd", dict(key_bits=4, value_bits=4, group_tokens=64, is_delta=True)),
+        ("k4v3 g32 packed, no zstd", dict(key_bits=4, value_bits=3, group_tokens=32, zstd_level=0)),
         ("k4v4 g32 zstd", dict(key_bits=4, value_bits=4, group_tokens=32)),
-        ("k4v3 g64 zstd", dict(key_bits=4, value_bits=3, group_tokens=64)),
-        ("k3v3 g64 zstd", dict(key_bits=3, value_bits=3, group_tokens=64)),
-        ("k2v2 g32 zstd", dict(key_bits=2, value_bits=2, group_tokens=32)),
-        ("k8v8 g64 zstd", dict(key_bits=8, value_bits=8, group_tokens=64)),
+        ("k4v2 g32 zstd", dict(key_bits=4, value_bits=2, group_tokens=32)),
+        ("k4v3 g32 delta+zstd", dict(key_bits=4, value_bits=3, group_tokens=32, is_delta=True)),
     ]:
         out.append(Candidate(name, None, spec))
     return out

@@ -29,7 +29,7 @@ class StoreSettings(BaseModel):
     redis_url: str | None = Field(None, description="redis://host:port/db of a shared tier; unset = no Redis.")
     redis_ttl_s: int = Field(7 * 86400, ge=1, description="Expiry of Redis entries.")
     dtype: StorageDtype = Field(StorageDtype.FLOAT16, description="dtype of stored KV.")
-    quantization: KVQuantization = Field(KVQuantization.NONE, description="Compression of the disk/Redis tiers' entries: none (float16), int8, or int4 "
+    quantization: KVQuantization = Field(KVQuantization.INT4, description="Compression of the disk/Redis tiers' entries: none (float16), int8, or int4 "
         "(keys per channel, values per token, zstd; docs/decisions/0013). Entries in another format stay readable.")
     write_tiers: list[Literal["gpu", "memory", "disk", "redis"]] = Field(
         ["memory", "disk", "redis"], description="Tiers a new chunk cache is written to (when enabled); the GPU "

@@ -34,7 +34,7 @@ TORCH_DTYPES = {
 }
 _ST_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "I8": torch.int8, "U8": torch.uint8}
 # low-bit formats (a compressed payload per layer) and their parameters; measured: docs/decisions/0013
-LOWBIT_SPECS = {KVQuantization.INT4: lowbit.LowBitSpec(key_bits=4, value_bits=4, group_tokens=64, zstd_level=3)}
+LOWBIT_SPECS = {KVQuantization.INT4: lowbit.LowBitSpec(key_bits=4, value_bits=3, group_tokens=32, zstd_level=3)}
 _MAX_HEADER_BYTES = 64 << 20  # safetensors' own limit is 100 MB; ours are a few KB per 1k tokens
 META_KEY = "ragblend"
 

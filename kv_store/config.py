@@ -21,7 +21,7 @@ class StoreConfig:
     redis_url: str | None = None  # None = no Redis tier
     redis_ttl_s: int = 7 * 86400
     dtype: StorageDtype = StorageDtype.FLOAT16
-    quantization: KVQuantization = KVQuantization.NONE  # applies to the disk and Redis tiers
+    quantization: KVQuantization = KVQuantization.NONE  # the disk and Redis tiers' (settings default: int4)
     write_tiers: frozenset[Tier] = frozenset(Tier)
     fsync: bool = True
     is_pipelined: bool = True

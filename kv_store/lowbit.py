@@ -1,6 +1,6 @@
 """Low-bit KV at rest: keys quantized per channel over groups of tokens, values per token
 (KIVI's split: keys have outlier channels, values do not), codes kept one per byte and entropy-coded
-bit-packed where the width divides a byte (1, 2, 4 bits; else one per byte) and entropy-coded by zstd
+bit-packed (any width 1..8) and entropy-coded by zstd
 (the `zstandard` package), optionally as token-wise deltas (CacheGen's idea). One layer is one
 self-contained payload, so a reader decodes layer by layer as it streams.
 
@@ -55,13 +55,16 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return _local.decompressor
 
 
-def _quantize(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric min/max quantization along `dim`: codes u8, min and step fp16 (keepdim)."""
-    lo, hi = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
-    lo16 = lo.half()
-    step16 = ((hi - lo) / (2**bits - 1)).clamp_min(1e-6).half()  # fp16: what the decoder sees
-    codes = ((x - lo16.float()) / step16.float()).round_().clamp_(0, 2**bits - 1).to(torch.uint8)
-    return codes, lo16, step16
+def _quantize(x: np.ndarray, axis: int, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Asymmetric min/max quantization along `axis`: codes u8, min and step fp16 (keepdims).
+
+    numpy, not torch: on small per-layer arrays torch's thread pool costs ~100x the arithmetic
+    (measured on this 2-core CPU: round_ 4 ms vs np.rint 0.014 ms for 32k values)."""
+    lo, hi = x.min(axis=axis, keepdims=True), x.max(axis=axis, keepdims=True)
+    lo16 = lo.astype(np.float16)
+    step16 = np.maximum((hi - lo) / (2**bits - 1), 1e-6).astype(np.float16)  # fp16: what the decoder sees
+    codes = np.clip(np.rint((x - lo16.astype(np.float32)) / step16.astype(np.float32)), 0, 2**bits - 1)
+    return codes.astype(np.uint8), lo16, step16
 
 
 def _delta(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -75,58 +78,56 @@ def _undelta(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return codes.to(torch.int32).cumsum_(1).remainder_(2**bits).to(torch.uint8)
 
 
-def _per_byte(bits: int) -> int:
-    return 8 // bits if bits in (1, 2, 4) else 1
-
-
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """codes u8 (any shape) -> bytes [ceil(numel / per byte)], the first code in the low bits."""
-    per = _per_byte(bits)
+    """codes u8 < 2^bits (any shape) -> their low `bits` bits, packed: [ceil(numel * bits / 8)] u8."""
     flat = codes.reshape(-1)
-    if per == 1:
+    if bits == 8:
         return flat
-    pad = -flat.numel() % per
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    groups = flat.view(-1, per).to(torch.int32)
-    out = torch.zeros(groups.shape[0], dtype=torch.int32)
-    for i in range(per):
-        out |= groups[:, i] << (i * bits)
-    return out.to(torch.uint8)
+    if bits == 4:  # the common case, without numpy's bit arrays: two codes a byte, the first low
+        a = flat.numpy()
+        if a.size % 2:
+            a = np.concatenate([a, np.zeros(1, np.uint8)])
+        pairs = a.reshape(-1, 2)
+        return torch.from_numpy(pairs[:, 0] | (pairs[:, 1] << 4))
+    bit_planes = np.unpackbits(flat.numpy()[:, None], axis=1, bitorder="little")[:, :bits]  # [numel, bits]
+    return torch.from_numpy(np.packbits(bit_planes.reshape(-1), bitorder="little"))
 
 
 def _unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    per = _per_byte(bits)
-    if per == 1:
+    if bits == 8:
         return packed
-    p = packed.to(torch.int32)
-    mask = (1 << bits) - 1
-    out = torch.stack([(p >> (i * bits)) & mask for i in range(per)], 1).reshape(-1)
-    return out[:numel].to(torch.uint8)
+    if bits == 4:
+        p = packed.numpy()
+        return torch.from_numpy(np.stack([p & 15, p >> 4], 1).reshape(-1)[:numel])
+    bit_planes = np.unpackbits(packed.numpy(), count=numel * bits, bitorder="little").reshape(numel, bits)
+    return torch.from_numpy(np.packbits(bit_planes, axis=1, bitorder="little").reshape(-1))
 
 
 def _packed_len(numel: int, bits: int) -> int:
-    return -(-numel // _per_byte(bits))
+    return -(-numel * bits // 8)
 
 
 def encode_layer(kv: torch.Tensor, spec: LowBitSpec) -> bytes:
     """kv [2, H, n, D] (any float dtype, CPU) -> one compressed payload."""
-    keys, values = kv[0].float(), kv[1].float()  # [H, n, D]
+    x = kv.detach().float().numpy()
+    keys, values = x[0], x[1]  # [H, n, D]
     num_heads, num_tokens, head_dim = keys.shape
     g = spec.group_tokens
     num_groups = -(-num_tokens // g)
     pad = num_groups * g - num_tokens
     # groups of g tokens: pad by repeating the last token (it does not widen the group's range)
-    padded = torch.cat([keys, keys[:, -1:].expand(num_heads, pad, head_dim)], 1) if pad else keys
-    k_codes, k_lo, k_step = _quantize(padded.view(num_heads, num_groups, g, head_dim), 2, spec.key_bits)
-    k_codes = k_codes.view(num_heads, num_groups * g, head_dim)[:, :num_tokens]
+    padded = np.concatenate([keys, np.repeat(keys[:, -1:], pad, axis=1)], 1) if pad else keys
+    k_codes, k_lo, k_step = _quantize(padded.reshape(num_heads, num_groups, g, head_dim), 2, spec.key_bits)
+    k_codes = torch.from_numpy(k_codes.reshape(num_heads, num_groups * g, head_dim)[:, :num_tokens])
     v_codes, v_lo, v_step = _quantize(values, 2, spec.value_bits)  # [H, n, D], [H, n, 1]
+    v_codes = torch.from_numpy(v_codes)
     if spec.is_delta:
         k_codes, v_codes = _delta(k_codes, spec.key_bits), _delta(v_codes, spec.value_bits)
-    raw = b"".join(t.contiguous().numpy().tobytes() for t in (
-        _pack(k_codes, spec.key_bits), _pack(v_codes, spec.value_bits), k_lo.view(torch.int16), k_step.view(torch.int16), v_lo.view(torch.int16),
-        v_step.view(torch.int16),
-    ))
+    raw = b"".join([
+        _pack(k_codes.contiguous(), spec.key_bits).numpy().tobytes(),
+        _pack(v_codes.contiguous(), spec.value_bits).numpy().tobytes(),
+        *(np.ascontiguousarray(a).tobytes() for a in (k_lo, k_step, v_lo, v_step)),
+    ])
     return _compressor(spec.zstd_level).compress(raw) if spec.zstd_level > 0 else raw
 
 
@@ -167,16 +168,20 @@ def decode_layer(payload, num_heads: int, num_tokens: int, head_dim: int, spec: 
     v_codes = _unpack(parts[1], spec.value_bits, n_codes).view(num_heads, num_tokens, head_dim)
     if spec.is_delta:
         k_codes, v_codes = _undelta(k_codes, spec.key_bits), _undelta(v_codes, spec.value_bits)
-    k_lo, k_step = (p.view(torch.float16).view(num_heads, num_groups, 1, head_dim) for p in parts[2:4])
-    v_lo, v_step = (p.view(torch.float16).view(num_heads, num_tokens, 1) for p in parts[4:6])
-    out = torch.empty((2, num_heads, num_tokens, head_dim), dtype=dtype)  # [2, H, n, D]
+    k_lo, k_step = (p.numpy().view(np.float16).astype(np.float32).reshape(num_heads, num_groups, 1, head_dim)
+                    for p in parts[2:4])
+    v_lo, v_step = (p.numpy().view(np.float16).astype(np.float32).reshape(num_heads, num_tokens, 1)
+                    for p in parts[4:6])
     g = spec.group_tokens
     pad = num_groups * g - num_tokens
-    k = k_codes.to(torch.float16)
+    k = k_codes.numpy()
     if pad:
-        k = torch.cat([k, k.new_zeros(num_heads, pad, head_dim)], 1)
-    # per group: code * step + min, in fp16 (the codes are exact in fp16; the product rounds once)
-    k = torch.addcmul(k_lo, k.view(num_heads, num_groups, g, head_dim), k_step)
-    out[0] = k.view(num_heads, num_groups * g, head_dim)[:, :num_tokens]
-    out[1] = torch.addcmul(v_lo, v_codes.to(torch.float16), v_step)
-    return out
+        k = np.concatenate([k, np.zeros((num_heads, pad, head_dim), np.uint8)], 1)
+    # code * step + min, in fp32 (numpy: see _quantize), per key group / value token
+    k = (k.reshape(num_heads, num_groups, g, head_dim) * k_step + k_lo).reshape(num_heads, num_groups * g, head_dim)
+    v = v_codes.numpy() * v_step + v_lo
+    np_dtype = np.float16 if dtype == torch.float16 else np.float32
+    out = np.empty((2, num_heads, num_tokens, head_dim), dtype=np_dtype)  # [2, H, n, D]
+    out[0] = k[:, :num_tokens]
+    out[1] = v
+    return torch.from_numpy(out).to(dtype)  # bf16: converted by torch (numpy has none)

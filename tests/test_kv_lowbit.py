@@ -34,12 +34,14 @@ def test_int4_round_trip_is_within_half_a_step_and_small():
     header = codec.parse_header(blob[: codec.header_size(blob)], len(blob), key, "fp", INT4)
     out = codec.decode(header, lambda b, e: bytearray(blob[b:e]))
     assert out.keys.dtype == torch.float16 and out.keys.shape == kv.keys.shape
-    # keys: per channel over 64-token groups; values: per token; error <= half a step (+ fp16 rounding)
+    # keys: per channel over groups of tokens; values: per token; error <= half a step (+ fp16 rounding)
+    spec = codec.LOWBIT_SPECS[KVQuantization.INT4]
+    g, k_levels, v_levels = spec.group_tokens, 2**spec.key_bits - 1, 2**spec.value_bits - 1
     for layer in range(kv.num_layers):
         k, v = kv.keys[layer], kv.values[layer]  # [H, n, D]
-        k_step = (k[:, :64].amax(1) - k[:, :64].amin(1)) / 15  # [H, D], first group
-        assert ((out.keys[layer, :, :64].float() - k[:, :64]).abs() <= k_step[:, None] / 2 * 1.01 + 5e-3).all()
-        v_step = (v.amax(2) - v.amin(2)) / 15  # [H, n]
+        k_step = (k[:, :g].amax(1) - k[:, :g].amin(1)) / k_levels  # [H, D], first group
+        assert ((out.keys[layer, :, :g].float() - k[:, :g]).abs() <= k_step[:, None] / 2 * 1.01 + 5e-3).all()
+        v_step = (v.amax(2) - v.amin(2)) / v_levels  # [H, n]
         assert ((out.values[layer].float() - v).abs() <= v_step[..., None] / 2 * 1.01 + 5e-3).all()
     fp16_layer = codec.storage_bytes_per_layer(2, 100, 64, FP16)
     assert header.layer_nbytes(0) <= codec.storage_bytes_per_layer(2, 100, 64, INT4) < fp16_layer / 3
