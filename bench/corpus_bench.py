@@ -8,11 +8,14 @@ the server does: `handle` per chunk (counted by the budget), a miss computed aft
 offered to the budget (`Admission.USE`, as the repairer does), an ingested chunk offered at ingestion
 (`Admission.PRECOMPUTE`, as the writer does).
 
-What is measured where (this 2-core CPU cannot precompute 3M tokens with SmolLM2 in a bench run):
-- the collection, hit rates and bytes on disk: the KV of the tiny random model (random:tiny-llama,
-  4 layers, 2 KV heads of 16: 512 B/token in float16) for every chunk, really computed, encoded and
-  stored; hit rates and evictions do not depend on the KV's values, bytes on disk scale with the KV
-  shape (the JSON also gives them at SmolLM2's bytes per token, from `ragblend bench kv-codec`);
+What is measured where (this 2-core CPU cannot precompute 3M tokens with SmolLM2 in a bench run, nor,
+shared and loaded, even with the tiny random model: ~0.2 s per 512-token chunk, 20 min per ingest):
+- the collection, hit rates and bytes on disk: every chunk's entry holds KV of the tiny random model's
+  shape (random:tiny-llama: 4 layers, 2 KV heads of 16, 512 B/token in float16), its values random
+  (seeded per chunk; `--collection-kv model` computes them with that model instead, slower), encoded
+  in the configured format and stored by the real store; hit rates, admissions and evictions do not
+  depend on the KV's values; bytes on disk scale with the KV shape and compress like random data (the
+  JSON also gives the collection at SmolLM2's bytes per token, measured in the TTFT step);
 - TTFT: measured with the real model (SmolLM2) on a prompt of the same shape (a question and one
   document's 3 chunks of 512 tokens), for each number of chunks missing (0..3): hits streamed from the
   disk tier in the configured format (pipelined, blend), misses computed as fresh tokens; each stream
@@ -34,6 +37,7 @@ import numpy as np
 import torch
 
 from blend_engine.engine import BlendEngine
+from blend_engine.kv import ChunkKV
 from blend_engine.types import PrefillMode, Segment
 from configs.settings import load_settings
 from kv_store import Admission, KVStore, StoreConfig
@@ -47,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of document popularity")
     parser.add_argument("--budgets", default="0.1,0.3,1.0", help="KV budgets, shares of the collection's KV")
     parser.add_argument("--collection-model", default="random:tiny-llama")
+    parser.add_argument("--collection-kv", default="random", choices=["random", "model"],
+                        help="the collection's KV values: random tensors of the model's KV shape, or computed by it")
     parser.add_argument("--ttft-model", default=None, help="model TTFT is measured with (default: settings')")
     parser.add_argument("--ttft-repeats", type=int, default=3)
     parser.add_argument("--smollm2-bytes-per-token", type=float, default=None,
@@ -75,7 +81,11 @@ class Collection:
         return _chunk_ids(doc, self.num_chunks, self.args.chunk_tokens, self.vocab, self.args.seed)
 
     def kv(self, token_ids: tuple[int, ...]):
-        return self.engine.precompute(list(token_ids), self.context_ids)
+        if self.args.collection_kv == "model":
+            return self.engine.precompute(list(token_ids), self.context_ids)
+        g = torch.Generator().manual_seed(hash(token_ids[:16]) & 0x7FFFFFFF)
+        shape = (self.engine.num_layers, self.engine.num_kv_heads, len(token_ids), self.engine.head_dim)
+        return ChunkKV(tuple(token_ids), self.context_ids, torch.randn(shape, generator=g), torch.randn(shape, generator=g))
 
 
 def _store(root: Path, fingerprint: str, budget_bytes: int) -> KVStore:
@@ -222,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
         "bench": "corpus", "documents": args.documents, "collection_tokens": num_tokens,
         "chunks": args.documents * collection.num_chunks, "chunk_tokens": args.chunk_tokens,
         "questions": args.questions, "zipf": args.zipf, "collection_model": args.collection_model,
+        "collection_kv": args.collection_kv,
         "collection_kv_bytes": full_bytes, "collection_bytes_per_token": round(per_token, 1),
         "ttft_ms_by_missing_chunks": ttft_ms, "ttft": ttft_info,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "rows": rows,

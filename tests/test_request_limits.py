@@ -25,7 +25,7 @@ ENGINE = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64, tokenize=la
 BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 2
 
 
-UNBUDGETED = {"budgeted": False}
+UNBUDGETED = {"budgeted": False, "quantization": "none"}  # the old regime, in float16
 
 
 def budget(**store) -> KVBudget | None:
@@ -42,7 +42,7 @@ def test_the_bound_is_the_tier_chunk_caches_live_in():
     disk = budget()
     assert disk.setting == "store.max_disk_bytes" and disk.bytes_per_token == BYTES_PER_TOKEN
     assert BYTES_PER_TOKEN // 2 < budget(quantization="int8").bytes_per_token < BYTES_PER_TOKEN // 2 + 64  # + scales
-    assert budget(quantization="int4").bytes_per_token < BYTES_PER_TOKEN // 3  # its bound before zstd
+    assert budget(quantization="int4").bytes_per_token < BYTES_PER_TOKEN * 0.3  # its bound before zstd
     memory = budget(disk_enabled=False)
     assert memory.setting == "store.max_memory_bytes" and memory.capacity_bytes == 2 << 30
     assert budget(disk_enabled=False, redis_url="redis://127.0.0.1:1/0") is None
