@@ -116,3 +116,12 @@ def test_a_delete_frees_its_bytes(server):
         before = kv_store.backend("disk").bytes_used()
         assert http.delete(f"/v1/documents/{cached['id']}").status_code == 200
         assert kv_store.backend("disk").bytes_used() == before - cached["kv_bytes"]
+
+
+def test_uploaded_files_over_the_budget_are_accepted(server):
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        files = [("files", (f"note{i}.txt", f"Note {i}: the canal barges carry coal to Leeds. ".encode() * 8))
+                 for i in range(4)]
+        response = http.post("/v1/documents/files", files=files)
+        assert response.status_code == 201, response.text
+        assert server.components.kv_store.backend("disk").bytes_used() <= server.budget
