@@ -89,8 +89,17 @@ def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
             a = np.concatenate([a, np.zeros(1, np.uint8)])
         pairs = a.reshape(-1, 2)
         return torch.from_numpy(pairs[:, 0] | (pairs[:, 1] << 4))
-    bit_planes = np.unpackbits(flat.numpy()[:, None], axis=1, bitorder="little")[:, :bits]  # [numel, bits]
-    return torch.from_numpy(np.packbits(bit_planes.reshape(-1), bitorder="little"))
+    # any width: 8 codes -> one little-endian uint64 -> its low `bits` bytes (vectorized, no bit arrays)
+    a = flat.numpy()
+    pad = -a.size % 8
+    if pad:
+        a = np.concatenate([a, np.zeros(pad, np.uint8)])
+    groups = a.reshape(-1, 8).astype(np.uint64)  # [numel / 8, 8]
+    word = np.zeros(groups.shape[0], np.uint64)
+    for i in range(8):
+        word |= groups[:, i] << np.uint64(bits * i)
+    packed = word.astype("<u8").view(np.uint8).reshape(-1, 8)[:, :bits]  # [numel / 8, bits]
+    return torch.from_numpy(np.ascontiguousarray(packed).reshape(-1)[: _packed_len(flat.numel(), bits)])
 
 
 def _unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
@@ -99,8 +108,16 @@ def _unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     if bits == 4:
         p = packed.numpy()
         return torch.from_numpy(np.stack([p & 15, p >> 4], 1).reshape(-1)[:numel])
-    bit_planes = np.unpackbits(packed.numpy(), count=numel * bits, bitorder="little").reshape(numel, bits)
-    return torch.from_numpy(np.packbits(bit_planes, axis=1, bitorder="little").reshape(-1))
+    p = packed.numpy()
+    num_words = -(-numel // 8)
+    padded = np.zeros(num_words * bits, np.uint8)
+    padded[: p.size] = p
+    buf = np.zeros((num_words, 8), np.uint8)
+    buf[:, :bits] = padded.reshape(num_words, bits)
+    word = buf.view("<u8").reshape(-1)  # [numel / 8]
+    mask = np.uint64((1 << bits) - 1)
+    codes = np.stack([(word >> np.uint64(bits * i)) & mask for i in range(8)], 1).astype(np.uint8)
+    return torch.from_numpy(codes.reshape(-1)[:numel])
 
 
 def _packed_len(numel: int, bits: int) -> int:

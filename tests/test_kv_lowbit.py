@@ -83,3 +83,12 @@ def test_entries_in_an_older_format_stay_readable_after_the_default_changes(tmp_
     assert torch.allclose(found.keys.float(), kv.keys, atol=tolerance * kv.keys.abs().max())
     handle = store.handle(old_key)  # streamed too
     assert handle is not None and handle.num_tokens == kv.num_tokens
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_codes_of_every_width_pack_and_unpack_exactly(bits):
+    for numel in (1, 7, 8, 9, 1000):
+        codes = torch.randint(0, 2**bits, (numel,), dtype=torch.uint8)
+        packed = lowbit._pack(codes, bits)
+        assert packed.numel() == -(-numel * bits // 8)  # bits per code, nothing more
+        assert torch.equal(lowbit._unpack(packed, bits, numel), codes)
