@@ -45,6 +45,30 @@ class _StoreCollector(Collector):
             repairs.add_metric(["background_failed"], float(repair_stats.num_failed))
             repairs.add_metric(["background_dropped"], float(repair_stats.num_dropped))
         yield repairs
+        yield from _budget_families(getattr(stats, "budget", None))
+
+
+def _budget_families(budget) -> Iterator:
+    """The collection's KV budget (kv_store.BudgetStats): chunk uses that found KV or not, entries
+    admitted or turned away, evictions, and the bound."""
+    if budget is None:
+        return
+    uses = CounterMetricFamily("ragblend_kv_budget_uses", "Chunk uses by whether some tier held their KV",
+                               labels=["result"])
+    uses.add_metric(["hit"], float(budget.hits))
+    uses.add_metric(["miss"], float(budget.misses))
+    yield uses
+    offers = CounterMetricFamily("ragblend_kv_budget_admissions", "Entries offered to the budget, by decision",
+                                 labels=["decision"])
+    offers.add_metric(["admitted"], float(budget.admitted))
+    offers.add_metric(["rejected"], float(budget.rejected))
+    yield offers
+    yield CounterMetricFamily("ragblend_kv_budget_evictions", "Entries the budgeted tier evicted",
+                              value=float(budget.evictions))
+    yield GaugeMetricFamily("ragblend_kv_budget_bytes", "The collection's KV budget (the bounded tier's bound)",
+                            value=float(budget.budget_bytes))
+    yield GaugeMetricFamily("ragblend_kv_budget_used_bytes", "Bytes of KV held under the budget",
+                            value=float(budget.bytes_used))
 
 
 class Metrics:

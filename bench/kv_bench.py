@@ -39,6 +39,7 @@ class Streamed:
 
 STREAMED = [Streamed("disk", "disk", False), Streamed("disk+pipe", "disk", True), Streamed("redis", "redis", False),
             Streamed("redis+pipe", "redis", True), Streamed("disk-int8+pipe", "disk-int8", True),
+            Streamed("disk-int4+pipe", "disk-int4", True),
             Streamed("disk+pipe+auto", "disk", True, is_auto=True), Streamed("redis+pipe+auto", "redis", True, is_auto=True)]
 
 
@@ -104,6 +105,7 @@ def make_stores(fingerprint: str, base: StoreConfig, workdir: Path, redis_url: s
         "memory": dataclasses.replace(base, max_memory_bytes=1 << 40),
         "disk": dataclasses.replace(base, disk_dir=workdir / "disk"),
         "disk-int8": dataclasses.replace(base, disk_dir=workdir / "disk-int8", quantization=KVQuantization.INT8),
+        "disk-int4": dataclasses.replace(base, disk_dir=workdir / "disk-int4", quantization=KVQuantization.INT4),
     }
     if redis_url:
         configs["redis"] = dataclasses.replace(base, redis_url=redis_url)
@@ -165,7 +167,7 @@ def run_question(engine, stores, item, args, blend, sink) -> dict:
     full_ms, full_results = best_of(1, full)
     fns = {"memory": lambda: engine.prefill(prompt([mem_store.get(k) for k in mem_keys]), blend=blend)}
     fns.update({spec.name: streamed(spec) for spec in STREAMED if spec.store in stores})
-    for tier in ("disk", "redis", "disk-int8"):
+    for tier in ("disk", "redis", "disk-int8", "disk-int4"):
         if tier in stores:
             fns["load_alone:" + tier] = load_alone(engine, stores[tier], keys[tier], start_layer, tier != "redis")
     row, results = best_of(args.repeats, fns)
@@ -182,7 +184,7 @@ def run_question(engine, stores, item, args, blend, sink) -> dict:
         row[name + ":kv_wait"] = results[name].stats.kv_load_ms  # engine side: includes its concat
         row[name + ":source_wait"] = source_wait_ms[name]  # blocked on loads alone
         row[name + ":max_logit_diff"] = float((results[name].logits - ref.logits).abs().max())
-    for tier in ("disk", "redis", "disk-int8"):
+    for tier in ("disk", "redis", "disk-int8", "disk-int4"):
         if tier in stores:
             row["bytes:" + tier] = results["load_alone:" + tier]
     row["agree"] = agree
@@ -209,10 +211,10 @@ def summarize(rows: list[dict]) -> dict:
     summary = {k: mean(r[k] for r in rows) for k in rows[0] if k not in ("agree", "plans") and all(k in r for r in rows)}
     summary["plans"] = {name: sorted({r["plans"][name] for r in rows}) for name in rows[0]["plans"]}
     summary["top1_agreement_vs_memory_blend"] = {k: mean(r["agree"][k] for r in rows) for k in rows[0]["agree"]}
-    for tier in ("disk", "redis", "disk-int8"):
+    for tier in ("disk", "redis", "disk-int8", "disk-int4"):
         if "load_alone:" + tier in summary:
             summary["throughput_MBps:" + tier] = summary["bytes:" + tier] / summary["load_alone:" + tier] / 1e3
-    for tier in ("disk", "redis"):
+    for tier in ("disk", "redis", "disk-int8", "disk-int4"):
         if tier + "+pipe" not in summary:
             continue
         load, compute = summary["load_alone:" + tier], summary["compute_alone"]
@@ -235,7 +237,7 @@ def print_table(s: dict) -> None:
     print(f"(auto: the loading planner chose {s['plans']}; disk ratio {s['auto_ratio']:.3f})")
     print()
     print(f"{'tier':<12}{'load alone ms':>15}{'MB/s':>10}{'compute alone ms':>18}{'1.1*max ms':>12}")
-    for tier in ("disk", "redis", "disk-int8"):
+    for tier in ("disk", "redis", "disk-int8", "disk-int4"):
         if "load_alone:" + tier in s:
             load = s["load_alone:" + tier]
             bound = 1.1 * max(load, s["compute_alone"])

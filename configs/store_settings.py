@@ -50,7 +50,8 @@ class StoreSettings(BaseModel):
         "the others wait for it (a replica that dies holding it frees it after this long).",
     )
     dtype: StorageDtype = Field(StorageDtype.FLOAT16, description="dtype of stored KV.")
-    quantization: KVQuantization = Field(KVQuantization.NONE, description="int8 for the disk/Redis tiers.")
+    quantization: KVQuantization = Field(KVQuantization.INT4, description="Compression of the disk/Redis tiers' entries: none (float16), int8, or int4 "
+        "(keys per channel, values per token, zstd; docs/decisions/0013). Entries in another format stay readable.")
     write_tiers: list[Literal["gpu", "memory", "disk", "redis"]] = Field(
         ["memory", "disk", "redis"], description="Tiers a new chunk cache is written to (when enabled); the GPU "
         "tier fills on reads by default (a chunk read from a slower tier is copied up).",
@@ -69,6 +70,16 @@ class StoreSettings(BaseModel):
     planner_profile_tokens: list[int] = Field(
         [64, 256, 1024], min_length=1, description="Prompt lengths of the timed prefills the loading planner's "
         "cost model is fitted on at start-up (then refined by every answer).",
+    )
+    budgeted: bool = Field(
+        True, description="The collection's KV budget: when its KV exceeds the disk tier's bound (the memory "
+        "tier's without disk), ingestion precomputes only into free room, and a chunk a question finds without KV "
+        "is cached once it is used more (frequency, decayed by recency) than the entries it would evict; the "
+        "memory tier fills on use. false: every entry is written and the tiers evict by LRU.",
+    )
+    use_half_life: int = Field(
+        10_000, ge=1, description="Chunk uses (retrievals, store-wide) after which a chunk's use count halves: "
+        "how fast the budget forgets old popularity.",
     )
     throttle_mbps: dict[Literal["memory", "disk", "redis"], float] = Field(
         {}, description="Tests and benchmarks: slow a tier down to this many MB/s (simulates a cold disk, a remote tier).",

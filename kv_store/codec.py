@@ -1,10 +1,13 @@
 """Entry serialization: one safetensors blob per chunk, laid out for layer-by-layer reads.
 
 Tensors: `kv.{l}` = stack(keys[l], values[l]) [2, num_kv_heads, num_tokens, head_dim] in the storage
-dtype (int8 when quantized, with `scale.{l}` [2, num_kv_heads, 1, head_dim] fp32 per-channel scales).
+dtype (int8 when quantized, with `scale.{l}` [2, num_kv_heads, 1, head_dim] fp32 per-channel scales;
+a low-bit format's `kv.{l}` is one zstd-coded payload, a u8 vector: see lowbit.py).
 The safetensors header (read alone, cheaply) carries shapes and per-tensor byte offsets; its
 `__metadata__["ragblend"]` JSON carries the fingerprint, key, token/context ids and one crc32 per
 layer, so a reader can fetch and verify any single layer. The blob is a valid safetensors file.
+The header's format tag says how to decode it: an entry written under an older default (float16,
+int8) stays readable under its own key after the default changes.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 
 from blend_engine.kv import ChunkKV
 from configs.settings import KVQuantization, StorageDtype
+from kv_store import lowbit
 from kv_store.errors import CorruptEntryError
 from kv_store.keys import StorageFormat
 
@@ -28,7 +32,9 @@ TORCH_DTYPES = {
     StorageDtype.BFLOAT16: torch.bfloat16,
     StorageDtype.FLOAT32: torch.float32,
 }
-_ST_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "I8": torch.int8}
+_ST_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "I8": torch.int8, "U8": torch.uint8}
+# low-bit formats (a compressed payload per layer) and their parameters; measured: docs/decisions/0013
+LOWBIT_SPECS = {KVQuantization.INT4: lowbit.LowBitSpec(key_bits=4, value_bits=3, group_tokens=32, zstd_level=3)}
 _MAX_HEADER_BYTES = 64 << 20  # safetensors' own limit is 100 MB; ours are a few KB per 1k tokens
 META_KEY = "ragblend"
 
@@ -58,6 +64,10 @@ class EntryHeader:
 
 
 def storage_bytes_per_layer(num_kv_heads: int, num_tokens: int, head_dim: int, fmt: StorageFormat) -> int:
+    """Stored bytes of one layer (a low-bit format's: its size before zstd, an upper bound)."""
+    spec = LOWBIT_SPECS.get(fmt.quantization)
+    if spec is not None:
+        return lowbit.packed_size(num_kv_heads, num_tokens, head_dim, spec)
     if fmt.quantization is KVQuantization.INT8:
         return 2 * num_kv_heads * (num_tokens + 4) * head_dim  # int8 values + fp32 scales
     return 2 * num_kv_heads * num_tokens * head_dim * TORCH_DTYPES[fmt.dtype].itemsize
@@ -72,6 +82,10 @@ def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _layer_tensors(kv: ChunkKV, layer_idx: int, fmt: StorageFormat) -> list[tuple[str, torch.Tensor]]:
     stacked = torch.stack([kv.keys[layer_idx], kv.values[layer_idx]]).cpu()  # [2, H, n, D]
+    spec = LOWBIT_SPECS.get(fmt.quantization)
+    if spec is not None:
+        payload = lowbit.encode_layer(stacked, spec)
+        return [(f"kv.{layer_idx}", torch.frombuffer(bytearray(payload), dtype=torch.uint8))]  # [num bytes]
     if fmt.quantization is KVQuantization.INT8:
         q, scale = _quantize(stacked)
         return [(f"kv.{layer_idx}", q), (f"scale.{layer_idx}", scale.contiguous())]
@@ -123,7 +137,11 @@ def header_size(prefix: bytes) -> int:
 
 
 def parse_header(head: bytes, total_bytes: int, expected_key: str, fingerprint: str, fmt: StorageFormat) -> EntryHeader:
-    """Parse and validate a header (`head` = the blob's first `header_size` bytes)."""
+    """Parse and validate a header (`head` = the blob's first `header_size` bytes).
+
+    `fmt` is the tier's current format; an entry in another format this version reads (float16,
+    int8, int4 ...: the tag in its header) is accepted: its key, made with its own format, was
+    looked up by a chunk stored before the default changed."""
     try:
         table = json.loads(bytes(head[8:]))
         meta = json.loads(table.pop("__metadata__")[META_KEY])
@@ -135,7 +153,7 @@ def parse_header(head: bytes, total_bytes: int, expected_key: str, fingerprint: 
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
         # str, cut: the repr of a UnicodeDecodeError holds the whole header (kilobytes of a document's token ids)
         raise CorruptEntryError(f"unreadable header: {str(exc)[:MAX_REASON_CHARS]}") from exc
-    if meta["fingerprint"] != fingerprint or stored_fmt != fmt:
+    if meta["fingerprint"] != fingerprint or stored_fmt.version != fmt.version:
         raise CorruptEntryError(f"entry is for another model/format: {meta['fingerprint'][:40]!r}, {stored_fmt.tag}")
     if meta["key"] != expected_key:
         raise CorruptEntryError(f"entry holds key {meta['key'][:16]}, expected {expected_key[:16]}")
@@ -144,7 +162,12 @@ def parse_header(head: bytes, total_bytes: int, expected_key: str, fingerprint: 
     num_tokens = len(token_ids)
     data_start = len(head)
     ranges = []
+    fmt = stored_fmt
+    is_lowbit = fmt.quantization in LOWBIT_SPECS
     for layer_idx in range(num_layers):
+        if is_lowbit:  # one compressed payload of any length
+            ranges.append((_payload_range(table, f"kv.{layer_idx}", data_start, total_bytes),))
+            continue
         names = [(f"kv.{layer_idx}", [2, num_kv_heads, num_tokens, head_dim])]
         if fmt.quantization is KVQuantization.INT8:
             names.append((f"scale.{layer_idx}", [2, num_kv_heads, 1, head_dim]))
@@ -163,6 +186,16 @@ def _tensor_range(table: dict, name: str, shape: list[int], data_start: int, tot
     begin, end = (data_start + int(o) for o in info["data_offsets"])
     if dtype is None or end - begin != dtype.itemsize * _numel(shape) or end > total_bytes:
         raise CorruptEntryError(f"tensor {name}: bad dtype or byte range (entry of {total_bytes} bytes)")
+    return begin, end
+
+
+def _payload_range(table: dict, name: str, data_start: int, total_bytes: int) -> tuple[int, int]:
+    info = table.get(name)
+    if info is None or info.get("dtype") != "U8" or len(info.get("shape", ())) != 1:
+        raise CorruptEntryError(f"tensor {name}: expected a u8 payload, got {info}")
+    begin, end = (data_start + int(o) for o in info["data_offsets"])
+    if end - begin != int(info["shape"][0]) or end > total_bytes:
+        raise CorruptEntryError(f"tensor {name}: bad byte range (entry of {total_bytes} bytes)")
     return begin, end
 
 
@@ -230,11 +263,26 @@ def decode_layer_encoded(header: EntryHeader, layer_idx: int, buffers: list) -> 
         raise CorruptEntryError(f"layer {layer_idx} of {header.key[:16]} fails its checksum")
     shape = (2, header.num_kv_heads, header.num_tokens, header.head_dim)
     dtype = TORCH_DTYPES[header.fmt.dtype]
+    spec = LOWBIT_SPECS.get(header.fmt.quantization)
+    if spec is not None:  # decoded here, on the host (the reader thread when pipelined)
+        try:
+            kv = lowbit.decode_layer(_as_bytes(buffers[0]), *shape[1:], spec, dtype)
+        except ValueError as exc:  # checksum passed yet undecodable: written by a broken encoder
+            raise CorruptEntryError(f"layer {layer_idx} of {header.key[:16]}: {exc}") from exc
+        return StackedLayer(kv.pin_memory() if _is_pinned(buffers[0]) else kv)
     if header.fmt.quantization is KVQuantization.INT8:
         q = _as_tensor(buffers[0], torch.int8).view(shape)
         scale = _as_tensor(buffers[1], torch.float32).view(2, header.num_kv_heads, 1, header.head_dim)
         return QuantizedLayer(q, scale, dtype)
     return StackedLayer(_as_tensor(buffers[0], dtype).view(shape))
+
+
+def _as_bytes(buf):
+    return buf.numpy() if isinstance(buf, torch.Tensor) else buf
+
+
+def _is_pinned(buf) -> bool:
+    return isinstance(buf, torch.Tensor) and buf.is_pinned()
 
 
 def _as_tensor(buf, dtype: torch.dtype) -> torch.Tensor:

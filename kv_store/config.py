@@ -21,7 +21,7 @@ class StoreConfig:
     redis_url: str | None = None  # None = no Redis tier
     redis_ttl_s: int = 7 * 86400
     dtype: StorageDtype = StorageDtype.FLOAT16
-    quantization: KVQuantization = KVQuantization.NONE  # applies to the disk and Redis tiers
+    quantization: KVQuantization = KVQuantization.NONE  # the disk and Redis tiers' (settings default: int4)
     write_tiers: frozenset[Tier] = frozenset(Tier)
     fsync: bool = True
     is_pipelined: bool = True
@@ -30,6 +30,8 @@ class StoreConfig:
     max_recompute_ratio: float = 1.0
     max_prefetch_bytes: int = 1 << 30  # chunk bytes being copied up at once by prefetch (0: off)
     throttle_bytes_per_s: dict[Tier, float] = field(default_factory=dict)  # simulated slow tiers (tests, bench)
+    is_budgeted: bool = True  # the collection's KV budget (admission.py); False: every entry written, LRU evicts
+    use_half_life: int = 10_000  # uses of the store after which a chunk's use count halves
 
     def __post_init__(self) -> None:
         if self.max_gpu_bytes < 0 or self.max_memory_bytes < 0 or self.max_disk_bytes < 0:
@@ -43,6 +45,8 @@ class StoreConfig:
                 f"need 0 <= min_recompute_ratio ({self.min_recompute_ratio}) <= "
                 f"max_recompute_ratio ({self.max_recompute_ratio}) <= 1"
             )
+        if self.use_half_life < 1:
+            raise ValueError(f"use_half_life must be >= 1, got {self.use_half_life}")
         if any(rate <= 0 for rate in self.throttle_bytes_per_s.values()):
             raise ValueError(f"throttles must be > 0 bytes/s, got {self.throttle_bytes_per_s}")
 
@@ -83,4 +87,6 @@ class StoreConfig:
             max_recompute_ratio=s.max_recompute_ratio,
             max_prefetch_bytes=s.max_prefetch_bytes,
             throttle_bytes_per_s={Tier(t): mbps * 1e6 for t, mbps in s.throttle_mbps.items()},
+            is_budgeted=s.budgeted,
+            use_half_life=s.use_half_life,
         )

@@ -204,6 +204,22 @@ class DiskBackend(Backend):
         with self._lock:
             return list(self._sizes)
 
+    def victims(self, num_bytes: int) -> list[str]:
+        """The least recently used keys whose files add up to `num_bytes`: what a write that size evicts."""
+        out, total = [], 0
+        with self._lock:
+            for key, size in self._sizes.items():
+                if total >= num_bytes:
+                    break
+                out.append(key)
+                total += size
+        return out
+
+    def sizes_of(self, keys) -> list[int | None]:
+        """Each entry's file bytes, or None where the tier does not hold it (from the index: no I/O)."""
+        with self._lock:
+            return [self._sizes.get(key) for key in keys]
+
 
 def _is_writer_alive(temp_name: str) -> bool:
     """Whether the process that writes this temp file (`<key>.<pid>.<uuid>.part`) still runs: a

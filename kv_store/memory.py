@@ -137,6 +137,21 @@ class MemoryBackend(Backend):
         with self._lock:
             return list(self._entries)
 
+    def victims(self, num_bytes: int) -> list[str]:
+        """The least recently used keys whose entries add up to `num_bytes`."""
+        out, total = [], 0
+        with self._lock:
+            for key, kv in self._entries.items():
+                if total >= num_bytes:
+                    break
+                out.append(key)
+                total += kv.nbytes
+        return out
+
+    def sizes_of(self, keys) -> list[int | None]:
+        with self._lock:
+            return [None if (kv := self._entries.get(key)) is None else kv.nbytes for key in keys]
+
     def open_reader(self, key: str, is_lookup: bool = True) -> MemoryReader | None:
         kv = self.get(key, is_lookup)
         return None if kv is None else MemoryReader(key, kv)

@@ -18,6 +18,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from kv_store.admission import Admission
+
 logger = logging.getLogger(__name__)
 LOCK_PREFIX = "ragblend:lock:kv:"
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
@@ -33,6 +35,7 @@ class PrecomputeOutcome(str, Enum):
     COMPUTED = "computed"  # by this process
     FOUND = "found"  # another replica computed it (waited for, or already there under the lock)
     SKIPPED = "skipped"  # another replica is computing it and the caller does not wait (background)
+    NOT_ADMITTED = "not_admitted"  # computed here, but the collection's KV budget kept hotter entries
 
 
 class PrecomputeLocks:
@@ -82,13 +85,17 @@ class SingleFlight:
                  max_poll_s: float = 0.25):
         self._kv_store, self._locks, self._on_outcome, self._max_poll_s = kv_store, locks, on_outcome, max_poll_s
 
-    def ensure(self, key: str, compute: Callable[[], Any], reason: PrecomputeReason) -> PrecomputeOutcome:
-        outcome = self._ensure(key, compute, is_waiting=reason is PrecomputeReason.INGEST)
+    def ensure(self, key: str, compute: Callable[[], Any], reason: PrecomputeReason,
+               admission: Admission | None = None) -> PrecomputeOutcome:
+        """`admission`: the entry is offered to the collection's KV budget for this reason (written only
+        if admitted); None: written unconditionally."""
+        outcome = self._ensure(key, compute, is_waiting=reason is PrecomputeReason.INGEST, admission=admission)
         if self._on_outcome is not None:
             self._on_outcome(reason, outcome)
         return outcome
 
-    def _ensure(self, key: str, compute: Callable[[], Any], is_waiting: bool) -> PrecomputeOutcome:
+    def _ensure(self, key: str, compute: Callable[[], Any], is_waiting: bool,
+                admission: Admission | None) -> PrecomputeOutcome:
         token = self._locks.acquire(key)
         if token is None:
             if not is_waiting:
@@ -99,8 +106,11 @@ class SingleFlight:
         try:
             if self._locks.is_shared and self._kv_store.readable_many([key])[0]:
                 return PrecomputeOutcome.FOUND  # computed by another replica just before we took the lock
-            self._kv_store.put(key, compute())
-            return PrecomputeOutcome.COMPUTED
+            if admission is None:
+                self._kv_store.put(key, compute())
+                return PrecomputeOutcome.COMPUTED
+            is_written = self._kv_store.offer(key, compute(), admission)
+            return PrecomputeOutcome.COMPUTED if is_written else PrecomputeOutcome.NOT_ADMITTED
         finally:
             self._locks.release(key, token)
 

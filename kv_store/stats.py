@@ -28,6 +28,7 @@ class TierStats:
 class StoreStats:
     tiers: dict[str, TierStats]
     num_recovered: int = 0  # entries damaged or lost mid-request, recomputed inline and put back
+    budget: object | None = None  # kv_store.admission.BudgetStats: the collection's KV budget
 
 
 class TierCounters:

@@ -18,6 +18,7 @@ import torch
 
 from blend_engine.kv import ChunkKV
 from configs.settings import Settings
+from kv_store.admission import Admission, AdmissionPolicy, BudgetStats
 from kv_store.backend import Backend, Tier
 from kv_store.codec import TORCH_DTYPES
 from kv_store.config import StoreConfig
@@ -52,10 +53,25 @@ class KVStore:
             from kv_store.redis_backend import RedisBackend  # redis-py only when a URL is configured
 
             self._backends.append(RedisBackend(config.redis_url, config.redis_ttl_s, fingerprint, config.remote_format))
+        self._budgeted = self._budget_tier()
+        self.admission = self._admission(config) if self._budgeted is not None else None
         self._backends = [self._throttled(b) for b in self._backends]
         self.planner = LoadPlanner(config.min_recompute_ratio, config.max_recompute_ratio)
         self._streaming = StoreStreaming(self._backends, config, self.put, self.get, self.backend)
         self._prefetcher = self._streaming.prefetcher
+
+    def _budget_tier(self) -> DiskBackend | MemoryBackend | None:
+        """The tier whose bound is the collection's KV budget: disk (persistent), else memory."""
+        for cls in (DiskBackend, MemoryBackend):
+            for b in self._backends:
+                if type(b) is cls and b.tier in self.config.write_tiers:
+                    return b
+        return None
+
+    def _admission(self, config: StoreConfig) -> AdmissionPolicy:
+        tier = self._budgeted
+        victims = tier.victims if config.is_budgeted else None
+        return AdmissionPolicy(tier, tier.max_bytes, config.use_half_life, victims=victims)
 
     def _throttled(self, backend: Backend) -> Backend:
         rate = self.config.throttle_bytes_per_s.get(backend.tier)
@@ -107,14 +123,60 @@ class KVStore:
         return [found.get(key) for key in keys]
 
     def put(self, key: str, kv: ChunkKV) -> None:
+        """Write to every tier in `write_tiers`, unconditionally (see `offer` for the budgeted write)."""
+        self._put_to(key, kv, set(self.config.write_tiers))
+
+    def offer(self, key: str, kv: ChunkKV, why: Admission) -> bool:
+        """Write `kv` if the collection's budget admits it (see admission.py); True when written.
+
+        A precomputed entry (ingestion) goes to the tiers below memory only: the memory tier fills
+        on use (promote after an answer, prefetch). Unbudgeted (`is_budgeted: false`) every entry
+        is written as `put` writes it."""
+        if self.admission is None or not self.config.is_budgeted:
+            self.put(key, kv)
+            return True
+        num_bytes = self.admission.estimated_bytes(kv.num_tokens) or 0
+        if not self.admission.admits(key, num_bytes, why):
+            return False
+        self._put_to(key, kv, self._offer_tiers(why))
+        return True
+
+    def should_compute(self, key: str, num_tokens: int, why: Admission) -> bool:
+        """Whether an entry of `num_tokens` would be admitted, asked before computing it (yes while its
+        size is unknown: no entry written yet). A no is counted as a rejection; `offer` decides for good."""
+        if self.admission is None or not self.config.is_budgeted:
+            return True
+        num_bytes = self.admission.estimated_bytes(num_tokens)
+        return num_bytes is None or self.admission.admits(key, num_bytes, why, is_final=False)
+
+    def _offer_tiers(self, why: Admission) -> set[Tier]:
+        tiers = set(self.config.write_tiers)
+        if why is Admission.PRECOMPUTE and self._budgeted.tier is not Tier.MEMORY:
+            tiers -= {Tier.GPU, Tier.MEMORY}
+        return tiers
+
+    def _put_to(self, key: str, kv: ChunkKV, tiers: set[Tier]) -> None:
         self._check_key(key)
         if kv.num_tokens == 0:
             raise ValueError("cannot store an empty chunk")
         if key != self.key_for(kv.token_ids, kv.context_ids):
             raise ValueError(f"key {key[:16]} is not this chunk's key (see key_for)")
         for b in self._backends:
-            if b.tier in self.config.write_tiers:
+            if b.tier in tiers:
                 b.put(key, kv)
+        if self.admission is not None:
+            size = self._budgeted.sizes_of([key])[0]
+            if size is not None:
+                self.admission.observe_written(kv.num_tokens, size)
+
+    def entry_bytes(self, keys: Sequence[str]) -> list[int | None]:
+        """Each key's bytes in the budgeted tier (its index: no I/O), None where it holds none."""
+        if self._budgeted is None:
+            return [None] * len(keys)
+        return self._budgeted.sizes_of(keys)
+
+    def budget_stats(self) -> BudgetStats | None:
+        return self.admission.stats() if self.admission is not None else None
 
     def contains(self, key: str) -> bool:
         self._check_key(key)
@@ -159,8 +221,12 @@ class KVStore:
 
     # --- streaming (see streaming.py) ---------------------------------------------------------------
     def handle(self, key: str) -> StoredChunk | None:
+        """The chunk's header (a question's use of it: counted for the collection's budget)."""
         self._check_key(key)
-        return self._streaming.handle(key)
+        found = self._streaming.handle(key)
+        if self.admission is not None:
+            self.admission.note_uses([key], [found is not None])
+        return found
 
     def layer_source(
         self,
@@ -191,6 +257,7 @@ class KVStore:
         return StoreStats(
             tiers=tiers,
             num_recovered=self._streaming.num_recovered,
+            budget=self.budget_stats(),
         )
 
     def close(self) -> None:

@@ -147,6 +147,24 @@ class SqliteDocumentStore(DocumentStore):
         with self._lock:
             return int(self._conn.execute("SELECT COUNT(*) FROM documents").fetchone()[0])
 
+    def kv_keys_by_document(self, doc_ids: Sequence[str]) -> dict[str, list[str | None]]:
+        """Each document's chunks' KV keys, in position order (one query; no text or token ids read)."""
+        out: dict[str, list[str | None]] = {doc_id: [] for doc_id in doc_ids}
+        with self._lock:
+            for start in range(0, len(doc_ids), 500):  # SQLite caps the number of bound parameters
+                part = list(doc_ids[start : start + 500])
+                marks = ",".join("?" * len(part))
+                for r in self._conn.execute(f"SELECT document_id, kv_key FROM chunks WHERE document_id IN ({marks})"
+                                            " ORDER BY document_id, position", part):
+                    out[r[0]].append(r[1])
+        return out
+
+    def num_chunk_tokens(self) -> int:
+        """Tokens over every chunk (overlaps counted in each chunk): what the collection's KV covers."""
+        with self._lock:
+            row = self._conn.execute("SELECT COALESCE(SUM(json_array_length(token_ids)), 0) FROM chunks").fetchone()
+        return int(row[0])
+
     def num_chunks(self) -> int:
         with self._lock:
             return int(self._conn.execute("SELECT COUNT(*) FROM chunks").fetchone()[0])

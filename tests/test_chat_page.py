@@ -8,6 +8,7 @@ RAGBLEND_UPDATE_SCREENSHOT=1."""
 from __future__ import annotations
 
 import base64
+import re
 import json
 import os
 import time
@@ -111,6 +112,9 @@ def test_upload_by_picker_and_by_drop_then_ingestion_finishes(page):
     page.wait_for_selector("#doc-list li[data-id='vault.pdf']")
     titles = page.locator("#doc-list li .title").all_inner_texts()
     assert "Vault Report" in titles and "Bridges" in titles
+    # each document's cached KV share, and the collection's KV need against the budget
+    assert re.fullmatch(r"KV \d+%", page.inner_text("#doc-list li[data-id='vault.pdf'] .kv-share"))
+    assert "all documents would need" in page.inner_text("#doc-kv") and "budget" in page.inner_text("#doc-kv")
 
 
 def test_a_bad_file_is_named_in_the_error(page):

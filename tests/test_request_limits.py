@@ -1,5 +1,6 @@
-"""Limits that depend on the model: a document's KV against the store's bound (start-up and ingest),
-and a prompt that cannot fit the context because of the chat history, said as such."""
+"""Limits that depend on the model: a document's KV against the store's bound (start-up and ingest,
+without the collection's KV budget: `store.budgeted: false`), and a prompt that cannot fit the context
+because of the chat history, said as such."""
 
 from __future__ import annotations
 
@@ -24,26 +25,36 @@ ENGINE = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64, tokenize=la
 BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 2
 
 
+UNBUDGETED = {"budgeted": False, "quantization": "none"}  # the old regime, in float16
+
+
 def budget(**store) -> KVBudget | None:
-    return KVBudget.of(load_settings(store=store, retrieval={"chunking": "none"}), ENGINE)
+    return KVBudget.of(load_settings(store={**UNBUDGETED, **store}, retrieval={"chunking": "none"}), ENGINE)
+
+
+def test_with_the_collections_kv_budget_no_document_is_refused_for_its_kv():
+    settings = load_settings(limits={"max_document_chars": 1_000_000}, store={"max_disk_bytes": 1000})
+    assert KVBudget.of(settings, ENGINE) is None
+    check_document_limit(settings, ENGINE)  # ingestion precomputes into free room; the rest on use
 
 
 def test_the_bound_is_the_tier_chunk_caches_live_in():
     disk = budget()
     assert disk.setting == "store.max_disk_bytes" and disk.bytes_per_token == BYTES_PER_TOKEN
-    assert budget(quantization="int8").bytes_per_token == BYTES_PER_TOKEN // 2
+    assert BYTES_PER_TOKEN // 2 < budget(quantization="int8").bytes_per_token < BYTES_PER_TOKEN // 2 + 64  # + scales
+    assert budget(quantization="int4").bytes_per_token < BYTES_PER_TOKEN * 0.3  # its bound before zstd
     memory = budget(disk_enabled=False)
     assert memory.setting == "store.max_memory_bytes" and memory.capacity_bytes == 2 << 30
     assert budget(disk_enabled=False, redis_url="redis://127.0.0.1:1/0") is None
 
 
 def test_start_up_refuses_a_document_limit_whose_kv_cannot_fit():
-    check_document_limit(load_settings(), ENGINE)  # the defaults fit
-    too_big = load_settings(limits={"max_document_chars": 1_000_000})
+    check_document_limit(load_settings(store=UNBUDGETED), ENGINE)  # the defaults fit
+    too_big = load_settings(limits={"max_document_chars": 1_000_000}, store=UNBUDGETED)
     with pytest.raises(ValueError, match=r"max_document_chars=1000000 .* over store.max_disk_bytes=21474836480"):
         check_document_limit(too_big, ENGINE)
     with pytest.raises(ValueError, match="store.max_memory_bytes"):
-        check_document_limit(load_settings(store={"disk_enabled": False}), ENGINE)
+        check_document_limit(load_settings(store={"disk_enabled": False, **UNBUDGETED}), ENGINE)
 
 
 def ingest(*texts: str, precompute: bool = True) -> IngestRequest:
@@ -62,7 +73,7 @@ def test_ingest_rejects_a_document_or_batch_whose_kv_cannot_fit_with_the_numbers
 
 
 def test_chunk_overlap_counts_against_the_bound():
-    settings = load_settings(retrieval={"chunk_tokens": 100, "chunk_overlap": 50})
+    settings = load_settings(retrieval={"chunk_tokens": 100, "chunk_overlap": 50}, store=UNBUDGETED)
     assert KVBudget.of(settings, ENGINE).needed_bytes(1000, settings.retrieval.chunking) == 2000 * BYTES_PER_TOKEN
 
 
@@ -91,8 +102,8 @@ def test_uploaded_files_meet_the_same_kv_bound(tmp_path):
     base = dict(data_dir=tmp_path, model={"name": "random:tiny-llama", "device": "cpu"},
                 retrieval={"chunking": "none"}, limits={"max_document_chars": 100})
     engine = BlendEngine.from_settings(load_settings(**base))
-    per_token = KVBudget.of(load_settings(**base), engine).bytes_per_token
-    settings = load_settings(**base, store={"max_disk_bytes": 150 * per_token, "max_memory_bytes": 0})
+    per_token = KVBudget.of(load_settings(**base, store=UNBUDGETED), engine).bytes_per_token
+    settings = load_settings(**base, store={"max_disk_bytes": 150 * per_token, "max_memory_bytes": 0, **UNBUDGETED})
     text = ("#%&" * 30).encode()  # ~90 tokens a file: two do not fit 150 tokens of KV
     with LiveServer(settings, engine=engine) as live, httpx.Client(base_url=live.url, timeout=120) as http:
         files = [("files", ("a.txt", text)), ("files", ("b.txt", text))]

@@ -269,8 +269,9 @@ def test_auto_mode_is_the_default_and_reports_its_plan(client):
 
 
 def test_auto_mode_falls_back_to_full_when_the_tier_is_slow(engine, tmp_path):
-    # only a disk tier, slowed to 0.5 MB/s: the first answer measures it, the next ones skip loading
-    settings = make_settings(tmp_path, store={"max_memory_bytes": 0, "throttle_mbps": {"disk": 0.5}})
+    # only a disk tier, slowed to 0.1 MB/s (int4 entries are ~4x smaller than float16's: at 0.5 MB/s
+    # loading them is cheap enough to blend): the first answer measures it, the next ones skip loading
+    settings = make_settings(tmp_path, store={"max_memory_bytes": 0, "throttle_mbps": {"disk": 0.1}})
     with LiveServer(settings, engine=engine) as live, httpx.Client(base_url=live.url, timeout=300) as http:
         assert http.post("/v1/documents", json={"documents": DOCUMENTS}).status_code == 201
         ask(http)

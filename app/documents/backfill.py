@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from kv_store.admission import Admission
 from kv_store.single_flight import PrecomputeLocks, PrecomputeReason, SingleFlight
 from retrieval.store_types import StoredChunk
 from runtime.loop import EngineLoop
@@ -59,9 +60,10 @@ class KVBackfill:
         with self._lock:
             key, token_ids = self._queue.popleft()
         try:
-            if self._is_live(key) and not self._kv_store.readable_many([key])[0]:
+            if (self._is_live(key) and not self._kv_store.readable_many([key])[0]
+                    and self._kv_store.should_compute(key, len(token_ids), Admission.PRECOMPUTE)):  # budget: free room only
                 self._flight.ensure(key, lambda: self._engine.precompute(list(token_ids), self._context_ids),
-                                    PrecomputeReason.BACKFILL)
+                                    PrecomputeReason.BACKFILL, Admission.PRECOMPUTE)
             self._count(is_failed=False)
         except Exception:
             logger.exception("precomputing KV %s in the background failed", key[:16])

@@ -1,9 +1,12 @@
-"""Document limits against the KV store's bounds.
+"""Document limits against the KV store's bounds, and the nominal KV bytes per token.
 
-A document's chunk caches live in the disk tier (or, without one, in memory): one whose KV is larger
-than that bound would evict itself while it is being stored. Start-up refuses a
-limits.max_document_chars whose KV cannot fit (counting one token per character, what hostile or
-unusual text reaches), and ingestion rejects, with the numbers, a document or batch that cannot.
+With the collection's KV budget (`store.budgeted`, the default) no document is refused for its KV:
+ingestion precomputes into free room only and the rest is computed when used (kv_store/admission.py).
+Without it (`budgeted: false`), a document's chunk caches must fit the disk tier (or, without one,
+memory): one whose KV is larger than that bound would evict itself while it is being stored, so
+start-up refuses a limits.max_document_chars whose KV cannot fit (counting one token per character,
+what hostile or unusual text reaches), and ingestion rejects, with the numbers, a document or batch
+that cannot.
 """
 
 from __future__ import annotations
@@ -15,9 +18,9 @@ import anyio
 
 from app.documents.protocol import IngestRequest
 from app.errors import PayloadTooLargeError
-from configs.settings import ChunkingMode, KVQuantization, Settings, StorageDtype
-
-_ELEMENT_BYTES = {StorageDtype.FLOAT16: 2, StorageDtype.BFLOAT16: 2, StorageDtype.FLOAT32: 4}
+from configs.settings import ChunkingMode, KVQuantization, Settings
+from kv_store.codec import storage_bytes_per_layer
+from kv_store.keys import StorageFormat
 
 
 def _gb(num_bytes: float) -> str:
@@ -34,8 +37,11 @@ class KVBudget:
 
     @classmethod
     def of(cls, settings: Settings, engine: Any) -> KVBudget | None:
-        """The bound a document's KV must fit in; None when none is known (e.g. Redis holds it)."""
+        """The bound a document's KV must fit in; None when none is known (e.g. Redis holds it) or
+        the collection's KV budget takes documents of any size."""
         store, tiers = settings.store, set(settings.store.write_tiers)
+        if store.budgeted:
+            return None
         if store.disk_enabled and "disk" in tiers and store.max_disk_bytes > 0:
             capacity, setting, is_remote = store.max_disk_bytes, "store.max_disk_bytes", True
         elif store.redis_url and "redis" in tiers:
@@ -44,9 +50,7 @@ class KVBudget:
             capacity, setting, is_remote = store.max_memory_bytes, "store.max_memory_bytes", False
         else:
             return None
-        is_int8 = is_remote and store.quantization is KVQuantization.INT8
-        element = 1 if is_int8 else _ELEMENT_BYTES[store.dtype]
-        bytes_per_token = 2 * engine.num_layers * engine.num_kv_heads * engine.head_dim * element
+        bytes_per_token = int(nominal_bytes_per_token(settings, engine, is_remote) + 0.999)
         return cls(bytes_per_token, capacity, setting, engine.tokenize, settings)
 
     def needed_bytes(self, num_tokens: int, chunking: ChunkingMode) -> int:
@@ -92,6 +96,17 @@ class KVBudget:
                 f"store's bound {self.setting}={self.capacity_bytes} ({_gb(self.capacity_bytes)}); split the "
                 f"document, ingest with precompute=false, or raise the bound"
             )
+
+
+def nominal_bytes_per_token(settings: Settings, engine: Any, is_remote: bool = True) -> float:
+    """KV bytes per token in the disk/Redis format (`is_remote`) or the memory tier's, before any
+    entry is measured: a low-bit format's bound before zstd (its entries are smaller)."""
+    store = settings.store
+    quantization = store.quantization if is_remote else KVQuantization.NONE
+    fmt = StorageFormat(store.dtype, quantization)
+    num_tokens = 1024  # per-group scales spread over a typical chunk
+    per_layer = storage_bytes_per_layer(engine.num_kv_heads, num_tokens, engine.head_dim, fmt)
+    return engine.num_layers * per_layer / num_tokens
 
 
 def check_document_limit(settings: Settings, engine: Any) -> None:

@@ -77,6 +77,9 @@ class DocumentDetail(BaseModel):
     num_chars: int
     created_at: float
     chunks: list[ChunkDetail]
+    kv_bytes: int = Field(0, description="Bytes of its chunks' KV held under the collection's KV budget.")
+    kv_cached_share: float = Field(0.0, description="Share of its chunks with KV now (the rest are computed "
+                                   "when used, and cached once they earn it).")
 
 
 class DocumentSummary(BaseModel):
@@ -85,11 +88,25 @@ class DocumentSummary(BaseModel):
     num_chunks: int
     num_chars: int
     created_at: float
+    kv_bytes: int = Field(0, description="Bytes of its chunks' KV held under the collection's KV budget.")
+    kv_cached_share: float = Field(0.0, description="Share of its chunks whose KV the budgeted tier holds.")
+
+
+class CollectionKV(BaseModel):
+    """The collection's KV: what all of it would need, and what the budget holds."""
+
+    num_tokens: int = Field(..., description="Tokens over every chunk (overlaps counted per chunk).")
+    bytes_per_token: float = Field(..., description="Bytes at rest per token: the mean of the entries written, "
+                                   "else the storage format's nominal size.")
+    estimated_full_bytes: int = Field(..., description="KV bytes the whole collection would need (an estimate).")
+    cached_bytes: int = Field(..., description="KV bytes held under the budget now.")
+    budget_bytes: int | None = Field(..., description="The budget: the disk tier's bound (memory's without disk).")
 
 
 class DocumentList(BaseModel):
     documents: list[DocumentSummary]
     total: int
+    kv: CollectionKV | None = Field(None, description="The collection's KV need and budget (none: no bounded tier).")
 
 
 class DeleteResponse(BaseModel):

@@ -11,11 +11,12 @@ from typing import Any, Sequence
 import anyio
 
 from app.documents.protocol import (
-    ChunkDetail, ChunkOut, DeleteResponse, DocumentDetail, DocumentIn, DocumentList, DocumentOut, DocumentSummary,
+    ChunkDetail, ChunkOut, CollectionKV, DeleteResponse, DocumentDetail, DocumentIn, DocumentList, DocumentOut, DocumentSummary,
     IngestRequest, IngestResponse,
 )
 from app.documents.backfill import KVBackfill
 from app.documents.write_queue import Check, WriteQueue
+from app.documents.limits import nominal_bytes_per_token
 from app.documents.writes import DocumentWriter, WrittenDocument, content_id
 from app.documents.limits import KVBudget
 from app.documents.storage import SQLITE_BYTES_PER_TOKEN, DiskReserve, disk_full_error, is_disk_full
@@ -163,19 +164,39 @@ class DocumentService:
         if doc is None:
             raise NotFoundError(f"document not found: {doc_id}")
         cached = self._cached(doc.chunks)
+        num_bytes = self.kv_store.entry_bytes([c.kv_key for c in doc.chunks if c.kv_key])
         return DocumentDetail(
             id=doc.id, title=doc.title, metadata=doc.metadata, num_chars=doc.num_chars, created_at=doc.created_at,
             chunks=[
                 ChunkDetail(id=c.id, num_tokens=c.num_tokens, kv_cached=is_cached, position=c.position, text=c.text)
                 for c, is_cached in zip(doc.chunks, cached)
             ],
+            kv_bytes=sum(n or 0 for n in num_bytes), kv_cached_share=sum(cached) / len(cached) if cached else 0.0,
         )
 
     async def list(self, limit: int, offset: int) -> DocumentList:
         return await anyio.to_thread.run_sync(self._list, limit, offset)
 
     def _list(self, limit: int, offset: int) -> DocumentList:
-        rows = self.retriever.store.list_documents(limit, offset)
-        documents = [DocumentSummary(id=r.id, title=r.title, num_chunks=r.num_chunks, num_chars=r.num_chars,
-                                     created_at=r.created_at) for r in rows]
-        return DocumentList(documents=documents, total=self.retriever.store.num_documents())
+        store = self.retriever.store
+        rows = store.list_documents(limit, offset)
+        keys = store.kv_keys_by_document([r.id for r in rows])
+        documents = []
+        for r in rows:  # from the budgeted tier's index: no entry is opened
+            sizes = self.kv_store.entry_bytes([k for k in keys[r.id] if k]) if keys[r.id] else []
+            held = [n for n in sizes if n is not None]
+            documents.append(DocumentSummary(
+                id=r.id, title=r.title, num_chunks=r.num_chunks, num_chars=r.num_chars, created_at=r.created_at,
+                kv_bytes=sum(held), kv_cached_share=len(held) / r.num_chunks if r.num_chunks else 0.0,
+            ))
+        return DocumentList(documents=documents, total=store.num_documents(), kv=self._collection_kv())
+
+    def _collection_kv(self) -> CollectionKV | None:
+        budget = self.kv_store.budget_stats()
+        if budget is None:
+            return None
+        per_token = budget.bytes_per_token or nominal_bytes_per_token(self.settings, self.engine)
+        num_tokens = self.retriever.store.num_chunk_tokens()
+        return CollectionKV(num_tokens=num_tokens, bytes_per_token=round(per_token, 1),
+                            estimated_full_bytes=int(num_tokens * per_token), cached_bytes=budget.bytes_used,
+                            budget_bytes=budget.budget_bytes)

@@ -2,8 +2,9 @@
 
 The document store (SQLite, or Postgres shared by replicas) is the one source of truth. Each
 document is written in this order:
-1. prepare: chunk, embed, precompute the chunks' KV into the store (content-addressed entries; if
-   the process dies here they are orphans, deleted by the start-up garbage collection);
+1. prepare: chunk, embed, precompute the chunks' KV into the store while the collection's KV budget
+   has free room (the rest is computed when first used, kv_store/admission.py); content-addressed
+   entries: if the process dies here they are orphans, deleted by the start-up garbage collection;
 2. commit: one store transaction replaces the document and its chunks (atomic per document);
 3. follow: the vector index drops the replaced chunks' ids and adds the new ones (saved at the end
    of the request; start-up reconciles it with the store by id sets), and the KV of replaced
@@ -21,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 from app.documents.protocol import DocumentIn, DocumentStatus
 from configs.settings import ChunkingMode, Settings
+from kv_store.admission import Admission
 from kv_store.single_flight import PrecomputeLocks, PrecomputeReason, SingleFlight
 from retrieval.chunker import Chunker, TextChunk
 from retrieval.store_types import NewChunk, StoredChunk
@@ -86,23 +88,27 @@ class DocumentWriter:
         embeddings = self.retriever.embedder.encode([c.text for c in chunks])
         keys = [self.kv_store.key_for(c.token_ids, context_ids) for c in chunks]
         if precompute:  # a damaged entry reads as absent (and is deleted): computed again
-            for chunk, key, is_readable in zip(chunks, keys, self.kv_store.readable_many(keys)):
-                if not is_readable:
-                    self._precompute(key, chunk.token_ids, context_ids)
+            self._precompute([(key, c.token_ids) for c, key in zip(chunks, keys)], context_ids)
         return [NewChunk(c.text, c.token_ids, e, key) for c, e, key in zip(chunks, embeddings, keys)]
 
     def _fill_kv(self, chunks: Sequence[StoredChunk], context_ids: tuple[int, ...]) -> None:
         """Precompute the entries an unchanged document lacks (never precomputed, evicted, damaged)."""
-        keyed = [c for c in chunks if c.kv_key is not None]
-        for chunk, is_readable in zip(keyed, self.kv_store.readable_many([c.kv_key for c in keyed])):
-            if not is_readable:
-                self._precompute(chunk.kv_key, chunk.token_ids, context_ids)
+        self._precompute([(c.kv_key, c.token_ids) for c in chunks if c.kv_key is not None], context_ids)
 
-    def _precompute(self, key: str, token_ids: Sequence[int], context_ids: tuple[int, ...]) -> None:
-        """Once across replicas: another replica computing the same chunk is waited for (on this write's
-        thread), not repeated; the compute itself runs where `compute_kv` runs it (the engine loop)."""
+    def _precompute(self, chunks: Sequence[tuple[str, Sequence[int]]], context_ids: tuple[int, ...]) -> None:
+        """Compute and offer the missing entries of (key, token ids) while the budget has room: beyond
+        it, nothing is computed (the rest come when questions use them). Once across replicas: another
+        replica computing the same chunk is waited for (on this write's thread), not repeated; the
+        compute itself runs where `compute_kv` runs it (the engine loop)."""
         compute = self.compute_kv or self.engine.precompute
-        self._flight.ensure(key, lambda: compute(list(token_ids), context_ids), PrecomputeReason.INGEST)
+        readable = self.kv_store.readable_many([key for key, _ in chunks])
+        for (key, token_ids), is_readable in zip(chunks, readable):
+            if is_readable:
+                continue
+            if not self.kv_store.should_compute(key, len(token_ids), Admission.PRECOMPUTE):
+                continue
+            self._flight.ensure(key, lambda ids=token_ids: compute(list(ids), context_ids), PrecomputeReason.INGEST,
+                                Admission.PRECOMPUTE)
 
     def release_kv(self, chunks: Sequence[StoredChunk]) -> None:
         """Delete the KV of chunks that are gone, unless another chunk shares the same content."""

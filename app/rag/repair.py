@@ -1,6 +1,8 @@
-"""Self-healing KV: an existing chunk whose entry a question found missing or damaged is recomputed
-in the background, as a low-priority task of the engine loop (never beside the engine's own
-forward, never ahead of a request), so the next question reuses it again."""
+"""Self-healing KV, and KV computed on first use: a chunk whose entry a question found missing
+(damaged, evicted, or never precomputed: the collection's KV budget was full at ingestion) is
+computed in the background, as a low-priority task of the engine loop (never beside the engine's
+own forward, never ahead of a request), and cached when the budget admits it (kv_store/admission.py:
+it has been used more than what it would evict), so the next question reuses it."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from kv_store.admission import Admission
 from kv_store.single_flight import PrecomputeLocks, PrecomputeOutcome, PrecomputeReason, SingleFlight
 from runtime.loop import EngineLoop
 
@@ -20,6 +23,7 @@ class RepairStats:
     num_scheduled: int = 0
     num_repaired: int = 0
     num_skipped: int = 0  # healed meanwhile, or the chunk is gone
+    num_not_admitted: int = 0  # the budget keeps hotter chunks' KV: not computed (yet)
     num_failed: int = 0
     num_dropped: int = 0  # the background queue was full: retried at the next miss
     num_elsewhere: int = 0  # another replica was repairing it (its lock held): not done twice
@@ -60,10 +64,14 @@ class KVRepairer:
                 logger.warning("KV %s: not this chunk's key under the current config; not repaired", key[:16])
                 self._count("num_skipped")
                 return
+            if not self._kv_store.should_compute(key, len(token_ids), Admission.USE):
+                self._count("num_not_admitted")
+                return
             outcome = self._flight.ensure(key, lambda: self._engine.precompute(list(token_ids), context_ids),
-                                          PrecomputeReason.REPAIR)
+                                          PrecomputeReason.REPAIR, Admission.USE)
             self._count({PrecomputeOutcome.COMPUTED: "num_repaired", PrecomputeOutcome.FOUND: "num_skipped",
-                         PrecomputeOutcome.SKIPPED: "num_elsewhere"}[outcome])
+                         PrecomputeOutcome.SKIPPED: "num_elsewhere",
+                         PrecomputeOutcome.NOT_ADMITTED: "num_not_admitted"}[outcome])
         except Exception:
             logger.exception("repairing KV %s failed", key[:16])
             self._count("num_failed")

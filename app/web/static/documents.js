@@ -10,6 +10,7 @@ const docs = {
     try {
       const body = await api.json("/v1/documents?limit=1000");
       docs.all = body.documents;
+      docs.kv = body.kv;
       docs.render();
     } catch (err) { showError(err); }
   },
@@ -23,11 +24,26 @@ const docs = {
       if (query && !title.toLowerCase().includes(query) && !doc.id.toLowerCase().includes(query)) continue;
       const item = el("li", {},
         el("span", { className: "title", title: `${title} (${doc.id})`, textContent: title, onclick: () => docs.open(doc.id) }),
-        el("span", { className: "meta", textContent: `${doc.num_chunks} ch` }),
+        el("span", { className: "meta", textContent: `${doc.num_chunks} ch`,
+          title: `KV: ${docs.bytes(doc.kv_bytes)}, ${Math.round(100 * doc.kv_cached_share)}% of its chunks cached` }),
+        el("span", { className: "meta kv-share", textContent: `KV ${Math.round(100 * doc.kv_cached_share)}%` }),
         el("button", { type: "button", textContent: "Delete", className: "delete", onclick: () => docs.remove(doc) }));
       item.dataset.id = doc.id;
       list.append(item);
     }
+    const summary = document.getElementById("doc-kv");
+    const kv = docs.kv;
+    summary.hidden = !kv;
+    if (kv) {
+      const budget = kv.budget_bytes ? ` of a ${docs.bytes(kv.budget_bytes)} budget` : "";
+      summary.textContent = `KV cached ${docs.bytes(kv.cached_bytes)}${budget}; all documents would need ~${docs.bytes(kv.estimated_full_bytes)}`;
+    }
+  },
+
+  bytes(n) {
+    if (n >= 1e9) return `${(n / 1e9).toFixed(1)} GB`;
+    if (n >= 1e6) return `${(n / 1e6).toFixed(1)} MB`;
+    return `${Math.round(n / 1e3)} kB`;
   },
 
   async detail(id) {

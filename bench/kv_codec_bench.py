@@ -1,0 +1,165 @@
+"""`ragblend bench kv-codec`: bytes at rest per token, encode/decode speed and fidelity of each KV
+entry format, on the real model's KV of dev-set passages.
+
+Fidelity: for each question, the full prefill's greedy answer is the reference; each format's chunk
+KV is written and read back (the tier's own codec round trip), blended with the same selection and
+ratio, and scored teacher-forced: KL(full || blend from that format), shown relative to blend from
+float16 (today's default at rest). Prints a table, then one JSON object (also written to --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import mean, median
+
+import torch
+
+from bench.engine_bench import DEFAULT_DATA, greedy_ids, prompt_for
+from bench.metrics import argmax_agreement, mean_kl
+from bench.musique import load_questions
+from blend_engine.engine import BlendEngine
+from blend_engine.kv import ChunkKV
+from blend_engine.types import PrefillMode, Segment
+from configs import SinkMode, load_settings
+from configs.settings import KVQuantization, StorageDtype
+from kv_store import codec
+from kv_store.keys import StorageFormat
+
+FP16 = StorageFormat(StorageDtype.FLOAT16)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    fmt: StorageFormat | None  # a storage format the store ships (None: a measured-only variant)
+    spec_override: dict | None = None  # LowBitSpec fields, for variants measured but not shipped
+
+
+def candidates() -> list[Candidate]:
+    out = [Candidate("float16", FP16), Candidate("int8", StorageFormat(StorageDtype.FLOAT16, KVQuantization.INT8))]
+    for q in KVQuantization:
+        if q not in (KVQuantization.NONE, KVQuantization.INT8):
+            out.append(Candidate(q.value, StorageFormat(StorageDtype.FLOAT16, q)))
+    # measured, not shipped: the alternatives the default was picked over
+    for name, spec in [
+        ("k4v3 g32 packed, no zstd", dict(key_bits=4, value_bits=3, group_tokens=32, zstd_level=0)),
+        ("k4v4 g32 zstd", dict(key_bits=4, value_bits=4, group_tokens=32)),
+        ("k4v2 g32 zstd", dict(key_bits=4, value_bits=2, group_tokens=32)),
+        ("k4v3 g32 delta+zstd", dict(key_bits=4, value_bits=3, group_tokens=32, is_delta=True)),
+    ]:
+        out.append(Candidate(name, None, spec))
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", default=DEFAULT_DATA, help="MuSiQue JSON")
+    parser.add_argument("--questions", type=int, default=10)
+    parser.add_argument("--passages", type=int, default=5, help="passages per question, one chunk each")
+    parser.add_argument("--model", default=None, help="smollm2 (default), a HF dir, or random:<shape>")
+    parser.add_argument("--answer-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", default=None)
+
+
+def _round_trip(kv: ChunkKV, cand: Candidate, sizes: dict, times: dict) -> ChunkKV:
+    """Encode and decode the chunk as the tier would: its bytes and timings are added up per format."""
+    from kv_store import lowbit
+
+    if cand.fmt is not None:
+        t0 = time.perf_counter()
+        blob = codec.encode(kv, "0" * 64, "bench", cand.fmt)
+        t1 = time.perf_counter()
+        header = codec.parse_header(blob[: codec.header_size(blob[:8])], len(blob), "0" * 64, "bench", cand.fmt)
+        out = codec.decode(header, lambda b, e: bytearray(blob[b:e]))
+        t2 = time.perf_counter()
+        payload = sum(header.layer_nbytes(i) for i in range(header.num_layers))
+    else:
+        spec = lowbit.LowBitSpec(**cand.spec_override)
+        t0 = time.perf_counter()
+        payloads = [lowbit.encode_layer(torch.stack([kv.keys[i], kv.values[i]]), spec) for i in range(kv.num_layers)]
+        t1 = time.perf_counter()
+        _, h, n, d = kv.keys.shape
+        layers = [lowbit.decode_layer(p, h, n, d, spec) for p in payloads]  # [2, H, n, D] each
+        t2 = time.perf_counter()
+        out = ChunkKV(kv.token_ids, kv.context_ids, torch.stack([x[0] for x in layers]), torch.stack([x[1] for x in layers]))
+        payload = sum(len(p) for p in payloads)
+    sizes[cand.name] = sizes.get(cand.name, 0) + payload
+    times.setdefault(cand.name, [0.0, 0.0])
+    times[cand.name][0] += t1 - t0
+    times[cand.name][1] += t2 - t1
+    return ChunkKV(kv.token_ids, kv.context_ids, out.keys.to(kv.keys.dtype), out.values.to(kv.values.dtype))
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    overrides = {"model": {"name": args.model}} if args.model else {}
+    settings = load_settings(None, **overrides)
+    engine = BlendEngine.from_settings(settings)
+    questions = load_questions(args.data, args.questions, args.passages)
+    cands = candidates()
+    sink = settings.blend.sink if isinstance(settings.blend.sink, SinkMode) else SinkMode(settings.blend.sink)
+    blend = engine.blend
+    sizes: dict[str, int] = {}
+    times: dict[str, list[float]] = {}
+    kls: dict[str, list[float]] = {c.name: [] for c in cands}
+    agree: dict[str, list[float]] = {c.name: [] for c in cands}
+    num_tokens = 0
+    is_quality = not engine.is_random
+    for qi, question in enumerate(questions):
+        t0 = time.perf_counter()
+        segments = prompt_for(engine, question, sink, {})
+        full = engine.prefill(segments, PrefillMode.FULL, blend, max_new_tokens=args.answer_tokens)
+        ref_ids = greedy_ids(engine, full, args.answer_tokens) if is_quality else []
+        ref_logits = engine.score(full, ref_ids) if ref_ids else None
+        num_tokens += sum(s.kv.num_tokens for s in segments if isinstance(s.kv, ChunkKV))
+        for cand in cands:
+            trip = [Segment(s.token_ids, _round_trip(s.kv, cand, sizes, times)) if isinstance(s.kv, ChunkKV) else s
+                    for s in segments]
+            result = engine.prefill(trip, PrefillMode.BLEND, blend, max_new_tokens=args.answer_tokens)
+            if ref_ids:
+                logits = engine.score(result, ref_ids)
+                kls[cand.name].append(mean_kl(ref_logits, logits))
+                agree[cand.name].append(argmax_agreement(logits, ref_ids))
+        print(f"question {qi + 1}/{len(questions)} done in {time.perf_counter() - t0:.1f} s", flush=True)
+    fp16_bytes = sizes["float16"] / num_tokens
+    fp16_kl = mean(kls["float16"]) if kls["float16"] else None
+    rows = []
+    for cand in cands:
+        bpt = sizes[cand.name] / num_tokens
+        decoded_mb = 2 * engine.num_layers * num_tokens * 0  # filled below
+        decoded_bytes = fp16_bytes * num_tokens  # what every format decodes to (fp16)
+        kl = mean(kls[cand.name]) if kls[cand.name] else None
+        rows.append({
+            "format": cand.name, "is_shipped": cand.fmt is not None,
+            "bytes_per_token": round(bpt, 1), "vs_float16": round(bpt / fp16_bytes, 4),
+            "encode_mb_s": round(decoded_bytes / times[cand.name][0] / 1e6, 1),
+            "decode_mb_s": round(decoded_bytes / times[cand.name][1] / 1e6, 1),
+            "tf_kl": kl, "kl_vs_float16": (kl / fp16_kl) if kl is not None and fp16_kl else None,
+            "median_kl": median(kls[cand.name]) if kls[cand.name] else None,
+            "tf_agreement": mean(agree[cand.name]) if agree[cand.name] else None,
+        })
+        del decoded_mb
+    summary = {
+        "bench": "kv-codec", "model": settings.model.name, "questions": len(questions), "passages": args.passages,
+        "chunk_tokens": num_tokens, "recompute_ratio": blend.recompute_ratio, "selection": str(blend.selection.value),
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "threads": torch.get_num_threads(),
+        "rows": rows,
+    }
+    print(f"{'format':28s} {'B/token':>9s} {'x fp16':>7s} {'enc MB/s':>9s} {'dec MB/s':>9s} {'TF KL':>8s} {'KL/fp16':>8s} {'TF agr':>7s}")
+    for r in rows:
+        kl = f"{r['tf_kl']:.4f}" if r["tf_kl"] is not None else "-"
+        rel = f"{r['kl_vs_float16']:.3f}" if r["kl_vs_float16"] is not None else "-"
+        agr = f"{r['tf_agreement']:.3f}" if r["tf_agreement"] is not None else "-"
+        print(f"{r['format']:28s} {r['bytes_per_token']:9.0f} {r['vs_float16']:7.3f} {r['encode_mb_s']:9.0f} "
+              f"{r['decode_mb_s']:9.0f} {kl:>8s} {rel:>8s} {agr:>7s}")
+    line = json.dumps(summary)
+    if args.out:
+        Path(args.out).write_text(line + "\n")
+    print(line)
+    return 0

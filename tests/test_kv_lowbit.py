@@ -1,0 +1,94 @@
+"""The low-bit entry format (int4 + zstd): fidelity bound, size, per-layer checksums, and entries
+written in the older formats (float16, int8) staying readable after the default changes."""
+
+import pytest
+import torch
+
+from blend_engine.kv import ChunkKV
+from configs.settings import KVQuantization, StorageDtype
+from kv_store import KVStore, StoreConfig, codec, lowbit
+from kv_store.disk import DiskBackend
+from kv_store.errors import CorruptEntryError
+from kv_store.keys import StorageFormat, chunk_key
+
+INT4 = StorageFormat(StorageDtype.FLOAT16, KVQuantization.INT4)
+FP16 = StorageFormat(StorageDtype.FLOAT16)
+INT8 = StorageFormat(StorageDtype.FLOAT16, KVQuantization.INT8)
+
+
+def smooth_kv(num_tokens=100, num_layers=3, num_kv_heads=2, head_dim=64, seed=0) -> ChunkKV:
+    """KV with per-channel offsets and scales (outlier channels) like a model's, plus noise."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_layers, num_kv_heads, num_tokens, head_dim)
+    offset = 4 * torch.randn(num_layers, num_kv_heads, 1, head_dim, generator=g)
+    keys = offset + torch.randn(shape, generator=g) * torch.rand(num_layers, num_kv_heads, 1, head_dim, generator=g)
+    values = torch.randn(shape, generator=g)
+    tokens = tuple(torch.randint(0, 1000, (num_tokens,), generator=g).tolist())
+    return ChunkKV(tokens, (1,), keys, values)
+
+
+def test_int4_round_trip_is_within_half_a_step_and_small():
+    kv = smooth_kv()
+    key = chunk_key("fp", INT4, kv.token_ids, kv.context_ids)
+    blob = bytearray(codec.encode(kv, key, "fp", INT4))
+    header = codec.parse_header(blob[: codec.header_size(blob)], len(blob), key, "fp", INT4)
+    out = codec.decode(header, lambda b, e: bytearray(blob[b:e]))
+    assert out.keys.dtype == torch.float16 and out.keys.shape == kv.keys.shape
+    # keys: per channel over groups of tokens; values: per token; error <= half a step (+ fp16 rounding)
+    spec = codec.LOWBIT_SPECS[KVQuantization.INT4]
+    g, k_levels, v_levels = spec.group_tokens, 2**spec.key_bits - 1, 2**spec.value_bits - 1
+    for layer in range(kv.num_layers):
+        k, v = kv.keys[layer], kv.values[layer]  # [H, n, D]
+        k_step = (k[:, :g].amax(1) - k[:, :g].amin(1)) / k_levels  # [H, D], first group
+        assert ((out.keys[layer, :, :g].float() - k[:, :g]).abs() <= k_step[:, None] / 2 * 1.01 + 5e-3).all()
+        v_step = (v.amax(2) - v.amin(2)) / v_levels  # [H, n]
+        assert ((out.values[layer].float() - v).abs() <= v_step[..., None] / 2 * 1.01 + 5e-3).all()
+    fp16_layer = codec.storage_bytes_per_layer(2, 100, 64, FP16)
+    assert header.layer_nbytes(0) <= codec.storage_bytes_per_layer(2, 100, 64, INT4) < fp16_layer / 3
+
+
+def test_token_wise_deltas_decode_to_the_same_values():
+    x = torch.stack([smooth_kv().keys[0], smooth_kv(seed=1).values[0]])  # [2, H, n, D]
+    plain, delta = lowbit.LowBitSpec(), lowbit.LowBitSpec(is_delta=True)
+    a = lowbit.decode_layer(lowbit.encode_layer(x, plain), 2, 100, 64, plain)
+    b = lowbit.decode_layer(lowbit.encode_layer(x, delta), 2, 100, 64, delta)
+    assert torch.equal(a, b)
+
+
+def test_a_damaged_int4_layer_fails_its_checksum(tmp_path):
+    store = KVStore("fp", StoreConfig(max_memory_bytes=0, disk_dir=tmp_path, quantization=KVQuantization.INT4))
+    kv = smooth_kv()
+    key = store.key_for(kv.token_ids, kv.context_ids)
+    store.put(key, kv)
+    path = store.backend(store.tiers[0]).path(key)
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0x40  # inside the last layer's payload
+    path.write_bytes(bytes(data))
+    assert store.get(key) is None  # a miss, the entry deleted and counted
+    assert not path.exists() and store.stats().tiers["disk"].corrupt == 1
+    with pytest.raises(ValueError):
+        lowbit.decode_layer(b"not zstd", 2, 100, 64, lowbit.LowBitSpec())
+
+
+@pytest.mark.parametrize("old", [FP16, INT8], ids=["float16", "int8"])
+def test_entries_in_an_older_format_stay_readable_after_the_default_changes(tmp_path, old):
+    kv = smooth_kv()
+    old_key = chunk_key("fp", old, kv.token_ids, kv.context_ids)
+    DiskBackend(tmp_path, 1 << 30, "fp", old).put(old_key, kv)  # written under the old default
+    store = KVStore("fp", StoreConfig(max_memory_bytes=0, disk_dir=tmp_path, quantization=KVQuantization.INT4))
+    assert store.key_for(kv.token_ids, kv.context_ids) != old_key  # new chunks get int4 entries
+    found = store.get(old_key)
+    assert found is not None and found.token_ids == kv.token_ids
+    tolerance = 1e-2 if old == FP16 else 0.1
+    assert torch.allclose(found.keys.float(), kv.keys, atol=tolerance * kv.keys.abs().max())
+    handle = store.handle(old_key)  # streamed too
+    assert handle is not None and handle.num_tokens == kv.num_tokens
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_codes_of_every_width_pack_and_unpack_exactly(bits):
+    for numel in (1, 7, 8, 9, 1000):
+        codes = torch.randint(0, 2**bits, (numel,), dtype=torch.uint8)
+        packed = lowbit._pack(codes, bits)
+        assert packed.numel() == -(-numel * bits // 8)  # bits per code, nothing more
+        assert torch.equal(lowbit._unpack(packed, bits, numel), codes)
