@@ -249,8 +249,13 @@ class EngineLoop:
                 self._cond.wait()
 
     def _drop_cancelled(self) -> None:
-        """Requests whose client left: out of the queue and the batch (under the lock)."""
+        """Requests whose client left: out of the queue and the batch (under the lock). Closing, every
+        one is: those admitted in the step that ran while `close` was called too."""
         scheduler = self.scheduler
+        if self._is_closing:
+            for work in [*scheduler.waiting, *scheduler.running, scheduler.prefilling]:
+                if work is not None:
+                    (work if isinstance(work, Job) else work.job).cancelled.set()
         for work in [w for w in scheduler.waiting if (w if isinstance(w, Job) else w.job).cancelled.is_set()]:
             scheduler.waiting.remove(work)
             self._settle_cancelled(work)
