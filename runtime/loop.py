@@ -270,6 +270,7 @@ class EngineLoop:
         self.stats.num_cancelled += 1
         if isinstance(work, Generation):
             work.is_done = True
+            work.sequence = None  # its cache is freed now
             work.emit(END)
             work = work.job
         work.settle(None, JobCancelled("cancelled"))
@@ -287,6 +288,12 @@ class EngineLoop:
 
     def _prefill(self, generation: Generation) -> None:
         """One prefill step of `generation`; when its prompt is in, its first token and a place in the batch."""
+        if generation.job.cancelled.is_set():  # its client left after it was admitted: no work for nobody
+            with self._cond:
+                if self.scheduler.prefilling is generation:
+                    self.scheduler.prefilling = None
+                self._settle_cancelled(generation)
+            return
         try:
             if generation.prefill_steps is None:
                 generation.timings.queue_ms = (time.perf_counter() - generation.t_submit) * 1000
