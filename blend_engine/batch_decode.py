@@ -17,7 +17,7 @@ import torch
 
 from blend_engine.active import RopeTable
 from blend_engine.attention import AttentionLayout, AttentionMeta, attend
-from blend_engine.decode import NUM_WARMUP_STEPS, Decoder
+from blend_engine.decode import Decoder, capture_graph
 from blend_engine.kv import KVCache
 from blend_engine.runner import ModelRunner, apply_rope
 
@@ -154,14 +154,4 @@ class StaticBatch:
     def _capture(self) -> None:
         """As `Decoder._capture`: warm-up runs on a side stream, then the capture. The warm-up writes
         K/V at the loaded positions only, which the replay then overwrites with the same values."""
-        device = self.runner.device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(NUM_WARMUP_STEPS):
-                self.static_step()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._logits = self.static_step()
-        self._graph = graph
+        self._graph, self._logits = capture_graph(self.runner.device, self.static_step)

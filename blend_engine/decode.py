@@ -151,17 +151,23 @@ class Decoder:
         self._minus_inf = torch.full((), float("-inf"), dtype=self.runner.dtype, device=device)
 
     def _capture(self, pos: int) -> None:
-        device = self.runner.device
         self.prepare_static(pos)
         # warm-up writes K/V at slot `pos` only, which the first replay then overwrites
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(NUM_WARMUP_STEPS):
-                self.static_step()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._logits = self.static_step()
-        self._graph, self._graph_keys_ptr = graph, self.cache.keys.data_ptr()
+        self._graph, self._logits = capture_graph(self.runner.device, self.static_step)
+        self._graph_keys_ptr = self.cache.keys.data_ptr()
         log.debug("captured the decode step for a cache of %d slots", self.cache.capacity)
+
+
+def capture_graph(device: torch.device, step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """`step` captured as a CUDA graph, after NUM_WARMUP_STEPS eager runs on a side stream (lazy cuBLAS
+    and allocator set-up must not happen inside the capture); the graph and its static output."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(NUM_WARMUP_STEPS):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = step()
+    return graph, output

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.redis_server import stop_process
+
 CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "nginx.conf"
 
 
@@ -69,14 +71,5 @@ class NginxServer:
         raise RuntimeError(f"nginx did not answer on port {self.port} within {timeout_s}s")
 
     def stop(self) -> None:
-        if self._proc is None:
-            return
-        self._proc.terminate()
-        try:
-            self._proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
-        if self._proc.stderr:
-            self._proc.stderr.close()
+        stop_process(self._proc)
         self._proc = None

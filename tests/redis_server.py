@@ -51,17 +51,22 @@ class RedisServer:
         raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout_s}s")
 
     def stop(self) -> None:
-        if self._proc is None:
-            return
-        self._proc.terminate()
-        try:
-            self._proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
-        if self._proc.stderr:
-            self._proc.stderr.close()
+        stop_process(self._proc)
         self._proc = None
+
+
+def stop_process(proc: subprocess.Popen | None) -> None:
+    """Terminate a server the tests started (kill it after 10 s) and close its stderr pipe."""
+    if proc is None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if proc.stderr:
+        proc.stderr.close()
 
 
 def start_or_skip(workdir: Path) -> RedisServer:
