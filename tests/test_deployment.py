@@ -1,6 +1,6 @@
-"""docker-compose.yml and deploy/nginx.conf, checked without a container runtime: `docker compose
-config` where the compose plugin runs here, else the file's structure with PyYAML (this machine's docker
-has no compose plugin and no daemon). The topology itself runs for real, without docker, in
+"""docker-compose.yml and deploy/nginx.conf, checked without a container daemon: `docker compose config`
+(or Debian's `docker-compose config`, which .ci/run installs: this machine's docker CLI has no compose
+plugin) and the file's structure with PyYAML. The topology itself runs for real, without docker, in
 tests/test_replicas.py (Postgres, Redis, two replicas, nginx with deploy/nginx.conf)."""
 
 from __future__ import annotations
@@ -22,20 +22,40 @@ def compose() -> dict:
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 
 
-def _compose_plugin_works() -> bool:
-    if shutil.which("docker") is None:
-        return False
-    done = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True, timeout=30)
-    return done.returncode == 0
+def compose_command() -> list[str] | None:
+    """A compose implementation that runs here: the docker CLI's plugin, else Debian's `docker-compose`
+    (which .ci/run installs). `config` only parses, interpolates and validates: no daemon needed."""
+    if shutil.which("docker") is not None:
+        done = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True, timeout=30)
+        if done.returncode == 0:
+            return ["docker", "compose"]
+    return ["docker-compose"] if shutil.which("docker-compose") is not None else None
 
 
-@pytest.mark.skipif(not _compose_plugin_works(), reason="no `docker compose` plugin on this machine; "
-                    "test_compose_topology_is_complete checks the file's structure instead")
+COMPOSE = compose_command()
+needs_compose = pytest.mark.skipif(COMPOSE is None, reason="neither `docker compose` nor `docker-compose` here "
+                                   "(.ci/run installs Debian's docker-compose)")
+
+
+def compose_config(env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([*COMPOSE, "-f", str(ROOT / "docker-compose.yml"), "config", "--quiet"],
+                          capture_output=True, text=True, env={"PATH": "/usr/bin:/bin:/usr/local/bin", **env},
+                          timeout=60)
+
+
+@needs_compose
 def test_docker_compose_config_accepts_the_file():
-    env = {"RAGBLEND_API_KEY": "k", "RAGBLEND_DB_PASSWORD": "p", "PATH": "/usr/bin:/bin:/usr/local/bin"}
-    done = subprocess.run(["docker", "compose", "-f", str(ROOT / "docker-compose.yml"), "config", "--quiet"],
-                          capture_output=True, text=True, env=env, timeout=60)
+    done = compose_config({"RAGBLEND_API_KEY": "k", "RAGBLEND_DB_PASSWORD": "p"})
     assert done.returncode == 0, done.stderr
+
+
+@needs_compose
+@pytest.mark.parametrize("missing", ["RAGBLEND_API_KEY", "RAGBLEND_DB_PASSWORD"])
+def test_docker_compose_config_refuses_a_missing_secret(missing):
+    env = {"RAGBLEND_API_KEY": "k", "RAGBLEND_DB_PASSWORD": "p"}
+    del env[missing]
+    done = compose_config(env)
+    assert done.returncode != 0 and missing in done.stderr
 
 
 def test_compose_topology_is_complete(compose):
