@@ -242,6 +242,18 @@ class PostgresDocumentStore(DocumentStore):
         with self._connection() as conn:
             return {r[0] for r in conn.execute("SELECT DISTINCT kv_key FROM chunks WHERE kv_key IS NOT NULL")}
 
+    def kv_keys_by_document(self, doc_ids: Sequence[str]) -> dict[str, list[str | None]]:
+        out: dict[str, list[str | None]] = {doc_id: [] for doc_id in doc_ids}
+        with self._connection() as conn:
+            for doc_id, kv_key in conn.execute("SELECT document_id, kv_key FROM chunks WHERE document_id = ANY(%s)"
+                                               " ORDER BY document_id, position", (list(doc_ids),)):
+                out[doc_id].append(kv_key)
+        return out
+
+    def num_chunk_tokens(self) -> int:
+        with self._connection() as conn:
+            return int(conn.execute("SELECT COALESCE(SUM(cardinality(token_ids)), 0) FROM chunks").fetchone()[0])
+
     def embeddings_of(self, row_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         with self._connection() as conn:
             rows = conn.execute("SELECT row_id, embedding FROM chunks WHERE row_id = ANY(%s) ORDER BY row_id",

@@ -144,6 +144,14 @@ class DocumentStore(Protocol):
         """Every KV key a chunk points at: the KV entries that must not be garbage-collected."""
         ...
 
+    def kv_keys_by_document(self, doc_ids: Sequence[str]) -> dict[str, list[str | None]]:
+        """Each document's chunks' KV keys, in position order (no text or token ids read)."""
+        ...
+
+    def num_chunk_tokens(self) -> int:
+        """Tokens over every chunk (overlaps counted in each chunk): what the collection's KV covers."""
+        ...
+
     def embeddings_of(self, row_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """(row_ids [n] int64, embeddings [n, dim] float32) of these chunks (those that exist)."""
         ...

@@ -115,6 +115,15 @@ def test_document_store_replaces_deletes_and_never_reuses_row_ids(open_store):
     assert store.delete_document("a") is None and store.get_document("a") is None and store.num_chunks() == 0
 
 
+def test_document_store_counts_tokens_and_lists_kv_keys_per_document(open_store):
+    store = open_store()
+    store.put_document("a", None, {}, 1, [_chunk("x", key="k1"), _chunk("y")])
+    store.put_document("b", None, {"chunk_pages": [3], "chunk_last_pages": [4]}, 1, [_chunk("z", key="k3")])
+    assert store.kv_keys_by_document(["a", "b", "none"]) == {"a": ["k1", None], "b": ["k3"], "none": []}
+    assert store.num_chunk_tokens() == 9  # three chunks of (1, 2, 3)
+    assert store.get_document("b").chunks[0].pages == (3, 4) and store.get_document("a").chunks[0].pages is None
+
+
 def _astuple(result):
     return result.document, result.replaced, result.is_unchanged
 
