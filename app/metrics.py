@@ -173,3 +173,5 @@ class _EngineCollector(Collector):
                                 value=int(self._loop.is_busy))
         yield GaugeMetricFamily("ragblend_writes_waiting", "Ingests and deletes waiting for the write in progress",
                                 value=self._writes.num_waiting)
+        yield GaugeMetricFamily("ragblend_writes_running", "1 while an ingest or a delete runs",
+                                value=int(self._writes.is_writing))

@@ -30,7 +30,7 @@ def ask_json(url: str) -> None:
 
 def ask_stream(url: str, seen_sources) -> None:
     with httpx.stream("POST", f"{url}/v1/query", json={"question": "Which lighthouse?", "stream": True,
-                                                       "max_tokens": 512}, timeout=300) as response:
+                                                       "max_tokens": 1024}, timeout=300) as response:
         for line in response.iter_lines():
             if line.startswith("event: sources"):
                 seen_sources.set()
@@ -46,10 +46,11 @@ def ask_and_leave(port: int) -> None:
 
 
 def start_ingest(server: ServeProcess, num_documents: int = 12) -> None:
-    """An ingest that keeps the engine busy for a while (each document: ~100 chunks embedded and precomputed)."""
+    """An ingest that runs for a while (each document: ~100 chunks embedded, and precomputed on the engine
+    loop one chunk per background unit)."""
     body = ingest_body(num_documents)
     in_background(lambda: httpx.post(f"{server.url}/v1/documents", json=body, timeout=600))
-    server.wait_for("the ingest running on the engine", lambda: server.metric("ragblend_engine_busy") == 1)
+    server.wait_for("the ingest running", lambda: server.metric("ragblend_writes_running") == 1)
 
 
 def idle(server: ServeProcess) -> None:
@@ -60,13 +61,9 @@ def ingesting(server: ServeProcess) -> None:
     start_ingest(server)
 
 
-def queued(server: ServeProcess) -> None:
-    start_ingest(server)
-    in_background(ask_json, server.url)
-    server.wait_for("the question queued", lambda: server.metric("ragblend_engine_queue_depth") >= 1)
-
-
-def streaming(server: ServeProcess) -> None:
+def start_stream(server: ServeProcess) -> None:
+    """A long streaming answer (1024 tokens) while an ingest runs: with `server.max_running: 1` (the
+    harness's config) a second question waits in the queue behind it."""
     import threading
 
     start_ingest(server)
@@ -75,14 +72,24 @@ def streaming(server: ServeProcess) -> None:
     server.wait_for("the stream's first event", seen_sources.is_set)
 
 
+def queued(server: ServeProcess) -> None:
+    start_stream(server)
+    in_background(ask_json, server.url)
+    server.wait_for("the question queued", lambda: server.metric("ragblend_engine_waiting") >= 1)
+
+
+def streaming(server: ServeProcess) -> None:
+    start_stream(server)
+
+
 def cancelled_while_queued(server: ServeProcess) -> None:
-    """The reported hang: the client left while its job was queued; its job is then skipped by the
-    worker. Once the queue has drained, nothing is in flight: shutdown must not wait on anything."""
-    start_ingest(server, num_documents=2)
+    """The reported hang: the client left while its request was queued; the engine loop then drops
+    it. Once the queue has drained, nothing is in flight: shutdown must not wait on anything."""
+    start_stream(server)
     ask_and_leave(server.port)
-    server.wait_for("the queue drained (the ingest done, the left question skipped)",
+    server.wait_for("the queue drained (the stream done, the left question dropped)",
                     lambda: server.metric("ragblend_engine_busy") == 0
-                    and server.metric("ragblend_engine_queue_depth") == 0, timeout_s=600)
+                    and server.metric("ragblend_engine_waiting") == 0, timeout_s=600)
 
 
 def background_work(server: ServeProcess) -> None:

@@ -24,11 +24,16 @@ class WriteQueue:
         self._lock = threading.Lock()  # held by the write in progress
         self._count_lock = threading.Lock()
         self._num_waiting = 0
+        self._is_writing = False
         self._closing = threading.Event()
 
     @property
     def num_waiting(self) -> int:
         return self._num_waiting
+
+    @property
+    def is_writing(self) -> bool:
+        return self._is_writing
 
     async def run(self, fn: Callable[[Check], T]) -> T:
         """Run `fn(check)` on a thread once the writes before it are done (QueueFull when too many
@@ -49,8 +54,12 @@ class WriteQueue:
             with self._lock:
                 with self._count_lock:
                     self._num_waiting -= 1
-                check()
-                return fn(check)
+                self._is_writing = True
+                try:
+                    check()
+                    return fn(check)
+                finally:
+                    self._is_writing = False
 
         try:
             return await asyncio.shield(asyncio.ensure_future(anyio.to_thread.run_sync(locked)))
