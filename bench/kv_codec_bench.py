@@ -47,7 +47,9 @@ def candidates() -> list[Candidate]:
             out.append(Candidate(q.value, StorageFormat(StorageDtype.FLOAT16, q)))
     # measured, not shipped: the alternatives the default was picked over
     for name, spec in [
-        ("k4v3 g32 packed, no zstd", dict(key_bits=4, value_bits=3, group_tokens=32, zstd_level=0)),
+        ("k4v3 g32 8-bit scales, packed, no zstd", dict(key_bits=4, value_bits=3, group_tokens=32, zstd_level=0,
+                                                        scale_bits=8)),
+        ("k4v3 g32 fp16 scales, zstd (the first int4)", dict(key_bits=4, value_bits=3, group_tokens=32)),
         ("k4v4 g32 zstd", dict(key_bits=4, value_bits=4, group_tokens=32)),
         ("k4v2 g32 zstd", dict(key_bits=4, value_bits=2, group_tokens=32)),
         ("k4v3 g32 delta+zstd", dict(key_bits=4, value_bits=3, group_tokens=32, is_delta=True)),
@@ -132,7 +134,6 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for cand in cands:
         bpt = sizes[cand.name] / num_tokens
-        decoded_mb = 2 * engine.num_layers * num_tokens * 0  # filled below
         decoded_bytes = fp16_bytes * num_tokens  # what every format decodes to (fp16)
         kl = mean(kls[cand.name]) if kls[cand.name] else None
         rows.append({
@@ -144,7 +145,6 @@ def run(args: argparse.Namespace) -> int:
             "median_kl": median(kls[cand.name]) if kls[cand.name] else None,
             "tf_agreement": mean(agree[cand.name]) if agree[cand.name] else None,
         })
-        del decoded_mb
     summary = {
         "bench": "kv-codec", "model": settings.model.name, "questions": len(questions), "passages": args.passages,
         "chunk_tokens": num_tokens, "recompute_ratio": blend.recompute_ratio, "selection": str(blend.selection.value),

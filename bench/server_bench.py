@@ -76,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "default and least: the largest client count")
     parser.add_argument("--passages", type=int, default=5, help="passages per question (5: a ~3k-token prompt)")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="every answer max_tokens long (the server's ignore_eos): decoding then weighs what "
+                        "the answers' length says, not where the model happens to stop")
     parser.add_argument("--mode", choices=[m.value for m in RequestMode], help="prefill mode (default: the server's)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds per level and server")
     parser.add_argument("--uploads", type=int, default=0,
@@ -97,7 +100,8 @@ class Target:
 
 def request_body(question: Question, qi: int, args: argparse.Namespace) -> dict[str, Any]:
     body: dict[str, Any] = {"question": question.question, "chunk_ids": chunk_ids(qi, question),
-                            "max_tokens": args.max_tokens, "temperature": 0.0}
+                            "max_tokens": args.max_tokens, "temperature": 0.0,
+                            "ignore_eos": args.ignore_eos}
     if args.mode:
         body["mode"] = args.mode
     return body
@@ -293,7 +297,8 @@ async def bench(args: argparse.Namespace, targets: Sequence[Target], questions: 
                 prepared: dict[Role, dict[str, Any]] | None = None) -> dict[str, Any]:
     measured = await measure(targets, questions, filler, args, headers, prepared)
     summary = {"bench": "server", "concurrency": args.concurrency, "questions": args.questions,
-               "passages": args.passages, "max_tokens": args.max_tokens, "mode": args.mode, "repeats": args.repeats,
+               "passages": args.passages, "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "mode": args.mode,
+               "repeats": args.repeats,
                "upload_files": args.uploads, "upload_chars": args.upload_chars, **measured}
     summary["targets"] = target_checks(summary)
     return summary

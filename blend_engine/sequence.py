@@ -45,7 +45,7 @@ class TokenSampler:
         token = sample(logits, self.params, self.generator)
         self.token_ids.append(token)
         num_tokens = len(self.token_ids)
-        if token in self.eos_ids:
+        if token in self.eos_ids and not self.params.is_eos_ignored:
             return self._finish(Delta(self.stops.flush(), num_tokens, FinishReason.STOP))
         piece = "" if self.detokenizer is None else self.detokenizer.push(token)
         text, is_stopped = self.stops.push(piece)

@@ -120,4 +120,4 @@ class KVQuantization(str, Enum):
 
     NONE = "none"
     INT8 = "int8"  # per-channel absmax int8 (scales kept in fp32)
-    INT4 = "int4"  # keys int4 per channel over 64-token groups, values int4 per token, zstd-coded (kv_store/lowbit.py)
+    INT4 = "int4"  # keys 4 bits per channel over 32-token groups, values 3 bits per token, 8-bit scales, zstd (kv_store/lowbit.py)

@@ -33,8 +33,13 @@ TORCH_DTYPES = {
     StorageDtype.FLOAT32: torch.float32,
 }
 _ST_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "I8": torch.int8, "U8": torch.uint8}
-# low-bit formats (a compressed payload per layer) and their parameters; measured: docs/decisions/0013
-LOWBIT_SPECS = {KVQuantization.INT4: lowbit.LowBitSpec(key_bits=4, value_bits=3, group_tokens=32, zstd_level=3)}
+# low-bit formats (a compressed payload per layer) and the parameters new entries are written with;
+# measured: docs/decisions/0014. An entry's header names its parameters (`lowbit`), so entries written
+# with earlier ones stay readable (an int4 entry without the field: the first int4 parameters, fp16 scales).
+LOWBIT_SPECS = {KVQuantization.INT4: lowbit.LowBitSpec(key_bits=4, value_bits=3, group_tokens=32, zstd_level=3,
+                                                       scale_bits=8)}
+_FIRST_LOWBIT_SPECS = {KVQuantization.INT4: lowbit.LowBitSpec(key_bits=4, value_bits=3, group_tokens=32, zstd_level=3)}
+_READABLE_LOWBIT_SPECS = {spec.tag: spec for spec in (*LOWBIT_SPECS.values(), *_FIRST_LOWBIT_SPECS.values())}
 _MAX_HEADER_BYTES = 64 << 20  # safetensors' own limit is 100 MB; ours are a few KB per 1k tokens
 META_KEY = "ragblend"
 
@@ -54,6 +59,7 @@ class EntryHeader:
     layer_ranges: tuple[tuple[tuple[int, int], ...], ...]  # per layer: absolute (begin, end) byte ranges
     checksums: tuple[int, ...]  # crc32 per layer over its ranges' bytes, in order
     total_bytes: int
+    lowbit_spec: lowbit.LowBitSpec | None = None  # a low-bit format's parameters, as written
 
     @property
     def num_tokens(self) -> int:
@@ -120,6 +126,9 @@ def encode(kv: ChunkKV, key: str, fingerprint: str, fmt: StorageFormat) -> bytes
         "shape": [kv.num_layers, kv.keys.shape[1], kv.keys.shape[3]],
         "checksums": checksums,
     }
+    spec = LOWBIT_SPECS.get(fmt.quantization)
+    if spec is not None:
+        meta["lowbit"] = spec.tag
     return safetensors.torch.save(tensors, metadata={META_KEY: json.dumps(meta, separators=(",", ":"))})
 
 
@@ -150,6 +159,7 @@ def parse_header(head: bytes, total_bytes: int, expected_key: str, fingerprint: 
         context_ids = tuple(int(t) for t in meta["context_ids"])
         checksums = tuple(int(c) for c in meta["checksums"])
         stored_fmt = StorageFormat(StorageDtype(meta["format"][1]), KVQuantization(meta["format"][2]), int(meta["format"][0]))
+        lowbit_spec = _lowbit_spec(stored_fmt.quantization, meta.get("lowbit"))
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
         # str, cut: the repr of a UnicodeDecodeError holds the whole header (kilobytes of a document's token ids)
         raise CorruptEntryError(f"unreadable header: {str(exc)[:MAX_REASON_CHARS]}") from exc
@@ -163,9 +173,8 @@ def parse_header(head: bytes, total_bytes: int, expected_key: str, fingerprint: 
     data_start = len(head)
     ranges = []
     fmt = stored_fmt
-    is_lowbit = fmt.quantization in LOWBIT_SPECS
     for layer_idx in range(num_layers):
-        if is_lowbit:  # one compressed payload of any length
+        if lowbit_spec is not None:  # one compressed payload of any length
             ranges.append((_payload_range(table, f"kv.{layer_idx}", data_start, total_bytes),))
             continue
         names = [(f"kv.{layer_idx}", [2, num_kv_heads, num_tokens, head_dim])]
@@ -174,8 +183,19 @@ def parse_header(head: bytes, total_bytes: int, expected_key: str, fingerprint: 
         ranges.append(tuple(_tensor_range(table, name, shape, data_start, total_bytes) for name, shape in names))
     return EntryHeader(
         expected_key, fingerprint, fmt, token_ids, context_ids, num_layers, num_kv_heads, head_dim,
-        tuple(ranges), checksums, total_bytes,
+        tuple(ranges), checksums, total_bytes, lowbit_spec,
     )
+
+
+def _lowbit_spec(quantization: KVQuantization, tag: str | None) -> lowbit.LowBitSpec | None:
+    """The parameters a low-bit entry was written with (None: not a low-bit format)."""
+    if quantization not in LOWBIT_SPECS:
+        return None
+    if tag is None:  # written before headers named them
+        return _FIRST_LOWBIT_SPECS[quantization]
+    if tag not in _READABLE_LOWBIT_SPECS:
+        raise ValueError(f"low-bit parameters {str(tag)[:40]!r} are not known to this version")
+    return _READABLE_LOWBIT_SPECS[tag]
 
 
 def _tensor_range(table: dict, name: str, shape: list[int], data_start: int, total_bytes: int) -> tuple[int, int]:
@@ -263,7 +283,7 @@ def decode_layer_encoded(header: EntryHeader, layer_idx: int, buffers: list) -> 
         raise CorruptEntryError(f"layer {layer_idx} of {header.key[:16]} fails its checksum")
     shape = (2, header.num_kv_heads, header.num_tokens, header.head_dim)
     dtype = TORCH_DTYPES[header.fmt.dtype]
-    spec = LOWBIT_SPECS.get(header.fmt.quantization)
+    spec = header.lowbit_spec
     if spec is not None:  # decoded here, on the host (the reader thread when pipelined)
         try:
             kv = lowbit.decode_layer(_as_bytes(buffers[0]), *shape[1:], spec, dtype)

@@ -83,6 +83,7 @@ def test_api_key_is_required_except_on_health_routes(server):
         ("/v1/query", {"question": QUESTION, "top_k": 3.0}, 422, "top_k"),
         ("/v1/query", {"question": QUESTION, "stream": "yes"}, 422, "stream"),
         ("/v1/query", {"question": QUESTION, "stream": 1}, 422, "stream"),
+        ("/v1/query", {"question": QUESTION, "ignore_eos": "yes"}, 422, "ignore_eos"),
         ("/v1/query", {"question": QUESTION, "temperature": "0.5"}, 422, "temperature"),
         ("/v1/query", {"question": QUESTION, "max_tokens": "4"}, 422, "max_tokens"),
         ("/v1/query", {"question": "\u200b\u0000 \ufeff"}, 422, "empty"),
@@ -123,6 +124,17 @@ def test_bad_input_is_a_clear_4xx(client, path, body, status, fragment):
     else:
         response = client.post(path, json=body)
     assert_error(response, status, fragment)
+
+
+def test_ignore_eos_answers_are_max_tokens_long(client):
+    for path, body in [("/v1/query", {"question": QUESTION}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": QUESTION}]})]:
+        response = client.post(path, json={**body, "max_tokens": 8, "ignore_eos": True})
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        assert answer["usage"]["completion_tokens"] == 8
+        finish = answer["finish_reason"] if path == "/v1/query" else answer["choices"][0]["finish_reason"]
+        assert finish == "length"
 
 
 def test_openai_parameters_that_ask_for_nothing_are_accepted(client):

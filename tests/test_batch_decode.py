@@ -220,6 +220,22 @@ def test_stop_strings_max_tokens_and_cancellation_act_on_their_own_sequence(toke
     assert all(d.finish_reason is None for ds in deltas for d in ds[:-1])
 
 
+def test_an_eos_ends_the_answer_unless_it_is_ignored():
+    from blend_engine.sequence import TokenSampler
+
+    logits = torch.zeros(10)
+    logits[5] = 1.0  # greedy picks token 5, the end of sequence here
+    finishes = []
+    for is_eos_ignored in (False, True):
+        sampler = TokenSampler(None, frozenset({5}), SamplingParams(max_tokens=4, is_eos_ignored=is_eos_ignored),
+                               100, torch.device("cpu"))
+        deltas = []
+        while not sampler.is_finished:
+            deltas.append(sampler.push(logits)[0])
+        finishes.append((len(deltas), deltas[-1].finish_reason))
+    assert finishes == [(1, FinishReason.STOP), (4, FinishReason.LENGTH)]
+
+
 def test_nbytes_is_the_decode_cache_the_sequence_holds():
     engine = engine_for("llama-gqa", WeightFormat.INT8, DecodeCache.INT8)
     result = prefills(engine)[1]

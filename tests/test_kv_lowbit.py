@@ -92,3 +92,62 @@ def test_codes_of_every_width_pack_and_unpack_exactly(bits):
         packed = lowbit._pack(codes, bits)
         assert packed.numel() == -(-numel * bits // 8)  # bits per code, nothing more
         assert torch.equal(lowbit._unpack(packed, bits, numel), codes)
+
+
+def _with_meta(blob: bytes, edit) -> bytearray:
+    """`blob` with its header's ragblend metadata passed through `edit` (the tensors' bytes unchanged)."""
+    import json
+    import struct
+
+    (n,) = struct.unpack("<Q", blob[:8])
+    table = json.loads(blob[8: 8 + n])
+    meta = json.loads(table["__metadata__"][codec.META_KEY])
+    edit(meta)
+    table["__metadata__"][codec.META_KEY] = json.dumps(meta)
+    head = json.dumps(table).encode()
+    head += b" " * (-len(head) % 8)
+    return bytearray(struct.pack("<Q", len(head)) + head + blob[8 + n:])
+
+
+def test_two_level_scales_store_under_a_quarter_of_float16_at_the_same_error():
+    x = torch.stack([smooth_kv(num_tokens=512).keys[0], smooth_kv(num_tokens=512, seed=1).values[0]])  # [2, H, n, D]
+    fp16_scales = lowbit.LowBitSpec(key_bits=4, value_bits=3, group_tokens=32, zstd_level=0)
+    two_level = lowbit.LowBitSpec(key_bits=4, value_bits=3, group_tokens=32, zstd_level=0, scale_bits=8)
+    sizes, errors = [], []
+    for spec in (fp16_scales, two_level):
+        payload = lowbit.encode_layer(x, spec)
+        sizes.append(len(payload))
+        errors.append((lowbit.decode_layer(payload, 2, 512, 64, spec, torch.float32) - x).abs().mean().item())
+    assert sizes[0] > x.numel() * 2 / 4 >= sizes[1]  # float16 is 2 bytes an element; bit-packed, no zstd
+    assert errors[1] <= errors[0] * 1.05
+
+
+def test_a_constant_layer_round_trips_with_two_level_scales():
+    spec = lowbit.LowBitSpec(key_bits=4, value_bits=3, group_tokens=32, scale_bits=8)
+    x = torch.full((2, 2, 40, 8), 0.75)
+    assert torch.equal(lowbit.decode_layer(lowbit.encode_layer(x, spec), 2, 40, 8, spec, torch.float32), x)
+
+
+def test_int4_entries_written_before_headers_named_their_parameters_stay_readable(tmp_path, monkeypatch):
+    kv = smooth_kv()
+    key = chunk_key("fp", INT4, kv.token_ids, kv.context_ids)
+    first = codec._FIRST_LOWBIT_SPECS[KVQuantization.INT4]
+    monkeypatch.setitem(codec.LOWBIT_SPECS, KVQuantization.INT4, first)  # the encoder of the earlier version
+    blob = _with_meta(codec.encode(kv, key, "fp", INT4), lambda meta: meta.pop("lowbit"))
+    monkeypatch.undo()
+    assert codec.LOWBIT_SPECS[KVQuantization.INT4] != first
+    header = codec.parse_header(blob[: codec.header_size(blob)], len(blob), key, "fp", INT4)
+    assert header.lowbit_spec == first
+    out = codec.decode(header, lambda b, e: bytearray(blob[b:e]))
+    assert torch.allclose(out.keys.float(), kv.keys, atol=0.05 * kv.keys.abs().max())
+    (begin, end), = header.layer_ranges[0]
+    with pytest.raises(ValueError):  # the new parameters cannot read it: the header's choice made it readable
+        lowbit.decode_layer(bytes(blob[begin:end]), 2, 100, 64, codec.LOWBIT_SPECS[KVQuantization.INT4])
+
+
+def test_an_entry_naming_unknown_low_bit_parameters_is_damaged():
+    kv = smooth_kv()
+    key = chunk_key("fp", INT4, kv.token_ids, kv.context_ids)
+    blob = _with_meta(codec.encode(kv, key, "fp", INT4), lambda meta: meta.update(lowbit="k9v9"))
+    with pytest.raises(CorruptEntryError, match="not known"):
+        codec.parse_header(blob[: codec.header_size(blob)], len(blob), key, "fp", INT4)

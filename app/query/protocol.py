@@ -38,6 +38,10 @@ class GenerationOptions(BaseModel):
     temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0)
     top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
     seed: StrictInt | None = Field(None, ge=0, le=2**63 - 1)
+    ignore_eos: StrictBool = Field(
+        False, description="Generate max_tokens tokens, past the model's end of sequence (as vLLM's "
+        "ignore_eos: for benchmarks that need answers of one length).",
+    )
     stream: StrictBool = False
 
     @field_validator("chunk_ids")

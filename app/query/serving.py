@@ -46,6 +46,7 @@ def build_rag_request(
         top_p=gen.top_p if options.top_p is None else options.top_p,
         seed=options.seed,
         stop=tuple(stop),
+        is_eos_ignored=options.ignore_eos,
     )
     return RagRequest(
         question=question, mode=options.mode or settings.blend.mode, sampling=sampling, top_k=top_k,
