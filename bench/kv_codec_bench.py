@@ -2,10 +2,11 @@
 entry format, on the real model's KV of dev-set passages.
 
 Fidelity: for each question, the full prefill's greedy answer is the reference; each format's chunk
-KV is written and read back (the tier's own codec round trip), blended with the same selection and
-ratio, and scored teacher-forced: KL(full || blend from that format), shown relative to blend from
-float16 (today's default at rest). Prints a table, then one JSON object (also written to --out).
-"""
+KV is written and read back (the tier's own codec round trip), blended with the same selection method
+and ratio, and scored teacher-forced: KL(full || blend from that format), shown relative to blend from
+float16 (the format before int4). Twice: each format's blend selecting on its own KV (what a user
+gets: the selection moves with the KV's error), and under the float16 blend's selection ("same sel":
+the format's error alone, the issue's measure). Prints a table, then one JSON object (also --out)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import argparse
 import json
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from statistics import mean, median
 
@@ -53,6 +54,10 @@ def candidates() -> list[Candidate]:
         ("k4v4 g32 zstd", dict(key_bits=4, value_bits=4, group_tokens=32)),
         ("k4v2 g32 zstd", dict(key_bits=4, value_bits=2, group_tokens=32)),
         ("k4v3 g32 delta+zstd", dict(key_bits=4, value_bits=3, group_tokens=32, is_delta=True)),
+        # which half the error comes from, and finer key groups
+        ("k8v3 g32 8-bit scales, zstd", dict(key_bits=8, value_bits=3, group_tokens=32, scale_bits=8)),
+        ("k4v8 g32 8-bit scales, zstd", dict(key_bits=4, value_bits=8, group_tokens=32, scale_bits=8)),
+        ("k4v3 g16 8-bit scales, zstd", dict(key_bits=4, value_bits=3, group_tokens=16, scale_bits=8)),
     ]:
         out.append(Candidate(name, None, spec))
     return out
@@ -65,6 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="smollm2 (default), a HF dir, or random:<shape>")
     parser.add_argument("--answer-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--only", default=None,
+                        help="comma-separated format names (or prefixes) to measure; float16, the reference, always")
     parser.add_argument("--out", default=None)
 
 
@@ -105,11 +112,15 @@ def run(args: argparse.Namespace) -> int:
     engine = BlendEngine.from_settings(settings)
     questions = load_questions(args.data, args.questions, args.passages)
     cands = candidates()
+    if args.only:
+        wanted = [w.strip() for w in args.only.split(",") if w.strip()]
+        cands = [c for c in cands if c.name == "float16" or any(c.name.startswith(w) for w in wanted)]
     sink = settings.blend.sink if isinstance(settings.blend.sink, SinkMode) else SinkMode(settings.blend.sink)
     blend = engine.blend
     sizes: dict[str, int] = {}
     times: dict[str, list[float]] = {}
     kls: dict[str, list[float]] = {c.name: [] for c in cands}
+    same_kls: dict[str, list[float]] = {c.name: [] for c in cands}  # blend under float16's selection
     agree: dict[str, list[float]] = {c.name: [] for c in cands}
     num_tokens = 0
     is_quality = not engine.is_random
@@ -120,17 +131,24 @@ def run(args: argparse.Namespace) -> int:
         ref_ids = greedy_ids(engine, full, args.answer_tokens) if is_quality else []
         ref_logits = engine.score(full, ref_ids) if ref_ids else None
         num_tokens += sum(s.kv.num_tokens for s in segments if isinstance(s.kv, ChunkKV))
-        for cand in cands:
+        fp16_selection = None
+        for cand in cands:  # float16 first: its selection is the one every format is also scored under
             trip = [Segment(s.token_ids, _round_trip(s.kv, cand, sizes, times)) if isinstance(s.kv, ChunkKV) else s
                     for s in segments]
             result = engine.prefill(trip, PrefillMode.BLEND, blend, max_new_tokens=args.answer_tokens)
+            if fp16_selection is None:
+                fp16_selection = tuple(result.stats.selected_positions)
             if ref_ids:
                 logits = engine.score(result, ref_ids)
                 kls[cand.name].append(mean_kl(ref_logits, logits))
                 agree[cand.name].append(argmax_agreement(logits, ref_ids))
+                same = replace(blend, selected_positions=fp16_selection)
+                same_result = engine.prefill(trip, PrefillMode.BLEND, same, max_new_tokens=args.answer_tokens)
+                same_kls[cand.name].append(mean_kl(ref_logits, engine.score(same_result, ref_ids)))
         print(f"question {qi + 1}/{len(questions)} done in {time.perf_counter() - t0:.1f} s", flush=True)
     fp16_bytes = sizes["float16"] / num_tokens
     fp16_kl = mean(kls["float16"]) if kls["float16"] else None
+    fp16_same_kl = mean(same_kls["float16"]) if same_kls["float16"] else None
     rows = []
     for cand in cands:
         bpt = sizes[cand.name] / num_tokens
@@ -144,6 +162,12 @@ def run(args: argparse.Namespace) -> int:
             "tf_kl": kl, "kl_vs_float16": (kl / fp16_kl) if kl is not None and fp16_kl else None,
             "median_kl": median(kls[cand.name]) if kls[cand.name] else None,
             "tf_agreement": mean(agree[cand.name]) if agree[cand.name] else None,
+            "kl_per_question": kls[cand.name],
+            # under float16's selection (the issue's "same selection"): the format's error alone
+            "tf_kl_same_selection": mean(same_kls[cand.name]) if same_kls[cand.name] else None,
+            "kl_same_selection_vs_float16": (mean(same_kls[cand.name]) / fp16_same_kl) if same_kls[cand.name]
+            and fp16_same_kl else None,
+            "kl_same_selection_per_question": same_kls[cand.name],
         })
     summary = {
         "bench": "kv-codec", "model": settings.model.name, "questions": len(questions), "passages": args.passages,
@@ -151,13 +175,15 @@ def run(args: argparse.Namespace) -> int:
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "threads": torch.get_num_threads(),
         "rows": rows,
     }
-    print(f"{'format':28s} {'B/token':>9s} {'x fp16':>7s} {'enc MB/s':>9s} {'dec MB/s':>9s} {'TF KL':>8s} {'KL/fp16':>8s} {'TF agr':>7s}")
+    print(f"{'format':44s} {'B/token':>9s} {'x fp16':>7s} {'enc MB/s':>9s} {'dec MB/s':>9s} {'TF KL':>8s} {'KL/fp16':>8s} "
+          f"{'same sel':>8s} {'TF agr':>7s}")
     for r in rows:
         kl = f"{r['tf_kl']:.4f}" if r["tf_kl"] is not None else "-"
         rel = f"{r['kl_vs_float16']:.3f}" if r["kl_vs_float16"] is not None else "-"
         agr = f"{r['tf_agreement']:.3f}" if r["tf_agreement"] is not None else "-"
-        print(f"{r['format']:28s} {r['bytes_per_token']:9.0f} {r['vs_float16']:7.3f} {r['encode_mb_s']:9.0f} "
-              f"{r['decode_mb_s']:9.0f} {kl:>8s} {rel:>8s} {agr:>7s}")
+        same = f"{r['kl_same_selection_vs_float16']:.3f}" if r["kl_same_selection_vs_float16"] is not None else "-"
+        print(f"{r['format']:44s} {r['bytes_per_token']:9.0f} {r['vs_float16']:7.3f} {r['encode_mb_s']:9.0f} "
+              f"{r['decode_mb_s']:9.0f} {kl:>8s} {rel:>8s} {same:>8s} {agr:>7s}")
     line = json.dumps(summary)
     if args.out:
         Path(args.out).write_text(line + "\n")

@@ -151,7 +151,11 @@ def check_step(ctx: ActiveContext, active: ActiveSet, check_idx: int, layer: int
     num_keep, unselected, is_guarded = ctx.plan.num_keep[check_idx], None, False
     if check_idx == 0:
         num_keep, unselected, is_guarded = decide_keep(ctx, raw, num_keep)
-    kept_rows = active.cand_rows[select_top(score, num_keep)]  # [K] ascending
+    if ctx.blend.selected_positions is None:
+        kept_rows = active.cand_rows[select_top(score, num_keep)]  # [K] ascending
+    else:  # given: the candidates at those positions (cand_rows ascending, so kept_rows is too)
+        given = torch.tensor(ctx.blend.selected_positions, dtype=cand_pos.dtype, device=cand_pos.device)
+        kept_rows = active.cand_rows[torch.isin(cand_pos, given)]
     rows = torch.cat([active.fresh_rows, kept_rows]).sort().values  # [F+K]; ascending rows = ascending positions
     pos = active.pos[rows]
     bias = None

@@ -65,8 +65,13 @@ class BlendConfig:
     # multiplied by this before the softmax normalizes (a logit bias of log scale), in the prefill and
     # for every token after it (decode, scoring). 1.0: none (CacheBlend); the server's default: settings.
     reused_attention_scale: float = 1.0
+    # The cached positions to recompute, given instead of ranked (`selection` then ranks nothing): to
+    # compare two caches of the same chunks under one selection (the KV formats' fidelity bench).
+    selected_positions: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.selected_positions is not None and any(p < 0 for p in self.selected_positions):
+            raise ValueError("selected_positions must be >= 0")
         if not 0.0 < self.reused_key_scale <= 2.0:
             raise ValueError(f"reused_key_scale must be in (0, 2], got {self.reused_key_scale}")
         if not 0.0 < self.reused_attention_scale <= 4.0:

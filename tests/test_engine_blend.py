@@ -111,6 +111,26 @@ def test_gradual_filtering_keeps_a_subset_at_each_check():
     assert config.ratio_at_check(0) == pytest.approx(0.3)
 
 
+def test_given_positions_replace_the_ranking():
+    """Two caches of the same chunks compared under one selection (the KV formats' bench): the positions
+    a ranked blend chose, given back, give the same prefill; other positions are what gets recomputed."""
+    engine = build_engine("llama-gqa")
+    segments = rag_prompt(engine, chunk_len=40)
+    ranked = engine.prefill(segments, PrefillMode.BLEND, BlendConfig(recompute_ratio=0.2))
+    chosen = tuple(ranked.stats.selected_positions)
+    given = engine.prefill(segments, PrefillMode.BLEND, BlendConfig(recompute_ratio=0.2, selected_positions=chosen))
+    assert given.stats.selected_positions == list(chosen)
+    assert torch.equal(given.logits, ranked.logits)
+    cached = [p for p in range(len(ranked.token_ids)) if p not in chosen and p >= len(segments[0].token_ids)]
+    other = tuple(cached[:len(chosen)])
+    assert set(other) != set(chosen)
+    moved = engine.prefill(segments, PrefillMode.BLEND, BlendConfig(recompute_ratio=0.2, selected_positions=other))
+    assert moved.stats.selected_positions == list(other)
+    assert not torch.equal(moved.logits, ranked.logits)
+    with pytest.raises(ValueError, match="selected_positions"):
+        BlendConfig(selected_positions=(-1,))
+
+
 def test_select_top_and_deviation():
     dev = torch.tensor([0.5, 3.0, 1.0, 2.0, 0.1])
     assert select_top(dev, 2).tolist() == [1, 3]

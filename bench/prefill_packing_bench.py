@@ -1,0 +1,94 @@
+"""Would packing several requests' blend prefills into one pass pay here? A blend prefill's compute is
+its active tokens' rows through every layer's linear layers (qkv, o_proj, MLP) plus attention over
+each request's own cache (which packing cannot share). This times the linear part, all layers, for M
+rows against 2M rows (two requests' selected tokens packed): packing gains only where 2M rows cost
+less than twice M.
+
+    python -m bench.prefill_packing_bench --out docs/results/prefill_packing_cpu.json
+
+Interleaved rounds (the machine is shared and noisy); each ratio is the median of ratios taken within
+one round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # as the `ragblend` script sets it (app/cli.py)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from blend_engine.engine import BlendEngine  # noqa: E402
+from configs import load_settings  # noqa: E402
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads (fixed)")
+    parser.add_argument("--rows", default="64,256,512,1024,3072",
+                        help="M: active rows of one request (~15%% of a 3k prompt is ~500; before the first "
+                        "check layer every token is active)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None, help="write the figures here as JSON")
+
+
+@torch.inference_mode()
+def linear_pass(engine: BlendEngine, hidden: torch.Tensor) -> None:
+    """hidden [M, hidden] through every layer's linear layers; attention's output stood in by zeros."""
+    runner = engine.runner
+    attn_out = torch.zeros(hidden.shape[0], runner.num_heads * runner.head_dim, dtype=hidden.dtype)  # [M, H D]
+    for layer in range(runner.num_layers):
+        runner.qkv(layer, hidden)  # q [H, M, D], k, v [H_kv, M, D]
+        hidden = runner.finish(layer, hidden, attn_out)
+
+
+def timed(engine: BlendEngine, num_rows: int) -> float:
+    hidden = torch.randn(num_rows, engine.model.config.hidden_size, dtype=engine.dtype)  # [M, hidden]
+    t0 = time.perf_counter()
+    linear_pass(engine, hidden)
+    return time.perf_counter() - t0
+
+
+def run(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    settings = load_settings()
+    engine = BlendEngine.from_settings(settings)
+    rows = [int(r) for r in args.rows.split(",")]
+    for m in rows:  # warm-up
+        timed(engine, m), timed(engine, 2 * m)
+    ratios: dict[int, list[float]] = {m: [] for m in rows}
+    single: dict[int, list[float]] = {m: [] for m in rows}
+    for _ in range(args.rounds):
+        for m in rows:
+            one, packed = timed(engine, m), timed(engine, 2 * m)
+            single[m].append(one)
+            ratios[m].append(packed / (2 * one))
+    table = [{"rows": m, "one_ms": round(statistics.median(single[m]) * 1000, 1),
+              "packed_vs_two_separate": round(statistics.median(ratios[m]), 3)} for m in rows]
+    print(f"{'M rows':>7s} {'M ms':>8s} {'2M / (2 x M)':>13s}")
+    for r in table:
+        print(f"{r['rows']:7d} {r['one_ms']:8.1f} {r['packed_vs_two_separate']:13.3f}")
+    summary = {"bench": "prefill-packing", "model": settings.model.name, "weights": settings.model.weights.value,
+               "threads": args.threads, "rounds": args.rounds, "machine": f"{platform.machine()} {platform.processor()}",
+               "rows": table}
+    if args.out is not None:
+        args.out.write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(summary))
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
