@@ -5,7 +5,9 @@ cut into token chunks with their plan report."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -16,7 +18,10 @@ from blend_engine.types import PrefillMode, SamplingParams, SelectionKind
 from configs.settings import RequestMode, StorageDtype, load_settings
 from kv_store import KVStore, StoreConfig, Tier
 from kv_store.planner import PrefillShape
+from runtime.config import SchedulerConfig
 from runtime.executor import PrefillExecutor
+from runtime.jobs import JobCancelled
+from runtime.loop import EngineLoop
 from runtime.types import PrefillRequest, PromptChunk
 
 TOPICS = ["owls", "rivers", "copper", "violins", "glaciers", "tea"]
@@ -117,3 +122,40 @@ def test_the_planners_own_full_plan_is_cut_into_token_chunks_with_its_report(eng
     torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=1e-4)
     torch.testing.assert_close(a.cache.keys[:, :, :n], b.cache.keys[:, :, :n], rtol=0, atol=1e-4)
     torch.testing.assert_close(a.cache.values[:, :, :n], b.cache.values[:, :, :n], rtol=0, atol=1e-4)
+
+
+def test_the_engine_loop_closes_a_prefill_whose_client_left_between_its_parts(engine, store):
+    """The loop runs one part a step; a background unit (one every step here) holds the loop between
+    two parts while the client leaves; the next step drops the request and closes its prefill."""
+    request = replace(stored_request(engine, store, RequestMode.BLEND), selection=SelectionKind.DEVIATION)
+    loop = EngineLoop(engine, executor_for(engine, store), SchedulerConfig(background_every_steps=1))
+    gate, held, released = threading.Event(), threading.Event(), threading.Event()
+    before = prefetch_threads()
+
+    def hold() -> None:  # on the loop's thread, after a step's prefill part
+        if loop.scheduler.prefilling is None:  # the step of the blocking job: wait for the next one
+            assert loop.submit_background(hold)
+            return
+        held.set()
+        released.wait(30)
+
+    async def main():
+        blocker = loop.submit(lambda job: gate.wait(30))  # queue the request and the hold together
+        stream = loop.generate(request, time.perf_counter())
+        assert loop.submit_background(hold)
+        gate.set()
+        await blocker.future
+        assert await asyncio.to_thread(held.wait, 30)  # the first part ran; the hold runs after it
+        assert loop.scheduler.prefilling is not None and len(prefetch_threads()) == len(before) + 1
+        stream.cancel()
+        released.set()
+        with pytest.raises(JobCancelled):
+            await stream.job.future
+
+    try:
+        asyncio.run(main())
+        assert loop.stats.num_prefill_parts >= 1 and loop.stats.num_cancelled == 1
+        assert loop.scheduler.prefilling is None and prefetch_threads() == before
+    finally:
+        released.set()
+        assert loop.close()
