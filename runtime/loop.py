@@ -1,6 +1,6 @@
 """The engine loop: one thread runs the engine, a step at a time, as the `Scheduler` decides.
 
-Requests' generations are prefilled (in chunks when long) and then decode together, one batched
+Requests' generations are prefilled (in parts, one per step, when long) and then decode together, one batched
 forward per step for every running sequence (`BlendEngine.decode_step`): a request waits for the
 prefills ahead of it and at most one step, never for another's whole answer. Exclusive jobs (a
 delete, the start-up measurement) run alone in a step; background units (KV repair, backfill, an
