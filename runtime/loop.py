@@ -1,8 +1,8 @@
 """The engine loop: one thread runs the engine, a step at a time, as the `Scheduler` decides.
 
-Requests' generations are prefilled (in parts, one per step, when long) and then decode together, one batched
-forward per step for every running sequence (`BlendEngine.decode_step`): a request waits for the
-prefills ahead of it and at most one step, never for another's whole answer. Exclusive jobs (a
+Requests' generations are prefilled (in parts, one per step, when long) and then decode together,
+one batched forward per step for every running sequence (`BlendEngine.decode_step`): a request waits
+for the prefills ahead of it and at most one step, never for another's whole answer. Exclusive jobs (a
 delete, the start-up measurement) run alone in a step; background units (KV repair, backfill, an
 ingest's precompute through `call_background`) run when nothing waits, or once in a few busy steps.
 The event loop only awaits futures and async queues, so it never blocks on the model; a client that
@@ -427,5 +427,9 @@ def _abandon_prefill(generation: Generation) -> None:
     """Close a generation's prefill generator (on the loop's thread, which runs it): a prefill left
     between its parts (its client left, shutdown, a failure) closes its KV source and stops the
     source's loader thread now, not whenever the garbage collector gets to it."""
-    if generation.prefill_steps is not None:
+    if generation.prefill_steps is None:
+        return
+    try:
         generation.prefill_steps.close()
+    except Exception:  # a source that failed to close must not stop the loop (it runs under its lock)
+        logger.exception("closing an abandoned prefill failed")
