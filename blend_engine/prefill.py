@@ -74,13 +74,16 @@ def prefill_steps(runner: ModelRunner, plan: PrefillPlan, blend: BlendConfig, so
     """The prefill cut by layers: None after each group of layers, then the PrefillResult.
 
     The step budget counts token-layers: each layer adds the tokens active at its start (all of them in
-    full mode and up to blend's first check; the fresh and selected ones after it). Once the layers run
-    since the last yield add up to `max_step_token_layers` (None: never), the generator yields None and
-    goes on from the next layer when resumed, so a caller (the server's engine loop) can run other work
-    between the parts; the last layer is never followed by a yield (the result comes next). Every op
-    runs as in one go, in the same order: the result is the same. `prefill_ms` counts the parts' own
-    time, not the pauses between them. The caller owns `source` and closes it, also when it abandons
-    the generator midway (`close()`)."""
+    full mode and up to blend's first check; the fresh and selected ones after its last). A part ends
+    once the layers run since the last yield add up to `max_step_token_layers` (None: never cut), so a
+    caller (the server's engine loop) can run other work between the parts; the generator goes on from
+    the next layer when resumed, and the last layer is never followed by a yield (the result comes
+    next). Once no check layer is left the rest of the work is known (its active tokens no longer
+    change), and it is shared evenly: the fewest parts that keep within the budget, of equal work
+    (`_part_target`), rather than full parts and a small last one. Every op runs as in one go, in the
+    same order: the result is the same. `prefill_ms` counts the parts' own time, not the pauses
+    between them. The caller owns `source` and closes it, also when it abandons the generator midway
+    (`close()`)."""
     if max_step_token_layers is not None and max_step_token_layers < 1:
         raise ValueError(f"max_step_token_layers must be >= 1 or None, got {max_step_token_layers}")
     t_start = time.perf_counter()
@@ -109,12 +112,16 @@ def prefill_steps(runner: ModelRunner, plan: PrefillPlan, blend: BlendConfig, so
             state.laid_out.add(layer)
 
     num_step_token_layers = 0  # token-layers run since the last yield
+    last_check = plan.check_layers[-1] if plan.check_layers else -1
     for layer in range(runner.num_layers):
         num_step_token_layers += state.hidden.shape[0]  # the tokens this layer computes
         lay_out(layer)
         _layer_step(runner, ctx, blend, cache, layer, state, timer, lay_out)
-        is_last = layer == runner.num_layers - 1
-        if max_step_token_layers is not None and num_step_token_layers >= max_step_token_layers and not is_last:
+        if max_step_token_layers is None or layer == runner.num_layers - 1:
+            continue
+        # past the last check every later layer computes the same active tokens: the rest is known
+        rest = state.hidden.shape[0] * (runner.num_layers - 1 - layer) if layer >= last_check else None
+        if num_step_token_layers >= _part_target(max_step_token_layers, num_step_token_layers, rest):
             t_pause = time.perf_counter()
             yield None
             t_start += time.perf_counter() - t_pause  # prefill_ms: the parts' own time, not the pauses
@@ -129,6 +136,16 @@ def prefill_steps(runner: ModelRunner, plan: PrefillPlan, blend: BlendConfig, so
     stats = _stats(plan, blend, selected, timer, state.kv_wait_ms, t_start)
     stats.unselected_mass, stats.is_guarded, stats.last_token_shift = unselected, state.is_guarded, last_shift
     yield PrefillResult(token_ids=list(plan.token_ids), cache=cache, logits=logits, stats=stats)
+
+
+def _part_target(budget: int, num_done: int, num_rest: int | None) -> float:
+    """The token-layers at which the current part ends: the budget, or, where the rest of the prefill
+    (`num_rest` token-layers after this layer) is known, an even share of the current part's work so far
+    and the rest over the fewest parts that keep each within the budget."""
+    if num_rest is None:
+        return budget
+    total = num_done + num_rest
+    return total / -(-total // budget)
 
 
 def _stream_layer(cache: KVCache, plan: PrefillPlan, layer: int, source: LayerKVSource, rope: RopeTable,

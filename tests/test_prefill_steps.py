@@ -76,18 +76,33 @@ def test_the_step_budget_counts_the_active_tokens_of_each_layer():
     engine = build_engine("llama-gqa")
     segments = rag_prompt(engine, num_chunks=3, chunk_len=20)
     n = sum(len(s.token_ids) for s in segments)
-    # full mode: every layer computes all n tokens, so a budget of 2n yields after layers 1 (and not 3)
+    # full mode: every layer computes all n tokens (4n in all): a budget of 2n or a bit more, two parts
     assert parts_of(engine, segments, PrefillMode.FULL, budget=2 * n)[0] == 1
-    assert parts_of(engine, segments, PrefillMode.FULL, budget=2 * n + 1)[0] == 1  # after layer 2
+    assert parts_of(engine, segments, PrefillMode.FULL, budget=2 * n + 1)[0] == 1
+    assert parts_of(engine, segments, PrefillMode.FULL, budget=n)[0] == NUM_LAYERS - 1
     assert parts_of(engine, segments, PrefillMode.FULL, budget=n * NUM_LAYERS)[0] == 0
     # blend at a 0 ratio: layers 0 and 1 compute all n, layers 2 and 3 only the fresh tokens
     blend = BlendConfig(recompute_ratio=0.0, check_layers=(1,))
     num_fresh = sum(len(s.token_ids) for s in segments if s.kv is None)
-    assert parts_of(engine, segments, PrefillMode.BLEND, blend, budget=2 * n)[0] == 1  # after layer 1
-    assert parts_of(engine, segments, PrefillMode.BLEND, blend, budget=2 * n + num_fresh)[0] == 1  # after 2
+    assert parts_of(engine, segments, PrefillMode.BLEND, blend, budget=2 * n)[0] == 1
+    assert parts_of(engine, segments, PrefillMode.BLEND, blend, budget=2 * n + num_fresh)[0] == 1
     assert parts_of(engine, segments, PrefillMode.BLEND, blend, budget=2 * n + 2 * num_fresh)[0] == 0
     with pytest.raises(ValueError, match="max_step_token_layers"):
         parts_of(engine, segments, PrefillMode.BLEND, blend, budget=0)
+
+
+class RecordingSource:
+    """A LayerKVSource over another, remembering the layers asked for: where each part ended."""
+
+    def __init__(self, inner):
+        self.inner, self.asked = inner, []
+
+    def layer(self, layer_idx):
+        self.asked.append(layer_idx)
+        return self.inner.layer(layer_idx)
+
+    def close(self):
+        self.inner.close()
 
 
 @pytest.fixture
@@ -181,3 +196,18 @@ def test_prefill_is_prefill_steps_run_to_its_end(stored):
     assert_identical(b, a)
     with pytest.raises(ValueError, match="kv_source"):  # checked as before, when the prefill starts
         engine.prefill(handled, PrefillMode.BLEND)
+
+
+def test_once_the_rest_is_known_the_parts_share_it_evenly(stored):
+    """Reuse mode computes the fresh tokens only, at every layer (4f token-layers): a budget of 3f cuts
+    it into two parts of two layers (not three layers and one)."""
+    engine, _, handled, store = stored
+    num_fresh = sum(len(s.token_ids) for s in handled if s.kv is None)
+    handles = [s.kv for s in handled if s.kv is not None]
+    source = RecordingSource(store.layer_source(handles, engine.device, engine.dtype, pipelined=False))
+    try:
+        parts = engine.prefill_steps(handled, PrefillMode.REUSE, None, source, max_step_token_layers=3 * num_fresh)
+        assert next(parts) is None and source.asked == [0, 1]
+        assert next(parts) is not None and source.asked == [0, 1, 2, 3]
+    finally:
+        source.close()
