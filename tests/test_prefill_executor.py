@@ -154,8 +154,9 @@ def test_the_engine_loop_closes_a_prefill_whose_client_left_between_its_parts(en
 
     try:
         asyncio.run(main())
-        assert loop.stats.num_prefill_parts >= 1 and loop.stats.num_cancelled == 1
-        assert loop.scheduler.prefilling is None and prefetch_threads() == before
+        # closed before the request's future was settled (the loop sets `prefilling` just after)
+        assert prefetch_threads() == before
     finally:
         released.set()
         assert loop.close()
+    assert loop.stats.num_prefill_parts >= 1 and loop.stats.num_cancelled == 1 and loop.scheduler.prefilling is None
