@@ -9,8 +9,9 @@ the sequences already decoding keep streaming and stall for one part, never for 
 - every other prefill (blend, reuse, prefix) is cut by layers (`BlendEngine.prefill_steps`): a part
   ends once its layers' active tokens add up to `prefill_chunk_tokens` x the model's layers, the work
   of one full chunk counted in token-layers (a 3k-token blend prefill on SmolLM2's 30 layers computes
-  all 3k tokens at its check layer, ~500 at each later one: 2 parts at 512, 5 at 128). It runs the same ops
-  in the same order as one prefill, so its result is the same. The store's KV source (and its loader
+  all 3k tokens at its check layer, ~500 at each later one: 2 parts at 512, 5 at 128), the known rest
+  shared evenly once the last check is past. It runs the same ops in the same order as one prefill,
+  so its result is the same. The store's KV source (and its loader
   thread) stays open across the parts and is closed when the prefill ends or its generator is closed
   (a cancelled request, shutdown)."""
 
