@@ -11,9 +11,9 @@ the sequences already decoding keep streaming and stall for one part, never for 
   of one full chunk counted in token-layers (a 3k-token blend prefill on SmolLM2's 30 layers computes
   all 3k tokens at its check layer, ~500 at each later one: 2 parts at 512, 5 at 128), the known rest
   shared evenly once the last check is past. It runs the same ops in the same order as one prefill,
-  so its result is the same. The store's KV source (and its loader
-  thread) stays open across the parts and is closed when the prefill ends or its generator is closed
-  (a cancelled request, shutdown)."""
+  so its result is the same. The store's KV source (and its loader thread) stays open across the
+  parts and is closed when the prefill ends or its generator is closed (a cancelled request,
+  shutdown)."""
 
 from __future__ import annotations
 
