@@ -45,6 +45,7 @@ OFF_CHUNK_TOKENS = 1_000_000  # past any prompt: every prefill runs whole (the b
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model.name (default: the settings', SmolLM2)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads of every engine step (fixed)")
     parser.add_argument("--chunk-tokens", default="512,128",
                         help="server.prefill_chunk_tokens of the settings with parts (each against whole)")
@@ -108,7 +109,8 @@ async def _round(loop: EngineLoop, blend: PrefillRequest, args) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    settings = load_settings(model={"cpu_threads": args.threads})
+    model = {"cpu_threads": args.threads} | ({"name": args.model} if args.model else {})
+    settings = load_settings(model=model)
     engine = BlendEngine.from_settings(settings, max_cpu_threads=args.threads)
     engine.eos_ids = frozenset()  # the running answer decodes until the round cancels it, whatever it samples
     sink = engine.sink_ids(settings.blend.sink)
