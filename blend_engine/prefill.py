@@ -7,6 +7,8 @@ cached ones). `full` keeps all tokens active; `prefix` and `reuse` only the toke
 cache; `blend` all tokens up to its first check layer. Reused KV is laid into the cache once per
 request (all layers at once when it is in memory) and never gathered or concatenated per layer.
 No value is read back from the device inside the loop: the selection is read once at the end.
+`prefill_steps` can stop the loop after a group of layers and go on in a caller's next step (the
+server's engine loop: running answers decode in between); `run_prefill` runs it in one go.
 """
 
 from __future__ import annotations
