@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
-from typing import Callable, Iterator, Sequence, TypeVar
+import inspect
+from contextlib import AbstractContextManager
+from typing import Callable, Generator, Iterator, Sequence, TypeVar
 
 import torch
 
@@ -14,7 +16,7 @@ from blend_engine.decode_cache import resolve_decode_cache
 from blend_engine.kv import ChunkKV, LayerKVSource, MemoryKVSource, MergedKVSource
 from blend_engine.loader import LoadedModel, load_model
 from blend_engine.plan import plan_prefill
-from blend_engine.prefill import run_prefill
+from blend_engine.prefill import last_part, prefill_steps
 from blend_engine.prompt import PromptBuilder, encode_text
 from blend_engine.runner import ModelRunner, apply_rope
 from blend_engine.sequence import DecodeSequence, TokenSampler
@@ -30,12 +32,38 @@ DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer the question using 
 
 
 def _on_cpu_threads(job: _Job) -> _Job:
-    """Runs an engine method on the thread count its `threads` governor picks (CPU engines)."""
+    """Runs an engine method on the thread count its `threads` governor picks (CPU engines).
+
+    A generator method (a prefill cut in parts) gets the count for each part it runs, as torch's own
+    decorators hold their mode for each resumed part: calling a generator function runs none of its
+    body, so a scope around the call alone would cover nothing, and a part resumed later would run on
+    whatever count the thread was left with."""
+    if inspect.isgeneratorfunction(job):
+        @functools.wraps(job)
+        def parts_on_threads(engine: BlendEngine, *args, **kwargs):
+            return (yield from _each_part_in(lambda: governed(engine.threads), job(engine, *args, **kwargs)))
+        return parts_on_threads  # type: ignore[return-value]
+
     @functools.wraps(job)
     def on_threads(engine: BlendEngine, *args, **kwargs):
         with governed(engine.threads):
             return job(engine, *args, **kwargs)
     return on_threads  # type: ignore[return-value]
+
+
+def _each_part_in(scope: Callable[[], AbstractContextManager], parts: Generator) -> Generator:
+    """`parts`' items, each computed inside a fresh `scope()`; closing this closes `parts` (its own
+    clean-up, e.g. a KV source's, runs then, not whenever the garbage collector gets to it)."""
+    try:
+        while True:
+            with scope():
+                try:
+                    part = next(parts)
+                except StopIteration as stop:
+                    return stop.value
+            yield part
+    finally:
+        parts.close()
 
 
 class BlendEngine:
@@ -158,8 +186,6 @@ class BlendEngine:
                 hidden = runner.finish(layer, hidden, out)
         return ChunkKV(token_ids, context_ids, keys, values)
 
-    @_on_cpu_threads
-    @torch.inference_mode()
     def prefill(
         self,
         segments: Sequence[Segment],
@@ -169,11 +195,32 @@ class BlendEngine:
         max_new_tokens: int = 0,
         is_profiled: bool = False,
     ) -> PrefillResult:
-        """Prefill the prompt.
+        """Prefill the prompt (in one go: `prefill_steps` run to its end).
 
         A segment's cache is either a ChunkKV in memory or a handle (e.g. the store's) whose layers
         `kv_source` delivers: it yields pairs for the non-ChunkKV segments only, in prompt order.
         `is_profiled` times each stage on CUDA (events); on CPU stages are always timed.
+        """
+        return last_part(self.prefill_steps(segments, mode, blend, kv_source, max_new_tokens, is_profiled))
+
+    @_on_cpu_threads
+    @torch.inference_mode()
+    def prefill_steps(
+        self,
+        segments: Sequence[Segment],
+        mode: PrefillMode = PrefillMode.BLEND,
+        blend: BlendConfig | None = None,
+        kv_source: LayerKVSource | None = None,
+        max_new_tokens: int = 0,
+        is_profiled: bool = False,
+        max_step_token_layers: int | None = None,
+    ) -> Generator[PrefillResult | None, None, None]:
+        """`prefill` cut by layers (the rule: `blend_engine.prefill.prefill_steps`): None after each
+        part, then the PrefillResult; each part runs in inference mode on the governor's threads.
+
+        The in-memory side of the KV source is closed before the result is yielded, or when the
+        generator is closed midway (`close()`: a cancelled request); `kv_source` stays the caller's
+        to close, after the generator ends or is closed.
         """
         segments, blend = list(segments), blend or self.blend
         plan = plan_prefill(segments, PrefillMode(mode), blend, self.num_layers)
@@ -187,11 +234,20 @@ class BlendEngine:
             raise ValueError("segments hold store handles: pass the kv_source that loads them")
         else:
             source = MergedKVSource(caches, kv_source, self.device, self.dtype)
+        parts = prefill_steps(self.runner, plan, blend, source, max_new_tokens, self.attention_backend, is_profiled,
+                              self.is_bulk_layout, max_step_token_layers)
         try:
-            return run_prefill(self.runner, plan, blend, source, max_new_tokens, self.attention_backend, is_profiled,
-                               self.is_bulk_layout)
+            for part in parts:
+                if part is not None:
+                    result = part
+                    break
+                yield None
+            else:
+                raise RuntimeError("the prefill ended without a result")
         finally:
+            parts.close()
             source.close()  # a merged source leaves the caller's kv_source open
+        yield result
 
     @_on_cpu_threads
     @torch.inference_mode()

@@ -7,12 +7,14 @@ cached ones). `full` keeps all tokens active; `prefix` and `reuse` only the toke
 cache; `blend` all tokens up to its first check layer. Reused KV is laid into the cache once per
 request (all layers at once when it is in memory) and never gathered or concatenated per layer.
 No value is read back from the device inside the loop: the selection is read once at the end.
+`prefill_steps` can stop the loop after a group of layers and go on in a caller's next step (the
+server's engine loop: running answers decode in between); `run_prefill` runs it in one go.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 import torch
@@ -48,8 +50,44 @@ class _Loop:
 def run_prefill(runner: ModelRunner, plan: PrefillPlan, blend: BlendConfig, source: LayerKVSource | None,
                 max_new_tokens: int, backend: AttentionBackend, is_profiled: bool = False,
                 is_bulk_layout: bool = False) -> PrefillResult:
-    """`is_bulk_layout`: lay out in-memory chunks for all layers before the loop (pays on CUDA: fewer
+    """The whole prefill in one go: `prefill_steps` with no step budget, run to its end.
+
+    `is_bulk_layout`: lay out in-memory chunks for all layers before the loop (pays on CUDA: fewer
     launches; on CPU layer by layer is faster, its working set staying in the processor's caches)."""
+    return last_part(prefill_steps(runner, plan, blend, source, max_new_tokens, backend, is_profiled,
+                                   is_bulk_layout))
+
+
+def last_part(parts: Generator[PrefillResult | None, None, None]) -> PrefillResult:
+    """Run a `prefill_steps` generator to its end; its result."""
+    try:
+        for part in parts:
+            if part is not None:
+                return part
+        raise RuntimeError("the prefill ended without a result")
+    finally:
+        parts.close()  # suspended at its last yield: finish it here, not when it is collected
+
+
+def prefill_steps(runner: ModelRunner, plan: PrefillPlan, blend: BlendConfig, source: LayerKVSource | None,
+                  max_new_tokens: int, backend: AttentionBackend, is_profiled: bool = False,
+                  is_bulk_layout: bool = False, max_step_token_layers: int | None = None,
+                  ) -> Generator[PrefillResult | None, None, None]:
+    """The prefill cut by layers: None after each group of layers, then the PrefillResult.
+
+    The step budget counts token-layers: each layer adds the tokens active at its start (all of them in
+    full mode and up to blend's first check; the fresh and selected ones after its last). A part ends
+    once the layers run since the last yield add up to `max_step_token_layers` (None: never cut), so a
+    caller (the server's engine loop) can run other work between the parts; the generator goes on from
+    the next layer when resumed, and the last layer is never followed by a yield (the result comes
+    next). Once no check layer is left the rest of the work is known (its active tokens no longer
+    change), and it is shared evenly: the fewest parts that keep within the budget, of equal work
+    (`_part_target`), rather than full parts and a small last one. Every op runs as in one go, in the
+    same order: the result is the same. `prefill_ms` counts the parts' own time, not the pauses
+    between them. The caller owns `source` and closes it, also when it abandons the generator midway
+    (`close()`)."""
+    if max_step_token_layers is not None and max_step_token_layers < 1:
+        raise ValueError(f"max_step_token_layers must be >= 1 or None, got {max_step_token_layers}")
     t_start = time.perf_counter()
     device, num_tokens = runner.device, plan.num_tokens
     timer = StageTimer(device, is_profiled)
@@ -75,9 +113,21 @@ def run_prefill(runner: ModelRunner, plan: PrefillPlan, blend: BlendConfig, sour
             state.kv_wait_ms += _stream_layer(cache, plan, layer, source, rope, timer)
             state.laid_out.add(layer)
 
+    num_step_token_layers = 0  # token-layers run since the last yield
+    last_check = plan.check_layers[-1] if plan.check_layers else -1
     for layer in range(runner.num_layers):
+        num_step_token_layers += state.hidden.shape[0]  # the tokens this layer computes
         lay_out(layer)
         _layer_step(runner, ctx, blend, cache, layer, state, timer, lay_out)
+        if max_step_token_layers is None or layer == runner.num_layers - 1:
+            continue
+        # past the last check every later layer computes the same active tokens: the rest is known
+        rest = state.hidden.shape[0] * (runner.num_layers - 1 - layer) if layer >= last_check else None
+        if num_step_token_layers >= _part_target(max_step_token_layers, num_step_token_layers, rest):
+            t_pause = time.perf_counter()
+            yield None
+            t_start += time.perf_counter() - t_pause  # prefill_ms: the parts' own time, not the pauses
+            num_step_token_layers = 0
     with timer.stage("compute"):
         logits = runner.logits(state.hidden[-1:])[0]  # [vocab]
     if state.active.bias is not None:  # scoring and decoding attend to the reused tokens as the prefill did
@@ -87,7 +137,17 @@ def run_prefill(runner: ModelRunner, plan: PrefillPlan, blend: BlendConfig, sour
         torch.cuda.synchronize(device)  # prefill_ms ends when the logits exist, not when they were queued
     stats = _stats(plan, blend, selected, timer, state.kv_wait_ms, t_start)
     stats.unselected_mass, stats.is_guarded, stats.last_token_shift = unselected, state.is_guarded, last_shift
-    return PrefillResult(token_ids=list(plan.token_ids), cache=cache, logits=logits, stats=stats)
+    yield PrefillResult(token_ids=list(plan.token_ids), cache=cache, logits=logits, stats=stats)
+
+
+def _part_target(budget: int, num_done: int, num_rest: int | None) -> float:
+    """The token-layers at which the current part ends: the budget, or, where the rest of the prefill
+    (`num_rest` token-layers after this layer) is known, an even share of the current part's work so far
+    and the rest over the fewest parts that keep each within the budget."""
+    if num_rest is None:
+        return budget
+    total = num_done + num_rest
+    return total / -(-total // budget)
 
 
 def _stream_layer(cache: KVCache, plan: PrefillPlan, layer: int, source: LayerKVSource, rope: RopeTable,

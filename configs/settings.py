@@ -192,8 +192,10 @@ class ServerSettings(BaseModel):
         4096, ge=1, description="Prompt tokens admitted per scheduler step (one prefill always is, whatever its size).",
     )
     prefill_chunk_tokens: int = Field(
-        512, ge=16, description="A full prefill longer than this runs one chunk per step, so running answers keep "
-        "streaming between its chunks.",
+        512, ge=16, description="A long prefill runs in parts, one per scheduler step, so running answers keep "
+        "streaming between them: a full prefill longer than this in chunks of this many tokens; any other "
+        "(blend, reuse, prefix) in groups of layers whose active tokens add up to this x the model's layers, "
+        "the work of one such chunk (docs/design/server.md).",
     )
     background_every_steps: int = Field(
         8, ge=1, description="Background work (KV repair, backfill, an ingest's precompute) runs when nothing "

@@ -12,7 +12,7 @@ class SchedulerConfig:
     max_running: int = 8  # sequences decoding together (1: one request at a time, the old worker)
     max_running_kv_bytes: int = 4 << 30  # their caches' bytes; beyond, a request waits (one always runs)
     max_prefill_tokens: int = 4096  # prompt tokens admitted per step (at least one prefill always is)
-    prefill_chunk_tokens: int = 512  # a full prefill longer than this runs one chunk per step
+    prefill_chunk_tokens: int = 512  # a long prefill runs one part (this many tokens' work) per step
     background_every_steps: int = 8  # a background unit runs at least once in this many busy steps
     max_background: int = 64  # background units waiting; beyond, submit_background says no
 

@@ -1,17 +1,26 @@
 """The per-request executor: a request's prompt -> segments with their stored KV -> the loading
 planner's choice -> the engine's prefill. Runs on the engine loop's thread only (it calls the model).
 
-A full prefill longer than `prefill_chunk_tokens` is cut into chunks, one per scheduler step
-(`prefill_steps` yields between them), so the sequences already decoding keep streaming: each chunk
-runs over the cache the earlier chunks filled (`BlendEngine.forward_tokens`), which computes what one
-full prefill computes."""
+A long prefill runs in parts, one per scheduler step (`prefill_steps` yields None between them), so
+the sequences already decoding keep streaming and stall for one part, never for a whole prompt:
+- a full prefill (a request's `mode: full`, or the loading planner's own full plan) longer than
+  `prefill_chunk_tokens` is cut into token chunks: each chunk runs over the cache the earlier chunks
+  filled (`BlendEngine.forward_tokens`), which computes what one full prefill computes;
+- every other prefill (blend, reuse, prefix) is cut by layers (`BlendEngine.prefill_steps`): a part
+  ends once its layers' active tokens add up to `prefill_chunk_tokens` x the model's layers, the work
+  of one full chunk counted in token-layers (a 3k-token blend prefill on SmolLM2's 30 layers computes
+  all 3k tokens at its check layer, ~500 at each later one: 2 parts at 512, 5 at 128), the known rest
+  shared evenly once the last check is past. It runs the same ops in the same order as one prefill,
+  so its result is the same. The store's KV source (and its loader thread) stays open across the
+  parts and is closed when the prefill ends or its generator is closed (a cancelled request,
+  shutdown)."""
 
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Iterator, Protocol, Sequence
+from typing import Generator, Protocol, Sequence
 
 from blend_engine.engine import BlendEngine
 from blend_engine.types import BlendConfig, PrefillMode, PrefillResult, PrefillStats, Segment
@@ -45,18 +54,23 @@ class PrefillExecutor:
     prefill_chunk_tokens: int = 512
     repairer: Repairer | None = None  # recomputes, in the background, the entries found missing
 
-    def prefill_steps(self, request: PrefillRequest) -> Iterator[PrefillOutcome | None]:
-        """The prefill, in one step or (a long full prefill) several: None after each chunk but the
-        last, then the outcome."""
+    def prefill_steps(self, request: PrefillRequest) -> Generator[PrefillOutcome | None, None, None]:
+        """The prefill, in one step or (a long one) several: None after each part but the last, then
+        the outcome. Close the generator to abandon it midway: its KV source is closed then."""
         is_full = request.mode is RequestMode.FULL
         segments = self._segments(request, with_kv=not is_full)
         handles = [s.kv for s in segments if isinstance(s.kv, StoredChunk)]
         mode, plan = self._plan(request, segments, handles)
         num_tokens = sum(len(s.token_ids) for s in segments)
-        if mode is PrefillMode.FULL and plan is None and num_tokens > self.prefill_chunk_tokens:
-            yield from self._chunked_full(segments, request.sampling.max_tokens)
+        if mode is PrefillMode.FULL and num_tokens > self.prefill_chunk_tokens:
+            yield from self._chunked_full(request, segments, handles, plan)
             return
-        yield self._prefill(request, segments, handles, mode, plan)
+        yield from self._prefill(request, segments, handles, mode, plan)
+
+    @property
+    def max_step_token_layers(self) -> int:
+        """A layer-cut prefill's budget per step: the token-layers of one full chunk."""
+        return self.prefill_chunk_tokens * self.engine.num_layers
 
     def num_prompt_tokens(self, request: PrefillRequest) -> int:
         """The prompt's length, without model work (any thread)."""
@@ -79,34 +93,51 @@ class PrefillExecutor:
         return handle
 
     def _prefill(self, request: PrefillRequest, segments: list[Segment], handles: list[StoredChunk],
-                 mode: PrefillMode, plan: LoadPlan | None) -> PrefillOutcome:
+                 mode: PrefillMode, plan: LoadPlan | None) -> Generator[PrefillOutcome | None, None, None]:
+        """The engine's prefill cut by layers (`max_step_token_layers` a step), then the outcome."""
         if plan is not None:
             segments = planned_segments(segments, plan)
         used = [s.kv for s in segments if isinstance(s.kv, StoredChunk)]
         source = self._layer_source(used, mode) if used else None
         try:
-            result = self.engine.prefill(
+            parts = self.engine.prefill_steps(
                 segments, mode=mode, blend=self._blend_config(request, plan), kv_source=source,
-                max_new_tokens=request.sampling.max_tokens,
+                max_new_tokens=request.sampling.max_tokens, max_step_token_layers=self.max_step_token_layers,
             )
+            try:
+                for part in parts:
+                    if part is not None:
+                        result = part
+                        break
+                    yield None  # the running sequences decode a step before the next part
+            finally:
+                parts.close()  # abandoned midway: the engine's own source is closed before the store's
         finally:
             if source is not None:
-                source.close()
+                source.close()  # its loader thread stops here, also when the request was abandoned
         self.kv_store.planner.observe(shape_of(result.stats, self.engine.num_layers, self._first_check_layer),
                                       compute_seconds(result.stats))
         if plan is None:
-            return PrefillOutcome(result, handles, None)
+            yield PrefillOutcome(result, handles, None)
+            return
         load_s = source.stats.load_seconds if source is not None else 0.0
-        report = PlanReport.of(plan, len(handles) - len(used), load_s, result.stats)
+        yield self._planned_outcome(result, handles, len(handles) - len(used), load_s, plan)
+
+    def _planned_outcome(self, result: PrefillResult, handles: list[StoredChunk], num_recomputed: int,
+                         load_s: float, plan: LoadPlan) -> PrefillOutcome:
+        report = PlanReport.of(plan, num_recomputed, load_s, result.stats)
         logger.info("load plan %s", report)
         # chunks computed fresh from slow tiers are promoted after the answer, like streamed ones
         return PrefillOutcome(result, handles, report)
 
-    def _chunked_full(self, segments: list[Segment], max_new_tokens: int) -> Iterator[PrefillOutcome | None]:
+    def _chunked_full(self, request: PrefillRequest, segments: list[Segment], handles: list[StoredChunk],
+                      plan: LoadPlan | None) -> Generator[PrefillOutcome | None, None, None]:
         """A full prefill, `prefill_chunk_tokens` per step: the first chunk prefilled, each next one fed
-        after the cache's end (causal over everything before it: what one full prefill computes)."""
+        after the cache's end (causal over everything before it: what one full prefill computes). A
+        planner's full plan reads no stored KV (`planned_segments` makes every chunk fresh): its report
+        and outcome are those of the whole prefill it replaces."""
         token_ids = [t for s in segments for t in s.token_ids]
-        chunk, num_tokens = self.prefill_chunk_tokens, len(token_ids)
+        chunk, num_tokens, max_new_tokens = self.prefill_chunk_tokens, len(token_ids), request.sampling.max_tokens
         t_start, elapsed_s = time.perf_counter(), 0.0
         first = self.engine.prefill([Segment(tuple(token_ids[:chunk]))], mode=PrefillMode.FULL,
                                     max_new_tokens=num_tokens - chunk + max_new_tokens)
@@ -119,7 +150,14 @@ class PrefillExecutor:
         elapsed_s += time.perf_counter() - t_start
         stats = PrefillStats(PrefillMode.FULL, num_prompt_tokens=num_tokens, num_recomputed_tokens=num_tokens,
                              compute_ms=elapsed_s * 1000, prefill_ms=elapsed_s * 1000)
-        yield PrefillOutcome(PrefillResult(token_ids, first.cache, logits, stats), [], None)
+        result = PrefillResult(token_ids, first.cache, logits, stats)
+        if plan is None:
+            yield PrefillOutcome(result, [], None)
+            return
+        # as a whole planned prefill does: its time teaches the cost model, its chunks are promoted after
+        self.kv_store.planner.observe(shape_of(stats, self.engine.num_layers, self._first_check_layer),
+                                      compute_seconds(stats))
+        yield self._planned_outcome(result, handles, len(handles), 0.0, plan)
 
     @property
     def _first_check_layer(self) -> int:

@@ -1,8 +1,8 @@
 """The engine loop: one thread runs the engine, a step at a time, as the `Scheduler` decides.
 
-Requests' generations are prefilled (in chunks when long) and then decode together, one batched
-forward per step for every running sequence (`BlendEngine.decode_step`): a request waits for the
-prefills ahead of it and at most one step, never for another's whole answer. Exclusive jobs (a
+Requests' generations are prefilled (in parts, one per step, when long) and then decode together,
+one batched forward per step for every running sequence (`BlendEngine.decode_step`): a request waits
+for the prefills ahead of it and at most one step, never for another's whole answer. Exclusive jobs (a
 delete, the start-up measurement) run alone in a step; background units (KV repair, backfill, an
 ingest's precompute through `call_background`) run when nothing waits, or once in a few busy steps.
 The event loop only awaits futures and async queues, so it never blocks on the model; a client that
@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Generator, Protocol
 
 from blend_engine.types import Delta, FinishReason
 from runtime.config import SchedulerConfig
@@ -47,6 +47,8 @@ class LoopStats:
     num_failed: int = 0
     num_cancelled: int = 0
     num_rejected: int = 0
+    num_prefill_parts: int = 0  # prefill parts that handed the step back before their prompt was in
+    num_decode_steps_mid_prefill: int = 0  # batched decode steps run between the parts of another's prefill
 
 
 @dataclass(eq=False)
@@ -61,7 +63,7 @@ class Generation:
     t_start: float  # the request's arrival (perf_counter): TTFT and total count from it
     t_submit: float
     timings: Timings
-    prefill_steps: Iterator[PrefillOutcome | None] | None = None
+    prefill_steps: Generator[PrefillOutcome | None, None, None] | None = None
     outcome: PrefillOutcome | None = None
     sequence: DecodeSequence | None = None
     usage: Usage = field(default_factory=Usage)
@@ -269,6 +271,7 @@ class EngineLoop:
     def _settle_cancelled(self, work: Job | Generation) -> None:
         self.stats.num_cancelled += 1
         if isinstance(work, Generation):
+            _abandon_prefill(work)
             work.is_done = True
             work.sequence = None  # its cache is freed now
             work.emit(END)
@@ -282,6 +285,8 @@ class EngineLoop:
             self._prefill(generation)
         batch = [g for g in step.decode if g.sequence is not None and not g.is_done]
         if batch:
+            if self.scheduler.prefilling is not None:
+                self.stats.num_decode_steps_mid_prefill += 1
             self._decode(batch)
         if step.background is not None:
             self._run_background(step.background)
@@ -299,10 +304,12 @@ class EngineLoop:
                 generation.timings.queue_ms = (time.perf_counter() - generation.t_submit) * 1000
                 generation.prefill_steps = self.executor.prefill_steps(generation.request)
             outcome = next(generation.prefill_steps)
-            if outcome is None:  # a chunked prefill: its next chunk in the next step
+            if outcome is None:  # a prefill in parts: its next part in the next step
+                self.stats.num_prefill_parts += 1
                 with self._cond:
                     self.scheduler.prefilling = generation
                 return
+            _abandon_prefill(generation)  # it ended: nothing to clean up, its frames freed now
             with self._cond:
                 if self.scheduler.prefilling is generation:
                     self.scheduler.prefilling = None
@@ -381,6 +388,7 @@ class EngineLoop:
     def _fail(self, generations: list[Generation], error: Exception) -> None:
         logger.error("generation failed: %s", error, exc_info=error)
         for generation in generations:
+            _abandon_prefill(generation)
             generation.is_done = True
             generation.sequence = None
             generation.emit(END)
@@ -413,3 +421,15 @@ class EngineLoop:
         finally:
             with self._cond:
                 self._current = None
+
+
+def _abandon_prefill(generation: Generation) -> None:
+    """Close a generation's prefill generator (on the loop's thread, which runs it): a prefill left
+    between its parts (its client left, shutdown, a failure) closes its KV source and stops the
+    source's loader thread now, not whenever the garbage collector gets to it."""
+    if generation.prefill_steps is None:
+        return
+    try:
+        generation.prefill_steps.close()
+    except Exception:  # a source that failed to close must not stop the loop (it runs under its lock)
+        logger.exception("closing an abandoned prefill failed")

@@ -1,7 +1,8 @@
 """What the engine runs next: the one place that decides (nano-vllm's `Scheduler`, vLLM's in spirit).
 
 Each step, in this order:
-1. a chunked prefill in progress runs its next chunk (nothing else is admitted meanwhile);
+1. a prefill in parts (a long one: token chunks or groups of layers) runs its next part (nothing else
+   is admitted meanwhile);
    otherwise, from the head of the queue (FIFO): an exclusive job (a delete, the start-up measurement)
    runs alone, or requests are admitted while the running sequences and their KV bytes stay under
    their bounds and the step's prompt tokens under the prefill budget (one request is always admitted
@@ -44,7 +45,7 @@ BackgroundTask = Callable[[], None]
 class Step(Generic[G]):
     """What one step runs."""
 
-    continued_prefill: G | None = None  # a chunked prefill's next chunk
+    continued_prefill: G | None = None  # a prefill in parts: its next part
     admitted: list[G] = field(default_factory=list)  # prefills to run (then they decode)
     job: Job | None = None  # an exclusive job, alone in its step
     decode: list[G] = field(default_factory=list)  # the running sequences' batched decode step
@@ -61,7 +62,7 @@ class Scheduler(Generic[G]):
         self.config = config
         self.waiting: deque[G | Job] = deque()
         self.running: list[G] = []  # decoding
-        self.prefilling: G | None = None  # a chunked prefill in progress
+        self.prefilling: G | None = None  # a prefill in parts, between two of them
         self.background: deque[BackgroundTask] = deque()
         self._num_steps_without_background = 0
 

@@ -1,8 +1,9 @@
 """Continuous batching on a live server (tiny random model, real HTTP for ingestion, the server's own
 pipeline and engine loop for the answers): answers in a batch equal the same requests alone; a new
 request does not wait for a running answer; a client that leaves is dropped from the batch; a long
-full prefill cut into chunks answers like one prefill; an upload's precompute interleaves with a
-running answer instead of holding it."""
+full prefill cut into chunks answers like one prefill; a running answer decodes between the parts of
+another request's long blend prefill; an upload's precompute interleaves with a running answer
+instead of holding it."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 
 from app.rag.types import DoneEvent, RagRequest, TokenEvent
 from app.testing import LiveServer
-from blend_engine.types import FinishReason, SamplingParams
+from blend_engine.types import FinishReason, PrefillMode, SamplingParams
 from configs.settings import RequestMode, load_settings
 from runtime.jobs import JobCancelled
 from runtime.types import PrefillRequest
@@ -168,6 +169,30 @@ def test_a_long_full_prefill_in_chunks_answers_like_one_prefill(server):
     assert int(a.logits.argmax()) == int(b.logits.argmax())
     torch.testing.assert_close(a.cache.keys[:, :, :n], b.cache.keys[:, :, :n], rtol=0, atol=2e-2)
     torch.testing.assert_close(a.cache.values[:, :, :n], b.cache.values[:, :, :n], rtol=0, atol=2e-2)
+
+
+def test_a_running_answer_streams_between_the_parts_of_a_long_blend_prefill(server):
+    loop, pipeline = server.components.loop, server.components.pipeline
+    counts = {}
+
+    async def main():
+        first_token = asyncio.Event()
+        long = asyncio.create_task(answer(pipeline, rag_request("Owls and rivers.", RequestMode.BLEND, 600),
+                                          on_token=lambda n: first_token.set()))
+        await first_token.wait()
+        before = loop.stats.num_prefill_parts, loop.stats.num_decode_steps_mid_prefill
+        # 16 chunks of 24 tokens: ~400 tokens, past the 64 x 4 token-layers one part may run
+        _, done = await answer(pipeline, rag_request("Tell me everything.", RequestMode.BLEND, 3, top_k=16))
+        counts["parts"] = loop.stats.num_prefill_parts - before[0]
+        counts["mid"] = loop.stats.num_decode_steps_mid_prefill - before[1]
+        counts["long_running"] = not long.done()
+        return done, (await long)[1]
+
+    done, long_done = asyncio.run(main())
+    assert done.mode is PrefillMode.BLEND and done.usage.prompt_tokens > 64 * 4
+    assert long_done.finish_reason is FinishReason.LENGTH and counts["long_running"]
+    # each part but the last handed its step back, and the running answer decoded a token in it
+    assert counts["parts"] >= 1 and counts["mid"] == counts["parts"], counts
 
 
 def test_an_upload_interleaves_with_a_running_answer(server):
