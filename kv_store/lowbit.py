@@ -102,7 +102,7 @@ class _Ranges:
     log_step_delta: np.ndarray  # fp16
 
     def lo(self, codes: np.ndarray) -> np.ndarray:
-        return self.lo_min.astype(np.float32) + codes.astype(np.float32) * self.lo_delta.astype(np.float32)
+        return _decoded_min(self.lo_min, self.lo_delta, codes)
 
     def step(self, codes: np.ndarray) -> np.ndarray:
         exponent = self.log_step_min.astype(np.float32) + codes.astype(np.float32) * self.log_step_delta.astype(np.float32)
@@ -117,6 +117,10 @@ class _Ranges:
         return cls(*parts)
 
 
+def _decoded_min(lo_min: np.ndarray, lo_delta: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    return lo_min.astype(np.float32) + codes.astype(np.float32) * lo_delta.astype(np.float32)
+
+
 def _quantize_two_level(x: np.ndarray, axis: int, bits: int, slice_axis: int
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, _Ranges]:
     """As `_quantize`, with each group's min and step as 8-bit codes over a `_Ranges` shared along
@@ -127,11 +131,10 @@ def _quantize_two_level(x: np.ndarray, axis: int, bits: int, slice_axis: int
     lo_min = _f16_rounded(lo.min(axis=slice_axis, keepdims=True), is_down=True)
     lo_delta = np.maximum(_f16_rounded((lo.max(axis=slice_axis, keepdims=True) - lo_min.astype(np.float32)) / 255,
                                        is_down=False), _MIN_DELTA)
-    partial = _Ranges(lo_min, lo_delta, lo_min, lo_delta)  # only its `lo` is used before the steps exist
     lo_codes = np.clip(np.floor((lo - lo_min.astype(np.float32)) / lo_delta.astype(np.float32)), 0, 255)
-    lo_codes -= partial.lo(lo_codes) > lo  # float rounding: the decoded min must not exceed the true one
+    lo_codes -= _decoded_min(lo_min, lo_delta, lo_codes) > lo  # float rounding: never above the true min
     lo_codes = np.maximum(lo_codes, 0).astype(np.uint8)
-    log_need = np.log(np.maximum((hi - partial.lo(lo_codes)) / levels, _MIN_STEP)).astype(np.float32)
+    log_need = np.log(np.maximum((hi - _decoded_min(lo_min, lo_delta, lo_codes)) / levels, _MIN_STEP)).astype(np.float32)
     log_min = _f16_rounded(log_need.min(axis=slice_axis, keepdims=True), is_down=True)
     log_delta = np.maximum(_f16_rounded((log_need.max(axis=slice_axis, keepdims=True) - log_min.astype(np.float32)) / 255,
                                         is_down=False), _MIN_DELTA)
