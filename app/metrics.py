@@ -165,6 +165,12 @@ class _EngineCollector(Collector):
         for outcome in ("completed", "failed", "cancelled", "rejected"):
             jobs.add_metric([outcome], float(getattr(stats, f"num_{outcome}")))
         yield jobs
+        yield CounterMetricFamily("ragblend_engine_prefill_parts",
+                                  "Prefill parts that handed the step back before their prompt was in",
+                                  value=float(stats.num_prefill_parts))
+        yield CounterMetricFamily("ragblend_engine_decode_steps_mid_prefill",
+                                  "Batched decode steps run between the parts of another request's prefill",
+                                  value=float(stats.num_decode_steps_mid_prefill))
         yield GaugeMetricFamily("ragblend_engine_waiting", "Requests and jobs waiting for the engine",
                                 value=self._loop.num_waiting)
         yield GaugeMetricFamily("ragblend_engine_running", "Answers prefilling or decoding in the batch",

@@ -193,6 +193,11 @@ def test_a_running_answer_streams_between_the_parts_of_a_long_blend_prefill(serv
     assert long_done.finish_reason is FinishReason.LENGTH and counts["long_running"]
     # each part but the last handed its step back, and the running answer decoded a token in it
     assert counts["parts"] >= 1 and counts["mid"] == counts["parts"], counts
+    text = httpx.get(f"{server.url}/metrics").text  # the same counters, for an operator
+    exported = {name: float(re.search(rf"^{name}_total (\S+)$", text, re.M).group(1))
+                for name in ("ragblend_engine_prefill_parts", "ragblend_engine_decode_steps_mid_prefill")}
+    assert exported == {"ragblend_engine_prefill_parts": loop.stats.num_prefill_parts,
+                        "ragblend_engine_decode_steps_mid_prefill": loop.stats.num_decode_steps_mid_prefill}
 
 
 def test_an_upload_interleaves_with_a_running_answer(server):
