@@ -26,7 +26,6 @@ Prints a table, then one JSON object (also written to --out).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import tempfile
 import time
@@ -36,6 +35,7 @@ from statistics import mean, median
 import numpy as np
 import torch
 
+from bench.output import emit_summary
 from blend_engine.engine import BlendEngine
 from blend_engine.kv import ChunkKV
 from blend_engine.types import PrefillMode, Segment
@@ -248,8 +248,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r['budget']:>10s} {r['hit_rate']:9.3f} {r['hit_rate_second_half']:9.3f} {r['mean_ttft_ms']:10.0f} "
               f"{r['p95_ttft_ms']:9.0f} {r['mean_ttft_vs_full_budget']:9.3f} {r['bytes_on_disk'] / 1e6:8.1f} "
               f"{r.get('evictions', 0):9d}")
-    line = json.dumps(summary)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
-    print(line)
+    emit_summary(summary, args.out)
     return 0

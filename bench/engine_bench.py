@@ -8,11 +8,9 @@ printed as the last line of stdout (and written to --out).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 import zlib
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -23,6 +21,7 @@ from bench.metrics import argmax_agreement, best_f1, mean_kl, safe_median, token
 from bench.engine_variants import (Variant, adaptive_variants, main_variants, selection_variants, spec_variants,
                                    sweep_variants)
 from bench.musique import Question, load_questions
+from bench.output import emit_summary
 from bench.synthetic import synthetic_prompt
 from blend_engine.engine import BlendEngine
 from blend_engine.types import PrefillMode, PrefillResult, Segment
@@ -130,10 +129,7 @@ def run(args: argparse.Namespace) -> int:
     print_table(summary)
     if summary.get("formats"):
         print_formats(summary["formats"])
-    line = json.dumps(summary)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
-    print(line)
+    emit_summary(summary, args.out)
     return 0
 
 

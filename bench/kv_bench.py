@@ -25,6 +25,7 @@ from blend_engine.engine import BlendEngine
 from blend_engine.types import BlendConfig, PrefillMode, Segment
 from configs.settings import KVQuantization, StorageDtype, load_settings
 from bench.kv_plan import fit_planners, planned_prefill
+from bench.output import emit_summary
 from kv_store import KVStore, StoreConfig, Tier
 
 @dataclasses.dataclass(frozen=True)
@@ -287,8 +288,5 @@ def run(args: argparse.Namespace) -> int:
         throttle_mbps={t.value: r / 1e6 for t, r in throttles.items()},
     )
     print_table(summary)
-    line = json.dumps(summary, default=float)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
-    print(line)
+    emit_summary(summary, args.out, default=float)
     return 0

@@ -13,7 +13,6 @@ one round.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -26,6 +25,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from bench.output import emit_summary  # noqa: E402
 from blend_engine.engine import BlendEngine  # noqa: E402
 from configs import load_settings  # noqa: E402
 
@@ -78,9 +78,7 @@ def run(args: argparse.Namespace) -> int:
     summary = {"bench": "prefill-packing", "model": settings.model.name, "weights": settings.model.weights.value,
                "threads": args.threads, "rounds": args.rounds, "machine": f"{platform.machine()} {platform.processor()}",
                "rows": table}
-    if args.out is not None:
-        args.out.write_text(json.dumps(summary, indent=1) + "\n")
-    print(json.dumps(summary))
+    emit_summary(summary, args.out, indent=1)
     return 0
 
 

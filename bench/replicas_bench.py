@@ -13,7 +13,6 @@ first token) and the server's own TTFT. Prints a table, then one JSON object as 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import threading
@@ -25,6 +24,7 @@ import httpx
 
 from app.commands.ask import iter_events
 from bench.musique import Question, load_questions
+from bench.output import emit_summary
 
 STORES = ("sqlite", "pg")
 
@@ -188,8 +188,5 @@ def run(args: argparse.Namespace) -> int:
     questions = load_questions(args.data, args.questions, args.passages)
     summary = bench(args, questions)
     print_table(summary)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(summary, indent=2))
-    print(json.dumps(summary))
+    emit_summary(summary, args.out, indent=2)
     return 0

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import sys
 import time
@@ -34,6 +33,7 @@ import httpx
 from app.commands.client import error_message
 from app.commands.exit_codes import ExitCode
 from bench.musique import Question, load_questions
+from bench.output import emit_summary
 from bench.server_client import QueryFailed, chunk_ids, ingest, stream_query
 from bench.server_report import (
     Chat, Role, Round, Upload, level_stats, print_tables, ratio_rows, target_checks, upload_stats,
@@ -325,10 +325,7 @@ def run(args: argparse.Namespace) -> int:
             targets.append(Target(Role.BASELINE, args.baseline_url))
         summary = asyncio.run(bench(args, targets, questions, filler, headers))
     print_tables(summary)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(summary, indent=2))
-    print(json.dumps(summary))
+    emit_summary(summary, args.out, indent=2)
     num_errors = sum(row["num_errors"] for rows in summary["results"].values() for row in rows)
     num_errors += sum(run["num_errors"] for run in (summary["uploads"] or {}).values())
     return ExitCode.FAILED if num_errors else ExitCode.OK

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ import httpx
 
 from bench.metrics import best_f1, normalize_answer, token_f1
 from bench.musique import Question, load_questions
+from bench.output import emit_summary
 from bench.server_client import chunk_ids, ingest, stream_query
 
 
@@ -154,8 +154,5 @@ def run(args: argparse.Namespace) -> int:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     summary = asyncio.run(bench(args, questions, headers))
     print_table(summary)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(summary, indent=2))
-    print(json.dumps(summary))
+    emit_summary(summary, args.out, indent=2)
     return 0

@@ -1,0 +1,18 @@
+"""A bench's summary out: one JSON line on stdout (the last line: what scripts and tests parse), and
+the same object written to `--out` when given."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+
+def emit_summary(summary: dict[str, Any], out: str | Path | None, indent: int | None = None,
+                 default: Callable[[Any], Any] | None = None) -> None:
+    """Write `summary` to `out` (its folder made; `indent` for the file only), then print it on one line."""
+    if out:
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(summary, indent=indent, default=default) + "\n")
+    print(json.dumps(summary, default=default))
