@@ -11,11 +11,9 @@ the format's error alone, the issue's measure). Prints a table, then one JSON ob
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from statistics import mean, median
 
 import torch
@@ -23,6 +21,7 @@ import torch
 from bench.engine_bench import DEFAULT_DATA, greedy_ids, prompt_for
 from bench.metrics import argmax_agreement, mean_kl
 from bench.musique import load_questions
+from bench.output import emit_summary
 from blend_engine.engine import BlendEngine
 from blend_engine.kv import ChunkKV
 from blend_engine.types import PrefillMode, Segment
@@ -136,15 +135,18 @@ def run(args: argparse.Namespace) -> int:
             trip = [Segment(s.token_ids, _round_trip(s.kv, cand, sizes, times)) if isinstance(s.kv, ChunkKV) else s
                     for s in segments]
             result = engine.prefill(trip, PrefillMode.BLEND, blend, max_new_tokens=args.answer_tokens)
-            if fp16_selection is None:
+            is_reference = fp16_selection is None
+            if is_reference:
                 fp16_selection = tuple(result.stats.selected_positions)
             if ref_ids:
                 logits = engine.score(result, ref_ids)
                 kls[cand.name].append(mean_kl(ref_logits, logits))
                 agree[cand.name].append(argmax_agreement(logits, ref_ids))
-                same = replace(blend, selected_positions=fp16_selection)
-                same_result = engine.prefill(trip, PrefillMode.BLEND, same, max_new_tokens=args.answer_tokens)
-                same_kls[cand.name].append(mean_kl(ref_logits, engine.score(same_result, ref_ids)))
+                if not is_reference:  # float16 under its own selection is the blend just scored
+                    same = replace(blend, selected_positions=fp16_selection)
+                    result = engine.prefill(trip, PrefillMode.BLEND, same, max_new_tokens=args.answer_tokens)
+                    logits = engine.score(result, ref_ids)
+                same_kls[cand.name].append(mean_kl(ref_logits, logits))
         print(f"question {qi + 1}/{len(questions)} done in {time.perf_counter() - t0:.1f} s", flush=True)
     fp16_bytes = sizes["float16"] / num_tokens
     fp16_kl = mean(kls["float16"]) if kls["float16"] else None
@@ -184,8 +186,5 @@ def run(args: argparse.Namespace) -> int:
         same = f"{r['kl_same_selection_vs_float16']:.3f}" if r["kl_same_selection_vs_float16"] is not None else "-"
         print(f"{r['format']:44s} {r['bytes_per_token']:9.0f} {r['vs_float16']:7.3f} {r['encode_mb_s']:9.0f} "
               f"{r['decode_mb_s']:9.0f} {kl:>8s} {rel:>8s} {same:>8s} {agr:>7s}")
-    line = json.dumps(summary)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
-    print(line)
+    emit_summary(summary, args.out)
     return 0
