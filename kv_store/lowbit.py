@@ -1,11 +1,17 @@
 """Low-bit KV at rest: keys quantized per channel over groups of tokens, values per token
-(KIVI's split: keys have outlier channels, values do not), codes kept one per byte and entropy-coded
-bit-packed (any width 1..8) and entropy-coded by zstd
-(the `zstandard` package), optionally as token-wise deltas (CacheGen's idea). One layer is one
-self-contained payload, so a reader decodes layer by layer as it streams.
+(KIVI's split: keys have outlier channels, values do not), codes bit-packed (any width 1..8) and
+entropy-coded by zstd (the `zstandard` package), optionally as token-wise deltas (CacheGen's idea).
+One layer is one self-contained payload, so a reader decodes layer by layer as it streams.
 
-Payload of a layer, before zstd: key codes [H, n, D] | value codes [H, n, D] (packed) | then the
-scales (G = ceil(n / group)):
+Key bits per channel (`KeyBits.PER_CHANNEL`): a head's channels differ in range by 100x and more, and
+at a uniform width the widest few carry most of the error (measured: docs/benchmarks/kv-codec.md). So
+each head's `key_bits * D` bits are spread over its channels by transform coding's rule (`_channel_bits`):
+a channel's squared error shrinks 4x per bit, each bit goes where it removes the most. The widths
+(1..8) are stored with the layer.
+
+Payload of a layer, before zstd: [per-channel key bits: widths u8 [H, D] | key codes of the channels
+of each width, width 1 first, each [channels, n] packed] or [uniform: key codes [H, n, D] packed] |
+value codes [H, n, D] (packed) | then the scales (G = ceil(n / group)):
 - `scale_bits` 16: key min, key step [H, G, D] fp16 | value min, value step [H, n, 1] fp16;
 - `scale_bits` 8 (two levels): key min codes, key step codes [H, G, D] u8 | key ranges [4, H, D] fp16 |
   value min codes, value step codes [H, n] u8 | value ranges [4, H] fp16. Each key channel's (each
@@ -20,35 +26,50 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from enum import Enum
 
 import numpy as np
 import torch
 import zstandard
 
 
+MIN_BITS, MAX_BITS = 1, 8  # the widths a code can have
+
+
+class KeyBits(str, Enum):
+    """How a layer's key bits are spread over its channels."""
+
+    UNIFORM = "uniform"  # every channel at `key_bits`
+    PER_CHANNEL = "per_channel"  # `key_bits` on average over each head's channels, by their ranges
+
+
 @dataclass(frozen=True)
 class LowBitSpec:
-    key_bits: int = 4
+    key_bits: int = 4  # PER_CHANNEL: the average over a head's channels
     value_bits: int = 4
     group_tokens: int = 64  # keys: one (min, step) per channel per this many tokens
     zstd_level: int = 3  # 0: no zstd (codes stored raw, one per byte)
     is_delta: bool = False  # codes stored as differences from the previous token's (mod 2^bits)
     scale_bits: int = 16  # 16: each group's min and step in fp16; 8: two-level (see the module's doc)
+    key_allocation: KeyBits = KeyBits.UNIFORM
 
     def __post_init__(self) -> None:
         if self.scale_bits not in (8, 16):
             raise ValueError(f"scale_bits must be 8 or 16, got {self.scale_bits}")
         for bits in (self.key_bits, self.value_bits):
-            if not 1 <= bits <= 8:
-                raise ValueError(f"bit widths must be 1..8, got {bits}")
+            if not MIN_BITS <= bits <= MAX_BITS:
+                raise ValueError(f"bit widths must be {MIN_BITS}..{MAX_BITS}, got {bits}")
         if self.group_tokens < 1:
             raise ValueError(f"group_tokens must be >= 1, got {self.group_tokens}")
+        if self.is_delta and self.key_allocation is KeyBits.PER_CHANNEL:
+            raise ValueError("token-wise deltas take one width per tensor: not with per-channel key bits")
 
     @property
     def tag(self) -> str:
+        allocation = "c" if self.key_allocation is KeyBits.PER_CHANNEL else ""
         delta = "d" if self.is_delta else ""
         scales = "s8" if self.scale_bits == 8 else ""
-        return f"k{self.key_bits}v{self.value_bits}g{self.group_tokens}{delta}z{self.zstd_level}{scales}"
+        return f"k{self.key_bits}{allocation}v{self.value_bits}g{self.group_tokens}{delta}z{self.zstd_level}{scales}"
 
 
 _local = threading.local()  # zstd contexts are not thread-safe: one per thread
@@ -67,15 +88,21 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return _local.decompressor
 
 
-def _quantize(x: np.ndarray, axis: int, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _levels(bits: int | np.ndarray) -> int | np.ndarray:
+    """The largest code of each width (bits: a width, or widths broadcastable against the scales)."""
+    return (1 << np.asarray(bits, dtype=np.int32)) - 1
+
+
+def _quantize(x: np.ndarray, axis: int, bits: int | np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Asymmetric min/max quantization along `axis`: codes u8, min and step fp16 (keepdims).
 
     numpy, not torch: on small per-layer arrays torch's thread pool costs ~100x the arithmetic
     (measured on this 2-core CPU: round_ 4 ms vs np.rint 0.014 ms for 32k values)."""
     lo, hi = x.min(axis=axis, keepdims=True), x.max(axis=axis, keepdims=True)
+    levels = _levels(bits)
     lo16 = lo.astype(np.float16)
-    step16 = np.maximum((hi - lo) / (2**bits - 1), 1e-6).astype(np.float16)  # fp16: what the decoder sees
-    codes = np.clip(np.rint((x - lo16.astype(np.float32)) / step16.astype(np.float32)), 0, 2**bits - 1)
+    step16 = np.maximum((hi - lo) / levels, 1e-6).astype(np.float16)  # fp16: what the decoder sees
+    codes = np.clip(np.rint((x - lo16.astype(np.float32)) / step16.astype(np.float32)), 0, levels)
     return codes.astype(np.uint8), lo16, step16
 
 
@@ -121,12 +148,12 @@ def _decoded_min(lo_min: np.ndarray, lo_delta: np.ndarray, codes: np.ndarray) ->
     return lo_min.astype(np.float32) + codes.astype(np.float32) * lo_delta.astype(np.float32)
 
 
-def _quantize_two_level(x: np.ndarray, axis: int, bits: int, slice_axis: int
+def _quantize_two_level(x: np.ndarray, axis: int, bits: int | np.ndarray, slice_axis: int
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, _Ranges]:
     """As `_quantize`, with each group's min and step as 8-bit codes over a `_Ranges` shared along
     `slice_axis` (the groups of one key channel, the tokens of one value head).
     Returns codes u8 (x's shape), min codes and step codes u8 (keepdims along `axis`), the ranges."""
-    levels = 2**bits - 1
+    levels = _levels(bits)
     lo, hi = x.min(axis=axis, keepdims=True), x.max(axis=axis, keepdims=True)
     lo_min = _f16_rounded(lo.min(axis=slice_axis, keepdims=True), is_down=True)
     lo_delta = np.maximum(_f16_rounded((lo.max(axis=slice_axis, keepdims=True) - lo_min.astype(np.float32)) / 255,
@@ -202,6 +229,52 @@ def _packed_len(numel: int, bits: int) -> int:
     return -(-numel * bits // 8)
 
 
+def _channel_bits(importance: np.ndarray, avg_bits: int) -> np.ndarray:
+    """Widths u8 [H, D] averaging `avg_bits` over each head's D channels, from each channel's
+    `importance` [H, D] (its squared quantization range, per unit step).
+
+    Transform coding's greedy rule: a channel at b bits has squared error ~ importance * 4^-b, so
+    the bit b -> b + 1 removes importance * 4^-b * 3/4. The extra bits above MIN_BITS go to the largest
+    such gains over all channels and widths; a channel's gains shrink 4x per bit, so the ones taken
+    are a prefix of each channel's: its width is MIN_BITS plus how many it got."""
+    num_heads, head_dim = importance.shape
+    widths = np.arange(MIN_BITS, MAX_BITS, dtype=np.float64)  # [W]: the b of each step b -> b + 1
+    gains = importance.astype(np.float64)[:, :, None] * 4.0 ** -widths  # [H, D, W]
+    num_extra = (avg_bits - MIN_BITS) * head_dim
+    taken = np.argsort(-gains.reshape(num_heads, -1), axis=1, kind="stable")[:, :num_extra]  # [H, extra]
+    is_taken = np.zeros((num_heads, head_dim * len(widths)), dtype=bool)
+    np.put_along_axis(is_taken, taken, True, axis=1)
+    return (MIN_BITS + is_taken.reshape(num_heads, head_dim, -1).sum(-1)).astype(np.uint8)
+
+
+def _width_counts(widths: np.ndarray) -> list[int]:
+    """How many channels have each width MIN_BITS..MAX_BITS (widths [H, D])."""
+    return np.bincount(widths.reshape(-1), minlength=MAX_BITS + 1)[MIN_BITS:].tolist()
+
+
+def _key_code_sizes(widths: np.ndarray, num_tokens: int) -> list[int]:
+    """Bytes of the packed key codes of each width's channels, width MIN_BITS first."""
+    return [_packed_len(count * num_tokens, bits) for bits, count in zip(range(MIN_BITS, MAX_BITS + 1),
+                                                                       _width_counts(widths))]
+
+
+def _pack_by_width(codes: np.ndarray, widths: np.ndarray) -> bytes:
+    """codes u8 [H, n, D] -> each width's channels' codes [channels, n], packed at that width, in order."""
+    by_channel = codes.transpose(0, 2, 1)  # [H, D, n]
+    return b"".join(_pack(torch.from_numpy(np.ascontiguousarray(by_channel[widths == bits])), bits).numpy().tobytes()
+                    for bits in range(MIN_BITS, MAX_BITS + 1))
+
+
+def _unpack_by_width(parts: list[torch.Tensor], widths: np.ndarray, num_tokens: int) -> np.ndarray:
+    """The inverse of `_pack_by_width`: codes u8 [H, n, D] (a view)."""
+    num_heads, head_dim = widths.shape
+    by_channel = np.empty((num_heads, head_dim, num_tokens), dtype=np.uint8)  # [H, D, n]
+    for bits, count, part in zip(range(MIN_BITS, MAX_BITS + 1), _width_counts(widths), parts):
+        if count:
+            by_channel[widths == bits] = _unpack(part, bits, count * num_tokens).numpy().reshape(count, num_tokens)
+    return by_channel.transpose(0, 2, 1)
+
+
 def encode_layer(kv: torch.Tensor, spec: LowBitSpec) -> bytes:
     """kv [2, H, n, D] (any float dtype, CPU) -> one compressed payload."""
     x = kv.detach().float().numpy()
@@ -213,22 +286,31 @@ def encode_layer(kv: torch.Tensor, spec: LowBitSpec) -> bytes:
     # groups of g tokens: pad by repeating the last token (it does not widen the group's range)
     padded = np.concatenate([keys, np.repeat(keys[:, -1:], pad, axis=1)], 1) if pad else keys
     grouped = padded.reshape(num_heads, num_groups, g, head_dim)
+    widths = None
+    key_bits: int | np.ndarray = spec.key_bits
+    if spec.key_allocation is KeyBits.PER_CHANNEL:
+        spans = grouped.max(axis=2) - grouped.min(axis=2)  # [H, G, D]: each group's range
+        widths = _channel_bits((spans.astype(np.float64) ** 2).mean(axis=1), spec.key_bits)  # [H, D]
+        key_bits = widths[:, None, None, :]  # [H, 1, 1, D], as the group scales
     if spec.scale_bits == 8:  # second level per key channel (over its groups), per value head (over tokens)
-        k_codes, k_lo, k_step, k_ranges = _quantize_two_level(grouped, 2, spec.key_bits, slice_axis=1)
+        k_codes, k_lo, k_step, k_ranges = _quantize_two_level(grouped, 2, key_bits, slice_axis=1)
         v_codes, v_lo, v_step, v_ranges = _quantize_two_level(values, 2, spec.value_bits, slice_axis=1)
         scales = [k_lo, k_step, v_lo, v_step]  # u8 [H, G, 1, D] x2, [H, n, 1] x2
         tails = [k_ranges.tobytes(), v_ranges.tobytes()]  # fp16 [4, H, 1, 1, D], [4, H, 1, 1]
     else:
-        k_codes, k_lo, k_step = _quantize(grouped, 2, spec.key_bits)
+        k_codes, k_lo, k_step = _quantize(grouped, 2, key_bits)
         v_codes, v_lo, v_step = _quantize(values, 2, spec.value_bits)  # [H, n, D], [H, n, 1]
         scales, tails = [k_lo, k_step, v_lo, v_step], []
-    k_codes = torch.from_numpy(k_codes.reshape(num_heads, num_groups * g, head_dim)[:, :num_tokens])
-    v_codes = torch.from_numpy(v_codes)
-    if spec.is_delta:
-        k_codes, v_codes = _delta(k_codes, spec.key_bits), _delta(v_codes, spec.value_bits)
+    k_codes = k_codes.reshape(num_heads, num_groups * g, head_dim)[:, :num_tokens]  # [H, n, D]
+    if widths is not None:
+        key_part = widths.tobytes() + _pack_by_width(k_codes, widths)
+    else:
+        k_tensor = torch.from_numpy(np.ascontiguousarray(k_codes))
+        key_part = _pack(_delta(k_tensor, spec.key_bits) if spec.is_delta else k_tensor, spec.key_bits).numpy().tobytes()
+    v_tensor = torch.from_numpy(v_codes)
     raw = b"".join([
-        _pack(k_codes.contiguous(), spec.key_bits).numpy().tobytes(),
-        _pack(v_codes.contiguous(), spec.value_bits).numpy().tobytes(),
+        key_part,
+        _pack(_delta(v_tensor, spec.value_bits) if spec.is_delta else v_tensor, spec.value_bits).numpy().tobytes(),
         *(np.ascontiguousarray(a).tobytes() for a in scales),
         *tails,
     ])
@@ -245,9 +327,13 @@ def _scale_sizes(num_heads: int, num_tokens: int, head_dim: int, spec: LowBitSpe
 
 
 def raw_size(num_heads: int, num_tokens: int, head_dim: int, spec: LowBitSpec) -> int:
+    """Bytes of a layer before zstd; with per-channel key bits, at most this (each width's codes
+    are padded to whole bytes apart: at most one byte more per width than `key_bits` on average)."""
     codes = num_heads * num_tokens * head_dim
-    return (_packed_len(codes, spec.key_bits) + _packed_len(codes, spec.value_bits)
-            + sum(_scale_sizes(num_heads, num_tokens, head_dim, spec)))
+    key_codes = _packed_len(codes, spec.key_bits)
+    if spec.key_allocation is KeyBits.PER_CHANNEL:
+        key_codes += num_heads * head_dim + (MAX_BITS - MIN_BITS + 1)  # the widths, the padding
+    return key_codes + _packed_len(codes, spec.value_bits) + sum(_scale_sizes(num_heads, num_tokens, head_dim, spec))
 
 
 def packed_size(num_heads: int, num_tokens: int, head_dim: int, spec: LowBitSpec) -> int:
@@ -255,41 +341,62 @@ def packed_size(num_heads: int, num_tokens: int, head_dim: int, spec: LowBitSpec
     return raw_size(num_heads, num_tokens, head_dim, spec) + 64
 
 
+def _widths(buf: np.ndarray, num_heads: int, head_dim: int, avg_bits: int) -> np.ndarray:
+    """A payload's per-channel key widths [H, D], checked: each in range, each head's summing as written."""
+    if buf.size < num_heads * head_dim:
+        raise ValueError(f"payload of {buf.size} bytes has no key widths")
+    widths = buf[: num_heads * head_dim].reshape(num_heads, head_dim)
+    if widths.min() < MIN_BITS or widths.max() > MAX_BITS or (widths.sum(1, dtype=np.int64) != avg_bits * head_dim).any():
+        raise ValueError("damaged per-channel key widths")
+    return widths
+
+
 def decode_layer(payload, num_heads: int, num_tokens: int, head_dim: int, spec: LowBitSpec,
                  dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """One payload -> kv [2, H, n, D] in `dtype` (CPU). Raises ValueError on a malformed payload."""
-    size = raw_size(num_heads, num_tokens, head_dim, spec)
+    max_size = raw_size(num_heads, num_tokens, head_dim, spec)
     if spec.zstd_level > 0:
         try:
-            raw = _decompressor().decompress(payload, max_output_size=size)
+            raw = _decompressor().decompress(payload, max_output_size=max_size)
         except zstandard.ZstdError as exc:
             raise ValueError(f"zstd: {exc}") from exc
     else:
         raw = payload
     buf = np.frombuffer(raw, dtype=np.uint8)
-    if buf.size != size:
-        raise ValueError(f"payload decodes to {buf.size} bytes, expected {size}")
-    t = torch.from_numpy(buf.copy()) if not buf.flags.writeable else torch.from_numpy(buf)
     n_codes = num_heads * num_tokens * head_dim
     num_groups = -(-num_tokens // spec.group_tokens)
-    n_k, n_v = _packed_len(n_codes, spec.key_bits), _packed_len(n_codes, spec.value_bits)
-    parts = torch.split(t, [n_k, n_v, *_scale_sizes(num_heads, num_tokens, head_dim, spec)])
-    k_codes = _unpack(parts[0], spec.key_bits, n_codes).view(num_heads, num_tokens, head_dim)
-    v_codes = _unpack(parts[1], spec.value_bits, n_codes).view(num_heads, num_tokens, head_dim)
+    widths = None
+    if spec.key_allocation is KeyBits.PER_CHANNEL:
+        widths = _widths(buf, num_heads, head_dim, spec.key_bits)
+        key_sizes = [num_heads * head_dim, *_key_code_sizes(widths, num_tokens)]
+    else:
+        key_sizes = [_packed_len(n_codes, spec.key_bits)]
+    sizes = [*key_sizes, _packed_len(n_codes, spec.value_bits), *_scale_sizes(num_heads, num_tokens, head_dim, spec)]
+    if buf.size != sum(sizes):
+        raise ValueError(f"payload decodes to {buf.size} bytes, expected {sum(sizes)}")
+    t = torch.from_numpy(buf.copy()) if not buf.flags.writeable else torch.from_numpy(buf)
+    parts = torch.split(t, sizes)
+    key_parts, v_part, scale_parts = parts[: len(key_sizes)], parts[len(key_sizes)], parts[len(key_sizes) + 1 :]
+    if widths is not None:
+        k = _unpack_by_width(list(key_parts[1:]), widths, num_tokens)  # [H, n, D]
+    else:
+        k_codes = _unpack(key_parts[0], spec.key_bits, n_codes).view(num_heads, num_tokens, head_dim)
+        k = (_undelta(k_codes, spec.key_bits) if spec.is_delta else k_codes).numpy()
+    v_codes = _unpack(v_part, spec.value_bits, n_codes).view(num_heads, num_tokens, head_dim)
     if spec.is_delta:
-        k_codes, v_codes = _undelta(k_codes, spec.key_bits), _undelta(v_codes, spec.value_bits)
+        v_codes = _undelta(v_codes, spec.value_bits)
     k_shape, v_shape = (num_heads, num_groups, 1, head_dim), (num_heads, num_tokens, 1)
     if spec.scale_bits == 8:
-        k_ranges = _Ranges.frombuffer(parts[6].numpy(), (num_heads, 1, 1, head_dim))
-        v_ranges = _Ranges.frombuffer(parts[7].numpy(), (num_heads, 1, 1))
-        k_lo, k_step = k_ranges.lo(parts[2].numpy().reshape(k_shape)), k_ranges.step(parts[3].numpy().reshape(k_shape))
-        v_lo, v_step = v_ranges.lo(parts[4].numpy().reshape(v_shape)), v_ranges.step(parts[5].numpy().reshape(v_shape))
+        k_ranges = _Ranges.frombuffer(scale_parts[4].numpy(), (num_heads, 1, 1, head_dim))
+        v_ranges = _Ranges.frombuffer(scale_parts[5].numpy(), (num_heads, 1, 1))
+        k_lo = k_ranges.lo(scale_parts[0].numpy().reshape(k_shape))
+        k_step = k_ranges.step(scale_parts[1].numpy().reshape(k_shape))
+        v_lo, v_step = v_ranges.lo(scale_parts[2].numpy().reshape(v_shape)), v_ranges.step(scale_parts[3].numpy().reshape(v_shape))
     else:
-        k_lo, k_step = (p.numpy().view(np.float16).astype(np.float32).reshape(k_shape) for p in parts[2:4])
-        v_lo, v_step = (p.numpy().view(np.float16).astype(np.float32).reshape(v_shape) for p in parts[4:6])
+        k_lo, k_step = (p.numpy().view(np.float16).astype(np.float32).reshape(k_shape) for p in scale_parts[0:2])
+        v_lo, v_step = (p.numpy().view(np.float16).astype(np.float32).reshape(v_shape) for p in scale_parts[2:4])
     g = spec.group_tokens
     pad = num_groups * g - num_tokens
-    k = k_codes.numpy()
     if pad:
         k = np.concatenate([k, np.zeros((num_heads, pad, head_dim), np.uint8)], 1)
     # code * step + min, in fp32 (numpy: see _quantize), per key group / value token
