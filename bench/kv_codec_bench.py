@@ -29,6 +29,7 @@ from configs import SinkMode, load_settings
 from configs.settings import KVQuantization, StorageDtype
 from kv_store import codec
 from kv_store.keys import StorageFormat
+from kv_store.lowbit import KeyBits
 
 FP16 = StorageFormat(StorageDtype.FLOAT16)
 
@@ -57,6 +58,13 @@ def candidates() -> list[Candidate]:
         ("k8v3 g32 8-bit scales, zstd", dict(key_bits=8, value_bits=3, group_tokens=32, scale_bits=8)),
         ("k4v8 g32 8-bit scales, zstd", dict(key_bits=4, value_bits=8, group_tokens=32, scale_bits=8)),
         ("k4v3 g16 8-bit scales, zstd", dict(key_bits=4, value_bits=3, group_tokens=16, scale_bits=8)),
+        # key bits per channel (the int4 default since stop 30) against one width for all (stop 29's)
+        ("k4v3 g32 8-bit scales, zstd, uniform key bits", dict(key_bits=4, value_bits=3, group_tokens=32,
+                                                               scale_bits=8)),
+        ("k3v3 g32 8-bit scales, zstd, per-channel key bits", dict(key_bits=3, value_bits=3, group_tokens=32,
+                                                                   scale_bits=8, key_allocation=KeyBits.PER_CHANNEL)),
+        ("k4v4 g32 8-bit scales, zstd, per-channel key bits", dict(key_bits=4, value_bits=4, group_tokens=32,
+                                                                   scale_bits=8, key_allocation=KeyBits.PER_CHANNEL)),
     ]:
         out.append(Candidate(name, None, spec))
     return out

@@ -38,10 +38,15 @@ def test_int4_round_trip_is_within_half_a_step_and_small():
     assert out.keys.dtype == torch.float16 and out.keys.shape == kv.keys.shape
     # keys: per channel over groups of tokens; values: per token; error <= half a step (+ fp16 rounding)
     spec = codec.LOWBIT_SPECS[KVQuantization.INT4]
-    g, k_levels, v_levels = spec.group_tokens, 2**spec.key_bits - 1, 2**spec.value_bits - 1
+    assert spec.key_allocation is lowbit.KeyBits.PER_CHANNEL
+    g, v_levels = spec.group_tokens, 2**spec.value_bits - 1
     for layer in range(kv.num_layers):
         k, v = kv.keys[layer], kv.values[layer]  # [H, n, D]
-        k_step = (k[:, :g].amax(1) - k[:, :g].amin(1)) / k_levels  # [H, D], first group
+        (begin, end), = header.layer_ranges[layer]
+        raw = lowbit._decompressor().decompress(bytes(blob[begin:end]), max_output_size=1 << 20)
+        widths = torch.tensor(list(raw[: 2 * 64]), dtype=torch.int64).view(2, 64)  # [H, D]: the payload's first part
+        assert (widths.sum(1) == spec.key_bits * 64).all()
+        k_step = (k[:, :g].amax(1) - k[:, :g].amin(1)) / (2**widths - 1)  # [H, D], first group
         assert ((out.keys[layer, :, :g].float() - k[:, :g]).abs() <= k_step[:, None] / 2 * 1.01 + 5e-3).all()
         v_step = (v.amax(2) - v.amin(2)) / v_levels  # [H, n]
         assert ((out.values[layer].float() - v).abs() <= v_step[..., None] / 2 * 1.01 + 5e-3).all()
@@ -194,3 +199,17 @@ def test_damaged_per_channel_key_widths_are_a_malformed_payload():
         lowbit.decode_layer(bytes(payload), 2, 100, 64, spec)
     with pytest.raises(ValueError, match="deltas"):
         replace(spec, is_delta=True)
+
+
+@pytest.mark.parametrize("earlier", codec._EARLIER_LOWBIT_SPECS, ids=lambda spec: spec.tag)
+def test_int4_entries_written_with_earlier_parameters_stay_readable(earlier, monkeypatch):
+    kv = smooth_kv()
+    key = chunk_key("fp", INT4, kv.token_ids, kv.context_ids)
+    monkeypatch.setitem(codec.LOWBIT_SPECS, KVQuantization.INT4, earlier)  # the earlier version's encoder
+    blob = bytearray(codec.encode(kv, key, "fp", INT4))
+    monkeypatch.undo()
+    assert codec.LOWBIT_SPECS[KVQuantization.INT4] != earlier
+    header = codec.parse_header(blob[: codec.header_size(blob)], len(blob), key, "fp", INT4)
+    assert header.lowbit_spec == earlier  # by the header's tag, under the same key
+    out = codec.decode(header, lambda b, e: bytearray(blob[b:e]))
+    assert torch.allclose(out.keys.float(), kv.keys, atol=0.05 * kv.keys.abs().max())
