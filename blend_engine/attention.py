@@ -181,8 +181,7 @@ def attend_last_int8(q: torch.Tensor, kv: Int8Layer, scale: float, bias: torch.T
     num_heads, _, head_dim = q.shape
     num_kv_heads = kv.values_t.shape[0]
     folded = fold_int8_queries(q, scale, num_kv_heads)  # [H_kv, G, D] bf16
-    probs = folded.new_zeros(num_kv_heads, folded.shape[1], kv.values_t.shape[2])  # [H_kv, G, capacity]
-    out = attend_int8_heads(folded.unbind(0), kv.heads(), probs, bias)  # [G, D] per KV head
+    out = attend_int8_heads(folded.unbind(0), kv.heads(num_heads // num_kv_heads), bias)  # [G, D] per KV head
     return torch.stack(out).reshape(1, num_heads * head_dim).to(q.dtype)
 
 
@@ -194,20 +193,16 @@ def fold_int8_queries(q: torch.Tensor, scale: float, num_kv_heads: int) -> torch
     return scaled.reshape(num_tokens * num_kv_heads, num_heads // num_kv_heads, head_dim)
 
 
-def attend_int8_heads(folded: Sequence[torch.Tensor], kv: Int8Heads, probs: torch.Tensor,
-                      bias: torch.Tensor | None = None) -> list[torch.Tensor]:
+def attend_int8_heads(folded: Sequence[torch.Tensor], kv: Int8Heads, bias: torch.Tensor | None = None) -> list[torch.Tensor]:
     """One token over one layer of its int8 cache, per KV head: folded [G, D] (bf16, scaled) per KV
-    head -> [G, D] bf16 per KV head. `probs` [H_kv, G, capacity] bf16, zero past N (the kernel reads
-    every slot of V): its first N slots overwritten with p @ V's weights (so one buffer can serve every
-    layer of a step); `bias` [N] as in `attend`."""
-    num_keys = kv.value_scales.shape[-1]
+    head -> [G, D] bf16 per KV head (`kv.probs` overwritten); `bias` [N] as in `attend`."""
     scores = torch.stack([torch._weight_int8pack_mm(f, k, s)  # [H_kv, G, N]
                           for f, k, s in zip(folded, kv.keys, kv.key_scales)])
     if bias is not None:
         scores += bias
-    # the softmax in fp32 times V's per-token scales, rounded once to bf16 into the padded weights
-    torch.mul(torch.softmax(scores, dim=-1, dtype=torch.float32), kv.value_scales, out=probs[..., :num_keys])
-    return [torch._weight_int8pack_mm(p, v, kv.unit_scales) for p, v in zip(probs.unbind(0), kv.values_t)]
+    # the softmax in fp32 times V's per-token scales, rounded once to bf16 into the zero-padded weights
+    torch.mul(torch.softmax(scores, dim=-1, dtype=torch.float32), kv.value_scales, out=kv.probs)
+    return [torch._weight_int8pack_mm(p, v, kv.unit_scales) for p, v in zip(kv.prob_rows, kv.values_t)]
 
 
 def _folded(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

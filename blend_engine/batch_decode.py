@@ -18,7 +18,7 @@ import torch
 from blend_engine.active import RopeTable
 from blend_engine.attention import AttentionLayout, AttentionMeta, attend, attend_int8_heads, fold_int8_queries
 from blend_engine.decode import Decoder, capture_graph
-from blend_engine.decode_cache import SCALE_DTYPE, Int8KVCache, quantize_rows
+from blend_engine.decode_cache import Int8KVCache, write_rows
 from blend_engine.kv import KVCache
 from blend_engine.runner import ModelRunner, apply_rope
 
@@ -59,29 +59,23 @@ def _single(runner: ModelRunner, decoder: Decoder, pos: int, hidden: torch.Tenso
 def _int8(runner: ModelRunner, decoders: Sequence[Decoder], positions: list[int], hidden: torch.Tensor) -> torch.Tensor:
     """`batch_step` over int8 decode caches: each sequence's attention is `attend_last_int8`'s ops
     (bit for bit, at any B), with what is the same for every row run once per layer for the batch
-    (quantizing the new K/V, scaling q) and each cache's views made once per step (`Int8KVCache.step`).
-    At B = 8 a step made ~50 small torch calls per sequence and layer besides its 6 kernel calls."""
+    (quantizing and writing the new K/V, scaling q) and each cache's views made once per step
+    (`Int8KVCache.step`). At B = 8 a step made ~50 small torch calls per sequence and layer besides
+    its 6 kernel calls; now 4."""
     num_tokens, num_kv_heads = len(decoders), runner.num_kv_heads
-    steps = [decoder.cache.step(pos) for decoder, pos in zip(decoders, positions)]
+    steps = [decoder.cache.step(pos, runner.num_heads // num_kv_heads) for decoder, pos in zip(decoders, positions)]
     biases = [[decoder.cache.bias_at(layer, pos + 1) for layer in range(runner.num_layers)]  # [N] or None
               for decoder, pos in zip(decoders, positions)]
     rows = [decoder.rope_rows(pos) for decoder, pos in zip(decoders, positions)]
     rope = torch.cat([cos for cos, _ in rows]), torch.cat([sin for _, sin in rows])  # [B, D] each
-    group = runner.num_heads // num_kv_heads
-    probs = [torch.zeros(num_kv_heads, group, d.cache.capacity, dtype=SCALE_DTYPE, device=runner.device)
-             for d in decoders]  # [H_kv, G, capacity] per sequence, zero past N: every layer's p @ V weights
     for layer in range(runner.num_layers):
         calls = runner.calls[layer]
         q, k, v = calls.qkv(hidden, rope)  # [H, B, D], [H_kv, B, D] x2; row b rotated at positions[b]
-        quantized, scales = quantize_rows(torch.cat([k, v]))  # [2 H_kv, B, D] int8, [2 H_kv, B] bf16
-        new_k, new_v = quantized[:num_kv_heads].unbind(1), quantized[num_kv_heads:].unbind(1)  # [H_kv, D] per row
-        k_scales, v_scales = scales[:num_kv_heads].unbind(1), scales[num_kv_heads:].unbind(1)  # [H_kv] per row
-        folded = fold_int8_queries(q, runner.scaling, num_kv_heads)  # [B * H_kv, G, D]
-        heads = folded.unbind(0)  # [G, D] each: sequence b's at b * H_kv ..
+        write_rows(steps, layer, k, v)
+        heads = fold_int8_queries(q, runner.scaling, num_kv_heads).unbind(0)  # [G, D]: token b's at b * H_kv ..
         out = []
         for b, step in enumerate(steps):
-            kv = step.write(layer, new_k[b], new_v[b], k_scales[b], v_scales[b])
-            out += attend_int8_heads(heads[b * num_kv_heads : (b + 1) * num_kv_heads], kv, probs[b], biases[b][layer])
+            out += attend_int8_heads(heads[b * num_kv_heads : (b + 1) * num_kv_heads], step.heads[layer], biases[b][layer])
         hidden = calls.finish(hidden, torch.stack(out).view(num_tokens, -1).to(q.dtype))  # out: [B * H_kv, G, D]
     return runner.logits(hidden)  # [B, vocab]
 

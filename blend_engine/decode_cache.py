@@ -15,6 +15,7 @@ faster (measured: README):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,20 +44,27 @@ class Int8Layer:
     def num_keys(self) -> int:
         return self.keys.shape[1]
 
-    def heads(self) -> Int8Heads:
+    def heads(self, group: int) -> Int8Heads:
+        """Its KV heads, with zeroed p @ V weights for `group` queries per KV head."""
+        probs = self.key_scales.new_zeros(self.keys.shape[0], group, self.values_t.shape[2])  # [H_kv, G, capacity]
         return Int8Heads(self.keys.unbind(0), self.key_scales.unbind(0), self.values_t.unbind(0),
-                         self.value_scales[:, None], self.unit_scales)
+                         self.value_scales[:, None], self.unit_scales, probs[..., : self.num_keys], probs.unbind(0))
 
 
 @dataclass(frozen=True)
 class Int8Heads:
-    """One layer of an Int8KVCache cut into its KV heads, as the kernel takes them (2-D weights)."""
+    """One layer of an Int8KVCache cut into its KV heads, as the kernel takes them (2-D weights), and
+    the buffer one token's p @ V weights go to (N = the keys it sees)."""
 
     keys: tuple[torch.Tensor, ...]  # per KV head [N, D] int8
     key_scales: tuple[torch.Tensor, ...]  # per KV head [N] bf16
     values_t: tuple[torch.Tensor, ...]  # per KV head [D, capacity] int8
     value_scales: torch.Tensor  # [H_kv, 1, N] bf16: broadcast over a KV head's queries
     unit_scales: torch.Tensor  # [D] bf16 ones
+    # p @ V's weights, [H_kv, G, N] bf16, the first N slots of a zeroed [H_kv, G, capacity] buffer (the
+    # kernel reads every slot of V): written by the attention, its rows per KV head [G, capacity] read
+    probs: torch.Tensor
+    prob_rows: tuple[torch.Tensor, ...]
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,14 +106,18 @@ class Int8Step:
 
     new_rows: tuple[tuple[torch.Tensor, ...], ...]  # per layer: slot pos of keys [H_kv, D], key_scales
     #                                                 [H_kv], values_t [H_kv, D] (a column), value_scales [H_kv]
-    heads: tuple[Int8Heads, ...]  # per layer: its keys 0..pos
+    heads: tuple[Int8Heads, ...]  # per layer: its keys 0..pos (the p @ V buffer shared: layers run in turn)
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, k_scales: torch.Tensor,
-              v_scales: torch.Tensor) -> Int8Heads:
-        """Write the token's quantized k, v [H_kv, D] int8 and their scales [H_kv] into `layer`; its heads."""
-        for target, row in zip(self.new_rows[layer], (k, k_scales, v, v_scales)):
-            target.copy_(row)
-        return self.heads[layer]
+
+def write_rows(steps: Sequence[Int8Step], layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """k, v [H_kv, B, D] (k after RoPE) of B tokens, token b's into `layer` of steps[b]'s cache at its
+    slot: one quantization for the batch (per row: the same as `Int8Slots.write`'s), one copy call."""
+    num_kv_heads = k.shape[0]
+    quantized, scales = quantize_rows(torch.cat([k, v]))  # [2 H_kv, B, D] int8, [2 H_kv, B] bf16
+    rows = zip(quantized[:num_kv_heads].unbind(1), scales[:num_kv_heads].unbind(1),  # per token: k [H_kv, D],
+               quantized[num_kv_heads:].unbind(1), scales[num_kv_heads:].unbind(1))  # [H_kv], v, its scales
+    # one call for the 4 B copies (the loop runs in C++): at B = 8, 32 Python-level copies per layer
+    torch._foreach_copy_([t for step in steps for t in step.new_rows[layer]], [r for row in rows for r in row])
 
 
 class Int8KVCache(SlotCache):
@@ -143,8 +155,9 @@ class Int8KVCache(SlotCache):
         return Int8Slots(self.keys[layer], self.key_scales[layer], self.values_t[layer], self.value_scales[layer],
                          self.unit_scales)
 
-    def step(self, pos: int) -> Int8Step:
-        """The views a decode step of the token at `pos` (reserved: `extend`) reads and writes."""
+    def step(self, pos: int, group: int) -> Int8Step:
+        """The views a decode step of the token at `pos` (reserved: `extend`) reads and writes, with
+        `group` queries per KV head."""
         num_kv_heads, num_keys = self.keys.shape[1], pos + 1
 
         def per_layer(t: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:  # [L * H_kv, ...] -> L tuples of H_kv
@@ -155,7 +168,10 @@ class Int8KVCache(SlotCache):
         key_scales = per_layer(self.key_scales[:, :, :num_keys].flatten(0, 1))  # [N]
         values_t = per_layer(self.values_t.flatten(0, 1))  # [D, capacity]
         value_scales = self.value_scales[:, :, None, :num_keys].unbind(0)  # [H_kv, 1, N] per layer
-        heads = tuple(Int8Heads(*parts, self.unit_scales) for parts in zip(keys, key_scales, values_t, value_scales))
+        probs = self.key_scales.new_zeros(num_kv_heads, group, self.capacity)  # [H_kv, G, capacity]
+        probs_seen, prob_rows = probs[..., :num_keys], probs.unbind(0)  # [H_kv, G, N], [G, capacity] per head
+        heads = tuple(Int8Heads(*parts, self.unit_scales, probs_seen, prob_rows)
+                      for parts in zip(keys, key_scales, values_t, value_scales))
         new_rows = tuple(zip(self.keys[:, :, pos].unbind(0), self.key_scales[:, :, pos].unbind(0),
                              self.values_t[..., pos].unbind(0), self.value_scales[:, :, pos].unbind(0)))
         return Int8Step(new_rows, heads)
