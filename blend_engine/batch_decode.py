@@ -26,7 +26,8 @@ from blend_engine.runner import ModelRunner, apply_rope
 @torch.inference_mode()
 def batch_step(runner: ModelRunner, decoders: Sequence[Decoder], token_ids: Sequence[int]) -> torch.Tensor:
     """Feed token_ids[b] after decoders[b]'s cache end, for every b at once; next-token logits [B, vocab]
-    (float32). At B = 1 it runs the ops `Decoder`'s eager step runs, in the same order."""
+    (float32). At B = 1 it computes what `Decoder`'s eager step computes, bit for bit (over other caches
+    than int8 by the same ops, in the same order)."""
     positions = [decoder.reserve() for decoder in decoders]  # each sequence's own next slot
     hidden = runner.embed(torch.tensor(list(token_ids), device=runner.device))  # [B, hidden]
     if all(isinstance(decoder.cache, Int8KVCache) for decoder in decoders):
@@ -57,11 +58,11 @@ def _single(runner: ModelRunner, decoder: Decoder, pos: int, hidden: torch.Tenso
 
 
 def _int8(runner: ModelRunner, decoders: Sequence[Decoder], positions: list[int], hidden: torch.Tensor) -> torch.Tensor:
-    """`batch_step` over int8 decode caches: each sequence's attention is `attend_last_int8`'s ops
-    (bit for bit, at any B), with what is the same for every row run once per layer for the batch
-    (quantizing and writing the new K/V, scaling q) and each cache's views made once per step
-    (`Int8KVCache.step`). At B = 8 a step made ~50 small torch calls per sequence and layer besides
-    its 6 kernel calls; now 4."""
+    """`batch_step` over int8 decode caches (at any B): each sequence's K/V write and attention are
+    `Int8Slots.write`'s and `attend_last_int8`'s, bit for bit, but what is done per row there runs once
+    per layer for the batch (quantizing and writing the new K/V, scaling q), and each cache's views
+    once per step (`Int8KVCache.step`). The per-sequence path made ~50 small torch calls per sequence
+    and layer besides its 6 kernel calls (at B = 8, ~40% of a step); this one 3 (4 with a column bias)."""
     num_tokens, num_kv_heads = len(decoders), runner.num_kv_heads
     steps = [decoder.cache.step(pos, runner.num_heads // num_kv_heads) for decoder, pos in zip(decoders, positions)]
     biases = [[decoder.cache.bias_at(layer, pos + 1) for layer in range(runner.num_layers)]  # [N] or None

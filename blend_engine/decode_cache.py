@@ -61,10 +61,8 @@ class Int8Heads:
     values_t: tuple[torch.Tensor, ...]  # per KV head [D, capacity] int8
     value_scales: torch.Tensor  # [H_kv, 1, N] bf16: broadcast over a KV head's queries
     unit_scales: torch.Tensor  # [D] bf16 ones
-    # p @ V's weights, [H_kv, G, N] bf16, the first N slots of a zeroed [H_kv, G, capacity] buffer (the
-    # kernel reads every slot of V): written by the attention, its rows per KV head [G, capacity] read
-    probs: torch.Tensor
-    prob_rows: tuple[torch.Tensor, ...]
+    probs: torch.Tensor  # [H_kv, G, N] bf16: p @ V's weights (written), the first N slots of a zeroed buffer
+    prob_rows: tuple[torch.Tensor, ...]  # per KV head [G, capacity]: its rows (the kernel reads every slot)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,10 +97,10 @@ class Int8Slots:
 @dataclass(frozen=True)
 class Int8Step:
     """An Int8KVCache as one decode step reads and writes it, for the token at slot `pos`: every
-    layer's views made up front by a few `unbind`s, where `Int8Slots.write` and `Int8Layer.heads`
-    make them with a dozen slicing calls per layer (at B = 8 such small calls were ~40% of a
-    batched step: docs/benchmarks/batch-decode.md). The views see the cache's storage: the step's
-    writes at `pos` are read by its own attention."""
+    layer's views made up front by a few `unbind`s (~2 µs a view), where `Int8Slots.write` and
+    `Int8Layer.heads` make them with a dozen slicing calls per layer (~5 µs each, per sequence and
+    layer of a batched step). The views see the cache's storage: a layer's write at `pos` is what its
+    attention then reads."""
 
     new_rows: tuple[tuple[torch.Tensor, ...], ...]  # per layer: slot pos of keys [H_kv, D], key_scales
     #                                                 [H_kv], values_t [H_kv, D] (a column), value_scales [H_kv]
