@@ -193,7 +193,8 @@ def fold_int8_queries(q: torch.Tensor, scale: float, num_kv_heads: int) -> torch
     return scaled.reshape(num_tokens * num_kv_heads, num_heads // num_kv_heads, head_dim)
 
 
-def attend_int8_heads(folded: Sequence[torch.Tensor], kv: Int8Heads, bias: torch.Tensor | None = None) -> list[torch.Tensor]:
+def attend_int8_heads(folded: Sequence[torch.Tensor], kv: Int8Heads,
+                      bias: torch.Tensor | None = None) -> list[torch.Tensor]:
     """One token over one layer of its int8 cache, per KV head: folded [G, D] (bf16, scaled) per KV
     head -> [G, D] bf16 per KV head (`kv.probs` overwritten); `bias` [N] as in `attend`."""
     scores = torch.stack([torch._weight_int8pack_mm(f, k, s)  # [H_kv, G, N]

@@ -76,7 +76,8 @@ def _int8(runner: ModelRunner, decoders: Sequence[Decoder], positions: list[int]
         heads = fold_int8_queries(q, runner.scaling, num_kv_heads).unbind(0)  # [G, D]: token b's at b * H_kv ..
         out = []
         for b, step in enumerate(steps):
-            out += attend_int8_heads(heads[b * num_kv_heads : (b + 1) * num_kv_heads], step.heads[layer], biases[b][layer])
+            own = heads[b * num_kv_heads : (b + 1) * num_kv_heads]
+            out += attend_int8_heads(own, step.heads[layer], biases[b][layer])
         hidden = calls.finish(hidden, torch.stack(out).view(num_tokens, -1).to(q.dtype))  # out: [B * H_kv, G, D]
     return runner.logits(hidden)  # [B, vocab]
 
