@@ -15,13 +15,14 @@ A query at absolute position p sees keys 0..p, whatever the other queries are. T
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
 import torch
 import torch.nn.functional as F
 
-from blend_engine.decode_cache import Int8Layer
+from blend_engine.decode_cache import SCALE_DTYPE, Int8Heads, Int8Layer
 
 MAX_QUERY_GROUPS = 8
 MIN_QUERIES_PER_GROUP = 64
@@ -178,17 +179,31 @@ def attend_last_int8(q: torch.Tensor, kv: Int8Layer, scale: float, bias: torch.T
     """`attend_last` over an int8 decode cache (blend_engine/decode_cache.py), both matmuls by
     torch's int8 weight-only kernel: q [H, 1, D] -> [1, H*D] in q's dtype; `bias` [N] as there."""
     num_heads, _, head_dim = q.shape
-    num_kv_heads, num_slots = kv.values_t.shape[0], kv.values_t.shape[2]
-    folded = (q * scale).reshape(num_kv_heads, num_heads // num_kv_heads, head_dim).to(kv.unit_scales.dtype)  # [H_kv, G, D]
-    scores = torch.stack([torch._weight_int8pack_mm(f, k, s) for f, k, s in  # [H_kv, G, N]
-                          zip(folded.unbind(0), kv.keys.unbind(0), kv.key_scales.unbind(0))])
+    num_kv_heads = kv.values_t.shape[0]
+    folded = fold_int8_queries(q, scale, num_kv_heads)  # [H_kv, G, D] bf16
+    out = attend_int8_heads(folded.unbind(0), kv.heads(num_heads // num_kv_heads), bias)  # [G, D] per KV head
+    return torch.stack(out).reshape(1, num_heads * head_dim).to(q.dtype)
+
+
+def fold_int8_queries(q: torch.Tensor, scale: float, num_kv_heads: int) -> torch.Tensor:
+    """q [H, B, D] of B tokens (one per sequence) -> [B * H_kv, G, D] in the kernel's dtype, scaled:
+    row b * H_kv + h holds token b's queries of KV head h (each row is the kernel's input)."""
+    num_heads, num_tokens, head_dim = q.shape
+    scaled = (q.transpose(0, 1) * scale).to(SCALE_DTYPE)  # [B, H, D]
+    return scaled.reshape(num_tokens * num_kv_heads, num_heads // num_kv_heads, head_dim)
+
+
+def attend_int8_heads(folded: Sequence[torch.Tensor], kv: Int8Heads,
+                      bias: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """One token over one layer of its int8 cache, per KV head: folded [G, D] (bf16, scaled) per KV
+    head -> [G, D] bf16 per KV head (`kv.probs` overwritten); `bias` [N] as in `attend`."""
+    scores = torch.stack([torch._weight_int8pack_mm(f, k, s)  # [H_kv, G, N]
+                          for f, k, s in zip(folded, kv.keys, kv.key_scales)])
     if bias is not None:
         scores += bias
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32) * kv.value_scales[:, None]  # [H_kv, G, N]
-    weights = F.pad(probs, (0, num_slots - kv.num_keys)).to(folded.dtype)  # [H_kv, G, capacity]: zero past the length
-    out = torch.stack([torch._weight_int8pack_mm(w, v, kv.unit_scales)  # [H_kv, G, D]
-                       for w, v in zip(weights.unbind(0), kv.values_t.unbind(0))])
-    return out.reshape(1, num_heads * head_dim).to(q.dtype)
+    # the softmax in fp32 times V's per-token scales, rounded once to bf16 into the zero-padded weights
+    torch.mul(torch.softmax(scores, dim=-1, dtype=torch.float32), kv.value_scales, out=kv.probs)
+    return [torch._weight_int8pack_mm(p, v, kv.unit_scales) for p, v in zip(kv.prob_rows, kv.values_t)]
 
 
 def _folded(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

@@ -16,8 +16,9 @@ from collections.abc import Sequence
 import torch
 
 from blend_engine.active import RopeTable
-from blend_engine.attention import AttentionLayout, AttentionMeta, attend
+from blend_engine.attention import AttentionLayout, AttentionMeta, attend, attend_int8_heads, fold_int8_queries
 from blend_engine.decode import Decoder, capture_graph
+from blend_engine.decode_cache import Int8KVCache, write_rows
 from blend_engine.kv import KVCache
 from blend_engine.runner import ModelRunner, apply_rope
 
@@ -25,9 +26,12 @@ from blend_engine.runner import ModelRunner, apply_rope
 @torch.inference_mode()
 def batch_step(runner: ModelRunner, decoders: Sequence[Decoder], token_ids: Sequence[int]) -> torch.Tensor:
     """Feed token_ids[b] after decoders[b]'s cache end, for every b at once; next-token logits [B, vocab]
-    (float32). At B = 1 it runs the ops `Decoder`'s eager step runs, in the same order."""
+    (float32). At B = 1 it computes what `Decoder`'s eager step computes, bit for bit (over other caches
+    than int8 by the same ops, in the same order)."""
     positions = [decoder.reserve() for decoder in decoders]  # each sequence's own next slot
     hidden = runner.embed(torch.tensor(list(token_ids), device=runner.device))  # [B, hidden]
+    if all(isinstance(decoder.cache, Int8KVCache) for decoder in decoders):
+        return _int8(runner, decoders, positions, hidden)
     if len(decoders) == 1:
         return _single(runner, decoders[0], positions[0], hidden)
     rows = [decoder.rope_rows(pos) for decoder, pos in zip(decoders, positions)]
@@ -51,6 +55,31 @@ def _single(runner: ModelRunner, decoder: Decoder, pos: int, hidden: torch.Tenso
         q, k, v = calls.qkv(hidden, rope)  # [H, 1, D], [H_kv, 1, D] x2
         hidden = calls.finish(hidden, decoder.attend_layer(layer, q, k, v, pos))
     return runner.logits(hidden)  # [1, vocab]
+
+
+def _int8(runner: ModelRunner, decoders: Sequence[Decoder], positions: list[int], hidden: torch.Tensor) -> torch.Tensor:
+    """`batch_step` over int8 decode caches (at any B): each sequence's K/V write and attention are
+    `Int8Slots.write`'s and `attend_last_int8`'s, bit for bit, but what is done per row there runs once
+    per layer for the batch (quantizing and writing the new K/V, scaling q), and each cache's views
+    once per step (`Int8KVCache.step`). The per-sequence path made ~50 small torch calls per sequence
+    and layer besides its 6 kernel calls (at B = 8, ~40% of a step); this one 3 (4 with a column bias)."""
+    num_tokens, num_kv_heads = len(decoders), runner.num_kv_heads
+    steps = [decoder.cache.step(pos, runner.num_heads // num_kv_heads) for decoder, pos in zip(decoders, positions)]
+    biases = [[decoder.cache.bias_at(layer, pos + 1) for layer in range(runner.num_layers)]  # [N] or None
+              for decoder, pos in zip(decoders, positions)]
+    rows = [decoder.rope_rows(pos) for decoder, pos in zip(decoders, positions)]
+    rope = torch.cat([cos for cos, _ in rows]), torch.cat([sin for _, sin in rows])  # [B, D] each
+    for layer in range(runner.num_layers):
+        calls = runner.calls[layer]
+        q, k, v = calls.qkv(hidden, rope)  # [H, B, D], [H_kv, B, D] x2; row b rotated at positions[b]
+        write_rows(steps, layer, k, v)
+        heads = fold_int8_queries(q, runner.scaling, num_kv_heads).unbind(0)  # [G, D]: token b's at b * H_kv ..
+        out = []
+        for b, step in enumerate(steps):
+            own = heads[b * num_kv_heads : (b + 1) * num_kv_heads]
+            out += attend_int8_heads(own, step.heads[layer], biases[b][layer])
+        hidden = calls.finish(hidden, torch.stack(out).view(num_tokens, -1).to(q.dtype))  # out: [B * H_kv, G, D]
+    return runner.logits(hidden)  # [B, vocab]
 
 
 class StaticBatch:

@@ -15,6 +15,7 @@ faster (measured: README):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,7 @@ import torch
 from blend_engine.kv import KVCache, SlotCache
 from configs.enums import DecodeCache
 
-_SCALE_DTYPE = torch.bfloat16  # the kernel's scales' (and activations') dtype
+SCALE_DTYPE = torch.bfloat16  # the kernel's scales' (and activations') dtype
 # the kernel's inner dimension (D for the scores, the capacity for p @ V) must be a multiple of 16:
 # other sizes gave wrong sums or crashed (torch 2.13, measured); the capacity is kept a multiple of 32
 KERNEL_MULTIPLE = 16
@@ -43,11 +44,31 @@ class Int8Layer:
     def num_keys(self) -> int:
         return self.keys.shape[1]
 
+    def heads(self, group: int) -> Int8Heads:
+        """Its KV heads, with zeroed p @ V weights for `group` queries per KV head."""
+        probs = self.key_scales.new_zeros(self.keys.shape[0], group, self.values_t.shape[2])  # [H_kv, G, capacity]
+        return Int8Heads(self.keys.unbind(0), self.key_scales.unbind(0), self.values_t.unbind(0),
+                         self.value_scales[:, None], self.unit_scales, probs[..., : self.num_keys], probs.unbind(0))
+
+
+@dataclass(frozen=True)
+class Int8Heads:
+    """One layer of an Int8KVCache cut into its KV heads, as the kernel takes them (2-D weights), and
+    the buffer one token's p @ V weights go to (N = the keys it sees)."""
+
+    keys: tuple[torch.Tensor, ...]  # per KV head [N, D] int8
+    key_scales: tuple[torch.Tensor, ...]  # per KV head [N] bf16
+    values_t: tuple[torch.Tensor, ...]  # per KV head [D, capacity] int8
+    value_scales: torch.Tensor  # [H_kv, 1, N] bf16: broadcast over a KV head's queries
+    unit_scales: torch.Tensor  # [D] bf16 ones
+    probs: torch.Tensor  # [H_kv, G, N] bf16: p @ V's weights (written), the first N slots of a zeroed buffer
+    prob_rows: tuple[torch.Tensor, ...]  # per KV head [G, capacity]: its rows (the kernel reads every slot)
+
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> int8 [..., D] and scales [...] (bf16): symmetric absmax per row, the scale
     rounded to bf16 first so that `q * scale` is exactly what the kernel multiplies by."""
-    scales = (x.abs().amax(-1) / 127).clamp_min(1e-8).to(_SCALE_DTYPE)
+    scales = (x.abs().amax(-1) / 127).clamp_min(1e-8).to(SCALE_DTYPE)
     # x / scales: type promotion divides in x's dtype by the bf16 scales' exact values
     return torch.round(x / scales[..., None]).clamp_(-127, 127).to(torch.int8), scales
 
@@ -73,6 +94,30 @@ class Int8Slots:
                          self.value_scales[:, :num_keys], self.unit_scales)
 
 
+@dataclass(frozen=True)
+class Int8Step:
+    """An Int8KVCache as one decode step reads and writes it, for the token at slot `pos`: every
+    layer's views made up front by a few `unbind`s (~2 µs a view), where `Int8Slots.write` and
+    `Int8Layer.heads` make them with a dozen slicing calls per layer (~5 µs each, per sequence and
+    layer of a batched step). The views see the cache's storage: a layer's write at `pos` is what its
+    attention then reads."""
+
+    new_rows: tuple[tuple[torch.Tensor, ...], ...]  # per layer: slot pos of keys [H_kv, D], key_scales
+    #                                                 [H_kv], values_t [H_kv, D] (a column), value_scales [H_kv]
+    heads: tuple[Int8Heads, ...]  # per layer: its keys 0..pos (the p @ V buffer shared: layers run in turn)
+
+
+def write_rows(steps: Sequence[Int8Step], layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """k, v [H_kv, B, D] (k after RoPE) of B tokens, token b's into `layer` of steps[b]'s cache at its
+    slot: one quantization for the batch (per row: the same as `Int8Slots.write`'s), one copy call."""
+    num_kv_heads = k.shape[0]
+    quantized, scales = quantize_rows(torch.cat([k, v]))  # [2 H_kv, B, D] int8, [2 H_kv, B] bf16
+    rows = zip(quantized[:num_kv_heads].unbind(1), scales[:num_kv_heads].unbind(1),  # per token: k [H_kv, D],
+               quantized[num_kv_heads:].unbind(1), scales[num_kv_heads:].unbind(1))  # [H_kv], v, its scales
+    # one call for the 4 B copies (the loop runs in C++): at B = 8, 32 Python-level copies per layer
+    torch._foreach_copy_([t for step in steps for t in step.new_rows[layer]], [r for row in rows for r in row])
+
+
 class Int8KVCache(SlotCache):
     """A decode cache (KVCache's `extend` / `update`) holding int8 keys and transposed int8 values."""
 
@@ -80,9 +125,9 @@ class Int8KVCache(SlotCache):
         capacity = -(-capacity // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
         self.keys = torch.empty(num_layers, num_kv_heads, capacity, head_dim, dtype=torch.int8, device=device)
         self.values_t = torch.empty(num_layers, num_kv_heads, head_dim, capacity, dtype=torch.int8, device=device)
-        self.key_scales = torch.empty(num_layers, num_kv_heads, capacity, dtype=_SCALE_DTYPE, device=device)
+        self.key_scales = torch.empty(num_layers, num_kv_heads, capacity, dtype=SCALE_DTYPE, device=device)
         self.value_scales = torch.empty_like(self.key_scales)  # [L, H_kv, capacity]
-        self.unit_scales = torch.ones(head_dim, dtype=_SCALE_DTYPE, device=device)
+        self.unit_scales = torch.ones(head_dim, dtype=SCALE_DTYPE, device=device)
         self.length = 0
 
     @classmethod
@@ -107,6 +152,27 @@ class Int8KVCache(SlotCache):
     def slots(self, layer: int) -> Int8Slots:
         return Int8Slots(self.keys[layer], self.key_scales[layer], self.values_t[layer], self.value_scales[layer],
                          self.unit_scales)
+
+    def step(self, pos: int, group: int) -> Int8Step:
+        """The views a decode step of the token at `pos` (reserved: `extend`) reads and writes, with
+        `group` queries per KV head."""
+        num_kv_heads, num_keys = self.keys.shape[1], pos + 1
+
+        def per_layer(t: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:  # [L * H_kv, ...] -> L tuples of H_kv
+            views = t.unbind(0)
+            return [views[i : i + num_kv_heads] for i in range(0, len(views), num_kv_heads)]
+
+        keys = per_layer(self.keys[:, :, :num_keys].flatten(0, 1))  # [N, D] per layer and head
+        key_scales = per_layer(self.key_scales[:, :, :num_keys].flatten(0, 1))  # [N]
+        values_t = per_layer(self.values_t.flatten(0, 1))  # [D, capacity]
+        value_scales = self.value_scales[:, :, None, :num_keys].unbind(0)  # [H_kv, 1, N] per layer
+        probs = self.key_scales.new_zeros(num_kv_heads, group, self.capacity)  # [H_kv, G, capacity]
+        probs_seen, prob_rows = probs[..., :num_keys], probs.unbind(0)  # [H_kv, G, N], [G, capacity] per head
+        heads = tuple(Int8Heads(*parts, self.unit_scales, probs_seen, prob_rows)
+                      for parts in zip(keys, key_scales, values_t, value_scales))
+        new_rows = tuple(zip(self.keys[:, :, pos].unbind(0), self.key_scales[:, :, pos].unbind(0),
+                             self.values_t[..., pos].unbind(0), self.value_scales[:, :, pos].unbind(0)))
+        return Int8Step(new_rows, heads)
 
     def _grow(self, capacity: int) -> None:
         grown = Int8KVCache(self.keys.shape[0], self.keys.shape[1], self.keys.shape[3], capacity, self.keys.device)

@@ -4,8 +4,8 @@ prompt's cache, each close to decoding over the prefill's own fp32 cache, which 
 import pytest
 import torch
 
-from blend_engine.attention import attend, attend_last_int8, last_meta
-from blend_engine.decode_cache import Int8KVCache, Int8Layer, quantize_rows, resolve_decode_cache
+from blend_engine.attention import attend, attend_int8_heads, attend_last_int8, fold_int8_queries, last_meta
+from blend_engine.decode_cache import Int8KVCache, Int8Layer, quantize_rows, resolve_decode_cache, write_rows
 from blend_engine.kv import KVCache
 from blend_engine.layer import rotate
 from blend_engine.runner import apply_rope, signed_sin
@@ -88,6 +88,53 @@ def test_attention_over_int8_equals_attention_over_the_dequantized_cache(num_hea
     out = attend_last_int8(q, kv, 0.125)
     assert out.dtype == torch.float32 and out.shape == ref.shape
     torch.testing.assert_close(out, ref, atol=3e-2, rtol=0)
+
+
+def test_a_batch_over_int8_caches_is_each_sequence_alone_bit_for_bit():
+    """`batch_step`'s int8 path (`Int8KVCache.step`, `write_rows`, `attend_int8_heads`) on B tokens,
+    each over its own cache (different lengths, one growing, one with a column bias), writes and
+    attends exactly as `Int8Slots.write` + `attend_last_int8` (the B = 1 decoder's) on each alone."""
+    num_heads, num_kv_heads, head_dim, num_layers, scale = 6, 2, 32, 2, 0.2
+    lengths = [5, 40, 32]  # the last fills its capacity: the step grows it
+
+    def caches() -> list[Int8KVCache]:
+        torch.manual_seed(8)
+        out = []
+        for length in lengths:
+            cache = Int8KVCache(num_layers, num_kv_heads, head_dim, length, torch.device("cpu"))
+            cache.extend(length)
+            for layer in range(num_layers):
+                cache.update(layer, slice(0, length), torch.randn(num_kv_heads, length, head_dim),
+                             torch.randn(num_kv_heads, length, head_dim))
+            out.append(cache)
+        return out
+
+    torch.manual_seed(9)
+    q = torch.randn(num_layers, num_heads, len(lengths), head_dim)  # [L, H, B, D] per layer's tokens
+    k, v = torch.randn(2, num_layers, num_kv_heads, len(lengths), head_dim)  # [L, H_kv, B, D] each
+    biases = [None, torch.randn(41), None]  # sequence 1's column bias [N]
+
+    alone = caches()
+    positions = [cache.extend(1) for cache in alone]
+    expected = [[attend_last_int8(q[layer, :, b : b + 1], cache.slots(layer).write(
+                 slice(pos, pos + 1), k[layer, :, b : b + 1], v[layer, :, b : b + 1], pos + 1), scale, biases[b])
+                 for layer in range(num_layers)] for b, (cache, pos) in enumerate(zip(alone, positions))]
+
+    batched = caches()
+    steps = [cache.step(cache.extend(1), num_heads // num_kv_heads) for cache in batched]
+    assert batched[2].capacity > lengths[2]
+    for layer in range(num_layers):
+        write_rows(steps, layer, k[layer], v[layer])
+        heads = fold_int8_queries(q[layer], scale, num_kv_heads).unbind(0)  # [G, D] per token and KV head
+        for b, step in enumerate(steps):
+            out = attend_int8_heads(heads[b * num_kv_heads : (b + 1) * num_kv_heads], step.heads[layer], biases[b])
+            assert torch.equal(torch.stack(out).reshape(1, -1).float(), expected[b][layer])
+    for got, want in zip(batched, alone):
+        n = want.length
+        assert got.length == n
+        for name in ("keys", "key_scales", "value_scales"):
+            assert torch.equal(getattr(got, name)[:, :, :n], getattr(want, name)[:, :, :n])
+        assert torch.equal(got.values_t[..., :n], want.values_t[..., :n])
 
 
 def test_rotate_equals_apply_rope_bit_for_bit():
