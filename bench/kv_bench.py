@@ -22,7 +22,7 @@ from statistics import mean
 import torch
 
 from blend_engine.engine import BlendEngine
-from blend_engine.types import BlendConfig, PrefillMode, Segment
+from blend_engine.types import PrefillMode, Segment
 from configs.settings import KVQuantization, StorageDtype, load_settings
 from bench.kv_plan import fit_planners, planned_prefill
 from bench.output import emit_summary

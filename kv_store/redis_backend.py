@@ -15,7 +15,7 @@ from redis.retry import Retry
 
 from blend_engine.kv import ChunkKV
 from kv_store import codec
-from kv_store.backend import Backend, ChunkInfo, LayerPair, LayerReader, Tier
+from kv_store.backend import Backend, ChunkInfo, LayerReader, Tier
 from kv_store.codec import EntryHeader
 from kv_store.errors import CorruptEntryError, EntryLostError
 from kv_store.keys import StorageFormat, is_valid_key
