@@ -29,7 +29,7 @@ from configs import SinkMode, load_settings
 from configs.settings import KVQuantization, StorageDtype
 from kv_store import codec
 from kv_store.keys import StorageFormat
-from kv_store.lowbit import KeyBits
+from kv_store.lowbit import BitWidths
 
 FP16 = StorageFormat(StorageDtype.FLOAT16)
 
@@ -62,9 +62,9 @@ def candidates() -> list[Candidate]:
         ("k4v3 g32 8-bit scales, zstd, uniform key bits", dict(key_bits=4, value_bits=3, group_tokens=32,
                                                                scale_bits=8)),
         ("k3v3 g32 8-bit scales, zstd, per-channel key bits", dict(key_bits=3, value_bits=3, group_tokens=32,
-                                                                   scale_bits=8, key_allocation=KeyBits.PER_CHANNEL)),
+                                                                   scale_bits=8, key_widths=BitWidths.BY_RANGE)),
         ("k4v4 g32 8-bit scales, zstd, per-channel key bits", dict(key_bits=4, value_bits=4, group_tokens=32,
-                                                                   scale_bits=8, key_allocation=KeyBits.PER_CHANNEL)),
+                                                                   scale_bits=8, key_widths=BitWidths.BY_RANGE)),
     ]:
         out.append(Candidate(name, None, spec))
     return out

@@ -3,15 +3,17 @@
 entropy-coded by zstd (the `zstandard` package), optionally as token-wise deltas (CacheGen's idea).
 One layer is one self-contained payload, so a reader decodes layer by layer as it streams.
 
-Key bits per channel (`KeyBits.PER_CHANNEL`): a head's channels differ in range by 100x and more, and
-at a uniform width the widest few carry most of the error (measured: docs/benchmarks/kv-codec.md). So
-each head's `key_bits * D` bits are spread over its channels by transform coding's rule (`_channel_bits`):
-a channel's squared error shrinks 4x per bit, each bit goes where it removes the most. The widths
-(1..8) are stored with the layer.
+Widths by range (`BitWidths.BY_RANGE`): a head's key channels differ in range by 100x and more, its
+value tokens by 10x; at one width for all, the widest few carry most of the error (measured:
+docs/benchmarks/kv-codec.md). So each head's bits (`key_bits` x D for its key channels, `value_bits`
+x n for its value tokens: averages, halves allowed) are spread by transform coding's greedy rule
+(`_widths_by_range`): a slice's squared error shrinks 4x per bit, each bit goes where it removes the
+most. A width (1..8) per key channel and per value token is stored with the layer.
 
-Payload of a layer, before zstd: [per-channel key bits: widths u8 [H, D] | key codes of the channels
-of each width, width 1 first, each [channels, n] packed] or [uniform: key codes [H, n, D] packed] |
-value codes [H, n, D] (packed) | then the scales (G = ceil(n / group)):
+Payload of a layer, before zstd: key part | value part | the scales. A part at one width: its codes
+[H, n, D] packed. A part with widths by range: the widths minus 1, 3 bits each ([H, D] for keys,
+[H, n] for values), then the codes of each width's slices, width 1 first ([channels, n] for keys,
+[tokens, D] for values), each packed at its width. The scales (G = ceil(n / group)):
 - `scale_bits` 16: key min, key step [H, G, D] fp16 | value min, value step [H, n, 1] fp16;
 - `scale_bits` 8 (two levels): key min codes, key step codes [H, G, D] u8 | key ranges [4, H, D] fp16 |
   value min codes, value step codes [H, n] u8 | value ranges [4, H] fp16. Each key channel's (each
@@ -36,40 +38,47 @@ import zstandard
 MIN_BITS, MAX_BITS = 1, 8  # the widths a code can have
 
 
-class KeyBits(str, Enum):
-    """How a layer's key bits are spread over its channels."""
+class BitWidths(str, Enum):
+    """How a layer's bits are spread over its slices (a key channel, a value token)."""
 
-    UNIFORM = "uniform"  # every channel at `key_bits`
-    PER_CHANNEL = "per_channel"  # `key_bits` on average over each head's channels, by their ranges
+    UNIFORM = "uniform"  # every slice at the spec's bits
+    BY_RANGE = "by_range"  # the spec's bits on average over each head's slices, by their ranges
 
 
 @dataclass(frozen=True)
 class LowBitSpec:
-    key_bits: int = 4  # PER_CHANNEL: the average over a head's channels
-    value_bits: int = 4
+    key_bits: float = 4  # BY_RANGE: the average over each head's channels (a multiple of 1/2), else a width
+    value_bits: float = 4  # BY_RANGE: the average over each head's tokens, as keys
     group_tokens: int = 64  # keys: one (min, step) per channel per this many tokens
     zstd_level: int = 3  # 0: no zstd (codes stored raw, one per byte)
     is_delta: bool = False  # codes stored as differences from the previous token's (mod 2^bits)
     scale_bits: int = 16  # 16: each group's min and step in fp16; 8: two-level (see the module's doc)
-    key_allocation: KeyBits = KeyBits.UNIFORM
+    key_widths: BitWidths = BitWidths.UNIFORM
+    value_widths: BitWidths = BitWidths.UNIFORM
 
     def __post_init__(self) -> None:
         if self.scale_bits not in (8, 16):
             raise ValueError(f"scale_bits must be 8 or 16, got {self.scale_bits}")
-        for bits in (self.key_bits, self.value_bits):
+        for bits, widths in ((self.key_bits, self.key_widths), (self.value_bits, self.value_widths)):
             if not MIN_BITS <= bits <= MAX_BITS:
                 raise ValueError(f"bit widths must be {MIN_BITS}..{MAX_BITS}, got {bits}")
+            step = 0.5 if widths is BitWidths.BY_RANGE else 1
+            if bits % step:
+                raise ValueError(f"{bits} bits: a {'width' if step == 1 else 'multiple of 1/2'} is needed")
         if self.group_tokens < 1:
             raise ValueError(f"group_tokens must be >= 1, got {self.group_tokens}")
-        if self.is_delta and self.key_allocation is KeyBits.PER_CHANNEL:
-            raise ValueError("token-wise deltas take one width per tensor: not with per-channel key bits")
+        if self.is_delta and BitWidths.BY_RANGE in (self.key_widths, self.value_widths):
+            raise ValueError("token-wise deltas take one width per tensor: not with widths by range")
 
     @property
     def tag(self) -> str:
-        allocation = "c" if self.key_allocation is KeyBits.PER_CHANNEL else ""
+        def part(bits: float, widths: BitWidths) -> str:
+            return f"{bits:g}{'r' if widths is BitWidths.BY_RANGE else ''}"
+
         delta = "d" if self.is_delta else ""
         scales = "s8" if self.scale_bits == 8 else ""
-        return f"k{self.key_bits}{allocation}v{self.value_bits}g{self.group_tokens}{delta}z{self.zstd_level}{scales}"
+        return (f"k{part(self.key_bits, self.key_widths)}v{part(self.value_bits, self.value_widths)}"
+                f"g{self.group_tokens}{delta}z{self.zstd_level}{scales}")
 
 
 _local = threading.local()  # zstd contexts are not thread-safe: one per thread
@@ -229,50 +238,69 @@ def _packed_len(numel: int, bits: int) -> int:
     return -(-numel * bits // 8)
 
 
-def _channel_bits(importance: np.ndarray, avg_bits: int) -> np.ndarray:
-    """Widths u8 [H, D] averaging `avg_bits` over each head's D channels, from each channel's
-    `importance` [H, D] (its squared quantization range, per unit step).
+def _widths_by_range(importance: np.ndarray, total_bits: int) -> np.ndarray:
+    """Widths u8 [H, m] summing to `total_bits` over each head's m slices, from each slice's
+    `importance` [H, m] (its squared quantization range).
 
-    Transform coding's greedy rule: a channel at b bits has squared error ~ importance * 4^-b, so
-    the bit b -> b + 1 removes importance * 4^-b * 3/4. The extra bits above MIN_BITS go to the largest
-    such gains over all channels and widths; a channel's gains shrink 4x per bit, so the ones taken
-    are a prefix of each channel's: its width is MIN_BITS plus how many it got."""
-    num_heads, head_dim = importance.shape
-    widths = np.arange(MIN_BITS, MAX_BITS, dtype=np.float64)  # [W]: the b of each step b -> b + 1
-    gains = importance.astype(np.float64)[:, :, None] * 4.0 ** -widths  # [H, D, W]
-    num_extra = (avg_bits - MIN_BITS) * head_dim
+    Transform coding's greedy rule: a slice at b bits has squared error ~ importance * 4^-b, so the
+    bit b -> b + 1 removes importance * 4^-b * 3/4. The bits above MIN_BITS go to the largest such
+    gains over all slices and widths; a slice's gains shrink 4x per bit, so the ones taken are a
+    prefix of each slice's: its width is MIN_BITS plus how many it got."""
+    num_heads, num_slices = importance.shape
+    steps = np.arange(MIN_BITS, MAX_BITS, dtype=np.float64)  # [W]: the b of each step b -> b + 1
+    gains = importance.astype(np.float64)[:, :, None] * 4.0 ** -steps  # [H, m, W]
+    num_extra = total_bits - MIN_BITS * num_slices
     taken = np.argsort(-gains.reshape(num_heads, -1), axis=1, kind="stable")[:, :num_extra]  # [H, extra]
-    is_taken = np.zeros((num_heads, head_dim * len(widths)), dtype=bool)
+    is_taken = np.zeros((num_heads, num_slices * len(steps)), dtype=bool)
     np.put_along_axis(is_taken, taken, True, axis=1)
-    return (MIN_BITS + is_taken.reshape(num_heads, head_dim, -1).sum(-1)).astype(np.uint8)
+    return (MIN_BITS + is_taken.reshape(num_heads, num_slices, -1).sum(-1)).astype(np.uint8)
+
+
+def _total_bits(avg_bits: float, num_slices: int) -> int:
+    """A head's bits over its slices at `avg_bits` on average."""
+    return int(np.floor(avg_bits * num_slices + 0.5))
+
+
+_WIDTH_CODE_BITS = 3  # a stored width: width - MIN_BITS in 0..7
 
 
 def _width_counts(widths: np.ndarray) -> list[int]:
-    """How many channels have each width MIN_BITS..MAX_BITS (widths [H, D])."""
+    """How many slices have each width MIN_BITS..MAX_BITS."""
     return np.bincount(widths.reshape(-1), minlength=MAX_BITS + 1)[MIN_BITS:].tolist()
 
 
-def _key_code_sizes(widths: np.ndarray, num_tokens: int) -> list[int]:
-    """Bytes of the packed key codes of each width's channels, width MIN_BITS first."""
-    return [_packed_len(count * num_tokens, bits) for bits, count in zip(range(MIN_BITS, MAX_BITS + 1),
-                                                                       _width_counts(widths))]
+def _part_sizes(widths: np.ndarray, slice_len: int) -> list[int]:
+    """Bytes of a part with widths by range: its widths, then each width's packed codes, width 1 first."""
+    return [_packed_len(widths.size, _WIDTH_CODE_BITS),
+            *(_packed_len(count * slice_len, bits) for bits, count in zip(range(MIN_BITS, MAX_BITS + 1),
+                                                                        _width_counts(widths)))]
 
 
 def _pack_by_width(codes: np.ndarray, widths: np.ndarray) -> bytes:
-    """codes u8 [H, n, D] -> each width's channels' codes [channels, n], packed at that width, in order."""
-    by_channel = codes.transpose(0, 2, 1)  # [H, D, n]
-    return b"".join(_pack(torch.from_numpy(np.ascontiguousarray(by_channel[widths == bits])), bits).numpy().tobytes()
-                    for bits in range(MIN_BITS, MAX_BITS + 1))
+    """codes u8 [H, m, len] of slices with `widths` [H, m] -> the widths, then each width's slices
+    [slices, len] packed at that width, in order (the part's layout: the module's doc)."""
+    stored = _pack(torch.from_numpy(np.ascontiguousarray(widths - MIN_BITS)), _WIDTH_CODE_BITS)
+    return stored.numpy().tobytes() + b"".join(
+        _pack(torch.from_numpy(np.ascontiguousarray(codes[widths == bits])), bits).numpy().tobytes()
+        for bits in range(MIN_BITS, MAX_BITS + 1))
 
 
-def _unpack_by_width(parts: list[torch.Tensor], widths: np.ndarray, num_tokens: int) -> np.ndarray:
-    """The inverse of `_pack_by_width`: codes u8 [H, n, D] (a view)."""
-    num_heads, head_dim = widths.shape
-    by_channel = np.empty((num_heads, head_dim, num_tokens), dtype=np.uint8)  # [H, D, n]
+def _unpack_by_width(parts: list[torch.Tensor], widths: np.ndarray, slice_len: int) -> np.ndarray:
+    """The codes after the widths (`parts`: each width's, from `_part_sizes`) -> u8 [H, m, len]."""
+    codes = np.empty((*widths.shape, slice_len), dtype=np.uint8)
     for bits, count, part in zip(range(MIN_BITS, MAX_BITS + 1), _width_counts(widths), parts):
         if count:
-            by_channel[widths == bits] = _unpack(part, bits, count * num_tokens).numpy().reshape(count, num_tokens)
-    return by_channel.transpose(0, 2, 1)
+            codes[widths == bits] = _unpack(part, bits, count * slice_len).numpy().reshape(count, slice_len)
+    return codes
+
+
+def _read_widths(packed: torch.Tensor, num_heads: int, num_slices: int, avg_bits: float) -> np.ndarray:
+    """A part's stored widths [H, m], checked against the spec: each head's must sum as written."""
+    widths = _unpack(packed, _WIDTH_CODE_BITS, num_heads * num_slices).numpy().reshape(num_heads, num_slices)
+    widths = widths + np.uint8(MIN_BITS)
+    if (widths.sum(1, dtype=np.int64) != _total_bits(avg_bits, num_slices)).any():
+        raise ValueError("damaged bit widths: a head's do not sum to its bits")
+    return widths
 
 
 def encode_layer(kv: torch.Tensor, spec: LowBitSpec) -> bytes:
@@ -286,35 +314,42 @@ def encode_layer(kv: torch.Tensor, spec: LowBitSpec) -> bytes:
     # groups of g tokens: pad by repeating the last token (it does not widen the group's range)
     padded = np.concatenate([keys, np.repeat(keys[:, -1:], pad, axis=1)], 1) if pad else keys
     grouped = padded.reshape(num_heads, num_groups, g, head_dim)
-    widths = None
-    key_bits: int | np.ndarray = spec.key_bits
-    if spec.key_allocation is KeyBits.PER_CHANNEL:
-        spans = grouped.max(axis=2) - grouped.min(axis=2)  # [H, G, D]: each group's range
-        widths = _channel_bits((spans.astype(np.float64) ** 2).mean(axis=1), spec.key_bits)  # [H, D]
-        key_bits = widths[:, None, None, :]  # [H, 1, 1, D], as the group scales
+    key_bits: float | np.ndarray = spec.key_bits
+    value_bits: float | np.ndarray = spec.value_bits
+    key_widths = value_widths = None
+    if spec.key_widths is BitWidths.BY_RANGE:  # a channel's importance: its groups' mean squared range
+        spans = (grouped.max(axis=2) - grouped.min(axis=2)).astype(np.float64)  # [H, G, D]
+        key_widths = _widths_by_range((spans**2).mean(axis=1), _total_bits(spec.key_bits, head_dim))  # [H, D]
+        key_bits = key_widths[:, None, None, :]  # [H, 1, 1, D], as the group scales
+    if spec.value_widths is BitWidths.BY_RANGE:  # a token's importance: its squared range
+        spans = (values.max(axis=2) - values.min(axis=2)).astype(np.float64)  # [H, n]
+        value_widths = _widths_by_range(spans**2, _total_bits(spec.value_bits, num_tokens))  # [H, n]
+        value_bits = value_widths[:, :, None]  # [H, n, 1], as the token scales
     if spec.scale_bits == 8:  # second level per key channel (over its groups), per value head (over tokens)
         k_codes, k_lo, k_step, k_ranges = _quantize_two_level(grouped, 2, key_bits, slice_axis=1)
-        v_codes, v_lo, v_step, v_ranges = _quantize_two_level(values, 2, spec.value_bits, slice_axis=1)
+        v_codes, v_lo, v_step, v_ranges = _quantize_two_level(values, 2, value_bits, slice_axis=1)
         scales = [k_lo, k_step, v_lo, v_step]  # u8 [H, G, 1, D] x2, [H, n, 1] x2
         tails = [k_ranges.tobytes(), v_ranges.tobytes()]  # fp16 [4, H, 1, 1, D], [4, H, 1, 1]
     else:
         k_codes, k_lo, k_step = _quantize(grouped, 2, key_bits)
-        v_codes, v_lo, v_step = _quantize(values, 2, spec.value_bits)  # [H, n, D], [H, n, 1]
+        v_codes, v_lo, v_step = _quantize(values, 2, value_bits)  # [H, n, D], [H, n, 1]
         scales, tails = [k_lo, k_step, v_lo, v_step], []
     k_codes = k_codes.reshape(num_heads, num_groups * g, head_dim)[:, :num_tokens]  # [H, n, D]
-    if widths is not None:
-        key_part = widths.tobytes() + _pack_by_width(k_codes, widths)
-    else:
-        k_tensor = torch.from_numpy(np.ascontiguousarray(k_codes))
-        key_part = _pack(_delta(k_tensor, spec.key_bits) if spec.is_delta else k_tensor, spec.key_bits).numpy().tobytes()
-    v_tensor = torch.from_numpy(v_codes)
     raw = b"".join([
-        key_part,
-        _pack(_delta(v_tensor, spec.value_bits) if spec.is_delta else v_tensor, spec.value_bits).numpy().tobytes(),
+        _pack_by_width(k_codes.transpose(0, 2, 1), key_widths) if key_widths is not None  # [H, D, n]: by channel
+        else _uniform_part(k_codes, spec.key_bits, spec.is_delta),
+        _pack_by_width(v_codes, value_widths) if value_widths is not None  # [H, n, D]: by token
+        else _uniform_part(v_codes, spec.value_bits, spec.is_delta),
         *(np.ascontiguousarray(a).tobytes() for a in scales),
         *tails,
     ])
     return _compressor(spec.zstd_level).compress(raw) if spec.zstd_level > 0 else raw
+
+
+def _uniform_part(codes: np.ndarray, bits: float, is_delta: bool) -> bytes:
+    """codes u8 [H, n, D] at one width, packed (as token-wise deltas where asked)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(codes))
+    return _pack(_delta(tensor, int(bits)) if is_delta else tensor, int(bits)).numpy().tobytes()
 
 
 def _scale_sizes(num_heads: int, num_tokens: int, head_dim: int, spec: LowBitSpec) -> list[int]:
@@ -326,14 +361,20 @@ def _scale_sizes(num_heads: int, num_tokens: int, head_dim: int, spec: LowBitSpe
     return [2 * num_k, 2 * num_k, 2 * num_v, 2 * num_v]
 
 
+def _max_part_size(num_heads: int, num_slices: int, slice_len: int, bits: float, widths: BitWidths) -> int:
+    """Bytes of a part at most (exactly, at one width; by range, each width's codes padded to whole bytes
+    apart: at most one byte more per width)."""
+    if widths is BitWidths.UNIFORM:
+        return _packed_len(num_heads * num_slices * slice_len, int(bits))
+    return (_packed_len(num_heads * num_slices, _WIDTH_CODE_BITS)
+            + _packed_len(num_heads * _total_bits(bits, num_slices) * slice_len, 1) + (MAX_BITS - MIN_BITS + 1))
+
+
 def raw_size(num_heads: int, num_tokens: int, head_dim: int, spec: LowBitSpec) -> int:
-    """Bytes of a layer before zstd; with per-channel key bits, at most this (each width's codes
-    are padded to whole bytes apart: at most one byte more per width than `key_bits` on average)."""
-    codes = num_heads * num_tokens * head_dim
-    key_codes = _packed_len(codes, spec.key_bits)
-    if spec.key_allocation is KeyBits.PER_CHANNEL:
-        key_codes += num_heads * head_dim + (MAX_BITS - MIN_BITS + 1)  # the widths, the padding
-    return key_codes + _packed_len(codes, spec.value_bits) + sum(_scale_sizes(num_heads, num_tokens, head_dim, spec))
+    """Bytes of a layer before zstd (at most this, with widths by range: `_max_part_size`)."""
+    return (_max_part_size(num_heads, head_dim, num_tokens, spec.key_bits, spec.key_widths)
+            + _max_part_size(num_heads, num_tokens, head_dim, spec.value_bits, spec.value_widths)
+            + sum(_scale_sizes(num_heads, num_tokens, head_dim, spec)))
 
 
 def packed_size(num_heads: int, num_tokens: int, head_dim: int, spec: LowBitSpec) -> int:
@@ -341,50 +382,79 @@ def packed_size(num_heads: int, num_tokens: int, head_dim: int, spec: LowBitSpec
     return raw_size(num_heads, num_tokens, head_dim, spec) + 64
 
 
-def _widths(buf: np.ndarray, num_heads: int, head_dim: int, avg_bits: int) -> np.ndarray:
-    """A payload's per-channel key widths [H, D], checked: each in range, each head's summing as written."""
-    if buf.size < num_heads * head_dim:
-        raise ValueError(f"payload of {buf.size} bytes has no key widths")
-    widths = buf[: num_heads * head_dim].reshape(num_heads, head_dim)
-    if widths.min() < MIN_BITS or widths.max() > MAX_BITS or (widths.sum(1, dtype=np.int64) != avg_bits * head_dim).any():
-        raise ValueError("damaged per-channel key widths")
-    return widths
+class _Reader:
+    """Takes a raw payload's parts in order, checking each fits."""
+
+    def __init__(self, buf: torch.Tensor):
+        self.buf, self.offset = buf, 0
+
+    def take(self, size: int) -> torch.Tensor:
+        if self.offset + size > self.buf.numel():
+            raise ValueError(f"payload of {self.buf.numel()} bytes ends before its parts")
+        self.offset += size
+        return self.buf[self.offset - size : self.offset]
 
 
-def decode_layer(payload, num_heads: int, num_tokens: int, head_dim: int, spec: LowBitSpec,
-                 dtype: torch.dtype = torch.float16) -> torch.Tensor:
-    """One payload -> kv [2, H, n, D] in `dtype` (CPU). Raises ValueError on a malformed payload."""
-    max_size = raw_size(num_heads, num_tokens, head_dim, spec)
+def _read_part(reader: _Reader, num_heads: int, num_slices: int, slice_len: int, bits: float,
+               widths: BitWidths, is_delta: bool) -> np.ndarray:
+    """One code part -> codes u8 [H, m, len] (m slices of `slice_len` codes each; at one width, as stored:
+    [H, n, D], deltas along n)."""
+    if widths is BitWidths.UNIFORM:
+        codes = _unpack(reader.take(_packed_len(num_heads * num_slices * slice_len, int(bits))), int(bits),
+                        num_heads * num_slices * slice_len).view(num_heads, num_slices, slice_len)
+        return (_undelta(codes, int(bits)) if is_delta else codes).numpy()
+    stored = reader.take(_packed_len(num_heads * num_slices, _WIDTH_CODE_BITS))
+    slice_widths = _read_widths(stored, num_heads, num_slices, bits)
+    parts = [reader.take(size) for size in _part_sizes(slice_widths, slice_len)[1:]]
+    return _unpack_by_width(parts, slice_widths, slice_len)
+
+
+def _raw_reader(payload, num_heads: int, num_tokens: int, head_dim: int, spec: LowBitSpec) -> _Reader:
     if spec.zstd_level > 0:
         try:
-            raw = _decompressor().decompress(payload, max_output_size=max_size)
+            raw = _decompressor().decompress(payload, max_output_size=raw_size(num_heads, num_tokens, head_dim, spec))
         except zstandard.ZstdError as exc:
             raise ValueError(f"zstd: {exc}") from exc
     else:
         raw = payload
     buf = np.frombuffer(raw, dtype=np.uint8)
-    n_codes = num_heads * num_tokens * head_dim
+    return _Reader(torch.from_numpy(buf.copy()) if not buf.flags.writeable else torch.from_numpy(buf))
+
+
+def layer_widths(payload, num_heads: int, num_tokens: int, head_dim: int, spec: LowBitSpec
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """The widths a payload's codes have: per key channel [H, D] and per value token [H, n] (u8; at one
+    width, that width everywhere)."""
+    reader = _raw_reader(payload, num_heads, num_tokens, head_dim, spec)
+    out = []
+    for bits, widths, num_slices, slice_len in ((spec.key_bits, spec.key_widths, head_dim, num_tokens),
+                                                (spec.value_bits, spec.value_widths, num_tokens, head_dim)):
+        if widths is BitWidths.UNIFORM:
+            reader.take(_packed_len(num_heads * num_slices * slice_len, int(bits)))
+            out.append(np.full((num_heads, num_slices), int(bits), dtype=np.uint8))
+            continue
+        slice_widths = _read_widths(reader.take(_packed_len(num_heads * num_slices, _WIDTH_CODE_BITS)),
+                                    num_heads, num_slices, bits)
+        for size in _part_sizes(slice_widths, slice_len)[1:]:
+            reader.take(size)
+        out.append(slice_widths)
+    return out[0], out[1]
+
+
+def decode_layer(payload, num_heads: int, num_tokens: int, head_dim: int, spec: LowBitSpec,
+                 dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """One payload -> kv [2, H, n, D] in `dtype` (CPU). Raises ValueError on a malformed payload."""
+    reader = _raw_reader(payload, num_heads, num_tokens, head_dim, spec)
+    buf = reader.buf
+    if spec.key_widths is BitWidths.BY_RANGE:  # by channel [H, D, n] -> [H, n, D]
+        k = _read_part(reader, num_heads, head_dim, num_tokens, spec.key_bits, spec.key_widths, False).transpose(0, 2, 1)
+    else:
+        k = _read_part(reader, num_heads, num_tokens, head_dim, spec.key_bits, spec.key_widths, spec.is_delta)
+    v = _read_part(reader, num_heads, num_tokens, head_dim, spec.value_bits, spec.value_widths, spec.is_delta)
+    scale_parts = [reader.take(size) for size in _scale_sizes(num_heads, num_tokens, head_dim, spec)]
+    if reader.offset != buf.numel():
+        raise ValueError(f"payload decodes to {buf.numel()} bytes, expected {reader.offset}")
     num_groups = -(-num_tokens // spec.group_tokens)
-    widths = None
-    if spec.key_allocation is KeyBits.PER_CHANNEL:
-        widths = _widths(buf, num_heads, head_dim, spec.key_bits)
-        key_sizes = [num_heads * head_dim, *_key_code_sizes(widths, num_tokens)]
-    else:
-        key_sizes = [_packed_len(n_codes, spec.key_bits)]
-    sizes = [*key_sizes, _packed_len(n_codes, spec.value_bits), *_scale_sizes(num_heads, num_tokens, head_dim, spec)]
-    if buf.size != sum(sizes):
-        raise ValueError(f"payload decodes to {buf.size} bytes, expected {sum(sizes)}")
-    t = torch.from_numpy(buf.copy()) if not buf.flags.writeable else torch.from_numpy(buf)
-    parts = torch.split(t, sizes)
-    key_parts, v_part, scale_parts = parts[: len(key_sizes)], parts[len(key_sizes)], parts[len(key_sizes) + 1 :]
-    if widths is not None:
-        k = _unpack_by_width(list(key_parts[1:]), widths, num_tokens)  # [H, n, D]
-    else:
-        k_codes = _unpack(key_parts[0], spec.key_bits, n_codes).view(num_heads, num_tokens, head_dim)
-        k = (_undelta(k_codes, spec.key_bits) if spec.is_delta else k_codes).numpy()
-    v_codes = _unpack(v_part, spec.value_bits, n_codes).view(num_heads, num_tokens, head_dim)
-    if spec.is_delta:
-        v_codes = _undelta(v_codes, spec.value_bits)
     k_shape, v_shape = (num_heads, num_groups, 1, head_dim), (num_heads, num_tokens, 1)
     if spec.scale_bits == 8:
         k_ranges = _Ranges.frombuffer(scale_parts[4].numpy(), (num_heads, 1, 1, head_dim))
@@ -401,10 +471,9 @@ def decode_layer(payload, num_heads: int, num_tokens: int, head_dim: int, spec: 
         k = np.concatenate([k, np.zeros((num_heads, pad, head_dim), np.uint8)], 1)
     # code * step + min, in fp32 (numpy: see _quantize), per key group / value token
     k = (k.reshape(num_heads, num_groups, g, head_dim) * k_step + k_lo).reshape(num_heads, num_groups * g, head_dim)
-    v = v_codes.numpy() * v_step + v_lo
     out = np.empty((2, num_heads, num_tokens, head_dim), dtype=np.float32)  # [2, H, n, D]
     out[0] = k[:, :num_tokens]
-    out[1] = v
+    out[1] = v * v_step + v_lo
     return _cast(torch.from_numpy(out), dtype)
 
 
