@@ -58,13 +58,17 @@ def candidates() -> list[Candidate]:
         ("k8v3 g32 8-bit scales, zstd", dict(key_bits=8, value_bits=3, group_tokens=32, scale_bits=8)),
         ("k4v8 g32 8-bit scales, zstd", dict(key_bits=4, value_bits=8, group_tokens=32, scale_bits=8)),
         ("k4v3 g16 8-bit scales, zstd", dict(key_bits=4, value_bits=3, group_tokens=16, scale_bits=8)),
-        # key bits per channel (the int4 default since stop 30) against one width for all (stop 29's)
-        ("k4v3 g32 8-bit scales, zstd, uniform key bits", dict(key_bits=4, value_bits=3, group_tokens=32,
-                                                               scale_bits=8)),
-        ("k3v3 g32 8-bit scales, zstd, per-channel key bits", dict(key_bits=3, value_bits=3, group_tokens=32,
-                                                                   scale_bits=8, key_widths=BitWidths.BY_RANGE)),
-        ("k4v4 g32 8-bit scales, zstd, per-channel key bits", dict(key_bits=4, value_bits=4, group_tokens=32,
-                                                                   scale_bits=8, key_widths=BitWidths.BY_RANGE)),
+        # widths by range (the int4 default since stop 30: keys 3.5 bits per channel, values 3.5 per token
+        # on average) against one width for all (stop 29's) and widths by range for the keys alone
+        ("k4v3 g32 8-bit scales, zstd, uniform widths", dict(key_bits=4, value_bits=3, group_tokens=32,
+                                                             scale_bits=8)),
+        ("k4v3 g32 8-bit scales, zstd, key widths by range", dict(key_bits=4, value_bits=3, group_tokens=32,
+                                                                  scale_bits=8, key_widths=BitWidths.BY_RANGE)),
+        ("k3v3 g32 8-bit scales, zstd, key widths by range", dict(key_bits=3, value_bits=3, group_tokens=32,
+                                                                  scale_bits=8, key_widths=BitWidths.BY_RANGE)),
+        ("k3v3 g32 8-bit scales, zstd, widths by range", dict(key_bits=3, value_bits=3, group_tokens=32,
+                                                              scale_bits=8, key_widths=BitWidths.BY_RANGE,
+                                                              value_widths=BitWidths.BY_RANGE)),
     ]:
         out.append(Candidate(name, None, spec))
     return out

@@ -51,7 +51,7 @@ class StoreSettings(BaseModel):
     )
     dtype: StorageDtype = Field(StorageDtype.FLOAT16, description="dtype of stored KV.")
     quantization: KVQuantization = Field(KVQuantization.INT4, description="Compression of the disk/Redis tiers' entries: none (float16), int8, or int4 "
-        "(keys per channel, values per token, zstd; docs/decisions/0013). Entries in another format stay readable.")
+        "(keys per channel, values per token, 3.5 bits on average, zstd; docs/decisions/0014). Entries in another format stay readable.")
     write_tiers: list[Literal["gpu", "memory", "disk", "redis"]] = Field(
         ["memory", "disk", "redis"], description="Tiers a new chunk cache is written to (when enabled); the GPU "
         "tier fills on reads by default (a chunk read from a slower tier is copied up).",

@@ -36,8 +36,9 @@ _ST_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32
 # low-bit formats (a compressed payload per layer) and the parameters new entries are written with;
 # measured: docs/decisions/0014. An entry's header names its parameters (`lowbit`), so entries written
 # with earlier ones stay readable (an int4 entry without the field: the first int4 parameters, fp16 scales).
-LOWBIT_SPECS = {KVQuantization.INT4: lowbit.LowBitSpec(key_bits=4, value_bits=3, group_tokens=32, zstd_level=3,
-                                                       scale_bits=8, key_widths=lowbit.BitWidths.BY_RANGE)}
+LOWBIT_SPECS = {KVQuantization.INT4: lowbit.LowBitSpec(key_bits=3.5, value_bits=3.5, group_tokens=32, zstd_level=3,
+                                                       scale_bits=8, key_widths=lowbit.BitWidths.BY_RANGE,
+                                                       value_widths=lowbit.BitWidths.BY_RANGE)}
 _FIRST_LOWBIT_SPECS = {KVQuantization.INT4: lowbit.LowBitSpec(key_bits=4, value_bits=3, group_tokens=32, zstd_level=3)}
 _EARLIER_LOWBIT_SPECS = (  # written by earlier versions, under the header's `lowbit` tag
     lowbit.LowBitSpec(key_bits=4, value_bits=3, group_tokens=32, zstd_level=3, scale_bits=8),  # one key width
