@@ -223,6 +223,12 @@ def _unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
         p = packed.numpy()
         return torch.from_numpy(np.stack([p & 15, p >> 4], 1).reshape(-1)[:numel])
     p = packed.numpy()
+    if bits <= 3:  # the stream's bits one a byte (numpy's C loop), then `bits` byte-wide ORs: 1.5-6x faster here
+        stream = np.unpackbits(p, bitorder="little")[: numel * bits].reshape(numel, bits)  # [numel, bits]: LSB first
+        codes = stream[:, 0].copy()
+        for bit in range(1, bits):
+            codes |= stream[:, bit] << bit
+        return torch.from_numpy(codes)
     num_words = -(-numel // 8)
     padded = np.zeros(num_words * bits, np.uint8)
     padded[: p.size] = p
@@ -287,11 +293,13 @@ def _pack_by_width(codes: np.ndarray, widths: np.ndarray) -> bytes:
 
 def _unpack_by_width(parts: list[torch.Tensor], widths: np.ndarray, slice_len: int) -> np.ndarray:
     """The codes after the widths (`parts`: each width's, from `_part_sizes`) -> u8 [H, m, len]."""
-    codes = np.empty((*widths.shape, slice_len), dtype=np.uint8)
-    for bits, count, part in zip(range(MIN_BITS, MAX_BITS + 1), _width_counts(widths), parts):
-        if count:
-            codes[widths == bits] = _unpack(part, bits, count * slice_len).numpy().reshape(count, slice_len)
-    return codes
+    by_width = [_unpack(part, bits, count * slice_len).numpy()
+                for bits, count, part in zip(range(MIN_BITS, MAX_BITS + 1), _width_counts(widths), parts) if count]
+    # the slices in stored order (by width, then as they lie): one gather puts them back
+    order = np.argsort(widths.reshape(-1), kind="stable")  # [H * m]: stored slice i is slice order[i]
+    codes = np.empty((widths.size, slice_len), dtype=np.uint8)
+    codes[order] = np.concatenate(by_width).reshape(-1, slice_len)
+    return codes.reshape(*widths.shape, slice_len)
 
 
 def _read_widths(packed: torch.Tensor, num_heads: int, num_slices: int, avg_bits: float) -> np.ndarray:
