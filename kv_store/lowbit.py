@@ -217,18 +217,22 @@ def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    return torch.from_numpy(_unpack_codes(packed.numpy(), bits, numel))
+
+
+def _unpack_codes(p: np.ndarray, bits: int, numel: int) -> np.ndarray:
+    """`_pack`'s output -> its first `numel` codes, u8 (numpy throughout: a decode makes a dozen calls
+    a layer, where torch's per-op cost would show)."""
     if bits == 8:
-        return packed
+        return p[:numel]
     if bits == 4:
-        p = packed.numpy()
-        return torch.from_numpy(np.stack([p & 15, p >> 4], 1).reshape(-1)[:numel])
-    p = packed.numpy()
+        return np.stack([p & 15, p >> 4], 1).reshape(-1)[:numel]
     if bits <= 3:  # the stream's bits one a byte (numpy's C loop), then `bits` byte-wide ORs: 1.5-6x faster here
         stream = np.unpackbits(p, bitorder="little")[: numel * bits].reshape(numel, bits)  # [numel, bits]: LSB first
         codes = stream[:, 0].copy()
         for bit in range(1, bits):
             codes |= stream[:, bit] << bit
-        return torch.from_numpy(codes)
+        return codes
     num_words = -(-numel // 8)
     padded = np.zeros(num_words * bits, np.uint8)
     padded[: p.size] = p
@@ -237,7 +241,7 @@ def _unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     word = buf.view("<u8").reshape(-1)  # [numel / 8]
     shifts = np.arange(0, 8 * bits, bits, dtype=np.uint64)  # [8]: one broadcast op, not 8 + a stack
     codes = ((word[:, None] >> shifts) & np.uint64((1 << bits) - 1)).astype(np.uint8)  # [numel / 8, 8]
-    return torch.from_numpy(codes.reshape(-1)[:numel])
+    return codes.reshape(-1)[:numel]
 
 
 def _packed_len(numel: int, bits: int) -> int:
@@ -291,9 +295,9 @@ def _pack_by_width(codes: np.ndarray, widths: np.ndarray) -> bytes:
         for bits in range(MIN_BITS, MAX_BITS + 1))
 
 
-def _unpack_by_width(parts: list[torch.Tensor], widths: np.ndarray, slice_len: int) -> np.ndarray:
+def _unpack_by_width(parts: list[np.ndarray], widths: np.ndarray, slice_len: int) -> np.ndarray:
     """The codes after the widths (`parts`: each width's, from `_part_sizes`) -> u8 [H, m, len]."""
-    by_width = [_unpack(part, bits, count * slice_len).numpy()
+    by_width = [_unpack_codes(part, bits, count * slice_len)
                 for bits, count, part in zip(range(MIN_BITS, MAX_BITS + 1), _width_counts(widths), parts) if count]
     # the slices in stored order (by width, then as they lie): one gather puts them back
     order = np.argsort(widths.reshape(-1), kind="stable")  # [H * m]: stored slice i is slice order[i]
@@ -302,9 +306,9 @@ def _unpack_by_width(parts: list[torch.Tensor], widths: np.ndarray, slice_len: i
     return codes.reshape(*widths.shape, slice_len)
 
 
-def _read_widths(packed: torch.Tensor, num_heads: int, num_slices: int, avg_bits: float) -> np.ndarray:
+def _read_widths(packed: np.ndarray, num_heads: int, num_slices: int, avg_bits: float) -> np.ndarray:
     """A part's stored widths [H, m], checked against the spec: each head's must sum as written."""
-    widths = _unpack(packed, _WIDTH_CODE_BITS, num_heads * num_slices).numpy().reshape(num_heads, num_slices)
+    widths = _unpack_codes(packed, _WIDTH_CODE_BITS, num_heads * num_slices).reshape(num_heads, num_slices)
     widths = widths + np.uint8(MIN_BITS)
     if (widths.sum(1, dtype=np.int64) != _total_bits(avg_bits, num_slices)).any():
         raise ValueError("damaged bit widths: a head's do not sum to its bits")
@@ -393,12 +397,12 @@ def packed_size(num_heads: int, num_tokens: int, head_dim: int, spec: LowBitSpec
 class _Reader:
     """Takes a raw payload's parts in order, checking each fits."""
 
-    def __init__(self, buf: torch.Tensor):
-        self.buf, self.offset = buf, 0
+    def __init__(self, buf: np.ndarray):
+        self.buf, self.offset = buf, 0  # u8 [bytes]
 
-    def take(self, size: int) -> torch.Tensor:
-        if self.offset + size > self.buf.numel():
-            raise ValueError(f"payload of {self.buf.numel()} bytes ends before its parts")
+    def take(self, size: int) -> np.ndarray:
+        if self.offset + size > self.buf.size:
+            raise ValueError(f"payload of {self.buf.size} bytes ends before its parts")
         self.offset += size
         return self.buf[self.offset - size : self.offset]
 
@@ -408,9 +412,9 @@ def _read_part(reader: _Reader, num_heads: int, num_slices: int, slice_len: int,
     """One code part -> codes u8 [H, m, len] (m slices of `slice_len` codes each; at one width, as stored:
     [H, n, D], deltas along n)."""
     if widths is BitWidths.UNIFORM:
-        codes = _unpack(reader.take(_packed_len(num_heads * num_slices * slice_len, int(bits))), int(bits),
-                        num_heads * num_slices * slice_len).view(num_heads, num_slices, slice_len)
-        return (_undelta(codes, int(bits)) if is_delta else codes).numpy()
+        codes = _unpack_codes(reader.take(_packed_len(num_heads * num_slices * slice_len, int(bits))), int(bits),
+                              num_heads * num_slices * slice_len).reshape(num_heads, num_slices, slice_len)
+        return _undelta(torch.from_numpy(codes.copy()), int(bits)).numpy() if is_delta else codes
     stored = reader.take(_packed_len(num_heads * num_slices, _WIDTH_CODE_BITS))
     slice_widths = _read_widths(stored, num_heads, num_slices, bits)
     parts = [reader.take(size) for size in _part_sizes(slice_widths, slice_len)[1:]]
@@ -425,8 +429,7 @@ def _raw_reader(payload, num_heads: int, num_tokens: int, head_dim: int, spec: L
             raise ValueError(f"zstd: {exc}") from exc
     else:
         raw = payload
-    buf = np.frombuffer(raw, dtype=np.uint8)
-    return _Reader(torch.from_numpy(buf.copy()) if not buf.flags.writeable else torch.from_numpy(buf))
+    return _Reader(np.frombuffer(raw, dtype=np.uint8))
 
 
 def layer_widths(payload, num_heads: int, num_tokens: int, head_dim: int, spec: LowBitSpec
@@ -460,19 +463,18 @@ def decode_layer(payload, num_heads: int, num_tokens: int, head_dim: int, spec: 
         k = _read_part(reader, num_heads, num_tokens, head_dim, spec.key_bits, spec.key_widths, spec.is_delta)
     v = _read_part(reader, num_heads, num_tokens, head_dim, spec.value_bits, spec.value_widths, spec.is_delta)
     scale_parts = [reader.take(size) for size in _scale_sizes(num_heads, num_tokens, head_dim, spec)]
-    if reader.offset != buf.numel():
-        raise ValueError(f"payload decodes to {buf.numel()} bytes, expected {reader.offset}")
+    if reader.offset != buf.size:
+        raise ValueError(f"payload decodes to {buf.size} bytes, expected {reader.offset}")
     num_groups = -(-num_tokens // spec.group_tokens)
     k_shape, v_shape = (num_heads, num_groups, 1, head_dim), (num_heads, num_tokens, 1)
     if spec.scale_bits == 8:
-        k_ranges = _Ranges.frombuffer(scale_parts[4].numpy(), (num_heads, 1, 1, head_dim))
-        v_ranges = _Ranges.frombuffer(scale_parts[5].numpy(), (num_heads, 1, 1))
-        k_lo = k_ranges.lo(scale_parts[0].numpy().reshape(k_shape))
-        k_step = k_ranges.step(scale_parts[1].numpy().reshape(k_shape))
-        v_lo, v_step = v_ranges.lo(scale_parts[2].numpy().reshape(v_shape)), v_ranges.step(scale_parts[3].numpy().reshape(v_shape))
+        k_ranges = _Ranges.frombuffer(scale_parts[4], (num_heads, 1, 1, head_dim))
+        v_ranges = _Ranges.frombuffer(scale_parts[5], (num_heads, 1, 1))
+        k_lo, k_step = k_ranges.lo(scale_parts[0].reshape(k_shape)), k_ranges.step(scale_parts[1].reshape(k_shape))
+        v_lo, v_step = v_ranges.lo(scale_parts[2].reshape(v_shape)), v_ranges.step(scale_parts[3].reshape(v_shape))
     else:
-        k_lo, k_step = (p.numpy().view(np.float16).astype(np.float32).reshape(k_shape) for p in scale_parts[0:2])
-        v_lo, v_step = (p.numpy().view(np.float16).astype(np.float32).reshape(v_shape) for p in scale_parts[2:4])
+        k_lo, k_step = (p.view(np.float16).astype(np.float32).reshape(k_shape) for p in scale_parts[0:2])
+        v_lo, v_step = (p.view(np.float16).astype(np.float32).reshape(v_shape) for p in scale_parts[2:4])
     g = spec.group_tokens
     pad = num_groups * g - num_tokens
     if pad:
