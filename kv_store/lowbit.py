@@ -216,10 +216,6 @@ def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(packed).reshape(-1)[: _packed_len(flat.numel(), bits)])
 
 
-def _unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    return torch.from_numpy(_unpack_codes(packed.numpy(), bits, numel))
-
-
 def _unpack_codes(p: np.ndarray, bits: int, numel: int) -> np.ndarray:
     """`_pack`'s output -> its first `numel` codes, u8 (numpy throughout: a decode makes a dozen calls
     a layer, where torch's per-op cost would show)."""
@@ -407,18 +403,27 @@ class _Reader:
         return self.buf[self.offset - size : self.offset]
 
 
+def _take_part(reader: _Reader, num_heads: int, num_slices: int, slice_len: int, bits: float,
+               widths: BitWidths) -> tuple[np.ndarray | None, list[np.ndarray]]:
+    """One code part of m slices of `slice_len` codes each: its stored widths [H, m] (None at one width)
+    and its packed codes (one array per width present, or the one at one width)."""
+    if widths is BitWidths.UNIFORM:
+        return None, [reader.take(_packed_len(num_heads * num_slices * slice_len, int(bits)))]
+    slice_widths = _read_widths(reader.take(_packed_len(num_heads * num_slices, _WIDTH_CODE_BITS)),
+                                num_heads, num_slices, bits)
+    return slice_widths, [reader.take(size) for size in _part_sizes(slice_widths, slice_len)[1:]]
+
+
 def _read_part(reader: _Reader, num_heads: int, num_slices: int, slice_len: int, bits: float,
                widths: BitWidths, is_delta: bool) -> np.ndarray:
     """One code part -> codes u8 [H, m, len] (m slices of `slice_len` codes each; at one width, as stored:
     [H, n, D], deltas along n)."""
-    if widths is BitWidths.UNIFORM:
-        codes = _unpack_codes(reader.take(_packed_len(num_heads * num_slices * slice_len, int(bits))), int(bits),
-                              num_heads * num_slices * slice_len).reshape(num_heads, num_slices, slice_len)
-        return _undelta(torch.from_numpy(codes.copy()), int(bits)).numpy() if is_delta else codes
-    stored = reader.take(_packed_len(num_heads * num_slices, _WIDTH_CODE_BITS))
-    slice_widths = _read_widths(stored, num_heads, num_slices, bits)
-    parts = [reader.take(size) for size in _part_sizes(slice_widths, slice_len)[1:]]
-    return _unpack_by_width(parts, slice_widths, slice_len)
+    slice_widths, parts = _take_part(reader, num_heads, num_slices, slice_len, bits, widths)
+    if slice_widths is not None:
+        return _unpack_by_width(parts, slice_widths, slice_len)
+    codes = _unpack_codes(parts[0], int(bits), num_heads * num_slices * slice_len).reshape(
+        num_heads, num_slices, slice_len)
+    return _undelta(torch.from_numpy(codes.copy()), int(bits)).numpy() if is_delta else codes
 
 
 def _raw_reader(payload, num_heads: int, num_tokens: int, head_dim: int, spec: LowBitSpec) -> _Reader:
@@ -440,15 +445,9 @@ def layer_widths(payload, num_heads: int, num_tokens: int, head_dim: int, spec: 
     out = []
     for bits, widths, num_slices, slice_len in ((spec.key_bits, spec.key_widths, head_dim, num_tokens),
                                                 (spec.value_bits, spec.value_widths, num_tokens, head_dim)):
-        if widths is BitWidths.UNIFORM:
-            reader.take(_packed_len(num_heads * num_slices * slice_len, int(bits)))
-            out.append(np.full((num_heads, num_slices), int(bits), dtype=np.uint8))
-            continue
-        slice_widths = _read_widths(reader.take(_packed_len(num_heads * num_slices, _WIDTH_CODE_BITS)),
-                                    num_heads, num_slices, bits)
-        for size in _part_sizes(slice_widths, slice_len)[1:]:
-            reader.take(size)
-        out.append(slice_widths)
+        slice_widths, _ = _take_part(reader, num_heads, num_slices, slice_len, bits, widths)
+        out.append(np.full((num_heads, num_slices), int(bits), dtype=np.uint8) if slice_widths is None
+                   else slice_widths)
     return out[0], out[1]
 
 
