@@ -53,6 +53,21 @@ def test_int4_round_trip_is_within_half_a_step_and_small():
     assert header.layer_nbytes(0) <= codec.storage_bytes_per_layer(2, 100, 64, INT4) < fp16_layer / 3
 
 
+def test_a_streamed_int4_layer_is_fp32_and_rounds_to_the_whole_entry_decode():
+    """The stream hands the decoder's fp32 to the engine (no cast to fp16 and back); whole-entry reads
+    stay in the storage dtype, the same values rounded."""
+    kv = smooth_kv(num_tokens=70)  # a last, shorter key group
+    key = chunk_key("fp", INT4, kv.token_ids, kv.context_ids)
+    blob = bytearray(codec.encode(kv, key, "fp", INT4))
+    header = codec.parse_header(blob[: codec.header_size(blob)], len(blob), key, "fp", INT4)
+    whole = codec.decode(header, lambda b, e: bytearray(blob[b:e]))
+    for layer in range(kv.num_layers):
+        buffers = [bytearray(blob[b:e]) for b, e in header.layer_ranges[layer]]
+        k, v = codec.decode_layer_encoded(header, layer, buffers).unpack()
+        assert k.dtype == v.dtype == torch.float32
+        assert torch.equal(k.half(), whole.keys[layer]) and torch.equal(v.half(), whole.values[layer])
+
+
 def test_token_wise_deltas_decode_to_the_same_values():
     x = torch.stack([smooth_kv().keys[0], smooth_kv(seed=1).values[0]])  # [2, H, n, D]
     plain, delta = lowbit.LowBitSpec(), lowbit.LowBitSpec(is_delta=True)
