@@ -34,6 +34,8 @@ import numpy as np
 import torch
 import zstandard
 
+from kv_store import lowbit_kernels
+
 
 MIN_BITS, MAX_BITS = 1, 8  # the widths a code can have
 
@@ -298,17 +300,6 @@ def _pack_by_width(codes: np.ndarray, widths: np.ndarray) -> bytes:
         for bits in range(MIN_BITS, MAX_BITS + 1))
 
 
-def _unpack_by_width(parts: list[np.ndarray], widths: np.ndarray, slice_len: int) -> np.ndarray:
-    """The codes after the widths (`parts`: each width's, from `_part_sizes`) -> u8 [H, m, len]."""
-    by_width = [_unpack_codes(part, bits, count * slice_len)
-                for bits, count, part in zip(range(MIN_BITS, MAX_BITS + 1), _width_counts(widths), parts) if count]
-    # the slices in stored order (by width, then as they lie): one gather puts them back
-    order = np.argsort(widths.reshape(-1), kind="stable")  # [H * m]: stored slice i is slice order[i]
-    codes = np.empty((widths.size, slice_len), dtype=np.uint8)
-    codes[order] = np.concatenate(by_width).reshape(-1, slice_len)
-    return codes.reshape(*widths.shape, slice_len)
-
-
 def _read_widths(packed: np.ndarray, num_heads: int, num_slices: int, avg_bits: float) -> np.ndarray:
     """A part's stored widths [H, m], checked against the spec: each head's must sum as written."""
     widths = _unpack_codes(packed, _WIDTH_CODE_BITS, num_heads * num_slices).reshape(num_heads, num_slices)
@@ -411,26 +402,22 @@ class _Reader:
 
 
 def _take_part(reader: _Reader, num_heads: int, num_slices: int, slice_len: int, bits: float,
-               widths: BitWidths) -> tuple[np.ndarray | None, list[np.ndarray]]:
+               widths: BitWidths) -> tuple[np.ndarray | None, np.ndarray]:
     """One code part of m slices of `slice_len` codes each: its stored widths [H, m] (None at one width)
-    and its packed codes (one array per width present, or the one at one width)."""
+    and its packed codes (by range: every width's, one after the other, as `_part_sizes` sizes them)."""
     if widths is BitWidths.UNIFORM:
-        return None, [reader.take(_packed_len(num_heads * num_slices * slice_len, int(bits)))]
+        return None, reader.take(_packed_len(num_heads * num_slices * slice_len, int(bits)))
     slice_widths = _read_widths(reader.take(_packed_len(num_heads * num_slices, _WIDTH_CODE_BITS)),
                                 num_heads, num_slices, bits)
-    return slice_widths, [reader.take(size) for size in _part_sizes(slice_widths, slice_len)[1:]]
+    return slice_widths, reader.take(sum(_part_sizes(slice_widths, slice_len)[1:]))
 
 
-def _read_part(reader: _Reader, num_heads: int, num_slices: int, slice_len: int, bits: float,
-               widths: BitWidths, is_delta: bool) -> np.ndarray:
-    """One code part -> codes u8 [H, m, len] (m slices of `slice_len` codes each; at one width, as stored:
-    [H, n, D], deltas along n)."""
-    slice_widths, parts = _take_part(reader, num_heads, num_slices, slice_len, bits, widths)
-    if slice_widths is not None:
-        return _unpack_by_width(parts, slice_widths, slice_len)
-    codes = _unpack_codes(parts[0], int(bits), num_heads * num_slices * slice_len).reshape(
-        num_heads, num_slices, slice_len)
-    return _undelta(torch.from_numpy(codes.copy()), int(bits)).numpy() if is_delta else codes
+def _uniform_codes(packed: np.ndarray, bits: float, shape: tuple[int, int, int], is_delta: bool) -> np.ndarray:
+    """A part at one width -> its codes u8 [H, n, D], as stored (deltas along n undone)."""
+    codes = _unpack_codes(packed, int(bits), shape[0] * shape[1] * shape[2]).reshape(shape)
+    if is_delta:
+        return _undelta(torch.from_numpy(codes.copy()), int(bits)).numpy()
+    return codes if codes.flags.writeable else codes.copy()  # 8 bits: a view of the payload, read-only for torch
 
 
 def _raw_reader(payload, num_heads: int, num_tokens: int, head_dim: int, spec: LowBitSpec) -> _Reader:
@@ -462,39 +449,52 @@ def decode_layer(payload, num_heads: int, num_tokens: int, head_dim: int, spec: 
                  dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """One payload -> kv [2, H, n, D] in `dtype` (CPU). Raises ValueError on a malformed payload."""
     reader = _raw_reader(payload, num_heads, num_tokens, head_dim, spec)
-    buf = reader.buf
-    if spec.key_widths is BitWidths.BY_RANGE:  # by channel [H, D, n] -> [H, n, D]
-        k = _read_part(reader, num_heads, head_dim, num_tokens, spec.key_bits, spec.key_widths, False).transpose(0, 2, 1)
+    if spec.key_widths is BitWidths.BY_RANGE:  # by channel: m = D slices of n codes
+        k_widths, k_packed = _take_part(reader, num_heads, head_dim, num_tokens, spec.key_bits, spec.key_widths)
     else:
-        k = _read_part(reader, num_heads, num_tokens, head_dim, spec.key_bits, spec.key_widths, spec.is_delta)
-    v = _read_part(reader, num_heads, num_tokens, head_dim, spec.value_bits, spec.value_widths, spec.is_delta)
+        k_widths, k_packed = _take_part(reader, num_heads, num_tokens, head_dim, spec.key_bits, spec.key_widths)
+    v_widths, v_packed = _take_part(reader, num_heads, num_tokens, head_dim, spec.value_bits, spec.value_widths)
     scale_parts = [reader.take(size) for size in _scale_sizes(num_heads, num_tokens, head_dim, spec)]
-    if reader.offset != buf.size:
-        raise ValueError(f"payload decodes to {buf.size} bytes, expected {reader.offset}")
+    if reader.offset != reader.buf.size:
+        raise ValueError(f"payload decodes to {reader.buf.size} bytes, expected {reader.offset}")
     num_groups = -(-num_tokens // spec.group_tokens)
-    k_shape, v_shape = (num_heads, num_groups, 1, head_dim), (num_heads, num_tokens, 1)
+    k_shape, v_shape = (num_heads, num_groups, head_dim), (num_heads, num_tokens)
     if spec.scale_bits == 8:
-        k_ranges = _Ranges.frombuffer(scale_parts[4], (num_heads, 1, 1, head_dim))
-        v_ranges = _Ranges.frombuffer(scale_parts[5], (num_heads, 1, 1))
+        k_ranges = _Ranges.frombuffer(scale_parts[4], (num_heads, 1, head_dim))
+        v_ranges = _Ranges.frombuffer(scale_parts[5], (num_heads, 1))
         k_lo, k_step = k_ranges.lo(scale_parts[0].reshape(k_shape)), k_ranges.step(scale_parts[1].reshape(k_shape))
         v_lo, v_step = v_ranges.lo(scale_parts[2].reshape(v_shape)), v_ranges.step(scale_parts[3].reshape(v_shape))
     else:
         k_lo, k_step = (p.view(np.float16).astype(np.float32).reshape(k_shape) for p in scale_parts[0:2])
         v_lo, v_step = (p.view(np.float16).astype(np.float32).reshape(v_shape) for p in scale_parts[2:4])
-    # code * step + min in fp32, per key group / value token, in place: torch's cast, multiply and add
-    # run 1.4-2x numpy's mixed u8 x fp32 ufuncs here (a thread that decodes is pinned to one thread)
-    out = torch.empty((2, num_heads, num_tokens, head_dim))  # [2, H, n, D] fp32
-    out[0].copy_(torch.from_numpy(np.ascontiguousarray(k)))  # by range, k is a transposed view
-    out[1].copy_(torch.from_numpy(v))
-    g = spec.group_tokens
-    num_full = num_tokens // g  # whole key groups; a last, shorter group apart (no padded copy)
-    full = out[0, :, : num_full * g].unflatten(1, (num_full, g))  # [H, G_full, g, D], a view
-    full.mul_(torch.from_numpy(k_step[:, :num_full])).add_(torch.from_numpy(k_lo[:, :num_full]))
-    if num_full < num_groups:
-        tail = out[0, :, num_full * g :]  # [H, n - num_full * g, D]
-        tail.mul_(torch.from_numpy(k_step[:, num_full])).add_(torch.from_numpy(k_lo[:, num_full]))
-    out[1].mul_(torch.from_numpy(v_step)).add_(torch.from_numpy(v_lo))  # per token
-    return _cast(out, dtype)
+    # code * step + min in fp32: k_* [H, G, D] per key group, v_* [H, n] per token
+    out = np.empty((2, num_heads, num_tokens, head_dim), dtype=np.float32)  # [2, H, n, D]
+    if k_widths is not None:  # one compiled pass (lowbit_kernels: why)
+        lowbit_kernels.decode_keys(k_packed, k_widths, spec.group_tokens, k_step, k_lo, out[0])
+    else:
+        k = _uniform_codes(k_packed, spec.key_bits, (num_heads, num_tokens, head_dim), spec.is_delta)
+        _dequantize_keys(k, k_step, k_lo, spec.group_tokens, torch.from_numpy(out[0]))
+    if v_widths is not None:
+        lowbit_kernels.decode_values(v_packed, v_widths, v_step, v_lo, out[1])
+    else:
+        v = _uniform_codes(v_packed, spec.value_bits, (num_heads, num_tokens, head_dim), spec.is_delta)
+        torch.from_numpy(out[1]).copy_(torch.from_numpy(v)).mul_(torch.from_numpy(v_step[..., None])).add_(
+            torch.from_numpy(v_lo[..., None]))
+    return _cast(torch.from_numpy(out), dtype)
+
+
+def _dequantize_keys(codes: np.ndarray, step: np.ndarray, lo: np.ndarray, group_tokens: int,
+                     out: torch.Tensor) -> None:
+    """codes u8 [H, n, D] -> out [H, n, D] fp32 = code * step + min, per group of tokens (step, lo
+    [H, G, D]). torch's in-place cast, multiply and add: 1.4-2x numpy's mixed u8 x fp32 ufuncs here."""
+    num_heads, num_tokens, head_dim = codes.shape
+    out.copy_(torch.from_numpy(codes))
+    num_full = num_tokens // group_tokens  # whole groups; a last, shorter group apart (no padded copy)
+    full = out[:, : num_full * group_tokens].unflatten(1, (num_full, group_tokens))  # [H, G_full, g, D], a view
+    full.mul_(torch.from_numpy(step[:, :num_full, None])).add_(torch.from_numpy(lo[:, :num_full, None]))
+    if num_full * group_tokens < num_tokens:
+        tail = out[:, num_full * group_tokens :]  # [H, n - num_full * g, D]
+        tail.mul_(torch.from_numpy(step[:, num_full, None])).add_(torch.from_numpy(lo[:, num_full, None]))
 
 
 _CAST_SLICE = 32_768  # elements: below torch's grain size, so a cast runs on the calling thread alone

@@ -20,7 +20,8 @@ from blend_engine.kv import ChunkKV
 from configs.settings import Settings
 from kv_store.admission import Admission, AdmissionPolicy, BudgetStats
 from kv_store.backend import Backend, Tier
-from kv_store.codec import TORCH_DTYPES
+from kv_store import lowbit_kernels
+from kv_store.codec import LOWBIT_SPECS, TORCH_DTYPES
 from kv_store.config import StoreConfig
 from kv_store.device import DeviceBackend
 from kv_store.disk import DiskBackend
@@ -53,6 +54,8 @@ class KVStore:
             from kv_store.redis_backend import RedisBackend  # redis-py only when a URL is configured
 
             self._backends.append(RedisBackend(config.redis_url, config.redis_ttl_s, fingerprint, config.remote_format))
+        if config.quantization in LOWBIT_SPECS and (config.disk_dir is not None or config.redis_url is not None):
+            lowbit_kernels.warm_up()  # its decoder's compiled loops, before any request reads an entry
         self._budgeted = self._budget_tier()
         self.admission = self._admission(config) if self._budgeted is not None else None
         self._backends = [self._throttled(b) for b in self._backends]

@@ -3,6 +3,7 @@ written in the older formats (float16, int8) staying readable after the default 
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -223,6 +224,46 @@ def test_half_bits_by_range_round_trip_and_one_width_needs_whole_bits():
         lowbit.LowBitSpec(key_bits=3.5)
     with pytest.raises(ValueError, match="1/2"):
         replace(spec, value_bits=3.25)
+
+
+def test_the_compiled_decode_is_the_layout_read_by_numpy():
+    """kv_store/lowbit_kernels.py against the format's layout read step by step: each width's codes
+    unpacked apart (`_unpack_codes`, exact at every width), put back in slice order, code * step + min."""
+    spec = lowbit.LowBitSpec(key_bits=3.5, value_bits=3.5, group_tokens=32, zstd_level=0, scale_bits=16,
+                             key_widths=lowbit.BitWidths.BY_RANGE, value_widths=lowbit.BitWidths.BY_RANGE)
+    num_heads, num_tokens, head_dim, g = 2, 70, 64, 32  # a last, shorter key group
+    x = _uneven_kv(num_tokens)
+    payload = lowbit.encode_layer(x, spec)
+    buf, offset = np.frombuffer(payload, dtype=np.uint8), 0
+
+    def take(size: int) -> np.ndarray:
+        nonlocal offset
+        offset += size
+        return buf[offset - size : offset]
+
+    def codes_of(widths: np.ndarray, slice_len: int) -> np.ndarray:  # -> [H, m, slice_len] in slice order
+        sizes = lowbit._part_sizes(widths, slice_len)
+        take(sizes[0])  # the widths themselves (read by layer_widths)
+        flat = widths.reshape(-1)
+        codes = np.zeros((flat.size, slice_len), dtype=np.uint8)
+        for bits, size in zip(range(1, 9), sizes[1:]):
+            rows = np.flatnonzero(flat == bits)
+            codes[rows] = lowbit._unpack_codes(take(size), bits, rows.size * slice_len).reshape(-1, slice_len)
+        return codes.reshape(*widths.shape, slice_len)
+
+    key_widths, value_widths = lowbit.layer_widths(payload, num_heads, num_tokens, head_dim, spec)
+    assert len(np.unique(key_widths)) > 2 and len(np.unique(value_widths)) > 2  # several widths each
+    keys = codes_of(key_widths, num_tokens).transpose(0, 2, 1)  # [H, n, D]
+    values = codes_of(value_widths, head_dim)  # [H, n, D]
+    num_groups = -(-num_tokens // g)
+    k_lo, k_step = (take(2 * num_heads * num_groups * head_dim).view(np.float16).astype(np.float32)
+                    .reshape(num_heads, num_groups, head_dim).repeat(g, axis=1)[:, :num_tokens] for _ in range(2))
+    v_lo, v_step = (take(2 * num_heads * num_tokens).view(np.float16).astype(np.float32)
+                    .reshape(num_heads, num_tokens, 1) for _ in range(2))
+    assert offset == buf.size
+    expected = np.stack([keys * k_step + k_lo, values * v_step + v_lo])  # [2, H, n, D]
+    out = lowbit.decode_layer(payload, num_heads, num_tokens, head_dim, spec, torch.float32)
+    assert torch.equal(out, torch.from_numpy(expected.astype(np.float32)))
 
 
 def test_damaged_bit_widths_are_a_malformed_payload():

@@ -1,0 +1,99 @@
+"""Compiled loops of the low-bit decoder (numba): a part with widths by range, unpacked, put back in
+slice order and dequantized in one pass, without the GIL.
+
+Why compiled: in numpy the same decode is ~60 calls a layer (one per width and step), each a pass over
+the codes, and between them Python holds the GIL. A reader thread decoding beside the engine's Python
+thread made a blend from disk 1.21x a blend from memory on 2 cores, and two decoding threads were
+slower than one (measured: docs/benchmarks/kv-store.md). Here a part is one call that releases the GIL.
+
+The layout is lowbit's (see its module doc): after a part's widths, each width's slices (width 1
+first, slices in their order), packed at that width, each width's codes padded to whole bytes.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+# cache=True: compiled once per machine into __pycache__, not at every process start (~1 s a kernel)
+_jit = numba.njit(nogil=True, cache=True)
+
+
+@_jit
+def _refill(buf: np.ndarray, pos: int, acc: np.uint64, num_acc: int) -> tuple[int, np.uint64, int]:
+    """Top up the bit accumulator: 7 bytes at once where 8 are left to read, else one at a time.
+    Bits above `num_acc` may be set by the lookahead byte; they are the stream's own next bits."""
+    if pos + 8 <= buf.size:
+        word = np.uint64(0)
+        for i in range(8):
+            word |= np.uint64(buf[pos + i]) << np.uint64(8 * i)
+        acc |= word << np.uint64(num_acc)
+        taken = (63 - num_acc) >> 3
+        return pos + taken, acc, num_acc + 8 * taken
+    acc |= np.uint64(buf[pos]) << np.uint64(num_acc)
+    return pos + 1, acc, num_acc + 8
+
+
+@_jit
+def decode_keys(buf: np.ndarray, widths: np.ndarray, group_tokens: int, step: np.ndarray, lo: np.ndarray,
+                out: np.ndarray) -> None:
+    """Keys by channel: `buf` (u8, the codes after the widths), `widths` u8 [H, D] ->
+    out [H, n, D] fp32 = code * step + min, `step` and `lo` fp32 [H, G, D] per group of `group_tokens`."""
+    num_heads, num_tokens, head_dim = out.shape
+    start = 0  # byte where the current width's codes begin
+    for bits in range(1, 9):
+        mask = np.uint64((1 << bits) - 1)
+        pos, num_codes = start, 0  # pos: the next byte to take (read ahead of the codes used)
+        acc, num_acc = np.uint64(0), 0  # bits taken from buf, not yet used (a width's codes start on a byte)
+        for h in range(num_heads):
+            for d in range(head_dim):
+                if widths[h, d] != bits:
+                    continue
+                for t0 in range(0, num_tokens, group_tokens):
+                    g = t0 // group_tokens
+                    s, m = step[h, g, d], lo[h, g, d]
+                    for t in range(t0, min(t0 + group_tokens, num_tokens)):
+                        while num_acc < bits:
+                            pos, acc, num_acc = _refill(buf, pos, acc, num_acc)
+                        out[h, t, d] = np.float32(np.int32(acc & mask)) * s + m
+                        acc >>= np.uint64(bits)
+                        num_acc -= bits
+                    num_codes += min(group_tokens, num_tokens - t0)
+        start += (num_codes * bits + 7) >> 3
+
+
+@_jit
+def decode_values(buf: np.ndarray, widths: np.ndarray, step: np.ndarray, lo: np.ndarray, out: np.ndarray) -> None:
+    """Values by token: `widths` u8 [H, n] -> out [H, n, D] fp32 = code * step + min, `step` and `lo`
+    fp32 [H, n] per token."""
+    num_heads, num_tokens, head_dim = out.shape
+    start = 0
+    for bits in range(1, 9):
+        mask = np.uint64((1 << bits) - 1)
+        pos, num_codes = start, 0
+        acc, num_acc = np.uint64(0), 0
+        for h in range(num_heads):
+            for t in range(num_tokens):
+                if widths[h, t] != bits:
+                    continue
+                s, m = step[h, t], lo[h, t]
+                for d in range(head_dim):
+                    while num_acc < bits:
+                        pos, acc, num_acc = _refill(buf, pos, acc, num_acc)
+                    out[h, t, d] = np.float32(np.int32(acc & mask)) * s + m
+                    acc >>= np.uint64(bits)
+                    num_acc -= bits
+                num_codes += head_dim
+        start += (num_codes * bits + 7) >> 3
+
+
+def warm_up() -> None:
+    """Compile the kernels, or load them from numba's cache, now (~1 s cold, ~0.3 s cached): at a store's
+    start-up rather than in the first request that reads a low-bit entry. The arguments have the types
+    the decoder passes (a payload's bytes are read-only), so the same compiled versions are the ones made."""
+    payload = np.frombuffer(bytes(8), dtype=np.uint8)
+    widths = np.ones((1, 1), dtype=np.uint8)
+    scales = np.zeros((1, 1, 1), dtype=np.float32)
+    out = np.empty((1, 1, 1), dtype=np.float32)
+    decode_keys(payload, widths, 1, scales, scales, out)
+    decode_values(payload, widths, scales[0], scales[0], out)
