@@ -279,18 +279,6 @@ def _total_bits(avg_bits: float, num_slices: int) -> int:
 _WIDTH_CODE_BITS = 3  # a stored width: width - MIN_BITS in 0..7
 
 
-def _width_counts(widths: np.ndarray) -> list[int]:
-    """How many slices have each width MIN_BITS..MAX_BITS."""
-    return np.bincount(widths.reshape(-1), minlength=MAX_BITS + 1)[MIN_BITS:].tolist()
-
-
-def _part_sizes(widths: np.ndarray, slice_len: int) -> list[int]:
-    """Bytes of a part with widths by range: its widths, then each width's packed codes, width 1 first."""
-    return [_packed_len(widths.size, _WIDTH_CODE_BITS),
-            *(_packed_len(count * slice_len, bits) for bits, count in zip(range(MIN_BITS, MAX_BITS + 1),
-                                                                        _width_counts(widths)))]
-
-
 def _pack_by_width(codes: np.ndarray, widths: np.ndarray) -> bytes:
     """codes u8 [H, m, len] of slices with `widths` [H, m] -> the widths, then each width's slices
     [slices, len] packed at that width, in order (the part's layout: the module's doc)."""
@@ -298,15 +286,6 @@ def _pack_by_width(codes: np.ndarray, widths: np.ndarray) -> bytes:
     return stored.numpy().tobytes() + b"".join(
         _pack(torch.from_numpy(np.ascontiguousarray(codes[widths == bits])), bits).numpy().tobytes()
         for bits in range(MIN_BITS, MAX_BITS + 1))
-
-
-def _read_widths(packed: np.ndarray, num_heads: int, num_slices: int, avg_bits: float) -> np.ndarray:
-    """A part's stored widths [H, m], checked against the spec: each head's must sum as written."""
-    widths = _unpack_codes(packed, _WIDTH_CODE_BITS, num_heads * num_slices).reshape(num_heads, num_slices)
-    widths = widths + np.uint8(MIN_BITS)
-    if (widths.sum(1, dtype=np.int64) != _total_bits(avg_bits, num_slices)).any():
-        raise ValueError("damaged bit widths: a head's do not sum to its bits")
-    return widths
 
 
 def encode_layer(kv: torch.Tensor, spec: LowBitSpec) -> bytes:
@@ -404,12 +383,14 @@ class _Reader:
 def _take_part(reader: _Reader, num_heads: int, num_slices: int, slice_len: int, bits: float,
                widths: BitWidths) -> tuple[np.ndarray | None, np.ndarray]:
     """One code part of m slices of `slice_len` codes each: its stored widths [H, m] (None at one width)
-    and its packed codes (by range: every width's, one after the other, as `_part_sizes` sizes them)."""
+    and its packed codes (by range: every width's, one after the other, width 1 first)."""
     if widths is BitWidths.UNIFORM:
         return None, reader.take(_packed_len(num_heads * num_slices * slice_len, int(bits)))
-    slice_widths = _read_widths(reader.take(_packed_len(num_heads * num_slices, _WIDTH_CODE_BITS)),
-                                num_heads, num_slices, bits)
-    return slice_widths, reader.take(sum(_part_sizes(slice_widths, slice_len)[1:]))
+    # compiled (one call, no GIL): a few dozen small numpy calls here cost as much as the codes' decode
+    slice_widths, start, end = lowbit_kernels.take_widths(reader.buf, reader.offset, num_heads, num_slices,
+                                                          slice_len, _total_bits(bits, num_slices))
+    reader.offset = end
+    return slice_widths, reader.buf[start:end]
 
 
 def _uniform_codes(packed: np.ndarray, bits: float, shape: tuple[int, int, int], is_delta: bool) -> np.ndarray:

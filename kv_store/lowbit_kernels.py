@@ -35,6 +35,42 @@ def _refill(buf: np.ndarray, pos: int, acc: np.uint64, num_acc: int) -> tuple[in
 
 
 @_jit
+def take_widths(buf: np.ndarray, offset: int, num_heads: int, num_slices: int, slice_len: int,
+                total_bits: int) -> tuple[np.ndarray, int, int]:
+    """A part with widths by range, from byte `offset` of `buf`: its widths u8 [H, m] (stored as
+    width - 1 in 3 bits each, checked: each head's sum to `total_bits`), and the bytes [start, end)
+    of its codes (each width's, width 1 first, as lowbit._part_sizes sizes them)."""
+    num_widths = num_heads * num_slices
+    start = offset + (num_widths * 3 + 7) // 8
+    if start > buf.size:
+        raise ValueError("payload ends before its parts")
+    widths = np.empty((num_heads, num_slices), dtype=np.uint8)
+    counts = np.zeros(9, dtype=np.int64)  # slices of each width
+    acc, num_acc, pos = np.uint64(0), 0, offset
+    for h in range(num_heads):
+        head_bits = 0
+        for i in range(num_slices):
+            if num_acc < 3:
+                acc |= np.uint64(buf[pos]) << np.uint64(num_acc)
+                pos += 1
+                num_acc += 8
+            width = np.int64(acc & np.uint64(7)) + 1
+            acc >>= np.uint64(3)
+            num_acc -= 3
+            widths[h, i] = width
+            counts[width] += 1
+            head_bits += width
+        if head_bits != total_bits:
+            raise ValueError("damaged bit widths: a head's do not sum to its bits")
+    end = start
+    for bits in range(1, 9):
+        end += (counts[bits] * slice_len * bits + 7) // 8
+    if end > buf.size:
+        raise ValueError("payload ends before its parts")
+    return widths, start, end
+
+
+@_jit
 def decode_keys(buf: np.ndarray, widths: np.ndarray, group_tokens: int, step: np.ndarray, lo: np.ndarray,
                 out: np.ndarray) -> None:
     """Keys by channel: `buf` (u8, the codes after the widths), `widths` u8 [H, D] ->
@@ -95,5 +131,6 @@ def warm_up() -> None:
     widths = np.ones((1, 1), dtype=np.uint8)
     scales = np.zeros((1, 1, 1), dtype=np.float32)
     out = np.empty((1, 1, 1), dtype=np.float32)
+    take_widths(payload, 0, 1, 1, 1, 1)
     decode_keys(payload, widths, 1, scales, scales, out)
     decode_values(payload, widths, scales[0], scales[0], out)

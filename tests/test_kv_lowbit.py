@@ -242,12 +242,12 @@ def test_the_compiled_decode_is_the_layout_read_by_numpy():
         return buf[offset - size : offset]
 
     def codes_of(widths: np.ndarray, slice_len: int) -> np.ndarray:  # -> [H, m, slice_len] in slice order
-        sizes = lowbit._part_sizes(widths, slice_len)
-        take(sizes[0])  # the widths themselves (read by layer_widths)
+        take(-(-widths.size * 3 // 8))  # the widths themselves, 3 bits each (read by layer_widths)
         flat = widths.reshape(-1)
         codes = np.zeros((flat.size, slice_len), dtype=np.uint8)
-        for bits, size in zip(range(1, 9), sizes[1:]):
+        for bits in range(1, 9):  # each width's codes, padded to whole bytes
             rows = np.flatnonzero(flat == bits)
+            size = -(-rows.size * slice_len * bits // 8)
             codes[rows] = lowbit._unpack_codes(take(size), bits, rows.size * slice_len).reshape(-1, slice_len)
         return codes.reshape(*widths.shape, slice_len)
 
