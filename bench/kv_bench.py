@@ -40,7 +40,7 @@ class Streamed:
 
 STREAMED = [Streamed("disk", "disk", False), Streamed("disk+pipe", "disk", True), Streamed("redis", "redis", False),
             Streamed("redis+pipe", "redis", True), Streamed("disk-int8+pipe", "disk-int8", True),
-            Streamed("disk-int4+pipe", "disk-int4", True),
+            Streamed("disk-int4", "disk-int4", False), Streamed("disk-int4+pipe", "disk-int4", True),
             Streamed("disk+pipe+auto", "disk", True, is_auto=True), Streamed("redis+pipe+auto", "redis", True, is_auto=True)]
 
 
