@@ -35,14 +35,23 @@ class ChunkInfo:
     context_ids: tuple[int, ...]
     num_layers: int
     layer_nbytes: int  # stored bytes of one layer (what a per-layer read moves)
+    read_layer_nbytes: int | None = None  # host bytes of one layer once read, where not the stored bytes
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def num_read_bytes(self) -> int:
+        """Host bytes of the whole entry once read (what keeping every layer read holds)."""
+        return (self.read_layer_nbytes or self.layer_nbytes) * self.num_layers
+
     @classmethod
     def from_header(cls, header: EntryHeader) -> ChunkInfo:
-        return cls(header.key, header.token_ids, header.context_ids, header.num_layers, header.layer_nbytes(0))
+        read = None
+        if header.lowbit_spec is not None:  # decoded to fp32 (codec.decode_layer_encoded), 4-8x its payload
+            read = 2 * header.num_kv_heads * header.num_tokens * header.head_dim * 4
+        return cls(header.key, header.token_ids, header.context_ids, header.num_layers, header.layer_nbytes(0), read)
 
     @classmethod
     def from_kv(cls, key: str, kv: ChunkKV) -> ChunkInfo:

@@ -61,8 +61,9 @@ class OpenEntry(LayerReader):
 
     @property
     def num_bytes(self) -> int:
-        """Stored bytes of the whole entry (what keeping every layer holds)."""
-        return self.info.layer_nbytes * self.info.num_layers
+        """Host bytes of the whole entry once read (what keeping every layer holds: a low-bit entry's
+        decoded layers, not its payload)."""
+        return self.info.num_read_bytes
 
     def keep_layers(self) -> None:
         """Keep the layers read from now on, for `whole()` (bounded by the caller)."""

@@ -92,6 +92,20 @@ def test_a_damaged_int4_layer_fails_its_checksum(tmp_path):
         lowbit.decode_layer(b"not zstd", 2, 100, 64, lowbit.LowBitSpec())
 
 
+def test_an_open_int4_entry_counts_the_bytes_its_read_layers_hold(tmp_path):
+    """Keeping streamed layers for promotion, and the prefetch's bound, count what a read layer holds:
+    int4 decodes to fp32, several times its payload."""
+    store = KVStore("fp", StoreConfig(max_memory_bytes=0, disk_dir=tmp_path, quantization=KVQuantization.INT4))
+    kv = smooth_kv()  # [3 layers, 2 heads, 100 tokens, 64]
+    key = store.key_for(kv.token_ids, kv.context_ids)
+    store.put(key, kv)
+    handle = store.handle(key)
+    assert handle.entry.num_bytes == 3 * 2 * 2 * 100 * 64 * 4  # layers x (K, V) x heads x tokens x dim x fp32
+    assert handle.entry.num_bytes > 4 * handle.layer_nbytes * handle.num_layers  # not the payload
+    handle.entry.release()
+    store.close()
+
+
 @pytest.mark.parametrize("old", [FP16, INT8], ids=["float16", "int8"])
 def test_entries_in_an_older_format_stay_readable_after_the_default_changes(tmp_path, old):
     kv = smooth_kv()
