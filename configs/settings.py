@@ -199,7 +199,8 @@ class ServerSettings(BaseModel):
     )
     background_every_steps: int = Field(
         8, ge=1, description="Background work (KV repair, backfill, an ingest's precompute) runs when nothing "
-        "waits, or at least once in this many busy steps.",
+        "waits; while busy, once in this many busy steps, and never a second unit before a waiting request's "
+        "first token (a question's TTFT grows by one chunk's precompute at most).",
     )
     model_id: str | None = Field(None, description="Model id shown by /v1/models (default: the engine's name).")
     allow_public_without_key: bool = Field(

@@ -13,7 +13,7 @@ class SchedulerConfig:
     max_running_kv_bytes: int = 4 << 30  # their caches' bytes; beyond, a request waits (one always runs)
     max_prefill_tokens: int = 4096  # prompt tokens admitted per step (at least one prefill always is)
     prefill_chunk_tokens: int = 512  # a long prefill runs one part (this many tokens' work) per step
-    background_every_steps: int = 8  # a background unit runs at least once in this many busy steps
+    background_every_steps: int = 8  # while busy, a background unit once in this many steps (see Scheduler)
     max_background: int = 64  # background units waiting; beyond, submit_background says no
 
     def __post_init__(self) -> None:

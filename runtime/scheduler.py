@@ -8,9 +8,11 @@ Each step, in this order:
    their bounds and the step's prompt tokens under the prefill budget (one request is always admitted
    when none runs, whatever its size, so nothing waits for good);
 2. one batched decode step for every running sequence (those admitted this step included);
-3. one background unit (KV repair, backfill, an ingest's precompute) when nothing waits, or anyway
-   once in `background_every_steps` busy steps, so it is never starved while an answer waits for at
-   most one unit.
+3. one background unit (KV repair, backfill, an ingest's precompute) when nothing waits; while busy,
+   once in `background_every_steps` busy steps, and only if no request still awaiting its first token
+   has waited through one already: a question's TTFT grows by one unit (one chunk's precompute) at
+   most, and background work is never starved for good (it runs again once those requests have their
+   first token; requests that arrive later have not waited through one).
 A new request therefore waits for the prefills ahead of it and at most one step, never for another
 request's whole answer. No threads and no model here: `EngineLoop` runs what `schedule()` returns.
 """
@@ -65,6 +67,9 @@ class Scheduler(Generic[G]):
         self.prefilling: G | None = None  # a prefill in parts, between two of them
         self.background: deque[BackgroundTask] = deque()
         self._num_steps_without_background = 0
+        # requests awaiting their first token that a background unit ran before (by id; the dict keeps
+        # them alive, so an id is not reused while it is here)
+        self._delayed: dict[int, G] = {}
 
     # --- queues (the loop holds its lock around these) --------------------------------------------
     @property
@@ -94,8 +99,15 @@ class Scheduler(Generic[G]):
             self._admit(step)
         step.decode = [*self.running, *step.admitted]
         is_busy = bool(self.waiting) or step.job is not None or bool(step.admitted) or step.continued_prefill
-        if self.background and (not is_busy or self._num_steps_without_background + 1 >= self.config.background_every_steps):
+        # awaiting their first token when this step's unit would run (one admitted now has it by then,
+        # unless its prefill runs in parts: counted, to be safe)
+        awaiting = {id(g): g for g in (*self.waiting, step.continued_prefill, *step.admitted)
+                    if g is not None and not isinstance(g, Job)}
+        self._delayed = {key: g for key, g in self._delayed.items() if key in awaiting}
+        is_paced = self._num_steps_without_background + 1 >= self.config.background_every_steps
+        if self.background and (not is_busy or (is_paced and not self._delayed)):
             step.background = self.background.popleft()
+            self._delayed = awaiting
         self._num_steps_without_background = 0 if step.background or not self.background else (
             self._num_steps_without_background + 1)
         return step

@@ -1,10 +1,12 @@
 """The scheduler's decisions, without threads or a model: admission under the running, KV-byte and
 prefill-token bounds; a job alone in its step; a chunked prefill continued before anything is
-admitted; background work when nothing waits and, while busy, at least once in N steps."""
+admitted; background work when nothing waits and, while busy, at least once in N steps, never twice
+before a waiting request's first token."""
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from dataclasses import dataclass
 
 import pytest
@@ -111,6 +113,35 @@ def test_background_runs_when_idle_and_is_not_starved_while_busy():
         assert s.schedule().background is None
     s.waiting.append(Req())
     assert s.schedule().background is units[2]  # the third busy step runs one anyway
+
+
+def test_a_request_awaiting_its_first_token_waits_through_one_background_unit_at_most():
+    """The TTFT bound (issue 23: an upload costs a chat one chunk's precompute at most): once a unit ran
+    while a request waited, no other runs before that request's first token; then units resume."""
+    s = scheduler(max_running=1, background_every_steps=1)  # paced every busy step: only the bound holds units
+    s.background.extend(lambda: None for _ in range(10))
+    first = Req()
+    s.running.append(first)  # full: the waiting ones stay waiting
+    a, b = Req(), Req()
+    s.waiting.extend([a, b])
+    assert s.schedule().background is not None  # a and b wait through this one
+    for _ in range(3):
+        assert s.schedule().background is None
+    c = Req()
+    s.waiting.append(c)  # has not waited through one, but a and b are still waiting
+    assert s.schedule().background is None
+    s.running.clear()  # `first` ends; as the loop does, what a step admits then runs
+    step = s.schedule()
+    assert step.admitted == [a] and step.background is None  # b still waits
+    s.running[:] = step.admitted
+    assert s.schedule().background is None
+    s.running.clear()
+    step = s.schedule()
+    assert step.admitted == [b] and step.background is None and s.waiting == deque([c])
+    s.running[:] = step.admitted
+    step = s.schedule()  # b has its first token; c waits but waited through none: not starved
+    assert step.admitted == [] and step.background is not None
+    assert s.schedule().background is None  # now c has
 
 
 @pytest.mark.parametrize("name", ["max_running", "max_queue", "max_prefill_tokens", "prefill_chunk_tokens"])
