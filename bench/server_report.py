@@ -127,6 +127,9 @@ def upload_stats(runs: Sequence[tuple[Round, Round, Upload]]) -> dict[str, Any]:
               "growth_ms": median(with_uploads[qi]) - median(without[qi])}
              for qi in sorted(set(without) & set(with_uploads))]
     upload_ms = [u.ms for _, loaded, _ in runs for u in loaded.uploads]
+    # what the server says each chat waited on background work before its first token (one unit at most)
+    background_ms = [c.answer.timings["background_ms"] for _, loaded, _ in runs for c in loaded.chats
+                     if c.answer is not None and "background_ms" in c.answer.timings]
     return {
         "clients": runs[0][1].clients,
         "num_files": len(runs[0][1].uploads),
@@ -137,6 +140,8 @@ def upload_stats(runs: Sequence[tuple[Round, Round, Upload]]) -> dict[str, Any]:
         "num_errors": sum(c.answer is None for plain, loaded, _ in runs for c in plain.chats + loaded.chats),
         "chats": chats,
         "max_ttft_growth_ms": max((c["growth_ms"] for c in chats), default=None),
+        "background_ms_max": max(background_ms, default=None),  # None: a server that does not report it
+        "num_chats_waited_on_background": sum(ms > 0 for ms in background_ms),
         "ttft_p50_ms_without": percentile([t for ts in without.values() for t in ts], 50),
         "ttft_p50_ms_with": percentile([t for ts in with_uploads.values() for t in ts], 50),
     }
@@ -228,4 +233,6 @@ def print_uploads(uploads: dict[str, dict[str, Any]]) -> None:
     for role, run in uploads.items():
         print(f"{role}: largest TTFT growth {_ms(run['max_ttft_growth_ms'])} ms; upload p50 "
               f"{_ms(run['upload_p50_ms'])} ms, max {_ms(run['upload_max_ms'])} ms; one-chunk upload alone "
-              f"{_ms(run['one_chunk_upload_ms'])} ms; errors {run['num_errors']}")
+              f"{_ms(run['one_chunk_upload_ms'])} ms; errors {run['num_errors']}; background work before a "
+              f"chat's first token: at most {_ms(run['background_ms_max'])} ms "
+              f"({run['num_chats_waited_on_background']} chats waited on some)")

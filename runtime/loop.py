@@ -289,7 +289,12 @@ class EngineLoop:
                 self.stats.num_decode_steps_mid_prefill += 1
             self._decode(batch)
         if step.background is not None:
+            start = time.perf_counter()
             self._run_background(step.background)
+            background_ms = (time.perf_counter() - start) * 1000
+            for generation in step.delayed:  # those still without a first token waited for it
+                if generation.sequence is None and not generation.is_done:
+                    generation.timings.background_ms += background_ms
 
     def _prefill(self, generation: Generation) -> None:
         """One prefill step of `generation`; when its prompt is in, its first token and a place in the batch."""

@@ -52,6 +52,7 @@ class Step(Generic[G]):
     job: Job | None = None  # an exclusive job, alone in its step
     decode: list[G] = field(default_factory=list)  # the running sequences' batched decode step
     background: BackgroundTask | None = None
+    delayed: list[G] = field(default_factory=list)  # requests awaiting their first token when it runs
 
     @property
     def is_idle(self) -> bool:
@@ -108,6 +109,7 @@ class Scheduler(Generic[G]):
         if self.background and (not is_busy or (is_paced and not self._delayed)):
             step.background = self.background.popleft()
             self._delayed = awaiting
+            step.delayed = list(awaiting.values())
         self._num_steps_without_background = 0 if step.background or not self.background else (
             self._num_steps_without_background + 1)
         return step

@@ -44,6 +44,7 @@ class Usage:
 class Timings:
     retrieval_ms: float = 0.0
     queue_ms: float = 0.0  # submitted -> its prefill starts (the prefills ahead of it, at most one step)
+    background_ms: float = 0.0  # background work run before its first token (one unit at most)
     kv_load_ms: float = 0.0
     prefill_ms: float = 0.0
     ttft_ms: float = 0.0

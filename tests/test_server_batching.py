@@ -237,6 +237,37 @@ def test_an_upload_interleaves_with_a_running_answer(server):
     assert done.finish_reason is FinishReason.LENGTH or token_times[-1] > ingest_window["start"]
 
 
+def test_a_question_waits_through_one_background_unit_at_most(tmp_path):
+    """An upload costs a waiting question one chunk's precompute at most (issue 23): with answers one at a
+    time, background units queued and the lane paced every busy step, each answer's `background_ms` is
+    one unit's time or none, though the 4 questions together waited through many steps."""
+    settings = load_settings(data_dir=tmp_path, model={"name": "random:tiny-llama", "device": "cpu"},
+                             retrieval={"chunk_tokens": 24, "chunk_overlap": 0},
+                             server={"max_running": 1, "background_every_steps": 1})
+    unit_s = 0.15
+    with LiveServer(settings) as live, httpx.Client(base_url=live.url, timeout=60) as http:
+        docs = [{"id": t, "text": f"The {t} are remarkable in many ways."} for t in TOPICS[:4]]
+        assert http.post("/v1/documents", json={"documents": docs}).status_code == 201
+        pipeline, loop = live.components.pipeline, live.components.loop
+        units_run = []
+
+        def unit():
+            time.sleep(unit_s)
+            units_run.append(time.perf_counter())
+
+        async def main():
+            requests = [rag_request(f"About {t}?", RequestMode.BLEND, 12, top_k=1) for t in TOPICS[:4]]
+            for _ in range(20):
+                assert loop.submit_background(unit)
+            return await asyncio.gather(*(answer(pipeline, r) for r in requests))
+
+        results = asyncio.run(main())
+    waited = [done.timings.background_ms for _, done in results]
+    assert len(units_run) >= 2  # the lane ran while answers were being served: not starved
+    assert any(ms > 0 for ms in waited)
+    assert all(ms < 2 * unit_s * 1000 for ms in waited), waited  # never two units before a first token
+
+
 def test_a_delete_of_no_such_document_is_a_404_not_an_engine_failure(server, caplog):
     loop = server.components.loop
     before = (loop.stats.num_failed, loop.stats.num_completed)

@@ -22,7 +22,8 @@ LEVEL_KEYS = {"clients", "num_rounds", "num_requests", "num_errors", "errors", "
 RATIO_KEYS = {"clients", "ttft_p50_vs_baseline", "ttft_p95_vs_baseline", "tokens_per_s_vs_baseline",
               "decode_tokens_per_s_vs_baseline", "tokens_per_s_vs_one_client", "baseline_tokens_per_s_vs_one_client"}
 UPLOAD_KEYS = {"clients", "num_files", "num_chunks", "upload_p50_ms", "upload_max_ms", "one_chunk_upload_ms",
-               "num_errors", "chats", "max_ttft_growth_ms", "ttft_p50_ms_without", "ttft_p50_ms_with"}
+               "num_errors", "chats", "max_ttft_growth_ms", "ttft_p50_ms_without", "ttft_p50_ms_with",
+               "background_ms_max", "num_chats_waited_on_background"}
 TINY_MODEL = {"name": "random:tiny-llama", "device": "cpu"}
 WORDS = ("the river flows past an old mill near the town of harlow where people trade wool and the bridge "
          "was painted red in the spring by a team of workers from the valley").split()
@@ -91,6 +92,7 @@ def test_bench_server_measures_both_servers_interleaved_and_writes_json(servers,
         for c in uploads["chats"]:
             assert c["growth_ms"] == pytest.approx(c["ttft_ms_with"] - c["ttft_ms_without"])
         assert uploads["max_ttft_growth_ms"] == max(c["growth_ms"] for c in uploads["chats"])
+        assert uploads["background_ms_max"] >= 0 and 0 <= uploads["num_chats_waited_on_background"] <= 2
     # the uploaded files are deleted again; the questions' passages stay
     import httpx
 

@@ -78,6 +78,8 @@ class UsageOut(BaseModel):
 class TimingsOut(BaseModel):
     retrieval_ms: float
     queue_ms: float = Field(0.0, description="Waiting for the engine: from the request's submission to its prefill's start.")
+    background_ms: float = Field(0.0, description="Background work (an upload's precompute, KV repair) the engine ran "
+                                 "before this answer's first token: one unit at most.")
     kv_load_ms: float
     prefill_ms: float
     ttft_ms: float
