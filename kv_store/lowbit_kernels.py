@@ -15,8 +15,15 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-# cache=True: compiled once per machine into __pycache__, not at every process start (~1 s a kernel)
-_jit = numba.njit(nogil=True, cache=True)
+
+def _jit(fn):
+    """Compiled without the GIL, cached on disk: once per machine into __pycache__ (or numba's user
+    cache), not at every process start (~1 s cold). Where neither is writable (a read-only install
+    without a home), numba refuses to cache: then it compiles once per process instead."""
+    try:
+        return numba.njit(nogil=True, cache=True)(fn)
+    except RuntimeError:  # "cannot cache function ...: no locator available"
+        return numba.njit(nogil=True)(fn)
 
 
 @_jit

@@ -58,6 +58,17 @@ def test_docker_compose_config_refuses_a_missing_secret(missing):
     assert done.returncode != 0 and missing in done.stderr
 
 
+def test_the_image_copies_every_package_the_project_installs():
+    """`pip install .` in the Dockerfile installs what was copied: a package pyproject lists but the
+    Dockerfile leaves out is missing from the image (the server then fails to import)."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = {pattern.rstrip("*") for pattern in project["tool"]["setuptools"]["packages"]["find"]["include"]}
+    copied = set(re.findall(r"^COPY (\S+) \./\1$", (ROOT / "Dockerfile").read_text(), re.M))
+    assert packages <= copied, f"not copied into the image: {sorted(packages - copied)}"
+
+
 def test_compose_topology_is_complete(compose):
     services = compose["services"]
     assert set(services) == {"postgres", "redis", *REPLICAS, "nginx"}

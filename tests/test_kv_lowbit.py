@@ -280,6 +280,30 @@ def test_the_compiled_decode_is_the_layout_read_by_numpy():
     assert torch.equal(out, torch.from_numpy(expected.astype(np.float32)))
 
 
+def test_the_decoder_compiles_where_numba_cannot_cache(monkeypatch):
+    """A read-only install without a home leaves numba nowhere to cache: it refuses `cache=True` at
+    import, so the kernels fall back to compiling in the process, and decode the same."""
+    import importlib
+
+    import numba.core.caching
+
+    from kv_store import lowbit_kernels
+
+    spec = codec.LOWBIT_SPECS[KVQuantization.INT4]
+    x = _uneven_kv(40)
+    payload = lowbit.encode_layer(x, spec)
+    expected = lowbit.decode_layer(payload, 2, 40, 64, spec, torch.float32)
+    monkeypatch.setattr(numba.core.caching.CacheImpl, "_locator_classes", [])
+    try:
+        with pytest.raises(RuntimeError, match="cannot cache"):
+            numba.njit(cache=True)(lambda: 0)
+        importlib.reload(lowbit_kernels)
+        assert torch.equal(lowbit.decode_layer(payload, 2, 40, 64, spec, torch.float32), expected)
+    finally:
+        monkeypatch.undo()
+        importlib.reload(lowbit_kernels)
+
+
 def test_damaged_bit_widths_are_a_malformed_payload():
     spec = lowbit.LowBitSpec(key_bits=4, value_bits=3, group_tokens=32, zstd_level=0,
                              key_widths=lowbit.BitWidths.BY_RANGE)
