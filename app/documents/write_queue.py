@@ -1,18 +1,25 @@
-"""Writes (ingests, deletes) one at a time, on their own threads, off the engine loop.
+"""Writes (ingests, deletes) one at a time, on their own thread, off the engine loop.
 
-A write's embedding, SQLite commit and index update never hold the engine; only its chunks' KV
-precompute runs on the engine loop, one chunk per background unit (`EngineLoop.call_background`),
-so a chat waits for at most one chunk's precompute, never for a whole upload."""
+A write's embedding, SQLite commit and index update never hold the engine; only its
+chunks' KV precompute runs on the engine loop, one chunk per background unit (`EngineLoop.call_background`),
+so a chat waits for at most one chunk's precompute, never for a whole upload. The writes' thread runs
+at the lowest CPU priority (nice 19, Linux): on a CPU server its embedding would otherwise take cores
+from the engine's answers (4 uploads during 8 chats: +1.4 s at the chats' median TTFT, measured in
+docs/benchmarks/server.md), and it still gets every core the answers leave idle."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
-import anyio
-
 from runtime.jobs import JobCancelled, QueueFull
+
+logger = logging.getLogger(__name__)
+WRITES_NICE = 19  # the writes' thread: below everything else in this process
 
 T = TypeVar("T")
 Check = Callable[[], None]  # raises JobCancelled once the client left or the server is closing
@@ -26,6 +33,8 @@ class WriteQueue:
         self._num_waiting = 0
         self._is_writing = False
         self._closing = threading.Event()
+        # one thread: writes run one at a time anyway, and its priority is its own (Linux: per thread)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="writes", initializer=_lower_priority)
 
     @property
     def num_waiting(self) -> int:
@@ -62,7 +71,13 @@ class WriteQueue:
                     self._is_writing = False
 
         try:
-            return await asyncio.shield(asyncio.ensure_future(anyio.to_thread.run_sync(locked)))
+            future = self._executor.submit(locked)
+        except RuntimeError:  # closed between the check above and now
+            with self._count_lock:
+                self._num_waiting -= 1
+            raise QueueFull("server is shutting down", self.retry_after_s) from None
+        try:
+            return await asyncio.shield(asyncio.wrap_future(future))
         except asyncio.CancelledError:
             cancelled.set()
             raise
@@ -74,4 +89,13 @@ class WriteQueue:
         if not self._lock.acquire(timeout=timeout_s):
             return False
         self._lock.release()
+        self._executor.shutdown(wait=False)  # writes still queued find the queue closing at their check
         return True
+
+
+def _lower_priority() -> None:
+    """The calling thread at WRITES_NICE, where the OS allows it (raising one's niceness always is)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITES_NICE)
+    except OSError as exc:  # not Linux (a thread id is not a process id there): same priority as the rest
+        logger.info("writes run at the server's CPU priority: %s", exc)
