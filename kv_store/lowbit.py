@@ -388,7 +388,8 @@ def _take_part(reader: _Reader, num_heads: int, num_slices: int, slice_len: int,
         return None, reader.take(_packed_len(num_heads * num_slices * slice_len, int(bits)))
     # compiled (one call, no GIL): a few dozen small numpy calls here cost as much as the codes' decode
     slice_widths, start, end = lowbit_kernels.take_widths(reader.buf, reader.offset, num_heads, num_slices,
-                                                          slice_len, _total_bits(bits, num_slices))
+                                                          slice_len, _total_bits(bits, num_slices), MIN_BITS,
+                                                          _WIDTH_CODE_BITS)
     reader.offset = end
     return slice_widths, reader.buf[start:end]
 

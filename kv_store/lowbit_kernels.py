@@ -42,28 +42,34 @@ def _refill(buf: np.ndarray, pos: int, acc: np.uint64, num_acc: int) -> tuple[in
 
 
 @_jit
+def _take_code(buf: np.ndarray, pos: int, acc: np.uint64, num_acc: int, bits: int) -> tuple[int, int, np.uint64, int]:
+    """The next `bits`-wide code of the stream (least significant bits first) -> (code, and the reader's
+    state after it: pos, acc, num_acc). A stream starts at pos with acc = num_acc = 0."""
+    while num_acc < bits:
+        pos, acc, num_acc = _refill(buf, pos, acc, num_acc)
+    code = np.int32(acc & np.uint64((1 << bits) - 1))
+    return code, pos, acc >> np.uint64(bits), num_acc - bits
+
+
+@_jit
 def take_widths(buf: np.ndarray, offset: int, num_heads: int, num_slices: int, slice_len: int,
-                total_bits: int) -> tuple[np.ndarray, int, int]:
+                total_bits: int, min_bits: int, code_bits: int) -> tuple[np.ndarray, int, int]:
     """A part with widths by range, from byte `offset` of `buf`: its widths u8 [H, m] (stored as
-    width - 1 in 3 bits each, checked: each head's sum to `total_bits`), and the bytes [start, end)
-    of its codes (each width's, width 1 first, each padded to whole bytes)."""
+    width - `min_bits` in `code_bits` bits each, checked: each head's sum to `total_bits`), and the
+    bytes [start, end) of its codes (each width's, width 1 first, each padded to whole bytes)."""
     num_widths = num_heads * num_slices
-    start = offset + (num_widths * 3 + 7) // 8
+    start = offset + (num_widths * code_bits + 7) // 8
     if start > buf.size:
         raise ValueError("payload ends before its parts")
     widths = np.empty((num_heads, num_slices), dtype=np.uint8)
     counts = np.zeros(9, dtype=np.int64)  # slices of each width
+    stored = buf[:start]  # the widths' bytes
     acc, num_acc, pos = np.uint64(0), 0, offset
     for h in range(num_heads):
         head_bits = 0
         for i in range(num_slices):
-            if num_acc < 3:
-                acc |= np.uint64(buf[pos]) << np.uint64(num_acc)
-                pos += 1
-                num_acc += 8
-            width = np.int64(acc & np.uint64(7)) + 1
-            acc >>= np.uint64(3)
-            num_acc -= 3
+            code, pos, acc, num_acc = _take_code(stored, pos, acc, num_acc, code_bits)
+            width = code + min_bits
             widths[h, i] = width
             counts[width] += 1
             head_bits += width
@@ -85,7 +91,6 @@ def decode_keys(buf: np.ndarray, widths: np.ndarray, group_tokens: int, step: np
     num_heads, num_tokens, head_dim = out.shape
     start = 0  # byte where the current width's codes begin
     for bits in range(1, 9):
-        mask = np.uint64((1 << bits) - 1)
         pos, num_codes = start, 0  # pos: the next byte to take (read ahead of the codes used)
         acc, num_acc = np.uint64(0), 0  # bits taken from buf, not yet used (a width's codes start on a byte)
         for h in range(num_heads):
@@ -96,11 +101,8 @@ def decode_keys(buf: np.ndarray, widths: np.ndarray, group_tokens: int, step: np
                     g = t0 // group_tokens
                     s, m = step[h, g, d], lo[h, g, d]
                     for t in range(t0, min(t0 + group_tokens, num_tokens)):
-                        while num_acc < bits:
-                            pos, acc, num_acc = _refill(buf, pos, acc, num_acc)
-                        out[h, t, d] = np.float32(np.int32(acc & mask)) * s + m
-                        acc >>= np.uint64(bits)
-                        num_acc -= bits
+                        code, pos, acc, num_acc = _take_code(buf, pos, acc, num_acc, bits)
+                        out[h, t, d] = np.float32(code) * s + m
                     num_codes += min(group_tokens, num_tokens - t0)
         start += (num_codes * bits + 7) >> 3
 
@@ -112,7 +114,6 @@ def decode_values(buf: np.ndarray, widths: np.ndarray, step: np.ndarray, lo: np.
     num_heads, num_tokens, head_dim = out.shape
     start = 0
     for bits in range(1, 9):
-        mask = np.uint64((1 << bits) - 1)
         pos, num_codes = start, 0
         acc, num_acc = np.uint64(0), 0
         for h in range(num_heads):
@@ -121,11 +122,8 @@ def decode_values(buf: np.ndarray, widths: np.ndarray, step: np.ndarray, lo: np.
                     continue
                 s, m = step[h, t], lo[h, t]
                 for d in range(head_dim):
-                    while num_acc < bits:
-                        pos, acc, num_acc = _refill(buf, pos, acc, num_acc)
-                    out[h, t, d] = np.float32(np.int32(acc & mask)) * s + m
-                    acc >>= np.uint64(bits)
-                    num_acc -= bits
+                    code, pos, acc, num_acc = _take_code(buf, pos, acc, num_acc, bits)
+                    out[h, t, d] = np.float32(code) * s + m
                 num_codes += head_dim
         start += (num_codes * bits + 7) >> 3
 
@@ -138,6 +136,6 @@ def warm_up() -> None:
     widths = np.ones((1, 1), dtype=np.uint8)
     scales = np.zeros((1, 1, 1), dtype=np.float32)
     out = np.empty((1, 1, 1), dtype=np.float32)
-    take_widths(payload, 0, 1, 1, 1, 1)
+    take_widths(payload, 0, 1, 1, 1, 1, 1, 3)
     decode_keys(payload, widths, 1, scales, scales, out)
     decode_values(payload, widths, scales[0], scales[0], out)
