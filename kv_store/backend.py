@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 
 from blend_engine.kv import ChunkKV
-from kv_store.codec import EncodedLayer, EntryHeader
+from kv_store.codec import EncodedLayer, EntryHeader, read_layer_nbytes
 from kv_store.errors import CorruptEntryError, EntryLostError
 from kv_store.stats import TierCounters
 
@@ -48,10 +48,8 @@ class ChunkInfo:
 
     @classmethod
     def from_header(cls, header: EntryHeader) -> ChunkInfo:
-        read = None
-        if header.lowbit_spec is not None:  # decoded to fp32 (codec.decode_layer_encoded), 4-8x its payload
-            read = 2 * header.num_kv_heads * header.num_tokens * header.head_dim * 4
-        return cls(header.key, header.token_ids, header.context_ids, header.num_layers, header.layer_nbytes(0), read)
+        return cls(header.key, header.token_ids, header.context_ids, header.num_layers, header.layer_nbytes(0),
+                   read_layer_nbytes(header))
 
     @classmethod
     def from_kv(cls, key: str, kv: ChunkKV) -> ChunkInfo:

@@ -279,6 +279,17 @@ def decode_layer(header: EntryHeader, layer_idx: int, buffers: list) -> tuple[to
     return k.to(dtype), v.to(dtype)  # a low-bit layer comes in fp32 (see decode_layer_encoded)
 
 
+_LOWBIT_READ_DTYPE = torch.float32  # a low-bit layer read on the CPU: the decoder's own precision
+
+
+def read_layer_nbytes(header: EntryHeader) -> int | None:
+    """Host bytes of one layer once read, where they are not its stored bytes: a low-bit layer's
+    decoded tensors (`decode_layer_encoded`), 4-8x its payload."""
+    if header.lowbit_spec is None:
+        return None
+    return 2 * header.num_kv_heads * header.num_tokens * header.head_dim * _LOWBIT_READ_DTYPE.itemsize
+
+
 def decode_layer_encoded(header: EntryHeader, layer_idx: int, buffers: list) -> EncodedLayer:
     """Verify one layer and view it as stored: keys and values in one block, or int8 with its scales.
 
@@ -297,7 +308,7 @@ def decode_layer_encoded(header: EntryHeader, layer_idx: int, buffers: list) -> 
         # the storage dtype: half the bytes cross PCIe.
         is_pinned = _is_pinned(buffers[0])
         try:
-            kv = lowbit.decode_layer(_as_bytes(buffers[0]), *shape[1:], spec, dtype if is_pinned else torch.float32)
+            kv = lowbit.decode_layer(_as_bytes(buffers[0]), *shape[1:], spec, dtype if is_pinned else _LOWBIT_READ_DTYPE)
         except ValueError as exc:  # checksum passed yet undecodable: written by a broken encoder
             raise CorruptEntryError(f"layer {layer_idx} of {header.key[:16]}: {exc}") from exc
         return StackedLayer(kv.pin_memory() if is_pinned else kv)
