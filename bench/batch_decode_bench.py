@@ -3,6 +3,11 @@ over its own ~3k-token cache) against B separate single-sequence steps, and the 
 that batching did not slow B = 1 down (today's `Decoder.step` against `BlendEngine.decode_step`).
 
     python -m bench.batch_decode_bench --threads 1 --out docs/results/batch_decode_cpu_int4_t1.json
+    python -m bench.batch_decode_bench --device cuda --model random:llama-7b --batch-sizes 1,2,4,8,16 \
+        --parts batch,graphed --out docs/results/batch_decode_h100_llama7b.json
+
+On CUDA (the prefill's own caches: every sequence gets a prefill of its own) the `graphed` part times
+`StaticBatch`, the bucketed step a CUDA graph replays, beside the eager batched step.
 
 Everything is measured side by side, interleaved in rounds (the machine is shared and noisy): each
 figure is the median over rounds (blocks) of their mean step time, each ratio the median of ratios
@@ -25,13 +30,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from blend_engine.batch_decode import batch_step  # noqa: E402
+from blend_engine.batch_decode import StaticBatch, batch_step  # noqa: E402
 from blend_engine.decode import Decoder  # noqa: E402
 from blend_engine.engine import BlendEngine  # noqa: E402
 from blend_engine.sequence import DecodeSequence, TokenSampler  # noqa: E402
 from blend_engine.threads import governed  # noqa: E402
 from blend_engine.types import PrefillMode, PrefillResult, SamplingParams, Segment  # noqa: E402
 from configs import load_settings  # noqa: E402
+from configs.enums import DecodeCache  # noqa: E402
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=8, help="timed steps per batch size and round")
     parser.add_argument("--single-tokens", type=int, default=64, help="tokens per round of the B = 1 check (each way)")
     parser.add_argument("--parts", default="single,batch,overhead",
-                        help="single: the B = 1 check; batch: the B sweep; overhead: the API's own cost at B = 1")
+                        help="single: the B = 1 check; batch: the B sweep; overhead: the API's own cost at B = 1; "
+                             "graphed: the B sweep of the CUDA-graphed bucket step (CUDA only)")
+    parser.add_argument("--model", default=None, help="model.name (default: the configured one), e.g. random:llama-7b")
+    parser.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--out", type=Path, default=None, help="write the figures here as JSON")
 
 
@@ -50,7 +60,12 @@ BLOCK = 8  # tokens per timed block of the B = 1 check
 
 
 def _prompt(engine: BlendEngine, num_tokens: int) -> list[Segment]:
-    """~num_tokens of real text (the repo's docs, repeated): decode speed depends on the length only."""
+    """~num_tokens of real text (the repo's docs, repeated): decode speed depends on the length only.
+    Random ids where the model has no tokenizer (a random-weight shape on a bare GPU host)."""
+    if engine.tokenizer is None:
+        generator = torch.Generator().manual_seed(0)
+        return [Segment(tuple(torch.randint(100, engine.model.config.vocab_size, (num_tokens,),
+                                            generator=generator).tolist()))]
     text = " ".join(p.read_text() for p in sorted(Path("docs/design").glob("*.md")))
     ids = engine.tokenize(text)
     while len(ids) < num_tokens:
@@ -160,10 +175,21 @@ def _counts(engine: BlendEngine, result: PrefillResult) -> dict:
     return out
 
 
-def _batch_sweep(engine: BlendEngine, result: PrefillResult, batch_sizes: list[int], args) -> list[dict]:
-    """Per B: the batched step's ms (median over rounds), per token, and against B single steps."""
-    decoders: dict[int, list[Decoder]] = {b: [engine.decoder(result) for _ in range(b)] for b in batch_sizes}
-    tokens = {b: [int(result.logits.argmax())] * b for b in batch_sizes}
+def _own_results(engine: BlendEngine, result: PrefillResult, prompt: list[Segment], num: int,
+                 max_new_tokens: int) -> list[PrefillResult]:
+    """`num` prefills whose decoders write caches of their own: the same result where the decoder
+    copies the cache (a decode cache other than the model's), else a prefill each (as requests have)."""
+    if engine.decode_cache != DecodeCache.MODEL:
+        return [result] * num
+    return [result] + [engine.prefill(prompt, PrefillMode.FULL, max_new_tokens=max_new_tokens) for _ in range(num - 1)]
+
+
+def _batch_sweep(engine: BlendEngine, results: list[PrefillResult], batch_sizes: list[int], args) -> list[dict]:
+    """Per B: the batched step's ms (median over rounds), per token, and against B single steps
+    (eager: on CUDA too, where B = 1 alone replays a graph in the server)."""
+    decoders: dict[int, list[Decoder]] = {b: [engine.decoder(r, is_graphed=False) for r in results[:b]]
+                                          for b in batch_sizes}
+    tokens = {b: [int(results[0].logits.argmax())] * b for b in batch_sizes}
     timings: dict[int, list[float]] = {b: [] for b in batch_sizes}
 
     def step(b: int) -> None:
@@ -174,6 +200,34 @@ def _batch_sweep(engine: BlendEngine, result: PrefillResult, batch_sizes: list[i
     for _ in range(args.rounds):
         for b in batch_sizes:
             timings[b].append(_mean_ms(lambda: step(b), args.steps))
+    return _rows(batch_sizes, timings)
+
+
+def _graphed_sweep(engine: BlendEngine, results: list[PrefillResult], batch_sizes: list[int], args) -> list[dict]:
+    """Per B, on CUDA: `StaticBatch`'s step for a bucket of B rows, captured once (the caches have room
+    for every timed step, so no capture is timed) and replayed; the same figures as `_batch_sweep`."""
+    if engine.device.type != "cuda":
+        raise ValueError("the graphed sweep needs --device cuda")
+    decoders = [engine.decoder(r, is_graphed=False) for r in results[: max(batch_sizes)]]
+    buckets = {b: StaticBatch(engine.runner, num_rows=b) for b in batch_sizes}
+    tokens = {b: [int(results[0].logits.argmax())] * b for b in batch_sizes}
+    timings: dict[int, list[float]] = {b: [] for b in batch_sizes}
+
+    def step(b: int) -> None:
+        own = decoders[:b]
+        positions = [d.reserve() for d in own]
+        logits = buckets[b].step([d.cache for d in own], tokens[b], positions)  # [B, vocab]
+        tokens[b] = logits.argmax(-1).tolist()
+
+    for b in batch_sizes:  # bind and capture each bucket outside the timing
+        step(b)
+    for _ in range(args.rounds):
+        for b in batch_sizes:
+            timings[b].append(_mean_ms(lambda: step(b), args.steps))
+    return _rows(batch_sizes, timings)
+
+
+def _rows(batch_sizes: list[int], timings: dict[int, list[float]]) -> list[dict]:
     rows = []
     for b in batch_sizes:
         ms = statistics.median(timings[b])
@@ -187,15 +241,24 @@ def _batch_sweep(engine: BlendEngine, result: PrefillResult, batch_sizes: list[i
 
 def run(args: argparse.Namespace) -> int:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    settings = load_settings(model={"cpu_threads": args.threads})
+    model = {"cpu_threads": args.threads}
+    model.update({key: getattr(args, key) for key in ("device", "dtype") if getattr(args, key) is not None})
+    if args.model is not None:
+        model["name"] = args.model
+    settings = load_settings(model=model)
     engine = BlendEngine.from_settings(settings, max_cpu_threads=args.threads)
-    steps_needed = args.rounds * args.steps + args.single_tokens + 8  # no cache grows while timed
     parts = set(args.parts.split(","))
-    result = None
-    if parts & {"single", "batch"}:
-        result = engine.prefill(_prompt(engine, args.context), PrefillMode.FULL, max_new_tokens=steps_needed)
+    # no cache grows while timed: room for every step each sweep feeds the first sequence (+ warm-ups)
+    steps_needed = args.rounds * args.steps * len(batch_sizes) * 2 + args.single_tokens + 8
+    result, results = None, []
+    if parts & {"single", "batch", "graphed"}:
+        prompt = _prompt(engine, args.context)
+        result = engine.prefill(prompt, PrefillMode.FULL, max_new_tokens=steps_needed)
+        if parts & {"batch", "graphed"}:
+            results = _own_results(engine, result, prompt, max(batch_sizes), steps_needed)
     single = _single_check(engine, result, args) if "single" in parts else None
-    sweep = _batch_sweep(engine, result, batch_sizes, args) if "batch" in parts else []
+    sweep = _batch_sweep(engine, results, batch_sizes, args) if "batch" in parts else []
+    graphed = _graphed_sweep(engine, results, batch_sizes, args) if "graphed" in parts else []
     overhead = _overhead_check(engine, args) if "overhead" in parts else None
 
     print(f"model {engine.model_name}, weights {engine.weights.value}, decode cache {engine.decode_cache.value}, "
@@ -210,25 +273,33 @@ def run(args: argparse.Namespace) -> int:
               f"(added {overhead['added_us_per_token']:.0f} us/token; new / old {overhead['ratio_new_over_old']:.3f}); "
               f"per token: torch ops {overhead['decoder_step_torch_ops']} -> {overhead['decode_step_torch_ops']}, "
               f"Python calls {overhead['decoder_step_python_calls']} -> {overhead['decode_step_python_calls']}")
-    if sweep:
-        print("\n| B | step ms | ms / token | vs B single steps |")
-        print("| ---: | ---: | ---: | ---: |")
-    for row in sweep:
-        speedup = row["speedup_vs_single_steps"]
-        print(f"| {row['batch_size']} | {row['step_ms']:.2f} | {row['ms_per_token']:.2f} | "
-              f"{'' if speedup is None else f'{speedup:.2f}x'} |")
+    for name, rows in (("eager batched step", sweep), ("CUDA-graphed bucket step (StaticBatch)", graphed)):
+        if not rows:
+            continue
+        print(f"\n{name}\n\n| B | step ms | ms / token | vs B single steps | vs the B = 1 step |")
+        print("| ---: | ---: | ---: | ---: | ---: |")
+        one = next((row["step_ms"] for row in rows if row["batch_size"] == 1), None)
+        for row in rows:
+            speedup, ms = row["speedup_vs_single_steps"], row["step_ms"]
+            print(f"| {row['batch_size']} | {ms:.2f} | {row['ms_per_token']:.2f} | "
+                  f"{'' if speedup is None else f'{speedup:.2f}x'} | {'' if one is None else f'{ms / one:.2f}x'} |")
     if args.out is not None:
         figures = {
             "machine": {"cpu": _cpu_name(), "num_cpus": os.cpu_count(), "platform": platform.platform(),
                         "torch": torch.__version__, "load_avg_1m_at_end": os.getloadavg()[0]},
             "model": engine.model_name, "weights": engine.weights.value, "decode_cache": engine.decode_cache.value,
             "threads": args.threads, "context_tokens": args.context,
-            "single_sequence": single, "batch": sweep, "api_overhead": overhead,
+            "device": str(engine.device), "gpu": _gpu_name(engine.device),
+            "single_sequence": single, "batch": sweep, "graphed": graphed, "api_overhead": overhead,
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(figures, indent=1) + "\n")
         print(f"\nwrote {args.out}")
     return 0
+
+
+def _gpu_name(device: torch.device) -> str | None:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
 
 def _cpu_name() -> str:
