@@ -15,7 +15,7 @@ def test_own_forward_equals_hf_forward(family):
     engine = build_engine(family)
     ids = random_ids(48, seed=1)
     with torch.no_grad():
-        ref = engine.model(torch.tensor([ids], device=engine.device)).logits[0]  # [n, vocab]
+        ref = engine.model(torch.tensor([ids], device=engine.device)).logits[0].float()  # [n, vocab]: the engine's dtype
     result = engine.prefill([Segment(ids[:20])], PrefillMode.FULL)
     torch.testing.assert_close(result.logits, ref[19], **tol(1e-4))
     # the decode path (one forward over the rest against the prefilled cache) too
@@ -28,7 +28,7 @@ def test_full_prefill_last_logits_equal_hf(family):
     engine = build_engine(family)
     ids = random_ids(64, seed=2)
     with torch.no_grad():
-        ref = engine.model(torch.tensor([ids], device=engine.device)).logits[0, -1]
+        ref = engine.model(torch.tensor([ids], device=engine.device)).logits[0, -1].float()
     result = engine.prefill([Segment(ids[:30]), Segment(ids[30:])], PrefillMode.FULL)
     torch.testing.assert_close(result.logits, ref, **tol(1e-4))
 

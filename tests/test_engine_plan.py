@@ -179,7 +179,7 @@ def test_decoder_grows_its_rope_table_with_the_cache():
     decoder = engine.decoder(result, is_graphed=False)
     steps = torch.stack([decoder.step(t) for t in ids[20:]])
     with torch.no_grad():
-        reference = engine.model(torch.tensor([ids], device=engine.device)).logits[0, 20:]
+        reference = engine.model(torch.tensor([ids], device=engine.device)).logits[0, 20:].float()
     torch.testing.assert_close(steps, reference, **tol(1e-4))
 
 

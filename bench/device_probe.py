@@ -1,0 +1,157 @@
+"""Two questions for a lent GPU, at Llama-2-7B shape (random weights, bf16), each answered in seconds:
+
+1. attention: B = 16 decode queries over B caches of C slots, per layer, as the CUDA-graphed bucket
+   step runs it today (one SDPA call per sequence) against one call over the B caches stacked
+   ([B, H_kv, C, D], one [B, 1, 1, C] mask): replayed CUDA graphs of 32 layers' attention, timed
+   with events (median of repeats), and the bytes' floor at the copy bandwidth measured here;
+2. the reused attention scale: a REUSE prefill (5 chunks of 640 tokens from memory) with the
+   scale (a column bias) and without, timed, then profiled: the ops that take the difference.
+
+    python -m bench.device_probe [--parts attention,scale] --out probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+
+def _graph_ms(fn, repeats: int = 20, replays: int = 10) -> float:
+    """Median ms of one `fn` call, from a CUDA graph of it replayed `replays` times per timing."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(), fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / replays)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 4 GiB device-to-device copy (read + write counted)."""
+    src = torch.randn(2**30, device="cuda")  # 4 GiB of fp32
+    dst = torch.empty_like(src)
+    ms = _graph_ms(lambda: dst.copy_(src), repeats=5, replays=3)
+    return 2 * 2**32 / (ms / 1000)
+
+
+def attention(args) -> dict:
+    num_layers, heads, dim = 8, 32, 128  # 8 layers' caches (60 GB for 32 at C = 3584, B = 16); times x 4
+    rows = []
+    bandwidth = copy_bandwidth()
+    for capacity in (1024, 3584):
+        for batch in (1, 16):
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            q = torch.randn(batch, heads, 1, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+            # per layer: the B caches stacked, and the same caches as B separate tensors
+            stacked = [(torch.randn(batch, heads, capacity, dim, device="cuda", dtype=torch.bfloat16, generator=gen),
+                        torch.randn(batch, heads, capacity, dim, device="cuda", dtype=torch.bfloat16, generator=gen))
+                       for _ in range(num_layers)]
+            lengths = torch.linspace(capacity // 2, capacity - 1, batch, device="cuda").long()  # [B]
+            slots = torch.arange(capacity, device="cuda")
+            mask = torch.where(slots[None, :] <= lengths[:, None], 0.0, float("-inf")).to(torch.bfloat16)  # [B, C]
+            mask4 = mask[:, None, None, :]  # [B, 1, 1, C]
+
+            def one_call():
+                for k, v in stacked:
+                    F.scaled_dot_product_attention(q, k, v, attn_mask=mask4)
+
+            def per_row():
+                for k, v in stacked:
+                    for b in range(batch):
+                        F.scaled_dot_product_attention(q[b : b + 1], k[b : b + 1], v[b : b + 1],
+                                                       attn_mask=mask4[b : b + 1])
+
+            floor_ms = 1000 * num_layers * 2 * batch * capacity * heads * dim * 2 / bandwidth
+            rows.append({"capacity": capacity, "batch": batch, "one_call_ms": 4 * _graph_ms(one_call),
+                         "per_row_ms": 4 * _graph_ms(per_row), "bytes_floor_ms": 4 * floor_ms})
+            stacked = []  # the closures' caches freed before the next size
+            torch.cuda.empty_cache()
+    return {"copy_bandwidth_gb_s": bandwidth / 1e9, "rows": rows}
+
+
+def scale(args) -> dict:
+    from blend_engine.engine import BlendEngine
+    from blend_engine.types import BlendConfig, PrefillMode, Segment
+    from configs import load_settings
+
+    engine = BlendEngine.from_settings(load_settings(model={"name": "random:llama-7b", "device": "cuda"}))
+    gen = torch.Generator().manual_seed(0)
+
+    def ids(n: int) -> tuple[int, ...]:
+        return tuple(torch.randint(100, 30000, (n,), generator=gen).tolist())
+
+    chunks = [ids(640) for _ in range(5)]
+    segments = [Segment(ids(20))] + [Segment(c, engine.precompute(c)) for c in chunks] + [Segment(ids(30))]
+    out = {}
+    for name, cfg in (("scaled", BlendConfig(reused_attention_scale=0.5)),
+                      ("unscaled", BlendConfig(reused_attention_scale=1.0))):
+        for mode in (PrefillMode.REUSE, PrefillMode.BLEND):
+            run = lambda: engine.prefill(segments, mode, cfg)  # noqa: E731
+            for _ in range(2):
+                run()
+            times = []
+            for _ in range(5):
+                torch.cuda.synchronize()
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                run()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            out[f"{mode.value}_{name}_ms"] = statistics.median(times)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            engine.prefill(segments, PrefillMode.REUSE, cfg)
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
+        print(f"\n--- REUSE prefill, {name}: by CUDA time\n{table}")
+        out[f"profile_{name}"] = table
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default="attention,scale")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    parts = args.parts.split(",")
+    figures = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if "attention" in parts:
+        figures["attention"] = attention(args)
+        print(f"\ncopy bandwidth {figures['attention']['copy_bandwidth_gb_s']:.0f} GB/s; attention of 32 layers:")
+        print("| C | B | one call ms | per-row calls ms | bytes floor ms |\n| ---: | ---: | ---: | ---: | ---: |")
+        for row in figures["attention"]["rows"]:
+            print(f"| {row['capacity']} | {row['batch']} | {row['one_call_ms']:.2f} | {row['per_row_ms']:.2f} | "
+                  f"{row['bytes_floor_ms']:.2f} |")
+    if "scale" in parts:
+        figures["scale"] = scale(args)
+        print({k: round(v, 1) for k, v in figures["scale"].items() if k.endswith("_ms")})
+    if args.out is not None:
+        args.out.write_text(json.dumps(figures, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
