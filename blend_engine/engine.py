@@ -10,7 +10,7 @@ from typing import Callable, Generator, Iterator, Sequence, TypeVar
 import torch
 
 from blend_engine.attention import AttentionBackend, attend, causal_meta, last_meta, subset_meta
-from blend_engine.batch_decode import batch_step
+from blend_engine.batch_decode import DecodeBuckets, batch_step
 from blend_engine.decode import Decoder
 from blend_engine.decode_cache import resolve_decode_cache
 from blend_engine.kv import ChunkKV, LayerKVSource, MemoryKVSource, MergedKVSource
@@ -97,6 +97,10 @@ class BlendEngine:
         self.fingerprint = engine_fingerprint(self)
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
         self._prefix_cache: dict[tuple[int, ...], ChunkKV] = {}  # LRU of prompt-prefix KVs
+        # a batch of sequences decodes by a CUDA graph per bucket of rows over caches of the prefill's
+        # format (on CPU, tests set it to run the same static step eagerly)
+        self.is_batch_graphed = self.is_decode_graphed and self.decode_cache == DecodeCache.MODEL
+        self._buckets = DecodeBuckets(self.runner)
 
     @classmethod
     def from_settings(cls, settings: Settings, max_cpu_threads: int | None = None) -> BlendEngine:
@@ -322,11 +326,18 @@ class BlendEngine:
             raise ValueError("a sequence appears twice in the batch")
         decoders = [s.prepare() for s in sequences]
         tokens = [s.next_token for s in sequences]
-        if len(decoders) == 1 and decoders[0].is_graphed:
-            logits = decoders[0].step(tokens[0])[None]  # [1, vocab]
+        if self.is_batch_graphed and len(decoders) > 1 and self._buckets.fits(len(decoders)):
+            logits = self._buckets.step(decoders, tokens)  # [B, vocab]
         else:
-            logits = batch_step(self.runner, decoders, tokens)  # [B, vocab]
-        return [s.accept(row) for s, row in zip(sequences, logits)]
+            self._buckets.release()  # the caches a bucket holds whole again before another path reads them
+            if len(decoders) == 1 and decoders[0].is_graphed:
+                logits = decoders[0].step(tokens[0])[None]  # [1, vocab]
+            else:
+                logits = batch_step(self.runner, decoders, tokens)  # [B, vocab]
+        deltas = [s.accept(row) for s, row in zip(sequences, logits)]
+        if all(s.is_finished for s in sequences):
+            self._buckets.close()  # nothing left to decode: the pool's memory goes back
+        return deltas
 
     def generate(self, result: PrefillResult, sampling: SamplingParams = SamplingParams()) -> Iterator[Delta]:
         """Decode from the prompt's end (the cache is rewound there first): text pieces as they form
