@@ -205,25 +205,26 @@ def _batch_sweep(engine: BlendEngine, results: list[PrefillResult], batch_sizes:
 
 def _graphed_sweep(engine: BlendEngine, results: list[PrefillResult], batch_sizes: list[int], args) -> list[dict]:
     """Per B, on CUDA: `StaticBatch`'s step for a bucket of B rows, captured once (the caches have room
-    for every timed step, so no capture is timed) and replayed; the same figures as `_batch_sweep`."""
+    for every timed step, so no capture is timed) and replayed; the same figures as `_batch_sweep`.
+    One B after the other (each bucket's KV pool freed before the next: at 7B shape they would not
+    fit together), rounds within each."""
     if engine.device.type != "cuda":
         raise ValueError("the graphed sweep needs --device cuda")
     decoders = [engine.decoder(r, is_graphed=False) for r in results[: max(batch_sizes)]]
-    buckets = {b: StaticBatch(engine.runner, num_rows=b) for b in batch_sizes}
-    tokens = {b: [int(results[0].logits.argmax())] * b for b in batch_sizes}
     timings: dict[int, list[float]] = {b: [] for b in batch_sizes}
+    for b in batch_sizes:
+        bucket, own, tokens = StaticBatch(engine.runner, num_rows=b), decoders[:b], [int(results[0].logits.argmax())] * b
 
-    def step(b: int) -> None:
-        own = decoders[:b]
-        positions = [d.reserve() for d in own]
-        logits = buckets[b].step([d.cache for d in own], tokens[b], positions)  # [B, vocab]
-        tokens[b] = logits.argmax(-1).tolist()
+        def step() -> None:
+            nonlocal tokens
+            positions = [d.reserve() for d in own]
+            logits = bucket.step([d.cache for d in own], tokens, positions)  # [B, vocab]
+            tokens = logits.argmax(-1).tolist()
 
-    for b in batch_sizes:  # bind and capture each bucket outside the timing
-        step(b)
-    for _ in range(args.rounds):
-        for b in batch_sizes:
-            timings[b].append(_mean_ms(lambda: step(b), args.steps))
+        step()  # bind and capture outside the timing
+        for _ in range(args.rounds):
+            timings[b].append(_mean_ms(step, args.steps))
+        bucket.close()
     return _rows(batch_sizes, timings)
 
 

@@ -5,7 +5,9 @@
    ([B, H_kv, C, D], one [B, 1, 1, C] mask): replayed CUDA graphs of 32 layers' attention, timed
    with events (median of repeats), and the bytes' floor at the copy bandwidth measured here;
 2. the reused attention scale: a REUSE prefill (5 chunks of 640 tokens from memory) with the
-   scale (a column bias) and without, timed, then profiled: the ops that take the difference.
+   scale (a column bias) and without, timed, then profiled: the ops that take the difference;
+3. new shapes: the same prefills where every request has a question of another length (as in
+   serving), with SDPA's cuDNN backend allowed (torch's default) and not.
 
     python -m bench.device_probe [--parts attention,scale] --out probe.json
 """
@@ -131,6 +133,45 @@ def scale(args) -> dict:
     return out
 
 
+def shapes(args) -> dict:
+    """ms of REUSE and BLEND prefills, each at a question length not seen before (the first call at a
+    shape), then again at a seen one; with the cuDNN attention backend allowed, then disabled."""
+    from blend_engine.engine import BlendEngine
+    from blend_engine.types import BlendConfig, PrefillMode, Segment
+    from configs import load_settings
+
+    engine = BlendEngine.from_settings(load_settings(model={"name": "random:llama-7b", "device": "cuda"}))
+    gen = torch.Generator().manual_seed(1)
+
+    def ids(n: int) -> tuple[int, ...]:
+        return tuple(torch.randint(100, 30000, (n,), generator=gen).tolist())
+
+    chunks = [Segment(c, engine.precompute(c)) for c in (ids(600 + 7 * i) for i in range(5))]
+    out = {}
+    question_len = 20
+    for cudnn in (True, False):
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
+        for mode in (PrefillMode.REUSE, PrefillMode.BLEND, PrefillMode.FULL):
+            new_ms, seen_ms = [], []
+            for _ in range(4):
+                question_len += 1  # a prompt length this process has not run
+                segments = [Segment(ids(20))] + chunks + [Segment(ids(question_len))]
+                for times in (new_ms, seen_ms):
+                    torch.cuda.synchronize()
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    engine.prefill(segments, mode, BlendConfig())
+                    end.record()
+                    end.synchronize()
+                    times.append(start.elapsed_time(end))
+            key = f"{mode.value}_cudnn_{'on' if cudnn else 'off'}"
+            out[key] = {"new_shape_ms": new_ms, "seen_shape_ms": seen_ms}
+            print(f"{key}: new shape {statistics.median(new_ms):.1f} ms, seen {statistics.median(seen_ms):.1f} ms "
+                  f"({', '.join(f'{a:.0f}/{b:.0f}' for a, b in zip(new_ms, seen_ms))})")
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="attention,scale")
@@ -148,6 +189,8 @@ def main() -> int:
     if "scale" in parts:
         figures["scale"] = scale(args)
         print({k: round(v, 1) for k, v in figures["scale"].items() if k.endswith("_ms")})
+    if "shapes" in parts:
+        figures["shapes"] = shapes(args)
     if args.out is not None:
         args.out.write_text(json.dumps(figures, indent=1) + "\n")
     return 0
