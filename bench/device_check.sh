@@ -40,7 +40,7 @@ step decode 120 python3 -m bench.batch_decode_bench --device cuda --model random
   --batch-sizes 1,2,4,8,16 --parts batch,graphed --out "$OUT/batch_decode_llama7b_ctx3000.json"
 step decode512 70 python3 -m bench.batch_decode_bench --device cuda --model random:llama-7b --context 512 --rounds 3 \
   --batch-sizes 1,2,4,8,16 --parts batch,graphed --out "$OUT/batch_decode_llama7b_ctx512.json"
-step shapes 90 python3 -m bench.device_probe --parts shapes --out "$OUT/probe_shapes.json"
+step shapes 90 python3 -m bench.device_probe --parts shapes
 step engine 120 python3 -m app.cli bench engine --device cuda --model random:llama-7b --data "$DATA" \
   --passages 5 --questions 5 --no-prefix-row --out "$OUT/engine_llama7b.json"
 

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from blend_engine.batch_decode import StaticBatch, batch_step
+from blend_engine.batch_decode import batch_step
 from blend_engine.engine import BlendEngine
 from blend_engine.types import BlendConfig, FinishReason, PrefillMode, SamplingParams
 from blend_engine.weights import convert_linears
@@ -246,28 +246,3 @@ def test_nbytes_is_the_decode_cache_the_sequence_holds():
     while not sequence.is_finished:
         engine.decode_step([sequence])
     assert sequence.nbytes == 0 and sequence.decoder is None
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_the_static_batched_step_run_eagerly_equals_the_eager_batched_step(family):
-    """The CUDA graph's function (static shapes: a bucket of 4 rows, 3 sequences and a padding row,
-    each over its cache's whole capacity with a mask from its position), run eagerly: the logits of
-    the eager batched step, through a column bias and a cache growing mid-run (rebound)."""
-    engine = engine_for(family, WeightFormat.FP32, DecodeCache.MODEL)
-    tokens = random_ids(12, 3)  # the third cache (room for 9 new tokens at its 16-slot rounding) grows
-    eager = [engine.decoder(r, is_graphed=False) for r in prefills(engine)[1:]]
-    reference = torch.stack([batch_step(engine.runner, eager, [t] * 3) for t in tokens])  # [steps, 3, vocab]
-    decoders = [engine.decoder(r, is_graphed=False) for r in prefills(engine)[1:]]
-    bucket = StaticBatch(engine.runner, num_rows=4)
-    rebinds, static, grown = [], [], []
-    for t in tokens:
-        capacities = [d.cache.capacity for d in decoders]
-        positions = [d.reserve() for d in decoders]
-        grown.append([d.cache.capacity for d in decoders] != capacities)
-        rebinds.append(bucket.bind([d.cache for d in decoders]))
-        static.append(bucket.step([d.cache for d in decoders], [t] * 3, positions))
-    assert rebinds == [True] + grown[1:] and sum(grown) >= 1  # bound first, again after each growth only
-    assert decoders[0].cache.column_bias is None and decoders[2].cache.column_bias is not None
-    torch.testing.assert_close(torch.stack(static), reference, atol=1e-5 * float(reference.abs().max()), rtol=0)
-    with pytest.raises(ValueError, match="1 to 4"):
-        bucket.bind([d.cache for d in decoders] * 2)
