@@ -5,6 +5,7 @@ rows against 2M rows (two requests' selected tokens packed): packing gains only 
 less than twice M.
 
     python -m bench.prefill_packing_bench --out docs/results/prefill_packing_cpu.json
+    python -m bench.prefill_packing_bench --device cuda --model random:llama-7b --out docs/results/prefill_packing_h100_llama7b.json
 
 Interleaved rounds (the machine is shared and noisy); each ratio is the median of ratios taken within
 one round.
@@ -36,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="M: active rows of one request (~15%% of a 3k prompt is ~500; before the first "
                         "check layer every token is active)")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--model", default=None, help="model.name (default: the configured one), e.g. random:llama-7b")
+    parser.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"])
     parser.add_argument("--out", type=Path, default=None, help="write the figures here as JSON")
 
 
@@ -43,22 +46,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def linear_pass(engine: BlendEngine, hidden: torch.Tensor) -> None:
     """hidden [M, hidden] through every layer's linear layers; attention's output stood in by zeros."""
     runner = engine.runner
-    attn_out = torch.zeros(hidden.shape[0], runner.num_heads * runner.head_dim, dtype=hidden.dtype)  # [M, H D]
+    attn_out = torch.zeros(hidden.shape[0], runner.num_heads * runner.head_dim, dtype=hidden.dtype,
+                           device=hidden.device)  # [M, H D]
     for layer in range(runner.num_layers):
         runner.qkv(layer, hidden)  # q [H, M, D], k, v [H_kv, M, D]
         hidden = runner.finish(layer, hidden, attn_out)
 
 
 def timed(engine: BlendEngine, num_rows: int) -> float:
-    hidden = torch.randn(num_rows, engine.model.config.hidden_size, dtype=engine.dtype)  # [M, hidden]
+    hidden = torch.randn(num_rows, engine.model.config.hidden_size, dtype=engine.dtype, device=engine.device)  # [M, hidden]
+    is_cuda = engine.device.type == "cuda"
+    if is_cuda:
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     linear_pass(engine, hidden)
+    if is_cuda:  # the launches return before the kernels end
+        torch.cuda.synchronize()
     return time.perf_counter() - t0
 
 
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
-    settings = load_settings()
+    model = {key: getattr(args, key) for key in ("device",) if getattr(args, key) is not None}
+    if args.model is not None:
+        model["name"] = args.model
+    settings = load_settings(model=model)
     engine = BlendEngine.from_settings(settings)
     rows = [int(r) for r in args.rows.split(",")]
     for m in rows:  # warm-up
@@ -77,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r['rows']:7d} {r['one_ms']:8.1f} {r['packed_vs_two_separate']:13.3f}")
     summary = {"bench": "prefill-packing", "model": settings.model.name, "weights": settings.model.weights.value,
                "threads": args.threads, "rounds": args.rounds, "machine": f"{platform.machine()} {platform.processor()}",
+               "device": str(engine.device),
+               "gpu": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None,
                "rows": table}
     emit_summary(summary, args.out, indent=1)
     return 0

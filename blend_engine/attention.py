@@ -60,6 +60,15 @@ class AttentionMeta:
     groups: tuple[QueryGroup, ...] = ()  # SUBSET + GROUPED
 
 
+def avoid_cudnn_attention() -> None:
+    """Turn SDPA's cuDNN backend off, for the whole process (a torch setting): on Hopper torch picks
+    it first, and it builds a plan for every new shape, while every request's prompt has a length
+    of its own. Measured on an H100 at Llama-2-7B shape (docs/benchmarks/gpu.md): a blend prefill
+    at a prompt length the process had not run took 263 ms with it, 34 ms at a length it had; with
+    flash / memory-efficient kernels, which need no plan, 46 and 43 ms."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def causal_mask(query_pos: torch.Tensor, num_keys: int) -> torch.Tensor:
     """[n, num_keys] bool: query at absolute position p sees keys at positions <= p, never later."""
     return query_pos[:, None] >= torch.arange(num_keys, device=query_pos.device)[None, :]

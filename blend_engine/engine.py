@@ -9,7 +9,7 @@ from typing import Callable, Generator, Iterator, Sequence, TypeVar
 
 import torch
 
-from blend_engine.attention import AttentionBackend, attend, causal_meta, last_meta, subset_meta
+from blend_engine.attention import AttentionBackend, attend, avoid_cudnn_attention, causal_meta, last_meta, subset_meta
 from blend_engine.batch_decode import DecodeBuckets, batch_step
 from blend_engine.decode import Decoder
 from blend_engine.decode_cache import resolve_decode_cache
@@ -84,6 +84,8 @@ class BlendEngine:
         self.blend = blend.fitted(self.runner.num_layers)
         self.weights = weight_format(self.model)  # what the linear layers hold (fp32: as loaded)
         self.attention_backend = AttentionBackend.for_device(self.runner.device)
+        if self.runner.device.type == "cuda":
+            avoid_cudnn_attention()  # a plan per prompt length: see there
         self.is_decode_graphed = self.runner.device.type == "cuda"  # CUDA-graph the decode step
         self.is_bulk_layout = self.runner.device.type == "cuda"  # reused KV laid out for all layers at once
         # what decode attends over: fp32 engines decode exactly over the prefill's cache

@@ -183,6 +183,17 @@ def test_decoder_grows_its_rope_table_with_the_cache():
     torch.testing.assert_close(steps, reference, **tol(1e-4))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="SDPA's cuDNN backend exists on CUDA only")
+def test_an_engine_on_cuda_turns_sdpa_cudnn_backend_off():
+    """A plan per new prompt length (docs/benchmarks/gpu.md): the engine's attention must not use it."""
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    engine = build_engine("llama-gqa")
+    if engine.device.type != "cuda":
+        engine.model.to("cuda", dtype=torch.bfloat16)
+        engine = type(engine).from_model(engine.model, name="llama-gqa-cuda")
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA graph decode needs a CUDA device")
 def test_cuda_graph_decode_equals_eager():
     engine = build_engine("llama-gqa")
