@@ -341,6 +341,11 @@ class BlendEngine:
             self._buckets.close()  # nothing left to decode: the pool's memory goes back
         return deltas
 
+    def close_decode_batch(self) -> None:
+        """Nothing is decoding (the caller's word): the graphed batch's bucket gives its KV pool back,
+        every cache it held whole again. A later `decode_step` makes one anew."""
+        self._buckets.close()
+
     def generate(self, result: PrefillResult, sampling: SamplingParams = SamplingParams()) -> Iterator[Delta]:
         """Decode from the prompt's end (the cache is rewound there first): text pieces as they form
         (a sequence decoded alone: `start_sequence`, then `decode_step` on it until it finishes)."""

@@ -248,6 +248,8 @@ class EngineLoop:
                 if not step.is_idle:
                     self._current = step.job
                     return step
+                if self.engine is not None and not self.scheduler.running:
+                    self.engine.close_decode_batch()  # idle: a graphed batch's KV pool goes back
                 self._cond.wait()
 
     def _drop_cancelled(self) -> None:

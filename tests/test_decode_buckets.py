@@ -96,3 +96,21 @@ def test_greedy_tokens_through_the_buckets_equal_tokens_alone(family):
     assert [s.token_ids for s in sequences] == alone
     assert max(batch_sizes) == 4 and 1 in batch_sizes  # batched in a bucket, then alone after a release
     assert engine._buckets._active is None  # every sequence finished: the pool went back
+
+
+def test_close_decode_batch_gives_the_pool_back_with_every_cache_whole():
+    """What the engine loop calls when it goes idle (clients gone mid-answer: no step saw them finish)."""
+    engine = build_engine("llama-gqa")
+    engine.is_batch_graphed = True
+    results = prefills(engine)[:2]
+    sequences = [engine.start_sequence(r, SamplingParams(max_tokens=50, is_eos_ignored=True))[0] for r in results]
+    for _ in range(3):
+        engine.decode_step(sequences)
+    assert engine._buckets._active is not None and engine._buckets._active.nbytes > 0
+    engine.close_decode_batch()
+    assert engine._buckets._active is None
+    reference = [engine.decoder(r, is_graphed=False) for r in prefills(engine)[:2]]
+    for sequence, decoder in zip(sequences, reference):  # its cache holds the 3 tokens fed in the pool
+        for token in sequence.token_ids[:3]:
+            decoder.step(token)
+        assert_logits_close(sequence.decoder.step(sequence.token_ids[3]), decoder.step(sequence.token_ids[3]))
