@@ -87,6 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="characters per uploaded file (under retrieval.max_inline_kv_chars: KV computed inline)")
     parser.add_argument("--upload-lead", type=float, default=0.5,
                         help="seconds the uploads start before the chats (so they are in the server's queue)")
+    parser.add_argument("--stagger-ms", type=float, default=0.0,
+                        help="start a round's chats this far apart, in a fixed order (0: all at once): the server "
+                             "then serves them in the same order every round, so a chat's TTFT compares across "
+                             "rounds (the uploads' per-chat growth)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--out", type=Path, help="also write the JSON summary here")
 
@@ -139,7 +143,12 @@ async def run_round(client: httpx.AsyncClient, questions: Sequence[Question], in
     if uploads:
         await asyncio.sleep(args.upload_lead)
     start = time.perf_counter()
-    chats = await asyncio.gather(*(chat(client, questions, qi, args) for qi in indices))
+
+    async def staggered(position: int, question: int) -> Chat:
+        await asyncio.sleep(position * args.stagger_ms / 1000)
+        return await chat(client, questions, question, args)
+
+    chats = await asyncio.gather(*(staggered(i, qi) for i, qi in enumerate(indices)))
     wall_s = time.perf_counter() - start
     return Round(len(indices), wall_s, tuple(chats), tuple(await asyncio.gather(*uploads)))
 
@@ -284,8 +293,9 @@ def check_args(args: argparse.Namespace) -> None:
         args.questions = max(args.concurrency)
     if args.questions < max(args.concurrency):
         raise ValueError(f"--questions {args.questions} < {max(args.concurrency)} clients: each client asks its own")
-    if args.repeats < 1 or args.max_tokens < 1 or args.uploads < 0 or args.upload_chars < 100:
-        raise ValueError("--repeats and --max-tokens must be >= 1, --uploads >= 0, --upload-chars >= 100")
+    if args.repeats < 1 or args.max_tokens < 1 or args.uploads < 0 or args.upload_chars < 100 or args.stagger_ms < 0:
+        raise ValueError("--repeats and --max-tokens must be >= 1, --uploads and --stagger-ms >= 0, "
+                         "--upload-chars >= 100")
     if args.serve and args.baseline_url:
         raise ValueError("--serve starts both servers: give no --baseline-url")
     if args.config is not None and not args.serve:
@@ -299,7 +309,8 @@ async def bench(args: argparse.Namespace, targets: Sequence[Target], questions: 
     summary = {"bench": "server", "concurrency": args.concurrency, "questions": args.questions,
                "passages": args.passages, "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "mode": args.mode,
                "repeats": args.repeats,
-               "upload_files": args.uploads, "upload_chars": args.upload_chars, **measured}
+               "upload_files": args.uploads, "upload_chars": args.upload_chars, "stagger_ms": args.stagger_ms,
+               **measured}
     summary["targets"] = target_checks(summary)
     return summary
 

@@ -52,12 +52,13 @@ def test_bench_server_measures_both_servers_interleaved_and_writes_json(servers,
     code = main(["bench", "server", "--url", server.url, "--baseline-url", baseline.url,
                  "--data", dataset(tmp_path / "data.json"), "--questions", "2", "--passages", "2",
                  "--concurrency", "2,1", "--max-tokens", "3", "--uploads", "2", "--upload-chars", "400",
-                 "--upload-lead", "0.05", "--out", str(out)])
+                 "--upload-lead", "0.05", "--stagger-ms", "10", "--out", str(out)])
     lines = capsys.readouterr().out.strip().splitlines()
     assert code == 0
     summary = json.loads(lines[-1])
     assert json.loads(out.read_text()) == summary
     assert summary["bench"] == "server" and summary["concurrency"] == [1, 2] and summary["max_tokens"] == 3
+    assert summary["stagger_ms"] == 10
     assert summary["servers"]["server"]["url"] == server.url and summary["servers"]["baseline"]["ingest_s"] > 0
     for role in ("server", "baseline"):
         rows = summary["results"][role]
