@@ -213,7 +213,8 @@ def _graphed_sweep(engine: BlendEngine, results: list[PrefillResult], batch_size
     decoders = [engine.decoder(r, is_graphed=False) for r in results[: max(batch_sizes)]]
     timings: dict[int, list[float]] = {b: [] for b in batch_sizes}
     for b in batch_sizes:
-        bucket, own, tokens = StaticBatch(engine.runner, num_rows=b), decoders[:b], [int(results[0].logits.argmax())] * b
+        bucket, own = StaticBatch(engine.runner, num_rows=b), decoders[:b]
+        tokens = [int(results[0].logits.argmax())] * b
 
         def step() -> None:
             nonlocal tokens

@@ -5,7 +5,8 @@ rows against 2M rows (two requests' selected tokens packed): packing gains only 
 less than twice M.
 
     python -m bench.prefill_packing_bench --out docs/results/prefill_packing_cpu.json
-    python -m bench.prefill_packing_bench --device cuda --model random:llama-7b --out docs/results/prefill_packing_h100_llama7b.json
+    python -m bench.prefill_packing_bench --device cuda --model random:llama-7b \
+        --out docs/results/prefill_packing_h100_llama7b.json
 
 Interleaved rounds (the machine is shared and noisy); each ratio is the median of ratios taken within
 one round.
@@ -54,7 +55,8 @@ def linear_pass(engine: BlendEngine, hidden: torch.Tensor) -> None:
 
 
 def timed(engine: BlendEngine, num_rows: int) -> float:
-    hidden = torch.randn(num_rows, engine.model.config.hidden_size, dtype=engine.dtype, device=engine.device)  # [M, hidden]
+    # [M, hidden]
+    hidden = torch.randn(num_rows, engine.model.config.hidden_size, dtype=engine.dtype, device=engine.device)
     is_cuda = engine.device.type == "cuda"
     if is_cuda:
         torch.cuda.synchronize()

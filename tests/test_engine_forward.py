@@ -15,7 +15,7 @@ def test_own_forward_equals_hf_forward(family):
     engine = build_engine(family)
     ids = random_ids(48, seed=1)
     with torch.no_grad():
-        ref = engine.model(torch.tensor([ids], device=engine.device)).logits[0].float()  # [n, vocab]: the engine's dtype
+        ref = engine.model(torch.tensor([ids], device=engine.device)).logits[0].float()  # [n, vocab], fp32 as ours
     result = engine.prefill([Segment(ids[:20])], PrefillMode.FULL)
     torch.testing.assert_close(result.logits, ref[19], **tol(1e-4))
     # the decode path (one forward over the rest against the prefilled cache) too
