@@ -216,7 +216,7 @@ class StaticBatch:
     def close(self) -> None:
         """Release the members, then free the pool and the graph (a later bind makes them anew)."""
         self.release()
-        self._keys = self._values = self._graph = self._logits = None
+        self._keys = self._values = self._graph = self._logits = self._bias = self._rope = None
 
     def _allocate(self, capacity: int) -> None:
         runner, rounding = self.runner, self.CAPACITY_ROUNDING
