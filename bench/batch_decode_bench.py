@@ -30,6 +30,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from bench.engine_bench import model_overrides  # noqa: E402
 from blend_engine.batch_decode import StaticBatch, batch_step  # noqa: E402
 from blend_engine.decode import Decoder  # noqa: E402
 from blend_engine.engine import BlendEngine  # noqa: E402
@@ -243,11 +244,7 @@ def _rows(batch_sizes: list[int], timings: dict[int, list[float]]) -> list[dict]
 
 def run(args: argparse.Namespace) -> int:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    model = {"cpu_threads": args.threads}
-    model.update({key: getattr(args, key) for key in ("device", "dtype") if getattr(args, key) is not None})
-    if args.model is not None:
-        model["name"] = args.model
-    settings = load_settings(model=model)
+    settings = load_settings(model={"cpu_threads": args.threads, **model_overrides(args)})
     engine = BlendEngine.from_settings(settings, max_cpu_threads=args.threads)
     parts = set(args.parts.split(","))
     # no cache grows while timed: room for every step each sweep feeds the first sequence (+ warm-ups)

@@ -133,12 +133,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def model_overrides(args: argparse.Namespace) -> dict:
+    """The model settings a bench's --model (model.name), --device, --dtype and --weights ask for
+    (those it has and was given)."""
+    return {"name" if key == "model" else key: getattr(args, key) for key in ("model", "device", "dtype", "weights")
+            if getattr(args, key, None) is not None}
+
+
 def _settings(args):
-    overrides: dict = {"model": {}, "blend": {}}
-    for key in ("model", "device", "dtype", "weights"):
-        value = getattr(args, key)
-        if value is not None:
-            overrides["model"]["name" if key == "model" else key] = value
+    overrides: dict = {"model": model_overrides(args), "blend": {}}
     if args.sink:
         overrides["blend"]["sink"] = args.sink
     if args.check_layers:

@@ -27,6 +27,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from bench.engine_bench import model_overrides  # noqa: E402
 from bench.output import emit_summary  # noqa: E402
 from blend_engine.engine import BlendEngine  # noqa: E402
 from configs import load_settings  # noqa: E402
@@ -69,10 +70,7 @@ def timed(engine: BlendEngine, num_rows: int) -> float:
 
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
-    model = {key: getattr(args, key) for key in ("device",) if getattr(args, key) is not None}
-    if args.model is not None:
-        model["name"] = args.model
-    settings = load_settings(model=model)
+    settings = load_settings(model=model_overrides(args))
     engine = BlendEngine.from_settings(settings)
     rows = [int(r) for r in args.rows.split(",")]
     for m in rows:  # warm-up
