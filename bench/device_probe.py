@@ -49,6 +49,31 @@ def _graph_ms(fn, repeats: int = 20, replays: int = 10) -> float:
     return statistics.median(times)
 
 
+def _event_ms(fn) -> float:
+    """ms of one `fn` call, timed by CUDA events once the device is idle."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def _llama7b(seed: int):
+    """An engine at Llama-2-7B shape on CUDA, and `ids(n)`: n random token ids from a seeded generator."""
+    from blend_engine.engine import BlendEngine
+    from configs import load_settings
+
+    engine = BlendEngine.from_settings(load_settings(model={"name": "random:llama-7b", "device": "cuda"}))
+    generator = torch.Generator().manual_seed(seed)
+
+    def ids(n: int) -> tuple[int, ...]:
+        return tuple(torch.randint(100, 30000, (n,), generator=generator).tolist())
+
+    return engine, ids
+
+
 def copy_bandwidth() -> float:
     """Bytes per second of a 4 GiB device-to-device copy (read + write counted)."""
     src = torch.randn(2**30, device="cuda")  # 4 GiB of fp32
@@ -57,7 +82,7 @@ def copy_bandwidth() -> float:
     return 2 * 2**32 / (ms / 1000)
 
 
-def attention(args) -> dict:
+def attention() -> dict:
     num_layers, heads, dim = 8, 32, 128  # 8 layers' caches (60 GB for 32 at C = 3584, B = 16); times x 4
     rows = []
     bandwidth = copy_bandwidth()
@@ -92,17 +117,10 @@ def attention(args) -> dict:
     return {"copy_bandwidth_gb_s": bandwidth / 1e9, "rows": rows}
 
 
-def scale(args) -> dict:
-    from blend_engine.engine import BlendEngine
+def scale() -> dict:
     from blend_engine.types import BlendConfig, PrefillMode, Segment
-    from configs import load_settings
 
-    engine = BlendEngine.from_settings(load_settings(model={"name": "random:llama-7b", "device": "cuda"}))
-    gen = torch.Generator().manual_seed(0)
-
-    def ids(n: int) -> tuple[int, ...]:
-        return tuple(torch.randint(100, 30000, (n,), generator=gen).tolist())
-
+    engine, ids = _llama7b(seed=0)
     chunks = [ids(640) for _ in range(5)]
     segments = [Segment(ids(20))] + [Segment(c, engine.precompute(c)) for c in chunks] + [Segment(ids(30))]
     out = {}
@@ -112,17 +130,7 @@ def scale(args) -> dict:
             run = lambda: engine.prefill(segments, mode, cfg)  # noqa: E731
             for _ in range(2):
                 run()
-            times = []
-            for _ in range(5):
-                torch.cuda.synchronize()
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                run()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            out[f"{mode.value}_{name}_ms"] = statistics.median(times)
+            out[f"{mode.value}_{name}_ms"] = statistics.median(_event_ms(run) for _ in range(5))
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
             engine.prefill(segments, PrefillMode.REUSE, cfg)
@@ -133,19 +141,12 @@ def scale(args) -> dict:
     return out
 
 
-def shapes(args) -> dict:
+def shapes() -> dict:
     """ms of REUSE and BLEND prefills, each at a question length not seen before (the first call at a
     shape), then again at a seen one; with the cuDNN attention backend allowed, then disabled."""
-    from blend_engine.engine import BlendEngine
     from blend_engine.types import BlendConfig, PrefillMode, Segment
-    from configs import load_settings
 
-    engine = BlendEngine.from_settings(load_settings(model={"name": "random:llama-7b", "device": "cuda"}))
-    gen = torch.Generator().manual_seed(1)
-
-    def ids(n: int) -> tuple[int, ...]:
-        return tuple(torch.randint(100, 30000, (n,), generator=gen).tolist())
-
+    engine, ids = _llama7b(seed=1)
     chunks = [Segment(c, engine.precompute(c)) for c in (ids(600 + 7 * i) for i in range(5))]
     out = {}
     question_len = 20
@@ -157,13 +158,7 @@ def shapes(args) -> dict:
                 question_len += 1  # a prompt length this process has not run
                 segments = [Segment(ids(20))] + chunks + [Segment(ids(question_len))]
                 for times in (new_ms, seen_ms):
-                    torch.cuda.synchronize()
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    engine.prefill(segments, mode, BlendConfig())
-                    end.record()
-                    end.synchronize()
-                    times.append(start.elapsed_time(end))
+                    times.append(_event_ms(lambda: engine.prefill(segments, mode, BlendConfig())))
             key = f"{mode.value}_cudnn_{'on' if cudnn else 'off'}"
             out[key] = {"new_shape_ms": new_ms, "seen_shape_ms": seen_ms}
             print(f"{key}: new shape {statistics.median(new_ms):.1f} ms, seen {statistics.median(seen_ms):.1f} ms "
@@ -180,17 +175,17 @@ def main() -> int:
     parts = args.parts.split(",")
     figures = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     if "attention" in parts:
-        figures["attention"] = attention(args)
+        figures["attention"] = attention()
         print(f"\ncopy bandwidth {figures['attention']['copy_bandwidth_gb_s']:.0f} GB/s; attention of 32 layers:")
         print("| C | B | one call ms | per-row calls ms | bytes floor ms |\n| ---: | ---: | ---: | ---: | ---: |")
         for row in figures["attention"]["rows"]:
             print(f"| {row['capacity']} | {row['batch']} | {row['one_call_ms']:.2f} | {row['per_row_ms']:.2f} | "
                   f"{row['bytes_floor_ms']:.2f} |")
     if "scale" in parts:
-        figures["scale"] = scale(args)
+        figures["scale"] = scale()
         print({k: round(v, 1) for k, v in figures["scale"].items() if k.endswith("_ms")})
     if "shapes" in parts:
-        figures["shapes"] = shapes(args)
+        figures["shapes"] = shapes()
     if args.out is not None:
         args.out.write_text(json.dumps(figures, indent=1) + "\n")
     return 0
