@@ -116,6 +116,7 @@ def scheduler_config(settings: Settings) -> SchedulerConfig:
         max_queue=server.max_queue, retry_after_s=server.retry_after_s, max_running=server.max_running,
         max_running_kv_bytes=server.max_running_kv_bytes, max_prefill_tokens=server.max_prefill_tokens,
         prefill_chunk_tokens=server.prefill_chunk_tokens, background_every_steps=server.background_every_steps,
+        max_decode_stall_ms=server.max_decode_stall_ms,
     )
 
 

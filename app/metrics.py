@@ -171,6 +171,10 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("ragblend_engine_decode_steps_mid_prefill",
                                   "Batched decode steps run between the parts of another request's prefill",
                                   value=float(stats.num_decode_steps_mid_prefill))
+        yield CounterMetricFamily("ragblend_engine_decode_steps_deferred",
+                                  "Steps whose prefill ran without the running answers' decode step "
+                                  "(server.max_decode_stall_ms)",
+                                  value=float(stats.num_decode_steps_deferred))
         yield GaugeMetricFamily("ragblend_engine_waiting", "Requests and jobs waiting for the engine",
                                 value=self._loop.num_waiting)
         yield GaugeMetricFamily("ragblend_engine_running", "Answers prefilling or decoding in the batch",

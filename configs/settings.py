@@ -197,6 +197,12 @@ class ServerSettings(BaseModel):
         "(blend, reuse, prefix) in groups of layers whose active tokens add up to this x the model's layers, "
         "the work of one such chunk (docs/design/server.md).",
     )
+    max_decode_stall_ms: int = Field(
+        0, ge=0, le=600_000, description="While requests await their first token, the running answers' decode "
+        "step waits until one of them has gone this long without a token, so queued prefills run back to back "
+        "(sooner first tokens, fuller decode batches); a running answer's gap between tokens stays under this "
+        "plus one prefill part. 0: the running answers decode after every step (docs/design/server.md).",
+    )
     background_every_steps: int = Field(
         8, ge=1, description="Background work (KV repair, backfill, an ingest's precompute) runs when nothing "
         "waits; while busy, once in this many busy steps, and never a second unit before a waiting request's "

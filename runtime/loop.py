@@ -49,6 +49,7 @@ class LoopStats:
     num_rejected: int = 0
     num_prefill_parts: int = 0  # prefill parts that handed the step back before their prompt was in
     num_decode_steps_mid_prefill: int = 0  # batched decode steps run between the parts of another's prefill
+    num_decode_steps_deferred: int = 0  # steps whose prefill ran without the running sequences' decode step
 
 
 @dataclass(eq=False)
@@ -244,7 +245,7 @@ class EngineLoop:
                         self._settle_cancelled(work)
                     self.scheduler.waiting.clear()
                     return None
-                step = self.scheduler.schedule()
+                step = self.scheduler.schedule(time.perf_counter())
                 if not step.is_idle:
                     self._current = step.job
                     return step
@@ -285,6 +286,8 @@ class EngineLoop:
             self._run_job(step.job)
         for generation in [g for g in (step.continued_prefill, *step.admitted) if g is not None]:
             self._prefill(generation)
+        if step.is_decode_deferred:
+            self.stats.num_decode_steps_deferred += 1
         batch = [g for g in step.decode if g.sequence is not None and not g.is_done]
         if batch:
             if self.scheduler.prefilling is not None:

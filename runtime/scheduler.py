@@ -7,7 +7,12 @@ Each step, in this order:
    runs alone, or requests are admitted while the running sequences and their KV bytes stay under
    their bounds and the step's prompt tokens under the prefill budget (one request is always admitted
    when none runs, whatever its size, so nothing waits for good);
-2. one batched decode step for every running sequence (those admitted this step included);
+2. one batched decode step for every running sequence (those admitted this step included), but
+   for one exception: while prefills run (a part continued, requests admitted), the decode step
+   waits until the running sequence longest without a token has waited `max_decode_stall_ms`, so
+   that queued prefills run back to back (each first token sooner, and the later decode steps
+   batch more rows) while a running answer's gap between two tokens stays under that bound plus one
+   prefill part;
 3. one background unit (KV repair, backfill, an ingest's precompute) when nothing waits; while busy,
    once in `background_every_steps` busy steps, and only if no request still awaiting its first token
    has waited through one already: a question's TTFT grows by one unit (one chunk's precompute) at
@@ -38,6 +43,11 @@ class Schedulable(Protocol):
         """Bytes its caches hold now (running) or are expected to hold (waiting)."""
         ...
 
+    @property
+    def t_last_token(self) -> float:
+        """When (time.perf_counter) it last had a token: its decode stall starts there (running only)."""
+        ...
+
 
 G = TypeVar("G", bound=Schedulable)
 BackgroundTask = Callable[[], None]
@@ -53,6 +63,7 @@ class Step(Generic[G]):
     decode: list[G] = field(default_factory=list)  # the running sequences' batched decode step
     background: BackgroundTask | None = None
     delayed: list[G] = field(default_factory=list)  # requests awaiting their first token when it runs
+    is_decode_deferred: bool = False  # the running sequences skip this step's decode (the stall bound)
 
     @property
     def is_idle(self) -> bool:
@@ -92,13 +103,16 @@ class Scheduler(Generic[G]):
         return len(self.background) < self.config.max_background
 
     # --- the decision -----------------------------------------------------------------------------
-    def schedule(self) -> Step[G]:
+    def schedule(self, now: float = 0.0) -> Step[G]:
+        """The next step; `now` (time.perf_counter) for the decode stall bound."""
         step: Step[G] = Step()
         if self.prefilling is not None:
             step.continued_prefill = self.prefilling
         else:
             self._admit(step)
-        step.decode = [*self.running, *step.admitted]
+        step.is_decode_deferred = self._defers_decode(step, now)
+        if not step.is_decode_deferred:
+            step.decode = [*self.running, *step.admitted]
         is_busy = bool(self.waiting) or step.job is not None or bool(step.admitted) or step.continued_prefill
         # awaiting their first token when this step's unit would run (one admitted now has it by then,
         # unless its prefill runs in parts: counted, to be safe)
@@ -113,6 +127,15 @@ class Scheduler(Generic[G]):
         self._num_steps_without_background = 0 if step.background or not self.background else (
             self._num_steps_without_background + 1)
         return step
+
+    def _defers_decode(self, step: Step[G], now: float) -> bool:
+        """Whether this step's prefill runs without a decode step after it: some prefill runs and no
+        running sequence has gone `max_decode_stall_ms` without a token."""
+        is_prefilling = step.continued_prefill is not None or bool(step.admitted)
+        if not (is_prefilling and self.running and self.config.max_decode_stall_ms > 0):
+            return False
+        longest_stall_s = now - min(g.t_last_token for g in self.running)
+        return longest_stall_s * 1000 < self.config.max_decode_stall_ms
 
     def _admit(self, step: Step[G]) -> None:
         config, num_tokens = self.config, 0

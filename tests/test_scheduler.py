@@ -1,7 +1,8 @@
 """The scheduler's decisions, without threads or a model: admission under the running, KV-byte and
 prefill-token bounds; a job alone in its step; a chunked prefill continued before anything is
 admitted; background work when nothing waits and, while busy, at least once in N steps, never twice
-before a waiting request's first token."""
+before a waiting request's first token; the running sequences' decode step put off while prefills run,
+until one of them has waited `max_decode_stall_ms`."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from runtime.scheduler import Scheduler
 class Req:
     num_prompt_tokens: int = 100
     kv_bytes: int = 10
+    t_last_token: float = 0.0
 
 
 def job() -> Job:
@@ -144,7 +146,41 @@ def test_a_request_awaiting_its_first_token_waits_through_one_background_unit_at
     assert s.schedule().background is None  # now c has
 
 
+def test_decode_waits_for_prefills_until_a_running_sequence_has_stalled_max_decode_stall_ms():
+    s = scheduler(max_running=8, max_decode_stall_ms=2000)
+    early, late = Req(t_last_token=10.0), Req(t_last_token=11.0)
+    s.running.extend([early, late])
+    a, b = Req(num_prompt_tokens=3000), Req(num_prompt_tokens=3000)  # one prefill a step
+    s.waiting.extend([a, b])
+    step = s.schedule(now=11.5)  # early has waited 1.5 s: a's prefill runs alone
+    assert step.admitted == [a] and step.decode == [] and step.is_decode_deferred
+    s.running.append(a)
+    a.t_last_token = 12.0  # its first token; early has still waited the longest
+    step = s.schedule(now=12.0)  # 2 s since early's last token: the prefill, then one decode step
+    assert step.admitted == [b] and step.decode == [early, late, a, b] and not step.is_decode_deferred
+
+
+def test_decode_is_never_put_off_without_prefills_or_without_a_bound():
+    s = scheduler(max_running=8, max_decode_stall_ms=2000)
+    running = Req(t_last_token=10.0)
+    s.running.append(running)
+    step = s.schedule(now=10.1)  # nothing to prefill: decode
+    assert step.decode == [running] and not step.is_decode_deferred
+    s.prefilling = long = Req(num_prompt_tokens=5000)  # a part continued counts as a prefill
+    step = s.schedule(now=10.1)
+    assert step.continued_prefill is long and step.decode == []
+    s = scheduler(max_running=8)  # the default, 0: decode after every step
+    s.running.append(running)
+    s.waiting.append(nxt := Req())
+    assert s.schedule(now=10.1).decode == [running, nxt]
+
+
 @pytest.mark.parametrize("name", ["max_running", "max_queue", "max_prefill_tokens", "prefill_chunk_tokens"])
 def test_config_refuses_zero(name):
     with pytest.raises(ValueError, match=name):
         SchedulerConfig(**{name: 0})
+
+
+def test_config_refuses_a_negative_stall_bound():
+    with pytest.raises(ValueError, match="max_decode_stall_ms"):
+        SchedulerConfig(max_decode_stall_ms=-1)

@@ -2,7 +2,8 @@
 pipeline and engine loop for the answers): answers in a batch equal the same requests alone; a new
 request does not wait for a running answer; a client that leaves is dropped from the batch; a long
 full prefill cut into chunks answers like one prefill; a running answer decodes between the parts of
-another request's long blend prefill; an upload's precompute interleaves with a running answer
+another request's long blend prefill (or, with a stall bound, waits while its parts run back to back);
+an upload's precompute interleaves with a running answer
 instead of holding it."""
 
 from __future__ import annotations
@@ -198,6 +199,43 @@ def test_a_running_answer_streams_between_the_parts_of_a_long_blend_prefill(serv
                 for name in ("ragblend_engine_prefill_parts", "ragblend_engine_decode_steps_mid_prefill")}
     assert exported == {"ragblend_engine_prefill_parts": loop.stats.num_prefill_parts,
                         "ragblend_engine_decode_steps_mid_prefill": loop.stats.num_decode_steps_mid_prefill}
+
+
+def test_with_a_stall_bound_a_long_prefill_runs_its_parts_back_to_back(server):
+    """`server.max_decode_stall_ms`: while a prefill runs in parts, the running answer's decode step
+    waits (here the bound is far off: no decode step between the parts at all); the answer then goes
+    on, and the new one is what it is alone."""
+    loop, pipeline = server.components.loop, server.components.pipeline
+    config = loop.scheduler.config
+    question = rag_request("Tell me everything.", RequestMode.BLEND, 3, top_k=16)
+    counts = {}
+
+    async def main():
+        first_token = asyncio.Event()
+        long = asyncio.create_task(answer(pipeline, rag_request("Owls and rivers.", RequestMode.BLEND, 600),
+                                          on_token=lambda n: first_token.set()))
+        await first_token.wait()
+        before = (loop.stats.num_prefill_parts, loop.stats.num_decode_steps_mid_prefill,
+                  loop.stats.num_decode_steps_deferred)
+        text, done = await answer(pipeline, question)
+        counts["parts"] = loop.stats.num_prefill_parts - before[0]
+        counts["mid"] = loop.stats.num_decode_steps_mid_prefill - before[1]
+        counts["deferred"] = loop.stats.num_decode_steps_deferred - before[2]
+        counts["long_running"] = not long.done()
+        return text, done, await long
+
+    loop.scheduler.config = replace(config, max_decode_stall_ms=600_000)
+    try:
+        text, done, (_, long_done) = asyncio.run(main())
+    finally:
+        loop.scheduler.config = config
+    assert done.usage.prompt_tokens > 64 * 4 and long_done.finish_reason is FinishReason.LENGTH
+    assert counts["long_running"]
+    # every part ran without the running answer's decode step after it (the last one included)
+    assert counts["parts"] >= 1 and counts["mid"] == 0 and counts["deferred"] == counts["parts"] + 1, counts
+    assert text == asyncio.run(answer(pipeline, question))[0]  # alone, nothing running
+    assert re.search(r"^ragblend_engine_decode_steps_deferred_total (\S+)$", httpx.get(f"{server.url}/metrics").text,
+                     re.M).group(1) == str(float(loop.stats.num_decode_steps_deferred))
 
 
 def test_an_upload_interleaves_with_a_running_answer(server):
