@@ -123,7 +123,9 @@ def run(args: argparse.Namespace) -> int:
             for name, chunk_tokens in variants:
                 executor = PrefillExecutor(engine, store, settings.blend, settings.store.planner_profile_tokens,
                                            chunk_tokens)
-                loop = EngineLoop(engine, executor, SchedulerConfig(prefill_chunk_tokens=chunk_tokens))
+                # a decode step after every part: the stall the parts alone cause (no stall bound)
+                loop = EngineLoop(engine, executor, SchedulerConfig(prefill_chunk_tokens=chunk_tokens,
+                                                                    max_decode_stall_ms=0))
                 try:
                     results[name].append(asyncio.run(_round(loop, blend, args)))
                 finally:

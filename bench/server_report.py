@@ -81,14 +81,17 @@ def level_stats(rounds: Sequence[Round]) -> dict[str, Any]:
         "ttft_p95_ms": percentile(ttft, 95),
         "itl_p50_ms": percentile(itl, 50),
         "itl_p95_ms": percentile(itl, 95),
+        "itl_max_ms": max(itl) if itl else None,  # the longest a running answer went without a token
         "queue_p50_ms": percentile(queue, 50),  # None: the server reports no queue wait
         "queue_p95_ms": percentile(queue, 95),
         "tokens_per_s": median(n / r.wall_s for n, r in zip(tokens, rounds)),
         "requests_per_s": median(sum(c.answer is not None for c in r.chats) / r.wall_s for r in rounds),
         "wall_s": median(r.wall_s for r in rounds),
+        "wall_s_rounds": [r.wall_s for r in rounds],
         "completion_tokens": sum(tokens),
         "decode_tokens_per_s_p50": percentile(decode, 50),
         "server_ttft_p50_ms": percentile([a.timings["ttft_ms"] for a in answers if "ttft_ms" in a.timings], 50),
+        "server_prefill_p50_ms": percentile([a.timings["prefill_ms"] for a in answers if "prefill_ms" in a.timings], 50),
         "mean_prompt_tokens": mean(a.usage.get("prompt_tokens", 0) for a in answers) if answers else None,
         "modes": dict(Counter(a.done.get("mode") for a in answers)),
     }
@@ -193,13 +196,14 @@ def print_tables(summary: dict[str, Any]) -> None:
     print(f"\nserver bench: {model}, {summary['questions']} questions x {summary['passages']} passages "
           f"(prompt ~{mean(prompt) if prompt else 0:.0f} tokens), {summary['max_tokens']} tokens, "
           f"{summary['repeats']} repeat(s), mode {summary['mode'] or 'server default'}")
-    print(f"{'server':<9}{'clients':>8}{'TTFT p50':>10}{'TTFT p95':>10}{'ITL p50':>9}{'ITL p95':>9}"
+    print(f"{'server':<9}{'clients':>8}{'TTFT p50':>10}{'TTFT p95':>10}{'ITL p50':>9}{'ITL p95':>9}{'ITL max':>9}"
           f"{'queue p50':>10}{'tok/s':>8}{'req/s':>8}{'decode tok/s':>13}{'errors':>8}")
     rows = sorted(((row["clients"], role, row) for role, rows in summary["results"].items() for row in rows),
                   key=lambda item: (item[0], item[1] != Role.SERVER.value))
     for clients, role, row in rows:
         print(f"{role:<9}{clients:>8}{_ms(row['ttft_p50_ms']):>10}{_ms(row['ttft_p95_ms']):>10}"
-              f"{_num(row['itl_p50_ms']):>9}{_num(row['itl_p95_ms']):>9}{_ms(row['queue_p50_ms']):>10}"
+              f"{_num(row['itl_p50_ms']):>9}{_num(row['itl_p95_ms']):>9}{_ms(row.get('itl_max_ms')):>9}"
+              f"{_ms(row['queue_p50_ms']):>10}"
               f"{_num(row['tokens_per_s']):>8}{_num(row['requests_per_s'], 2):>8}"
               f"{_num(row['decode_tokens_per_s_p50']):>13}{row['num_errors']:>8}")
     print(f"\n{'clients':>7}{'TTFT p50 vs base':>18}{'TTFT p95 vs base':>18}{'tok/s vs base':>15}"

@@ -14,9 +14,9 @@ class SchedulerConfig:
     max_prefill_tokens: int = 4096  # prompt tokens admitted per step (at least one prefill always is)
     prefill_chunk_tokens: int = 512  # a long prefill runs one part (this many tokens' work) per step
     background_every_steps: int = 8  # while busy, a background unit once in this many steps (see Scheduler)
-    # while requests await their first token, the running sequences' decode step waits until the one
-    # longest without a token has waited this long (0: they decode every step; see Scheduler)
-    max_decode_stall_ms: int = 0
+    # while prefills run, the running sequences' decode step is put off until the one longest without
+    # a token would wait longer than this (0: they decode every step; see Scheduler)
+    max_decode_stall_ms: int = 2000
     max_background: int = 64  # background units waiting; beyond, submit_background says no
 
     def __post_init__(self) -> None:

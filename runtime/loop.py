@@ -284,8 +284,13 @@ class EngineLoop:
     def _run_step(self, step: Step[Generation]) -> None:
         if step.job is not None:
             self._run_job(step.job)
-        for generation in [g for g in (step.continued_prefill, *step.admitted) if g is not None]:
-            self._prefill(generation)
+        prefills = [g for g in (step.continued_prefill, *step.admitted) if g is not None]
+        if prefills:
+            start = time.perf_counter()
+            for generation in prefills:
+                self._prefill(generation)
+            with self._cond:
+                self.scheduler.observe_prefill(time.perf_counter() - start)
         if step.is_decode_deferred:
             self.stats.num_decode_steps_deferred += 1
         batch = [g for g in step.decode if g.sequence is not None and not g.is_done]

@@ -8,11 +8,12 @@ Each step, in this order:
    their bounds and the step's prompt tokens under the prefill budget (one request is always admitted
    when none runs, whatever its size, so nothing waits for good);
 2. one batched decode step for every running sequence (those admitted this step included), but
-   for one exception: while prefills run (a part continued, requests admitted), the decode step
-   waits until the running sequence longest without a token has waited `max_decode_stall_ms`, so
-   that queued prefills run back to back (each first token sooner, and the later decode steps
-   batch more rows) while a running answer's gap between two tokens stays under that bound plus one
-   prefill part;
+   for one exception: while prefills run (a part continued, requests admitted), the decode step is
+   put off as long as the running sequence longest without a token, after this step's prefill work
+   (estimated by the last step's, `observe_prefill`), stays under `max_decode_stall_ms`: queued
+   prefills run back to back (each first token sooner, later decode steps batch more rows), while a
+   running answer's gap between two tokens stays near that bound (over it by the estimate's error);
+   at most `max_running` prefills run so, since admission stops once the batch is full;
 3. one background unit (KV repair, backfill, an ingest's precompute) when nothing waits; while busy,
    once in `background_every_steps` busy steps, and only if no request still awaiting its first token
    has waited through one already: a question's TTFT grows by one unit (one chunk's precompute) at
@@ -79,6 +80,7 @@ class Scheduler(Generic[G]):
         self.prefilling: G | None = None  # a prefill in parts, between two of them
         self.background: deque[BackgroundTask] = deque()
         self._num_steps_without_background = 0
+        self._last_prefill_s = 0.0  # the last step's prefill work (the estimate of the next one's)
         # requests awaiting their first token that a background unit ran before (by id; the dict keeps
         # them alive, so an id is not reused while it is here)
         self._delayed: dict[int, G] = {}
@@ -128,14 +130,18 @@ class Scheduler(Generic[G]):
             self._num_steps_without_background + 1)
         return step
 
+    def observe_prefill(self, seconds: float) -> None:
+        """The prefill work of the step that just ran (its parts and admitted prefills, in seconds)."""
+        self._last_prefill_s = seconds
+
     def _defers_decode(self, step: Step[G], now: float) -> bool:
-        """Whether this step's prefill runs without a decode step after it: some prefill runs and no
-        running sequence has gone `max_decode_stall_ms` without a token."""
+        """Whether this step's prefill runs without a decode step after it: some prefill runs, and no
+        running sequence will have gone `max_decode_stall_ms` without a token once it has run."""
         is_prefilling = step.continued_prefill is not None or bool(step.admitted)
         if not (is_prefilling and self.running and self.config.max_decode_stall_ms > 0):
             return False
-        longest_stall_s = now - min(g.t_last_token for g in self.running)
-        return longest_stall_s * 1000 < self.config.max_decode_stall_ms
+        stall_after_s = now - min(g.t_last_token for g in self.running) + self._last_prefill_s
+        return stall_after_s * 1000 < self.config.max_decode_stall_ms
 
     def _admit(self, step: Step[G]) -> None:
         config, num_tokens = self.config, 0

@@ -33,7 +33,8 @@ def job() -> Job:
 
 
 def scheduler(**config) -> Scheduler:
-    return Scheduler(SchedulerConfig(**config))
+    """A decode step in every step unless a test sets a stall bound (the decisions apart from it)."""
+    return Scheduler(SchedulerConfig(**{"max_decode_stall_ms": 0, **config}))
 
 
 def test_waiting_requests_are_admitted_together_and_decode_with_the_running_ones():
@@ -160,6 +161,16 @@ def test_decode_waits_for_prefills_until_a_running_sequence_has_stalled_max_deco
     assert step.admitted == [b] and step.decode == [early, late, a, b] and not step.is_decode_deferred
 
 
+def test_the_stall_bound_counts_the_prefill_work_the_step_is_about_to_run():
+    s = scheduler(max_running=8, max_decode_stall_ms=2000)
+    s.running.append(running := Req(t_last_token=10.0))
+    s.waiting.extend([Req(num_prompt_tokens=3000) for _ in range(3)])
+    s.observe_prefill(0.7)  # the last step's prefill work: the next is expected to take as long
+    assert s.schedule(now=11.2).is_decode_deferred  # 1.2 s + 0.7 s: still under 2 s after the prefill
+    step = s.schedule(now=11.4)  # 1.4 s + 0.7 s: over it by then, so this step decodes
+    assert not step.is_decode_deferred and running in step.decode
+
+
 def test_decode_is_never_put_off_without_prefills_or_without_a_bound():
     s = scheduler(max_running=8, max_decode_stall_ms=2000)
     running = Req(t_last_token=10.0)
@@ -169,7 +180,7 @@ def test_decode_is_never_put_off_without_prefills_or_without_a_bound():
     s.prefilling = long = Req(num_prompt_tokens=5000)  # a part continued counts as a prefill
     step = s.schedule(now=10.1)
     assert step.continued_prefill is long and step.decode == []
-    s = scheduler(max_running=8)  # the default, 0: decode after every step
+    s = scheduler(max_running=8, max_decode_stall_ms=0)  # no bound: decode after every step
     s.running.append(running)
     s.waiting.append(nxt := Req())
     assert s.schedule(now=10.1).decode == [running, nxt]

@@ -33,7 +33,8 @@ def server(tmp_path_factory):
     settings = load_settings(
         data_dir=tmp_path_factory.mktemp("batching"), model={"name": "random:tiny-llama", "device": "cpu"},
         retrieval={"chunk_tokens": 24, "chunk_overlap": 0},
-        server={"max_running": 8, "prefill_chunk_tokens": 64},
+        # 0: a decode step after every step, so that running answers decode between another's parts
+        server={"max_running": 8, "prefill_chunk_tokens": 64, "max_decode_stall_ms": 0},
     )
     docs = [{"id": t, "text": " ".join(f"Fact {i} about {t}: the {t} number {i} is remarkable." for i in range(6))}
             for t in TOPICS]

@@ -16,9 +16,9 @@ from bench.server_report import Chat, Round, Upload, level_stats, ratio_rows, ta
 from configs.settings import load_settings
 
 LEVEL_KEYS = {"clients", "num_rounds", "num_requests", "num_errors", "errors", "ttft_p50_ms", "ttft_p95_ms",
-              "itl_p50_ms", "itl_p95_ms", "queue_p50_ms", "queue_p95_ms", "tokens_per_s", "requests_per_s",
-              "wall_s", "completion_tokens", "decode_tokens_per_s_p50", "server_ttft_p50_ms", "mean_prompt_tokens",
-              "modes"}
+              "itl_p50_ms", "itl_p95_ms", "itl_max_ms", "queue_p50_ms", "queue_p95_ms", "tokens_per_s", "requests_per_s",
+              "wall_s", "wall_s_rounds", "completion_tokens", "decode_tokens_per_s_p50", "server_ttft_p50_ms",
+              "server_prefill_p50_ms", "mean_prompt_tokens", "modes"}
 RATIO_KEYS = {"clients", "ttft_p50_vs_baseline", "ttft_p95_vs_baseline", "tokens_per_s_vs_baseline",
               "decode_tokens_per_s_vs_baseline", "tokens_per_s_vs_one_client", "baseline_tokens_per_s_vs_one_client"}
 UPLOAD_KEYS = {"clients", "num_files", "num_chunks", "upload_p50_ms", "upload_max_ms", "one_chunk_upload_ms",
@@ -67,6 +67,7 @@ def test_bench_server_measures_both_servers_interleaved_and_writes_json(servers,
             assert set(row) == LEVEL_KEYS
             assert row["num_requests"] == row["clients"] and row["num_errors"] == 0
             assert 0 < row["ttft_p50_ms"] <= row["ttft_p95_ms"] and row["itl_p50_ms"] <= row["itl_p95_ms"]
+            assert row["itl_p95_ms"] <= row["itl_max_ms"] and len(row["wall_s_rounds"]) == row["num_rounds"]
             assert 0 < row["completion_tokens"] <= 3 * row["clients"] and row["tokens_per_s"] > 0
             assert row["requests_per_s"] == pytest.approx(row["clients"] / row["wall_s"])
             assert row["mean_prompt_tokens"] > 40  # the question's 2 passages are in its prompt
