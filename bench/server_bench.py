@@ -91,6 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start a round's chats this far apart, in a fixed order (0: all at once): the server "
                              "then serves them in the same order every round, so a chat's TTFT compares across "
                              "rounds (the uploads' per-chat growth)")
+    parser.add_argument("--settle-s", type=float, default=3.0,
+                        help="seconds of rest before each round: a round run right after the other server's "
+                             "heavy one measured up to ~15%% slower, with that server idle (docs/benchmarks/server.md)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--out", type=Path, help="also write the JSON summary here")
 
@@ -217,15 +220,15 @@ async def chat_levels(targets: Sequence[Target], clients: dict[Role, httpx.Async
                       schedule: list[dict[str, Any]]) -> dict[Role, dict[int, list[Round]]]:
     """Every level's rounds on every server, interleaved: role -> clients -> rounds."""
     levels: dict[Role, dict[int, list[Round]]] = {t.role: defaultdict(list) for t in targets}
-    turn = 0
     for repeat in range(args.repeats):
-        for num_clients in args.concurrency:
-            for target in in_turn(targets, turn):
+        for level, num_clients in enumerate(args.concurrency):
+            # who goes first alternates from level to level and, for each level, from repeat to repeat
+            for target in in_turn(targets, level + repeat):
                 indices = round_questions(num_clients, repeat, len(questions))
+                await asyncio.sleep(args.settle_s)
                 levels[target.role][num_clients].append(await run_round(clients[target.role], questions,
                                                                         indices, args))
                 schedule.append({"repeat": repeat, "clients": num_clients, "server": target.role.value})
-            turn += 1
     return levels
 
 
@@ -244,8 +247,10 @@ async def upload_scenario(targets: Sequence[Target], clients: dict[Role, httpx.A
             one = await upload(client, f"bench-upload-{tag}-one.txt", one_text.encode())
             await delete_documents(client, one.document_ids)
             indices = round_questions(num_clients, repeat, len(questions))
+            await asyncio.sleep(args.settle_s)
             without = await run_round(client, questions, indices, args)
             files = texts[target.role].files(tag, args.uploads, args.upload_chars)
+            await asyncio.sleep(args.settle_s)
             with_uploads = await run_round(client, questions, indices, args, files)
             await delete_documents(client, [i for u in with_uploads.uploads for i in u.document_ids])
             runs[target.role].append((without, with_uploads, one))
@@ -293,8 +298,9 @@ def check_args(args: argparse.Namespace) -> None:
         args.questions = max(args.concurrency)
     if args.questions < max(args.concurrency):
         raise ValueError(f"--questions {args.questions} < {max(args.concurrency)} clients: each client asks its own")
-    if args.repeats < 1 or args.max_tokens < 1 or args.uploads < 0 or args.upload_chars < 100 or args.stagger_ms < 0:
-        raise ValueError("--repeats and --max-tokens must be >= 1, --uploads and --stagger-ms >= 0, "
+    if args.repeats < 1 or args.max_tokens < 1 or args.uploads < 0 or args.upload_chars < 100 or args.stagger_ms < 0 \
+            or args.settle_s < 0:
+        raise ValueError("--repeats and --max-tokens must be >= 1, --uploads, --stagger-ms and --settle-s >= 0, "
                          "--upload-chars >= 100")
     if args.serve and args.baseline_url:
         raise ValueError("--serve starts both servers: give no --baseline-url")
@@ -310,6 +316,7 @@ async def bench(args: argparse.Namespace, targets: Sequence[Target], questions: 
                "passages": args.passages, "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "mode": args.mode,
                "repeats": args.repeats,
                "upload_files": args.uploads, "upload_chars": args.upload_chars, "stagger_ms": args.stagger_ms,
+               "settle_s": args.settle_s,
                **measured}
     summary["targets"] = target_checks(summary)
     return summary

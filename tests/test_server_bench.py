@@ -5,6 +5,7 @@ answers, where every figure is known."""
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -51,8 +52,8 @@ def test_bench_server_measures_both_servers_interleaved_and_writes_json(servers,
     out = tmp_path / "out.json"
     code = main(["bench", "server", "--url", server.url, "--baseline-url", baseline.url,
                  "--data", dataset(tmp_path / "data.json"), "--questions", "2", "--passages", "2",
-                 "--concurrency", "2,1", "--max-tokens", "3", "--uploads", "2", "--upload-chars", "400",
-                 "--upload-lead", "0.05", "--stagger-ms", "10", "--out", str(out)])
+                 "--concurrency", "2,1", "--max-tokens", "3", "--repeats", "2", "--uploads", "2", "--upload-chars", "400",
+                 "--upload-lead", "0.05", "--stagger-ms", "10", "--settle-s", "0", "--out", str(out)])
     lines = capsys.readouterr().out.strip().splitlines()
     assert code == 0
     summary = json.loads(lines[-1])
@@ -65,11 +66,12 @@ def test_bench_server_measures_both_servers_interleaved_and_writes_json(servers,
         assert [row["clients"] for row in rows] == [1, 2]
         for row in rows:
             assert set(row) == LEVEL_KEYS
-            assert row["num_requests"] == row["clients"] and row["num_errors"] == 0
+            assert row["num_requests"] == 2 * row["clients"] and row["num_errors"] == 0  # 2 repeats
             assert 0 < row["ttft_p50_ms"] <= row["ttft_p95_ms"] and row["itl_p50_ms"] <= row["itl_p95_ms"]
             assert row["itl_p95_ms"] <= row["itl_max_ms"] and len(row["wall_s_rounds"]) == row["num_rounds"]
-            assert 0 < row["completion_tokens"] <= 3 * row["clients"] and row["tokens_per_s"] > 0
-            assert row["requests_per_s"] == pytest.approx(row["clients"] / row["wall_s"])
+            assert 0 < row["completion_tokens"] <= 2 * 3 * row["clients"] and row["tokens_per_s"] > 0
+            assert row["requests_per_s"] == pytest.approx(statistics.median(row["clients"] / w
+                                                                            for w in row["wall_s_rounds"]))
             assert row["mean_prompt_tokens"] > 40  # the question's 2 passages are in its prompt
     # the ratios are the rows' own figures divided
     results = {role: {row["clients"]: row for row in rows} for role, rows in summary["results"].items()}
@@ -83,9 +85,11 @@ def test_bench_server_measures_both_servers_interleaved_and_writes_json(servers,
         assert row["baseline_tokens_per_s_vs_one_client"] == pytest.approx(base["tokens_per_s"]
                                                                            / results["baseline"][1]["tokens_per_s"])
     assert {check["clients"] for check in summary["targets"]} == {1, 2}
-    # interleaved: each level runs on both servers back to back, who goes first alternating
+    # interleaved: each level runs on both servers back to back, who goes first alternating from level to
+    # level and, for a level, from repeat to repeat
     chat_runs = [(s["clients"], s["server"]) for s in summary["schedule"] if "uploads" not in s]
-    assert chat_runs == [(1, "server"), (1, "baseline"), (2, "baseline"), (2, "server")]
+    assert chat_runs == [(1, "server"), (1, "baseline"), (2, "baseline"), (2, "server"),
+                         (1, "baseline"), (1, "server"), (2, "server"), (2, "baseline")]
     for role in ("server", "baseline"):
         uploads = summary["uploads"][role]
         assert set(uploads) == UPLOAD_KEYS and uploads["clients"] == 2 and uploads["num_files"] == 2
