@@ -65,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serve", action="store_true", help="start both servers here instead (`ragblend serve` "
                         "on free loopback ports, temporary data dirs; the baseline with "
                         "RAGBLEND_SERVER__MAX_RUNNING=1, the other with this environment's settings)")
+    parser.add_argument("--baseline-env", action="append", metavar="NAME=VALUE",
+                        help="--serve: the baseline's environment instead of RAGBLEND_SERVER__MAX_RUNNING=1 "
+                             "(repeat for several), e.g. RAGBLEND_SERVER__MAX_DECODE_STALL_MS=0 to measure "
+                             "the stall bound against none")
     parser.add_argument("--config", type=Path, help="--serve: a YAML file both servers layer over the defaults")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="--serve: seconds to wait for /readyz")
     parser.add_argument("--api-key", default=os.environ.get("RAGBLEND_API_KEY"),
@@ -302,6 +306,9 @@ def check_args(args: argparse.Namespace) -> None:
             or args.settle_s < 0:
         raise ValueError("--repeats and --max-tokens must be >= 1, --uploads, --stagger-ms and --settle-s >= 0, "
                          "--upload-chars >= 100")
+    if args.baseline_env and not args.serve:
+        raise ValueError("--baseline-env sets the environment of the baseline --serve starts: give --serve")
+    baseline_environment(args.baseline_env)  # a malformed pair is refused before any server starts
     if args.serve and args.baseline_url:
         raise ValueError("--serve starts both servers: give no --baseline-url")
     if args.config is not None and not args.serve:
@@ -358,9 +365,10 @@ def serve_and_bench(args: argparse.Namespace, questions: Sequence[Question], fil
         print("ragblend bench server: this checkout has no server.max_running setting; the baseline runs "
               "with the same settings as the server", file=sys.stderr)
     config = args.config.resolve() if args.config else None
-    # the server under test gets this environment as it is; the baseline, that and max_running=1
+    baseline_env = baseline_environment(args.baseline_env)
+    # the server under test gets this environment as it is; the baseline, that and its own (max_running=1)
     local = {Role.SERVER: LocalServer(Role.SERVER.value, config=config),
-             Role.BASELINE: LocalServer(Role.BASELINE.value, BASELINE_ENV, config)}
+             Role.BASELINE: LocalServer(Role.BASELINE.value, baseline_env, config)}
     with contextlib.ExitStack() as stack:
         # One after the other: a server's loading planner times prefills right after start-up, and a
         # second server starting meanwhile would slow those down and skew its plans (auto mode).
@@ -370,7 +378,20 @@ def serve_and_bench(args: argparse.Namespace, questions: Sequence[Question], fil
             prepared[role] = asyncio.run(prepare(Target(role, server.url), questions, args, headers))
         targets = [Target(role, server.url) for role, server in local.items()]
         summary = asyncio.run(bench(args, targets, questions, filler, headers, prepared))
-    summary["servers"][Role.BASELINE.value].update(env=BASELINE_ENV, is_max_running_known=is_known)
-    summary["servers"][Role.SERVER.value]["env"] = {name: os.environ[name] for name in BASELINE_ENV
+    summary["servers"][Role.BASELINE.value].update(env=baseline_env, is_max_running_known=is_known)
+    summary["servers"][Role.SERVER.value]["env"] = {name: os.environ[name] for name in baseline_env
                                                     if name in os.environ}
     return summary
+
+
+def baseline_environment(pairs: Sequence[str] | None) -> dict[str, str]:
+    """`--baseline-env NAME=VALUE ...` as a mapping; none given: one request at a time (BASELINE_ENV)."""
+    if not pairs:
+        return dict(BASELINE_ENV)
+    env = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--baseline-env takes NAME=VALUE, not {pair!r}")
+        env[name] = value
+    return env

@@ -195,3 +195,11 @@ def test_bench_server_serve_starts_both_servers_and_stops_them(tmp_path, capsys)
     for info in servers.values():  # stopped
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{info['url']}/healthz", timeout=2)
+
+
+def test_the_baseline_environment_of_serve():
+    assert server_bench.baseline_environment(None) == {"RAGBLEND_SERVER__MAX_RUNNING": "1"}  # one request at a time
+    assert server_bench.baseline_environment(["RAGBLEND_SERVER__MAX_DECODE_STALL_MS=0", "A=b=c"]) == {
+        "RAGBLEND_SERVER__MAX_DECODE_STALL_MS": "0", "A": "b=c"}
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        server_bench.baseline_environment(["RAGBLEND_SERVER__MAX_RUNNING"])
