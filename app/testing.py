@@ -6,7 +6,6 @@ import threading
 import time
 from typing import Any
 
-import uvicorn
 
 from app.main import create_app
 from app.readiness import free_port, wait_ready

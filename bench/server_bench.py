@@ -97,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "rounds (the uploads' per-chat growth)")
     parser.add_argument("--settle-s", type=float, default=3.0,
                         help="seconds of rest before each round: a round run right after the other server's "
-                             "heavy one measured up to ~15%% slower, with that server idle (docs/benchmarks/server.md)")
+                             "heavy one measured up to ~19%% slower, with that server idle (docs/benchmarks/server.md)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--out", type=Path, help="also write the JSON summary here")
 

@@ -5,11 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from blend_engine.int4 import GROUP_SIZE, MAX_PACKED_ROWS, Int4Linear
-from blend_engine.types import PrefillMode
 from blend_engine.weights import resolve_weight_format
 from configs import WeightFormat
-from engine_models import cpu_exact, random_ids
-from test_engine_blend import rag_prompt
+from engine_models import cpu_exact
 from test_engine_weights import _quantized_engine
 
 pytestmark = cpu_exact  # the int4 kernel is torch's CPU one

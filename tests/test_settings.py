@@ -2,7 +2,7 @@ import pytest
 from pydantic import ValidationError
 
 from blend_engine.types import BlendConfig
-from configs import DeviationKind, PrefillMode, load_settings
+from configs import DeviationKind, load_settings
 from configs.settings import RequestMode
 
 
