@@ -198,10 +198,10 @@ class ServerSettings(BaseModel):
         "the work of one such chunk (docs/design/server.md).",
     )
     max_decode_stall_ms: int = Field(
-        2000, ge=0, le=600_000, description="While prefills run, the running answers' decode step is put off "
+        0, ge=0, le=600_000, description="While prefills run, the running answers' decode step is put off "
         "until one of them would go longer than this without a token, so queued prefills (at most max_running) "
-        "run back to back: sooner first tokens and fuller decode batches, for a running answer's pause of about "
-        "this long. 0: the running answers decode after every step (docs/design/server.md).",
+        "run back to back: fuller decode batches, for a running answer's pause of about this long. 0 (the "
+        "default): the running answers decode after every step. Measured in docs/decisions/0016.",
     )
     background_every_steps: int = Field(
         8, ge=1, description="Background work (KV repair, backfill, an ingest's precompute) runs when nothing "

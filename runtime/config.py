@@ -15,8 +15,8 @@ class SchedulerConfig:
     prefill_chunk_tokens: int = 512  # a long prefill runs one part (this many tokens' work) per step
     background_every_steps: int = 8  # while busy, a background unit once in this many steps (see Scheduler)
     # while prefills run, the running sequences' decode step is put off until the one longest without
-    # a token would wait longer than this (0: they decode every step; see Scheduler)
-    max_decode_stall_ms: int = 2000
+    # a token would wait longer than this (0, the default: they decode every step; see Scheduler)
+    max_decode_stall_ms: int = 0
     max_background: int = 64  # background units waiting; beyond, submit_background says no
 
     def __post_init__(self) -> None:
