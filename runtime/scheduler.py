@@ -7,13 +7,13 @@ Each step, in this order:
    runs alone, or requests are admitted while the running sequences and their KV bytes stay under
    their bounds and the step's prompt tokens under the prefill budget (one request is always admitted
    when none runs, whatever its size, so nothing waits for good);
-2. one batched decode step for every running sequence (those admitted this step included), but
-   for one exception: while prefills run (a part continued, requests admitted), the decode step is
-   put off as long as the running sequence longest without a token, after this step's prefill work
-   (estimated by the last step's, `observe_prefill`), stays under `max_decode_stall_ms`: queued
-   prefills run back to back (each first token sooner, later decode steps batch more rows), while a
-   running answer's gap between two tokens stays near that bound (over it by the estimate's error);
-   at most `max_running` prefills run so, since admission stops once the batch is full;
+2. one batched decode step for every running sequence (those admitted this step included); where
+   `max_decode_stall_ms` is set (off by default: docs/decisions/0016), a step that runs prefill work
+   (a part continued, requests admitted) puts it off as long as the running sequence longest without
+   a token stays under the bound after this step's prefill work (estimated by the last step's,
+   `observe_prefill`): queued prefills then run back to back and later decode steps batch more rows,
+   while a running answer's gap between two tokens stays near the bound (over it by the estimate's
+   error); at most `max_running` prefills run so, since admission stops once the batch is full;
 3. one background unit (KV repair, backfill, an ingest's precompute) when nothing waits; while busy,
    once in `background_every_steps` busy steps, and only if no request still awaiting its first token
    has waited through one already: a question's TTFT grows by one unit (one chunk's precompute) at
@@ -25,6 +25,7 @@ request's whole answer. No threads and no model here: `EngineLoop` runs what `sc
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Generic, Protocol, TypeVar
@@ -105,8 +106,9 @@ class Scheduler(Generic[G]):
         return len(self.background) < self.config.max_background
 
     # --- the decision -----------------------------------------------------------------------------
-    def schedule(self, now: float = 0.0) -> Step[G]:
-        """The next step; `now` (time.perf_counter) for the decode stall bound."""
+    def schedule(self, now: float | None = None) -> Step[G]:
+        """The next step; `now` (time.perf_counter, read here when not given) for the decode stall bound."""
+        now = time.perf_counter() if now is None else now
         step: Step[G] = Step()
         if self.prefilling is not None:
             step.continued_prefill = self.prefilling
