@@ -173,28 +173,37 @@ def test_a_long_full_prefill_in_chunks_answers_like_one_prefill(server):
     torch.testing.assert_close(a.cache.values[:, :, :n], b.cache.values[:, :, :n], rtol=0, atol=2e-2)
 
 
-def test_a_running_answer_streams_between_the_parts_of_a_long_blend_prefill(server):
-    loop, pipeline = server.components.loop, server.components.pipeline
-    counts = {}
+LONG_PROMPT_QUESTION = rag_request("Tell me everything.", RequestMode.BLEND, 3, top_k=16)
+STAT_NAMES = ("num_prefill_parts", "num_decode_steps_mid_prefill", "num_decode_steps_deferred")
 
+
+def answer_beside_a_running_one(loop, pipeline, question: RagRequest):
+    """`question` answered while a 600-token answer runs: its text and DoneEvent, the running answer's
+    DoneEvent, how much each loop counter of STAT_NAMES grew meanwhile, and whether the running answer
+    was still running when `question`'s ended."""
     async def main():
         first_token = asyncio.Event()
         long = asyncio.create_task(answer(pipeline, rag_request("Owls and rivers.", RequestMode.BLEND, 600),
                                           on_token=lambda n: first_token.set()))
         await first_token.wait()
-        before = loop.stats.num_prefill_parts, loop.stats.num_decode_steps_mid_prefill
-        # 16 chunks of 24 tokens: ~400 tokens, past the 64 x 4 token-layers one part may run
-        _, done = await answer(pipeline, rag_request("Tell me everything.", RequestMode.BLEND, 3, top_k=16))
-        counts["parts"] = loop.stats.num_prefill_parts - before[0]
-        counts["mid"] = loop.stats.num_decode_steps_mid_prefill - before[1]
-        counts["long_running"] = not long.done()
-        return done, (await long)[1]
+        before = {name: getattr(loop.stats, name) for name in STAT_NAMES}
+        text, done = await answer(pipeline, question)
+        grown = {name: getattr(loop.stats, name) - before[name] for name in STAT_NAMES}
+        is_long_running = not long.done()
+        return text, done, (await long)[1], grown, is_long_running
 
-    done, long_done = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_a_running_answer_streams_between_the_parts_of_a_long_blend_prefill(server):
+    loop, pipeline = server.components.loop, server.components.pipeline
+    # 16 chunks of 24 tokens: ~400 tokens, past the 64 x 4 token-layers one part may run
+    _, done, long_done, grown, is_long_running = answer_beside_a_running_one(loop, pipeline, LONG_PROMPT_QUESTION)
     assert done.mode is PrefillMode.BLEND and done.usage.prompt_tokens > 64 * 4
-    assert long_done.finish_reason is FinishReason.LENGTH and counts["long_running"]
+    assert long_done.finish_reason is FinishReason.LENGTH and is_long_running
     # each part but the last handed its step back, and the running answer decoded a token in it
-    assert counts["parts"] >= 1 and counts["mid"] == counts["parts"], counts
+    parts, mid = grown["num_prefill_parts"], grown["num_decode_steps_mid_prefill"]
+    assert parts >= 1 and mid == parts, grown
     text = httpx.get(f"{server.url}/metrics").text  # the same counters, for an operator
     exported = {name: float(re.search(rf"^{name}_total (\S+)$", text, re.M).group(1))
                 for name in ("ragblend_engine_prefill_parts", "ragblend_engine_decode_steps_mid_prefill")}
@@ -208,33 +217,19 @@ def test_with_a_stall_bound_a_long_prefill_runs_its_parts_back_to_back(server):
     on, and the new one is what it is alone."""
     loop, pipeline = server.components.loop, server.components.pipeline
     config = loop.scheduler.config
-    question = rag_request("Tell me everything.", RequestMode.BLEND, 3, top_k=16)
-    counts = {}
-
-    async def main():
-        first_token = asyncio.Event()
-        long = asyncio.create_task(answer(pipeline, rag_request("Owls and rivers.", RequestMode.BLEND, 600),
-                                          on_token=lambda n: first_token.set()))
-        await first_token.wait()
-        before = (loop.stats.num_prefill_parts, loop.stats.num_decode_steps_mid_prefill,
-                  loop.stats.num_decode_steps_deferred)
-        text, done = await answer(pipeline, question)
-        counts["parts"] = loop.stats.num_prefill_parts - before[0]
-        counts["mid"] = loop.stats.num_decode_steps_mid_prefill - before[1]
-        counts["deferred"] = loop.stats.num_decode_steps_deferred - before[2]
-        counts["long_running"] = not long.done()
-        return text, done, await long
-
     loop.scheduler.config = replace(config, max_decode_stall_ms=600_000)
     try:
-        text, done, (_, long_done) = asyncio.run(main())
+        text, done, long_done, grown, is_long_running = answer_beside_a_running_one(
+            loop, pipeline, LONG_PROMPT_QUESTION)
     finally:
         loop.scheduler.config = config
     assert done.usage.prompt_tokens > 64 * 4 and long_done.finish_reason is FinishReason.LENGTH
-    assert counts["long_running"]
+    assert is_long_running
     # every part ran without the running answer's decode step after it (the last one included)
-    assert counts["parts"] >= 1 and counts["mid"] == 0 and counts["deferred"] == counts["parts"] + 1, counts
-    assert text == asyncio.run(answer(pipeline, question))[0]  # alone, nothing running
+    parts = grown["num_prefill_parts"]
+    assert parts >= 1 and grown["num_decode_steps_mid_prefill"] == 0, grown
+    assert grown["num_decode_steps_deferred"] == parts + 1, grown
+    assert text == asyncio.run(answer(pipeline, LONG_PROMPT_QUESTION))[0]  # alone, nothing running
     assert re.search(r"^ragblend_engine_decode_steps_deferred_total (\S+)$", httpx.get(f"{server.url}/metrics").text,
                      re.M).group(1) == str(float(loop.stats.num_decode_steps_deferred))
 
