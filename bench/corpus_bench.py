@@ -17,9 +17,10 @@ shared and loaded, even with the tiny random model: ~0.2 s per 512-token chunk, 
   depend on the KV's values; bytes on disk scale with the KV shape and compress like random data (the
   JSON also gives the collection at SmolLM2's bytes per token, measured in the TTFT step);
 - TTFT: measured with the real model (SmolLM2) on a prompt of the same shape (a question and one
-  document's 3 chunks of 512 tokens), for each number of chunks missing (0..3): hits streamed from the
-  disk tier in the configured format (pipelined, blend), misses computed as fresh tokens; each stream
-  question's TTFT is that measured median for its number of misses.
+  document's 3 chunks of 512 tokens), for each number of chunks missing (0..3), through the server's
+  own prefill executor (`--mode auto`, the server's default: the loading planner's plan while a chunk
+  is stored, hits streamed from the disk tier in the configured format, pipelined; a full prefill when
+  every chunk is missing); each stream question's TTFT is that measured median for its number of misses.
 Prints a table, then one JSON object (also written to --out).
 """
 
@@ -38,9 +39,11 @@ import torch
 from bench.output import emit_summary
 from blend_engine.engine import BlendEngine
 from blend_engine.kv import ChunkKV
-from blend_engine.types import PrefillMode, Segment
-from configs.settings import load_settings
+from blend_engine.types import SamplingParams
+from configs.settings import RequestMode, load_settings
 from kv_store import Admission, KVStore, StoreConfig
+from runtime.executor import PrefillExecutor
+from runtime.types import PrefillRequest, PromptChunk
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,6 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the collection's KV values: random tensors of the model's KV shape, or computed by it")
     parser.add_argument("--ttft-model", default=None, help="model TTFT is measured with (default: settings')")
     parser.add_argument("--ttft-repeats", type=int, default=3)
+    parser.add_argument("--mode", default="auto", choices=[m.value for m in RequestMode],
+                        help="the TTFT step's request mode (auto: the server's default)")
     parser.add_argument("--smollm2-bytes-per-token", type=float, default=None,
                         help="bytes at rest per token of the real model's KV in this format (kv-codec bench)")
     parser.add_argument("--seed", type=int, default=0)
@@ -139,7 +144,9 @@ def stream(store: KVStore, collection: Collection, order: np.ndarray, ttft_ms: l
 
 def measure_ttft(args: argparse.Namespace, num_chunks: int) -> tuple[list[float], dict]:
     """TTFT (ms, median of repeats) of a question over one document's chunks with 0..num_chunks of
-    them missing, on the real model: hits streamed from an int4 disk tier (pipelined), misses fresh."""
+    them missing, on the real model, through the server's own prefill executor in `--mode` (auto, the
+    server's default: the loading planner's plan where a chunk is stored, a full prefill where none
+    is): hits streamed from the disk tier in the configured format (pipelined)."""
     overrides = {"model": {"name": args.ttft_model}} if args.ttft_model else {}
     settings = load_settings(**overrides)
     engine = BlendEngine.from_settings(settings)
@@ -148,36 +155,33 @@ def measure_ttft(args: argparse.Namespace, num_chunks: int) -> tuple[list[float]
     chunks = [tuple(int(t) for t in rng.integers(100, vocab - 100, args.chunk_tokens)) for _ in range(num_chunks)]
     context = engine.sink_ids(settings.blend.sink)
     out: list[float] = []
+    plans: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         store = _store(Path(tmp), engine.fingerprint, 1 << 40)
         keys = [store.key_for(ids, context) for ids in chunks]
         for key, ids in zip(keys, chunks):
             store.put(key, engine.precompute(list(ids), context))
-        blend = engine.blend
-        start_layer = blend.check_layers[0]
+        executor = PrefillExecutor(engine, store, settings.blend, settings.store.planner_profile_tokens,
+                                   settings.server.prefill_chunk_tokens)
         for num_missing in range(num_chunks + 1):
+            # a missing chunk: no stored KV, as the server's retrieval hands over a miss
+            prompt = tuple(PromptChunk(ids, key if i >= num_missing else None)
+                           for i, (ids, key) in enumerate(zip(chunks, keys)))
+            request = PrefillRequest("What does the document say about it?", prompt, RequestMode(args.mode),
+                                     SamplingParams(max_tokens=1))
             times = []
-            for _ in range(args.ttft_repeats + 1):  # the first is a warm-up
+            for _ in range(args.ttft_repeats + 1):  # the first is a warm-up (and the planner's start-up)
                 t0 = time.perf_counter()
-                handles = [store.handle(key) if i >= num_missing else None for i, key in enumerate(keys)]
-                segments = engine.build_segments("What does the document say about it?",
-                                                 [Segment(ids, h) for ids, h in zip(chunks, handles)])
-                used = [h for h in handles if h is not None]
-                source = store.layer_source(used, engine.device, engine.dtype, start_layer=start_layer,
-                                            recompute=engine.precompute) if used else None
-                result = engine.prefill(segments, PrefillMode.BLEND, blend, kv_source=source, max_new_tokens=1)
-                int(result.logits.argmax())
+                *_, outcome = executor.prefill_steps(request)
+                int(outcome.result.logits.argmax())
                 times.append((time.perf_counter() - t0) * 1000)
-                if source is not None:
-                    source.close()
-                for h in used:
-                    if h.entry is not None:
-                        h.entry.release()
+                store.promote(outcome.handles)  # as the engine loop does after the answer
             out.append(round(median(times[1:]), 1))
+            plans.append(outcome.plan.plan if outcome.plan is not None else outcome.result.stats.mode.value)
         per_token = store.backend(store.tiers[0]).bytes_used() / (num_chunks * args.chunk_tokens)
         store.close()
     return out, {"model": settings.model.name, "bytes_per_token": round(per_token, 1),
-                 "format": settings.store.quantization.value}
+                 "format": settings.store.quantization.value, "mode": args.mode, "plans_by_missing_chunks": plans}
 
 
 def run(args: argparse.Namespace) -> int:

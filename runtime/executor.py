@@ -167,8 +167,13 @@ class PrefillExecutor:
     def _plan(self, request: PrefillRequest, segments: list[Segment], handles: list) -> tuple[PrefillMode, LoadPlan | None]:
         """The prefill mode to run, and the loading planner's plan where the request leaves it the choice."""
         is_auto = request.mode is RequestMode.AUTO
-        if not handles or not (is_auto or request.recompute_ratio == "auto"):
-            return (PrefillMode.BLEND if is_auto else PrefillMode(request.mode.value)), None
+        if not handles:
+            # Nothing stored to reuse (every chunk missed): a blend would run its selection over the
+            # prompt prefix's KV alone, and every other token as a subset of queries; a full prefill
+            # is the reference answer, and ~1.4x sooner (docs/benchmarks/corpus.md).
+            return (PrefillMode.FULL if is_auto else PrefillMode(request.mode.value)), None
+        if not (is_auto or request.recompute_ratio == "auto"):
+            return PrefillMode(request.mode.value), None
         if is_auto or request.mode is RequestMode.BLEND:
             self._ensure_planner()
             plan_request = PlanRequest(

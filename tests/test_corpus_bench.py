@@ -23,6 +23,9 @@ def test_bench_corpus_prints_a_row_per_budget_then_json(tmp_path, capsys):
         assert rows[share]["bytes_on_disk"] <= rows[share]["budget_bytes"]
         assert 0 < rows[share]["hit_rate"] < 1 and rows[share]["admitted"] > rows[share]["chunks_precomputed"]
     assert len(summary["ttft_ms_by_missing_chunks"]) == 3  # 0, 1 or 2 of a document's chunks missing
+    # through the server's executor, mode auto: every chunk missing is a full prefill
+    plans = summary["ttft"]["plans_by_missing_chunks"]
+    assert summary["ttft"]["mode"] == "auto" and len(plans) == 3 and plans[-1] == "full"
 
 
 def test_bench_kv_codec_rows_per_format(tmp_path, capsys):

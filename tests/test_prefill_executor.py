@@ -124,6 +124,23 @@ def test_the_planners_own_full_plan_is_cut_into_token_chunks_with_its_report(eng
     torch.testing.assert_close(a.cache.values[:, :, :n], b.cache.values[:, :, :n], rtol=0, atol=1e-4)
 
 
+def test_a_prompt_with_no_stored_kv_runs_as_a_full_prefill_in_mode_auto(engine, store):
+    """Every chunk missed: mode auto computes the prompt as a full prefill (no selection over the prompt
+    prefix's KV alone, no reused-attention scale on it), exactly what mode full computes; an explicit
+    blend is honoured as asked."""
+    request = stored_request(engine, store, RequestMode.AUTO)
+    # keys never stored (the chunks behind another context): every handle misses
+    missing = replace(request, chunks=tuple(PromptChunk(c.token_ids, store.key_for(c.token_ids, (7, 7)))
+                                            for c in request.chunks))
+    _, auto = run_steps(executor_for(engine, store), missing)
+    _, full = run_steps(executor_for(engine, store), replace(request, mode=RequestMode.FULL))
+    _, blend = run_steps(executor_for(engine, store), replace(missing, mode=RequestMode.BLEND))
+    assert auto.handles == [] and auto.plan is None
+    assert auto.result.stats.mode is PrefillMode.FULL and blend.result.stats.mode is PrefillMode.BLEND
+    assert auto.result.token_ids == full.result.token_ids
+    assert torch.equal(auto.result.logits, full.result.logits)
+
+
 def test_the_engine_loop_closes_a_prefill_whose_client_left_between_its_parts(engine, store):
     """The loop runs one part a step; a background unit (one every step here) holds the loop between
     two parts while the client leaves; the next step drops the request and closes its prefill."""
