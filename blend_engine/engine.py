@@ -257,8 +257,10 @@ class BlendEngine:
 
     @_on_cpu_threads
     @torch.inference_mode()
-    def forward_tokens(self, result: PrefillResult, token_ids: Sequence[int]) -> torch.Tensor:
-        """Feed tokens after the cache's current end; logits [n, vocab] (float32) for each."""
+    def forward_tokens(self, result: PrefillResult, token_ids: Sequence[int], is_last_only: bool = False) -> torch.Tensor:
+        """Feed tokens after the cache's current end; logits [n, vocab] (float32) for each, or [1, vocab]
+        for the last alone (`is_last_only`: a prompt fed in chunks needs no other; the lm_head over 512
+        rows is ~30 GFLOP and a 100 MB tensor on SmolLM2)."""
         runner, cache, num_new = self.runner, result.cache, len(token_ids)
         start = cache.extend(num_new)
         positions = torch.arange(start, start + num_new, device=self.device)  # [n]
@@ -278,7 +280,7 @@ class BlendEngine:
             keys, values = cache.update(layer, slice(start, start + num_new), apply_rope(k, cos, sin), v)
             meta = biased if cache.is_biased_at(layer) else plain
             hidden = runner.finish(layer, hidden, attend(apply_rope(q, cos, sin), keys, values, meta, runner.scaling))
-        return runner.logits(hidden)
+        return runner.logits(hidden[-1:] if is_last_only else hidden)
 
     def decoder(
         self, result: PrefillResult, is_graphed: bool | None = None, cache_format: DecodeCache | None = None,

@@ -146,7 +146,7 @@ class PrefillExecutor:
             elapsed_s += time.perf_counter() - t_start
             yield None  # the running sequences decode a step before the next chunk
             t_start = time.perf_counter()
-            logits = self.engine.forward_tokens(first, token_ids[start:start + chunk])[-1]  # [vocab]
+            logits = self.engine.forward_tokens(first, token_ids[start:start + chunk], is_last_only=True)[0]  # [vocab]
         elapsed_s += time.perf_counter() - t_start
         stats = PrefillStats(PrefillMode.FULL, num_prompt_tokens=num_tokens, num_recomputed_tokens=num_tokens,
                              compute_ms=elapsed_s * 1000, prefill_ms=elapsed_s * 1000)

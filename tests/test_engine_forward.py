@@ -21,6 +21,11 @@ def test_own_forward_equals_hf_forward(family):
     # the decode path (one forward over the rest against the prefilled cache) too
     rest = engine.forward_tokens(result, ids[20:])
     torch.testing.assert_close(rest, ref[20:], **tol(1e-4))
+    # the last token's logits alone (a prompt fed in chunks): the same row
+    again = engine.prefill([Segment(ids[:20])], PrefillMode.FULL)
+    last = engine.forward_tokens(again, ids[20:], is_last_only=True)
+    assert last.shape == (1, ref.shape[-1])
+    torch.testing.assert_close(last[0], ref[-1], **tol(1e-4))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
