@@ -23,7 +23,7 @@ import torch
 
 from blend_engine.engine import BlendEngine
 from blend_engine.types import PrefillMode, Segment
-from configs.settings import KVQuantization, StorageDtype, load_settings
+from configs.settings import KVQuantization, LoaderPriority, StorageDtype, load_settings
 from bench.kv_plan import fit_planners, planned_prefill
 from bench.output import emit_summary
 from kv_store import KVStore, StoreConfig, Tier
@@ -36,12 +36,16 @@ class Streamed:
     store: str
     is_pipelined: bool
     is_auto: bool = False  # plan=auto: the loading planner picks full, blend (its ratio) or mixed
+    loader_priority: LoaderPriority | None = None  # the pipelined reader thread's; None: as configured (auto)
 
 
 STREAMED = [Streamed("disk", "disk", False), Streamed("disk+pipe", "disk", True), Streamed("redis", "redis", False),
             Streamed("redis+pipe", "redis", True), Streamed("disk-int8+pipe", "disk-int8", True),
             Streamed("disk-int4", "disk-int4", False), Streamed("disk-int4+pipe", "disk-int4", True),
-            Streamed("disk+pipe+auto", "disk", True, is_auto=True), Streamed("redis+pipe+auto", "redis", True, is_auto=True)]
+            Streamed("disk+pipe+auto", "disk", True, is_auto=True), Streamed("redis+pipe+auto", "redis", True, is_auto=True),
+            # the reader thread at normal priority (the default on CPU is idle): side by side with the rows above
+            Streamed("disk+pipe+normal", "disk", True, loader_priority=LoaderPriority.NORMAL),
+            Streamed("disk-int4+pipe+normal", "disk-int4", True, loader_priority=LoaderPriority.NORMAL)]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -153,7 +157,7 @@ def run_question(engine, stores, item, args, blend, sink) -> dict:
                 plans[spec.name], source_wait_ms[spec.name] = plan.kind.value, result.stats.kv_load_ms
                 return result
             source = store.layer_source(handles, engine.device, engine.dtype, spec.is_pipelined, start_layer,
-                                        engine.precompute)
+                                        engine.precompute, spec.loader_priority)
             try:
                 return engine.prefill(prompt(handles), blend=blend, kv_source=source)
             finally:

@@ -124,6 +124,21 @@ def pin_one_thread() -> None:
     torch.set_num_threads(1)
 
 
+def lower_to_idle_priority() -> bool:
+    """Run the calling thread at the lowest CPU priority (Linux SCHED_IDLE): it gets a core only when
+    no normal thread wants it. For a side thread whose work the engine's threads would otherwise be
+    preempted for: on 2 cores, a pipelined loader's decode beside the engine's two OpenMP threads cost
+    the prefill more than the decode's own time (every parallel region waits for its slowest thread).
+    Returns False where the platform has no such policy or refuses it (the thread keeps its priority)."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread (a Linux task)
+    except OSError:  # e.g. a seccomp profile that denies it
+        return False
+    return True
+
+
 def governed(threads: ThreadGovernor | None) -> AbstractContextManager:
     """`threads.scope()`, or nothing where there is no governor (CUDA, or threads left to the caller)."""
     return nullcontext() if threads is None else threads.scope()

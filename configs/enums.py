@@ -115,6 +115,20 @@ class StorageDtype(str, Enum):
     FLOAT32 = "float32"
 
 
+class LoaderPriority(str, Enum):
+    """CPU priority of the thread that reads and decodes a pipelined prefill's stored layers (kv_store/loader.py)."""
+
+    AUTO = "auto"  # idle where the engine computes on the CPU (its threads take every core), else normal
+    NORMAL = "normal"  # competes with the engine's threads for the cores
+    IDLE = "idle"  # SCHED_IDLE: runs on cores the engine leaves free, and whenever the engine waits on it
+
+    def is_idle_beside(self, engine_device_type: str) -> bool:
+        """Whether the loader runs at idle priority beside an engine on a device of this type ("cpu", "cuda")."""
+        if self is LoaderPriority.AUTO:
+            return engine_device_type == "cpu"
+        return self is LoaderPriority.IDLE
+
+
 class KVQuantization(str, Enum):
     """Optional compression of the disk and Redis tiers' entries."""
 

@@ -27,6 +27,7 @@ from configs.enums import (  # noqa: F401
     HeadReduce,
     IndexKind,
     KVQuantization,
+    LoaderPriority,
     PrefillMode,
     RequestMode,
     ScoreCombine,

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from configs.enums import KVQuantization, StorageDtype
+from configs.enums import KVQuantization, LoaderPriority, StorageDtype
 
 
 class StoreSettings(BaseModel):
@@ -59,6 +59,12 @@ class StoreSettings(BaseModel):
     fsync: bool = Field(True, description="fsync disk entries before the atomic rename.")
     pipelined: bool = Field(True, description="Read layer i+1 while the engine computes layer i.")
     prefetch_depth: int = Field(2, ge=1, le=16, description="Layers read ahead of the engine when pipelined.")
+    loader_priority: LoaderPriority = Field(
+        LoaderPriority.AUTO, description="CPU priority of the thread that reads and decodes a pipelined prefill's "
+        "layers: idle (Linux SCHED_IDLE: it runs on cores the engine leaves free, and whenever the engine waits on "
+        "it), normal, or auto (idle where the engine computes on the CPU, whose threads take every core; normal "
+        "on CUDA). Measured: docs/benchmarks/kv-store.md#the-loaders-priority.",
+    )
     min_recompute_ratio: float = Field(
         0.15, ge=0.0, le=1.0, description="Quality floor of the loading planner's blend ratio (mode or ratio 'auto')."
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from configs.settings import KVQuantization, Settings, StorageDtype
+from configs.settings import KVQuantization, LoaderPriority, Settings, StorageDtype
 from kv_store.backend import Tier
 from kv_store.device import check_device, default_gpu_bytes
 from kv_store.keys import StorageFormat
@@ -26,6 +26,7 @@ class StoreConfig:
     fsync: bool = True
     is_pipelined: bool = True
     prefetch_depth: int = 2
+    loader_priority: LoaderPriority = LoaderPriority.AUTO  # of a pipelined prefill's reader thread
     min_recompute_ratio: float = 0.15
     max_recompute_ratio: float = 1.0
     max_prefetch_bytes: int = 1 << 30  # chunk bytes being copied up at once by prefetch (0: off)
@@ -83,6 +84,7 @@ class StoreConfig:
             fsync=s.fsync,
             is_pipelined=s.pipelined,
             prefetch_depth=s.prefetch_depth,
+            loader_priority=s.loader_priority,
             min_recompute_ratio=s.min_recompute_ratio,
             max_recompute_ratio=s.max_recompute_ratio,
             max_prefetch_bytes=s.max_prefetch_bytes,

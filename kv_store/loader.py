@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from blend_engine.threads import pin_one_thread
+from blend_engine.threads import lower_to_idle_priority, pin_one_thread
 from kv_store.backend import LayerReader, Tier
 from kv_store.codec import EncodedLayer
 from kv_store.entry import OpenEntry, ReadResult, read_many
@@ -79,6 +79,7 @@ class StoreLayerSource:
         is_pipelined: bool = True,
         prefetch_depth: int = 2,
         start_layer: int = 0,
+        is_loader_idle: bool = False,
     ):
         self._readers = list(readers)
         self._device, self._dtype = torch.device(device), dtype
@@ -95,6 +96,7 @@ class StoreLayerSource:
         self._is_closed = False
         self._thread: threading.Thread | None = None
         self._start_layer, self._prefetch_depth = start_layer, prefetch_depth
+        self._is_loader_idle = is_loader_idle
         if is_pipelined and self._readers:
             self._thread = threading.Thread(target=self._prefetch, name="kv-prefetch", daemon=True)
             self._thread.start()
@@ -143,6 +145,8 @@ class StoreLayerSource:
     # --- the reader thread ------------------------------------------------------------------------
     def _prefetch(self) -> None:
         pin_one_thread()  # it starts inside the engine's job: without this it would take the job's count
+        if self._is_loader_idle:  # the engine's threads first; when the engine waits on a layer, the cores are ours
+            lower_to_idle_priority()
         layer_idx = self._start_layer
         while layer_idx < self._num_layers:
             with self._cond:

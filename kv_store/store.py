@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from blend_engine.kv import ChunkKV
-from configs.settings import Settings
+from configs.settings import LoaderPriority, Settings
 from kv_store.admission import Admission, AdmissionPolicy, BudgetStats
 from kv_store.backend import Backend, Tier
 from kv_store import lowbit_kernels
@@ -239,8 +239,9 @@ class KVStore:
         pipelined: bool | None = None,
         start_layer: int = 0,
         recompute: RecomputeFn | None = None,
+        loader_priority: LoaderPriority | None = None,
     ) -> StoreLayerSource:
-        return self._streaming.layer_source(handles, device, dtype, pipelined, start_layer, recompute)
+        return self._streaming.layer_source(handles, device, dtype, pipelined, start_layer, recompute, loader_priority)
 
     def prefetch(self, keys: Sequence[str]) -> int:
         return self._streaming.prefetch(keys)

@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import torch
 
 from blend_engine.kv import ChunkKV
+from configs.enums import LoaderPriority
 from kv_store.backend import Backend, ChunkInfo, LayerReader, Tier
 from kv_store.config import StoreConfig
 from kv_store.entry import OpenEntry, drop_if_corrupt, keep_for_promotion, read_missing_kept
@@ -75,6 +76,7 @@ class StoreStreaming:
         pipelined: bool | None = None,
         start_layer: int = 0,
         recompute: RecomputeFn | None = None,
+        loader_priority: LoaderPriority | None = None,
     ) -> StoreLayerSource:
         """A `LayerKVSource` over `handles` (prompt order) for `engine.prefill(kv_source=...)`.
 
@@ -83,7 +85,8 @@ class StoreStreaming:
         prefetching starts. `recompute(token_ids, context_ids)` (e.g. `engine.precompute`) replaces
         a chunk whose entry turns out damaged or gone mid-request; without it that raises.
         Streamed layers of chunks below the fastest tier are kept on their handles for `promote`
-        (up to `max_prefetch_bytes` per source, prompt order).
+        (up to `max_prefetch_bytes` per source, prompt order). `loader_priority`: the reader thread's
+        (None: as configured).
         """
         handles = list(handles)
 
@@ -102,7 +105,9 @@ class StoreStreaming:
                 # CUDA its layers cross PCIe, worth hiding (issue 8: 242 -> 118 ms); the GPU tier's are views.
                 near = (Tier.GPU,) if torch.device(device).type == "cuda" else (Tier.GPU, Tier.MEMORY)
                 pipelined = self.config.is_pipelined and any(h.tier not in near for h in handles)
-            return StoreLayerSource(readers, device, dtype, recover, pipelined, self.config.prefetch_depth, start_layer)
+            priority = self.config.loader_priority if loader_priority is None else loader_priority
+            return StoreLayerSource(readers, device, dtype, recover, pipelined, self.config.prefetch_depth, start_layer,
+                                    priority.is_idle_beside(torch.device(device).type))
         except BaseException:  # a recovery that raised: the readers already open must not leak
             for reader in readers:
                 reader.release() if isinstance(reader, OpenEntry) else reader.close()

@@ -1,6 +1,7 @@
 """Streaming stored KV into the engine's prefill: bit-identical to memory, pipelined or not,
 recovery from entries that fail mid-request, prefetch order, and the overlap itself."""
 
+import os
 import threading
 import time
 
@@ -10,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from blend_engine.engine import BlendEngine
 from blend_engine.types import PrefillMode, Segment
-from configs.settings import StorageDtype
+from configs.settings import LoaderPriority, StorageDtype
 from kv_store import EntryLostError, KVStore, StoreConfig, StoreLayerSource, Tier
 from kv_store.backend import ChunkInfo, LayerReader
 
@@ -280,3 +281,31 @@ def test_default_pipelining_only_when_a_chunk_is_below_memory(engine, chunks, tm
     source = disk_only.layer_source(disk_handles, "cpu", torch.float32)
     assert source.is_pipelined
     source.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is a Linux scheduling policy")
+@pytest.mark.parametrize("priority", list(LoaderPriority))
+def test_the_pipelined_reader_thread_runs_at_its_configured_priority(engine, chunks, tmp_path, priority):
+    """auto (beside a CPU engine) and idle: SCHED_IDLE, so the engine's threads keep the cores; the
+    layers still all arrive (when the engine waits on one, the cores are the reader's) and equal memory's."""
+    store = make_store(engine, tmp_path, max_memory_bytes=0, prefetch_depth=1, loader_priority=priority)
+    handles = [store.handle(k) for k in put_all(store, chunks)]
+    source = store.layer_source(handles, "cpu", torch.float32, start_layer=1)
+    try:
+        deadline = time.monotonic() + 10
+        while source.stats.num_layers_loaded == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # depth 1: it read layers 1 and 2 and waits for the engine to ask for layer 1
+        (reader,) = [t for t in threading.enumerate() if t.name == "kv-prefetch" and t.is_alive()]
+        expected = os.SCHED_OTHER if priority is LoaderPriority.NORMAL else os.SCHED_IDLE
+        assert os.sched_getscheduler(reader.native_id) == expected
+        result = engine.prefill(prompt(handles), mode=PrefillMode.BLEND, kv_source=source)
+    finally:
+        source.close()
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the engine's own thread keeps its priority
+    assert torch.equal(result.logits, engine.prefill(prompt(chunks), mode=PrefillMode.BLEND).logits)
+
+
+def test_the_reader_is_idle_beside_a_cpu_engine_only_by_default():
+    assert LoaderPriority.AUTO.is_idle_beside("cpu") and not LoaderPriority.AUTO.is_idle_beside("cuda")
+    assert LoaderPriority.IDLE.is_idle_beside("cuda") and not LoaderPriority.NORMAL.is_idle_beside("cpu")
