@@ -63,7 +63,7 @@ class StoreSettings(BaseModel):
         LoaderPriority.AUTO, description="CPU priority of the thread that reads and decodes a pipelined prefill's "
         "layers: idle (Linux SCHED_IDLE: it runs on cores the engine leaves free, and whenever the engine waits on "
         "it), normal, or auto (idle where the engine computes on the CPU, whose threads take every core; normal "
-        "on CUDA). Measured: docs/benchmarks/kv-store.md#the-loaders-priority.",
+        "on CUDA). Measured: docs/benchmarks/kv-store.md, decision 0017.",
     )
     min_recompute_ratio: float = Field(
         0.15, ge=0.0, le=1.0, description="Quality floor of the loading planner's blend ratio (mode or ratio 'auto')."
