@@ -145,8 +145,8 @@ class StoreLayerSource:
     # --- the reader thread ------------------------------------------------------------------------
     def _prefetch(self) -> None:
         pin_one_thread()  # it starts inside the engine's job: without this it would take the job's count
-        if self._is_loader_idle:  # the engine's threads first; when the engine waits on a layer, the cores are ours
-            lower_to_idle_priority()
+        if self._is_loader_idle and not lower_to_idle_priority():  # the engine's threads first (decision 0017)
+            log.debug("the KV reader thread keeps the server's CPU priority: this platform has no SCHED_IDLE for it")
         layer_idx = self._start_layer
         while layer_idx < self._num_layers:
             with self._cond:
