@@ -116,7 +116,8 @@ class StorageDtype(str, Enum):
 
 
 class LoaderPriority(str, Enum):
-    """CPU priority of the thread that reads and decodes a pipelined prefill's stored layers (kv_store/loader.py)."""
+    """CPU priority of the threads that read and decode stored KV beside the engine: a pipelined prefill's
+    reader (kv_store/loader.py) and the prefetch at retrieval (kv_store/prefetch.py)."""
 
     AUTO = "auto"  # idle where the engine computes on the CPU (its threads take every core), else normal
     NORMAL = "normal"  # competes with the engine's threads for the cores

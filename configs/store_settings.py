@@ -60,10 +60,11 @@ class StoreSettings(BaseModel):
     pipelined: bool = Field(True, description="Read layer i+1 while the engine computes layer i.")
     prefetch_depth: int = Field(2, ge=1, le=16, description="Layers read ahead of the engine when pipelined.")
     loader_priority: LoaderPriority = Field(
-        LoaderPriority.AUTO, description="CPU priority of the thread that reads and decodes a pipelined prefill's "
-        "layers: idle (Linux SCHED_IDLE: it runs on cores the engine leaves free, and whenever the engine waits on "
-        "it), normal, or auto (idle where the engine computes on the CPU, whose threads take every core; normal "
-        "on CUDA). Measured: docs/benchmarks/kv-store.md, decision 0017.",
+        LoaderPriority.AUTO, description="CPU priority of the threads that read and decode stored KV beside the "
+        "engine (a pipelined prefill's reader, the prefetch at retrieval): idle (Linux SCHED_IDLE: they run on cores "
+        "the engine leaves free, and whenever the engine waits on them), normal, or auto (idle where the engine "
+        "computes on the CPU, whose threads take every core; normal on CUDA). Measured: docs/benchmarks/kv-store.md, "
+        "decision 0017.",
     )
     min_recompute_ratio: float = Field(
         0.15, ge=0.0, le=1.0, description="Quality floor of the loading planner's blend ratio (mode or ratio 'auto')."

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from configs.settings import KVQuantization, LoaderPriority, Settings, StorageDtype
 from kv_store.backend import Tier
 from kv_store.device import check_device, default_gpu_bytes
@@ -26,7 +28,8 @@ class StoreConfig:
     fsync: bool = True
     is_pipelined: bool = True
     prefetch_depth: int = 2
-    loader_priority: LoaderPriority = LoaderPriority.AUTO  # of a pipelined prefill's reader thread
+    loader_priority: LoaderPriority = LoaderPriority.AUTO  # of the reader threads (a pipelined prefill's, the prefetch's)
+    engine_device_type: str = "cpu"  # where the engine computes ("cpu", "cuda"): what `auto` resolves against for the prefetch
     min_recompute_ratio: float = 0.15
     max_recompute_ratio: float = 1.0
     max_prefetch_bytes: int = 1 << 30  # chunk bytes being copied up at once by prefetch (0: off)
@@ -39,6 +42,8 @@ class StoreConfig:
             raise ValueError("tier byte bounds must be >= 0")
         if self.max_gpu_bytes > 0:
             check_device(self.gpu_device)
+        if self.engine_device_type not in ("cpu", "cuda"):
+            raise ValueError(f"engine_device_type must be cpu or cuda, got {self.engine_device_type!r}")
         if self.prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {self.prefetch_depth}")
         if not 0.0 <= self.min_recompute_ratio <= self.max_recompute_ratio <= 1.0:
@@ -85,6 +90,7 @@ class StoreConfig:
             is_pipelined=s.pipelined,
             prefetch_depth=s.prefetch_depth,
             loader_priority=s.loader_priority,
+            engine_device_type="cuda" if settings.model.device != "cpu" and torch.cuda.is_available() else "cpu",
             min_recompute_ratio=s.min_recompute_ratio,
             max_recompute_ratio=s.max_recompute_ratio,
             max_prefetch_bytes=s.max_prefetch_bytes,

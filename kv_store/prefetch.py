@@ -13,19 +13,21 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-from blend_engine.threads import pin_one_thread
+from blend_engine.threads import lower_to_idle_priority, pin_one_thread
 from kv_store.entry import OpenEntry
 
 log = logging.getLogger(__name__)
 
 
 class Prefetcher:
-    def __init__(self, copy_up: Callable[[OpenEntry], object], max_bytes: int):
+    def __init__(self, copy_up: Callable[[OpenEntry], object], max_bytes: int, is_idle: bool = False):
         self._copy_up, self.max_bytes = copy_up, max_bytes
         self._lock = threading.Lock()
         self._pending: dict[str, OpenEntry] = {}  # key -> its entry, in flight
-        # its copies run torch: on one thread of its own, never an OpenMP pool beside the engine's
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch", initializer=pin_one_thread)
+        # its copies run torch: on one thread of its own, never an OpenMP pool beside the engine's;
+        # `is_idle`: at idle priority, behind the engine's threads (store.loader_priority, decision 0017)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch",
+                                        initializer=_idle_thread if is_idle else pin_one_thread)
 
     def submit(self, entry: OpenEntry) -> bool:
         """Queue `entry` unless its key is queued already or it would exceed the byte bound."""
@@ -59,3 +61,9 @@ class Prefetcher:
         self._pool.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             self._pending.clear()  # cancelled ones: their readers close when collected
+
+
+def _idle_thread() -> None:
+    pin_one_thread()
+    if not lower_to_idle_priority():
+        log.debug("the prefetch thread keeps the server's CPU priority: this platform has no SCHED_IDLE for it")

@@ -42,7 +42,9 @@ class StoreStreaming:
         self._backends = backends  # the store's list itself (fastest first), emptied by its `close`
         self.config = config
         self._put, self._get, self._backend = put, get, backend
-        self.prefetcher = Prefetcher(self._copy_up, config.max_prefetch_bytes) if config.max_memory_bytes > 0 else None
+        is_prefetch_idle = config.loader_priority.is_idle_beside(config.engine_device_type)
+        self.prefetcher = (Prefetcher(self._copy_up, config.max_prefetch_bytes, is_prefetch_idle)
+                           if config.max_memory_bytes > 0 else None)
         self._lock = threading.Lock()
         self._num_recovered = 0  # entries recomputed mid-request (and put back)
 

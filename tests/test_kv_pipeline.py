@@ -309,3 +309,27 @@ def test_the_pipelined_reader_thread_runs_at_its_configured_priority(engine, chu
 def test_the_reader_is_idle_beside_a_cpu_engine_only_by_default():
     assert LoaderPriority.AUTO.is_idle_beside("cpu") and not LoaderPriority.AUTO.is_idle_beside("cuda")
     assert LoaderPriority.IDLE.is_idle_beside("cuda") and not LoaderPriority.NORMAL.is_idle_beside("cpu")
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is a Linux scheduling policy")
+@pytest.mark.parametrize("priority, engine_device_type, is_idle", [
+    (LoaderPriority.AUTO, "cpu", True), (LoaderPriority.AUTO, "cuda", False),
+    (LoaderPriority.NORMAL, "cpu", False), (LoaderPriority.IDLE, "cuda", True),
+])
+def test_the_prefetch_thread_runs_at_the_readers_priority(engine, chunks, tmp_path, priority, engine_device_type,
+                                                          is_idle):
+    """The copy-up started at retrieval runs beside other requests' prefills: behind the engine's
+    threads where the engine computes on the CPU (auto), and it still copies every chunk up."""
+    store = make_store(engine, tmp_path, loader_priority=priority, engine_device_type=engine_device_type)
+    keys = [store.key_for(kv.token_ids, kv.context_ids) for kv in chunks]
+    for key, kv in zip(keys, chunks):
+        store.backend(Tier.DISK).put(key, kv)  # on disk only: the prefetch has them to copy up
+    try:
+        assert store.prefetch(keys) == NUM_CHUNKS
+        policies = []
+        store._prefetcher._pool.submit(lambda: policies.append(os.sched_getscheduler(0))).result()
+        store._prefetcher.wait()
+        assert policies == [os.SCHED_IDLE if is_idle else os.SCHED_OTHER]
+        assert all(store.backend(Tier.MEMORY).contains(k) for k in keys)
+    finally:
+        store.close()
