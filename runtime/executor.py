@@ -3,9 +3,10 @@ planner's choice -> the engine's prefill. Runs on the engine loop's thread only 
 
 A long prefill runs in parts, one per scheduler step (`prefill_steps` yields None between them), so
 the sequences already decoding keep streaming and stall for one part, never for a whole prompt:
-- a full prefill (a request's `mode: full`, or the loading planner's own full plan) longer than
-  `prefill_chunk_tokens` is cut into token chunks: each chunk runs over the cache the earlier chunks
-  filled (`BlendEngine.forward_tokens`), which computes what one full prefill computes;
+- a full prefill (a request's `mode: full`, the loading planner's own full plan, or mode auto where no
+  chunk has stored KV) longer than `prefill_chunk_tokens` is cut into token chunks: each chunk runs
+  over the cache the earlier chunks filled (`BlendEngine.forward_tokens`), which computes what one
+  full prefill computes;
 - every other prefill (blend, reuse, prefix) is cut by layers (`BlendEngine.prefill_steps`): a part
   ends once its layers' active tokens add up to `prefill_chunk_tokens` x the model's layers, the work
   of one full chunk counted in token-layers (a 3k-token blend prefill on SmolLM2's 30 layers computes
