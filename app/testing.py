@@ -6,7 +6,6 @@ import threading
 import time
 from typing import Any
 
-
 from app.main import create_app
 from app.readiness import free_port, wait_ready
 from app.server import Server, uvicorn_config

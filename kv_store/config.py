@@ -71,9 +71,9 @@ class StoreConfig:
         disk_dir = None
         if s.disk_enabled:
             disk_dir = Path(s.disk_dir if s.disk_dir is not None else settings.data_dir / "kv").expanduser()
+        is_model_on_cuda = settings.model.device != "cpu" and torch.cuda.is_available()  # auto: CUDA when present
         max_gpu_bytes = s.max_gpu_bytes
         if max_gpu_bytes is None:  # a share of what the loaded model left free, where it runs on CUDA
-            is_model_on_cuda = settings.model.device != "cpu"  # auto: CUDA when present
             max_gpu_bytes = default_gpu_bytes(s.gpu_memory_share, s.gpu_device, is_model_on_cuda)
         return cls(
             max_gpu_bytes=max_gpu_bytes,
@@ -90,7 +90,7 @@ class StoreConfig:
             is_pipelined=s.pipelined,
             prefetch_depth=s.prefetch_depth,
             loader_priority=s.loader_priority,
-            engine_device_type="cuda" if settings.model.device != "cpu" and torch.cuda.is_available() else "cpu",
+            engine_device_type="cuda" if is_model_on_cuda else "cpu",
             min_recompute_ratio=s.min_recompute_ratio,
             max_recompute_ratio=s.max_recompute_ratio,
             max_prefetch_bytes=s.max_prefetch_bytes,
