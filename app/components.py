@@ -22,7 +22,6 @@ from kv_store.single_flight import PrecomputeLocks, SingleFlight
 from retrieval.chunker import Chunker
 from retrieval.retriever import Retriever
 from retrieval.store_types import DocumentStore
-from runtime.config import SchedulerConfig
 from runtime.executor import PrefillExecutor
 from runtime.loop import EngineLoop
 
@@ -55,17 +54,17 @@ class Components:
 
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         if engine is None:
-            engine = BlendEngine.from_settings(settings, max_cpu_threads=single_threaded_default())
+            engine = BlendEngine.from_config(settings.model, settings.blend, max_cpu_threads=single_threaded_default())
         check_document_limit(settings, engine)  # before any store opens: the limit must fit its bound
         retriever = kv_store = loop = locks = None
         try:
             retriever = Retriever.open(settings.data_dir, settings.retrieval, _shared_store(settings))
-            kv_store = KVStore.from_settings(settings, engine.fingerprint)
+            kv_store = KVStore(engine.fingerprint, settings.store.resolved(settings.data_dir), engine.device.type)
             _collect_kv_garbage(settings, kv_store, retriever)
             reserve = _take_reserve(settings, kv_store)
             executor = PrefillExecutor(engine, kv_store, settings.blend, settings.store.planner_profile_tokens,
-                                       settings.server.prefill_chunk_tokens)
-            loop = EngineLoop(engine, executor, scheduler_config(settings), metrics,
+                                       settings.scheduler.prefill_chunk_tokens)
+            loop = EngineLoop(engine, executor, settings.scheduler, metrics,
                               kv_bytes_per_token=kv_bytes_per_token(engine))
             locks = PrecomputeLocks(settings.store.redis_url, settings.store.lock_ttl_s)
             single_flight = SingleFlight(kv_store, locks, metrics.observe_precompute)
@@ -73,7 +72,7 @@ class Components:
             backfill = KVBackfill(engine, kv_store, loop, retriever.store.is_kv_key_used,
                                   engine.sink_ids(settings.blend.sink), single_flight)
             metrics.watch_store(kv_store.stats, executor.repairer.stats)
-            writes = WriteQueue(settings.server.max_queue, settings.server.retry_after_s)
+            writes = WriteQueue(settings.scheduler.max_queue, settings.scheduler.retry_after_s)
             metrics.watch_engine(loop, writes)
             chunker = Chunker(engine.tokenize, engine.tokenizer.decode, settings.retrieval.chunk_tokens,
                               settings.retrieval.chunk_overlap)
@@ -110,33 +109,23 @@ def kv_bytes_per_token(engine: Any) -> int:
     return 2 * engine.num_layers * engine.num_kv_heads * engine.head_dim * engine.dtype.itemsize
 
 
-def scheduler_config(settings: Settings) -> SchedulerConfig:
-    server = settings.server
-    return SchedulerConfig(
-        max_queue=server.max_queue, retry_after_s=server.retry_after_s, max_running=server.max_running,
-        max_running_kv_bytes=server.max_running_kv_bytes, max_prefill_tokens=server.max_prefill_tokens,
-        prefill_chunk_tokens=server.prefill_chunk_tokens, background_every_steps=server.background_every_steps,
-        max_decode_stall_ms=server.max_decode_stall_ms,
-    )
-
-
 def _shared_store(settings: Settings) -> DocumentStore | None:
-    """The Postgres store replicas share (`store.database_url`), or None: SQLite under the data dir."""
-    store = settings.store
-    if store.database_url is None:
+    """The Postgres store replicas share (`database.url`), or None: SQLite under the data dir."""
+    database = settings.database
+    if database.url is None:
         return None
     from retrieval.pg_store import PostgresDocumentStore  # psycopg only where it is used
 
-    return PostgresDocumentStore(store.database_url, store.database_max_connections, store.database_timeout_s)
+    return PostgresDocumentStore(database.url, database.max_connections, database.timeout_s)
 
 
 def _start_follower(settings: Settings, retriever: Retriever) -> Any:
     """With a shared store, a thread that makes the index follow the other replicas' commits."""
-    if not retriever.store.is_shared or settings.store.database_url is None:
+    if not retriever.store.is_shared or settings.database.url is None:
         return None
     from retrieval.follower import IndexFollower
 
-    return IndexFollower(retriever, settings.store.database_url, settings.store.database_poll_s).start()
+    return IndexFollower(retriever, settings.database.url, settings.database.poll_s).start()
 
 
 def _collect_kv_garbage(settings: Settings, kv_store: Any, retriever: Retriever) -> None:

@@ -12,9 +12,11 @@ import asyncio
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from app.config import ServerConfig
+
 
 class HeaderDeadlineH11Protocol(H11Protocol):
-    header_timeout_s: float = 10.0
+    header_timeout_s: float = ServerConfig.header_timeout_s  # the configured one: `header_deadline_protocol`
     _header_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]

@@ -173,7 +173,7 @@ class _EngineCollector(Collector):
                                   value=float(stats.num_decode_steps_mid_prefill))
         yield CounterMetricFamily("ragblend_engine_decode_steps_deferred",
                                   "Steps whose prefill ran without the running answers' decode step "
-                                  "(server.max_decode_stall_ms)",
+                                  "(scheduler.max_decode_stall_ms)",
                                   value=float(stats.num_decode_steps_deferred))
         yield GaugeMetricFamily("ragblend_engine_waiting", "Requests and jobs waiting for the engine",
                                 value=self._loop.num_waiting)

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.errors import ErrorType, error_response
-from configs.settings import ServerSettings
+from app.config import ServerConfig
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -41,7 +41,7 @@ def _is_wildcard(host: str) -> bool:
         return host == ""
 
 
-def allowed_host_names(server: ServerSettings) -> frozenset[str] | None:
+def allowed_host_names(server: ServerConfig) -> frozenset[str] | None:
     """The Host names accepted; None: any."""
     if server.allowed_hosts is None:
         if _is_wildcard(server.host):
@@ -52,7 +52,7 @@ def allowed_host_names(server: ServerSettings) -> frozenset[str] | None:
 
 
 class OriginGuardMiddleware:
-    def __init__(self, app: ASGIApp, server: ServerSettings):
+    def __init__(self, app: ASGIApp, server: ServerConfig):
         self.app = app
         self.host_names = allowed_host_names(server)
         origins = {o.strip().rstrip("/").lower() for o in server.allowed_origins}

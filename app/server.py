@@ -15,7 +15,8 @@ from typing import Any
 import uvicorn
 
 from app.http_protocol import header_deadline_protocol
-from configs.settings import ServerSettings, Settings
+from app.config import ServerConfig
+from configs.settings import Settings
 
 
 class ServeError(Exception):
@@ -70,7 +71,7 @@ def is_loopback(host: str) -> bool:
     return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
 
 
-def check_exposure(server: ServerSettings) -> None:
+def check_exposure(server: ServerConfig) -> None:
     """Refuse a non-loopback host without an API key, unless server.allow_public_without_key."""
     if server.api_key or server.allow_public_without_key or is_loopback(server.host):
         return

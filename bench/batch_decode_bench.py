@@ -37,7 +37,7 @@ from blend_engine.engine import BlendEngine  # noqa: E402
 from blend_engine.sequence import DecodeSequence, TokenSampler  # noqa: E402
 from blend_engine.threads import governed  # noqa: E402
 from blend_engine.types import PrefillMode, PrefillResult, SamplingParams, Segment  # noqa: E402
-from configs import load_settings  # noqa: E402
+from configs.settings import load_settings  # noqa: E402
 from configs.enums import DecodeCache  # noqa: E402
 
 
@@ -245,7 +245,7 @@ def _rows(batch_sizes: list[int], timings: dict[int, list[float]]) -> list[dict]
 def run(args: argparse.Namespace) -> int:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     settings = load_settings(model={"cpu_threads": args.threads, **model_overrides(args)})
-    engine = BlendEngine.from_settings(settings, max_cpu_threads=args.threads)
+    engine = BlendEngine.from_config(settings.model, settings.blend, max_cpu_threads=args.threads)
     parts = set(args.parts.split(","))
     # no cache grows while timed: room for every step each sweep feeds the first sequence (+ warm-ups)
     steps_needed = args.rounds * args.steps * len(batch_sizes) * 2 + args.single_tokens + 8

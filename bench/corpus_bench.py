@@ -30,6 +30,7 @@ import argparse
 import platform
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from statistics import mean, median
 
@@ -37,11 +38,13 @@ import numpy as np
 import torch
 
 from bench.output import emit_summary
+from blend_engine.config import ModelConfig
 from blend_engine.engine import BlendEngine
 from blend_engine.kv import ChunkKV
 from blend_engine.types import SamplingParams
-from configs.settings import RequestMode, load_settings
-from kv_store import Admission, KVStore, StoreConfig
+from configs.enums import RequestMode
+from configs.settings import load_settings
+from kv_store import Admission, KVStore
 from runtime.executor import PrefillExecutor
 from runtime.types import PrefillRequest, PromptChunk
 
@@ -94,10 +97,8 @@ class Collection:
 
 
 def _store(root: Path, fingerprint: str, budget_bytes: int) -> KVStore:
-    settings = load_settings()
-    config = StoreConfig(max_memory_bytes=0, disk_dir=root, max_disk_bytes=budget_bytes, fsync=False,
-                         dtype=settings.store.dtype, quantization=settings.store.quantization,
-                         use_half_life=settings.store.use_half_life)
+    config = replace(load_settings().store, max_memory_bytes=0, disk_dir=root, max_disk_bytes=budget_bytes,
+                     fsync=False, redis_url=None)
     return KVStore(fingerprint, config)
 
 
@@ -149,7 +150,7 @@ def measure_ttft(args: argparse.Namespace, num_chunks: int) -> tuple[list[float]
     is): hits streamed from the disk tier in the configured format (pipelined)."""
     overrides = {"model": {"name": args.ttft_model}} if args.ttft_model else {}
     settings = load_settings(**overrides)
-    engine = BlendEngine.from_settings(settings)
+    engine = BlendEngine.from_config(settings.model, settings.blend)
     rng = np.random.default_rng(args.seed)
     vocab = engine.tokenizer.vocab_size if engine.tokenizer is not None else 256
     chunks = [tuple(int(t) for t in rng.integers(100, vocab - 100, args.chunk_tokens)) for _ in range(num_chunks)]
@@ -162,7 +163,7 @@ def measure_ttft(args: argparse.Namespace, num_chunks: int) -> tuple[list[float]
         for key, ids in zip(keys, chunks):
             store.put(key, engine.precompute(list(ids), context))
         executor = PrefillExecutor(engine, store, settings.blend, settings.store.planner_profile_tokens,
-                                   settings.server.prefill_chunk_tokens)
+                                   settings.scheduler.prefill_chunk_tokens)
         for num_missing in range(num_chunks + 1):
             # a missing chunk: no stored KV, as the server's retrieval hands over a miss
             prompt = tuple(PromptChunk(ids, key if i >= num_missing else None)
@@ -190,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     budgets = [float(x) for x in args.budgets.split(",") if x.strip()]
     if not budgets or any(not 0 < b <= 1 for b in budgets):
         raise ValueError(f"budgets must be shares in (0, 1], got {args.budgets!r}")
-    engine = BlendEngine.from_settings(load_settings(model={"name": args.collection_model, "device": "cpu"}))
+    engine = BlendEngine.from_config(ModelConfig(name=args.collection_model, device="cpu"))
     collection = Collection(engine, args)
     num_tokens = args.documents * collection.num_chunks * args.chunk_tokens
     ttft_ms, ttft_info = measure_ttft(args, collection.num_chunks)

@@ -63,9 +63,9 @@ def _event_ms(fn) -> float:
 def _llama7b(seed: int):
     """An engine at Llama-2-7B shape on CUDA, and `ids(n)`: n random token ids from a seeded generator."""
     from blend_engine.engine import BlendEngine
-    from configs import load_settings
+    from blend_engine.config import ModelConfig
 
-    engine = BlendEngine.from_settings(load_settings(model={"name": "random:llama-7b", "device": "cuda"}))
+    engine = BlendEngine.from_config(ModelConfig(name="random:llama-7b", device="cuda"))
     generator = torch.Generator().manual_seed(seed)
 
     def ids(n: int) -> tuple[int, ...]:
@@ -124,8 +124,8 @@ def scale() -> dict:
     chunks = [ids(640) for _ in range(5)]
     segments = [Segment(ids(20))] + [Segment(c, engine.precompute(c)) for c in chunks] + [Segment(ids(30))]
     out = {}
-    for name, cfg in (("scaled", BlendConfig(reused_attention_scale=0.5)),
-                      ("unscaled", BlendConfig(reused_attention_scale=1.0))):
+    for name, cfg in (("scaled", BlendConfig.cacheblend(reused_attention_scale=0.5)),
+                      ("unscaled", BlendConfig.cacheblend(reused_attention_scale=1.0))):
         for mode in (PrefillMode.REUSE, PrefillMode.BLEND):
             run = lambda: engine.prefill(segments, mode, cfg)  # noqa: E731
             for _ in range(2):
@@ -158,7 +158,7 @@ def shapes() -> dict:
                 question_len += 1  # a prompt length this process has not run
                 segments = [Segment(ids(20))] + chunks + [Segment(ids(question_len))]
                 for times in (new_ms, seen_ms):
-                    times.append(_event_ms(lambda: engine.prefill(segments, mode, BlendConfig())))
+                    times.append(_event_ms(lambda: engine.prefill(segments, mode, BlendConfig.cacheblend())))
             key = f"{mode.value}_cudnn_{'on' if cudnn else 'off'}"
             out[key] = {"new_shape_ms": new_ms, "seen_shape_ms": seen_ms}
             print(f"{key}: new shape {statistics.median(new_ms):.1f} ms, seen {statistics.median(seen_ms):.1f} ms "

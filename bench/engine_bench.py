@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -25,7 +25,8 @@ from bench.output import emit_summary
 from bench.synthetic import synthetic_prompt
 from blend_engine.engine import BlendEngine
 from blend_engine.types import PrefillMode, PrefillResult, Segment
-from configs import DeviationKind, SinkMode, WeightFormat, load_settings
+from configs.enums import DeviationKind, SinkMode, WeightFormat
+from configs.settings import load_settings
 
 DEFAULT_DATA = "../shared/data/musique_dev.json"
 
@@ -100,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     settings = _settings(args)
-    engine = BlendEngine.from_settings(settings)
+    engine = BlendEngine.from_config(settings.model, settings.blend)
     questions = load_questions(args.data, args.first_question + args.questions, args.passages)[args.first_question:]
     if not questions:
         raise ValueError(f"no questions left after skipping {args.first_question}")
@@ -123,8 +124,8 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize(runs, variants, args, engine, is_quality)
     summary["decode"] = _decode_rows(engine, questions, variants[0].sink, args)
     if args.reference_weights:
-        reference = BlendEngine.from_settings(settings.model_copy(
-            update={"model": settings.model.model_copy(update={"weights": WeightFormat(args.reference_weights)})}))
+        reference = BlendEngine.from_config(
+            replace(settings.model, weights=WeightFormat(args.reference_weights)), settings.blend)
         summary["formats"] = compare_formats(engine, reference, questions, variants[0].sink, args)
     print_table(summary)
     if summary.get("formats"):

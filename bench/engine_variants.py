@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from enum import Enum
 
 from blend_engine.types import BlendConfig, PrefillMode
-from configs import DeviationKind, SelectionKind, SinkMode
+from configs.enums import DeviationKind, SelectionKind, SinkMode
 
 
 @dataclass(frozen=True)
@@ -64,12 +64,12 @@ def selection_variants(blend: BlendConfig, sink: SinkMode, num_layers: int) -> l
 
 
 def _with(config: BlendConfig, **changes) -> BlendConfig:
-    return BlendConfig(**{**config.__dict__, **changes})
+    return replace(config, **changes)
 
 
 def adaptive_variants(blend: BlendConfig, sink: SinkMode, shares: list[float]) -> list[Variant]:
     """Adaptive-ratio rows: recompute until each share of the ranking score is covered."""
-    return [Variant(f"blend@adaptive m={m:.2f}", PrefillMode.BLEND, sink, _with(blend, adaptive_mass=m)) for m in shares]
+    return [Variant(f"blend@adaptive m={m:.2f}", PrefillMode.BLEND, sink, _with(blend, is_ratio_adaptive=True, adaptive_mass=m)) for m in shares]
 
 
 def spec_variants(blend: BlendConfig, sink: SinkMode, specs: list[str]) -> list[Variant]:

@@ -14,7 +14,7 @@ from bench.engine_variants import Variant
 from bench.metrics import argmax_agreement, mean_kl, safe_mean, safe_median
 from blend_engine.engine import BlendEngine
 from blend_engine.types import PrefillMode
-from configs import SinkMode
+from configs.enums import SinkMode
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ import torch
 
 from blend_engine.engine import BlendEngine
 from blend_engine.types import PrefillMode, Segment
-from configs.settings import KVQuantization, LoaderPriority, StorageDtype, load_settings
+from configs.enums import KVQuantization, LoaderPriority, StorageDtype
+from configs.settings import load_settings
 from bench.kv_plan import fit_planners, planned_prefill
 from bench.output import emit_summary
 from kv_store import KVStore, StoreConfig, Tier
@@ -103,14 +104,16 @@ def drop_page_cache(store: KVStore, keys: list[str]) -> None:
 def make_stores(fingerprint: str, base: StoreConfig, workdir: Path, redis_url: str | None,
                 throttles: dict[Tier, float]) -> dict[str, KVStore]:
     """One store per tier (so each row reads from exactly one), with the settings' other choices."""
-    base = dataclasses.replace(base, max_memory_bytes=0, disk_dir=None, redis_url=None, fsync=False,
-                               quantization=KVQuantization.NONE, write_tiers=frozenset(Tier),
-                               throttle_bytes_per_s=throttles)
+    base = dataclasses.replace(base, max_memory_bytes=0, disk_enabled=False, disk_dir=None, redis_url=None,
+                               fsync=False, quantization=KVQuantization.NONE, write_tiers=frozenset(Tier),
+                               throttle_mbps=throttles)
     configs = {
         "memory": dataclasses.replace(base, max_memory_bytes=1 << 40),
-        "disk": dataclasses.replace(base, disk_dir=workdir / "disk"),
-        "disk-int8": dataclasses.replace(base, disk_dir=workdir / "disk-int8", quantization=KVQuantization.INT8),
-        "disk-int4": dataclasses.replace(base, disk_dir=workdir / "disk-int4", quantization=KVQuantization.INT4),
+        "disk": dataclasses.replace(base, disk_enabled=True, disk_dir=workdir / "disk"),
+        "disk-int8": dataclasses.replace(base, disk_enabled=True, disk_dir=workdir / "disk-int8",
+                                         quantization=KVQuantization.INT8),
+        "disk-int4": dataclasses.replace(base, disk_enabled=True, disk_dir=workdir / "disk-int4",
+                                         quantization=KVQuantization.INT4),
     }
     if redis_url:
         configs["redis"] = dataclasses.replace(base, redis_url=redis_url)
@@ -255,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     overrides = {"model": {"name": args.model}} if args.model else {}
     settings = load_settings(**overrides)
-    engine = BlendEngine.from_settings(settings)
+    engine = BlendEngine.from_config(settings.model, settings.blend)
     blend = engine.blend  # the settings' config, fitted to the model
     if args.ratio is not None:
         blend = dataclasses.replace(blend, recompute_ratio=args.ratio)
@@ -266,8 +269,8 @@ def run(args: argparse.Namespace) -> int:
     if redis_url is None and shutil.which("redis-server"):
         redis = LocalRedis(workdir)
         redis_url = redis.url
-    base = dataclasses.replace(StoreConfig.from_settings(settings), dtype=StorageDtype(args.dtype))
-    throttles = {Tier(t): float(n) * 1e6 for t, n in (spec.split("=", 1) for spec in args.throttle_mbps)}
+    base = dataclasses.replace(settings.store, dtype=StorageDtype(args.dtype))
+    throttles = {Tier(t): float(n) for t, n in (spec.split("=", 1) for spec in args.throttle_mbps)}
     stores = make_stores(engine.fingerprint, base, workdir, redis_url, throttles)
     sink = engine.sink_ids(settings.blend.sink)
     try:
@@ -289,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
         repeats=args.repeats, load_average=os.getloadavg()[0],
         page_cache="posix_fadvise(DONTNEED) per entry file before each disk run",
         min_recompute_ratio=base.min_recompute_ratio,
-        throttle_mbps={t.value: r / 1e6 for t, r in throttles.items()},
+        throttle_mbps={t.value: r for t, r in throttles.items()},
     )
     print_table(summary)
     emit_summary(summary, args.out, default=float)

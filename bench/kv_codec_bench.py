@@ -25,8 +25,9 @@ from bench.output import emit_summary
 from blend_engine.engine import BlendEngine
 from blend_engine.kv import ChunkKV
 from blend_engine.types import PrefillMode, Segment
-from configs import SinkMode, load_settings
-from configs.settings import KVQuantization, StorageDtype
+from configs.enums import SinkMode
+from configs.settings import load_settings
+from configs.enums import KVQuantization, StorageDtype
 from kv_store import codec
 from kv_store.keys import StorageFormat
 from kv_store.lowbit import BitWidths
@@ -120,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     overrides = {"model": {"name": args.model}} if args.model else {}
     settings = load_settings(None, **overrides)
-    engine = BlendEngine.from_settings(settings)
+    engine = BlendEngine.from_config(settings.model, settings.blend)
     questions = load_questions(args.data, args.questions, args.passages)
     cands = candidates()
     if args.only:

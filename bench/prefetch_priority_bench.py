@@ -33,7 +33,8 @@ from bench.output import emit_summary  # noqa: E402
 from blend_engine.engine import BlendEngine  # noqa: E402
 from blend_engine.kv import ChunkKV  # noqa: E402
 from blend_engine.types import PrefillMode, Segment  # noqa: E402
-from configs.settings import LoaderPriority, load_settings  # noqa: E402
+from configs.enums import LoaderPriority
+from configs.settings import load_settings  # noqa: E402
 from kv_store import KVStore, StoreConfig, Tier  # noqa: E402
 
 PRIORITIES = (LoaderPriority.NORMAL, LoaderPriority.IDLE)
@@ -60,7 +61,7 @@ class Setup:
         self.engine, self.prompt, self.context = engine, prompt, context
         self.store = KVStore(engine.fingerprint, StoreConfig(
             disk_dir=root, fsync=False, dtype=settings.store.dtype, quantization=settings.store.quantization,
-            max_memory_bytes=8 << 30, loader_priority=priority, engine_device_type=engine.device.type))
+            max_memory_bytes=8 << 30, loader_priority=priority), engine.device.type)
         self.prompt_keys = [self.store.key_for(ids, context) for ids in prompt]
         for key, ids in zip(self.prompt_keys, prompt):
             self.store.put(key, kvs[ids])
@@ -95,7 +96,7 @@ class Setup:
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     settings = load_settings(**({"model": {"name": args.model}} if args.model else {}))
-    engine = BlendEngine.from_settings(settings)
+    engine = BlendEngine.from_config(settings.model, settings.blend)
     rng = np.random.default_rng(args.seed)
     vocab = engine.tokenizer.vocab_size if engine.tokenizer is not None else 256
 

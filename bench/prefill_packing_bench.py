@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from bench.engine_bench import model_overrides  # noqa: E402
 from bench.output import emit_summary  # noqa: E402
 from blend_engine.engine import BlendEngine  # noqa: E402
-from configs import load_settings  # noqa: E402
+from configs.settings import load_settings  # noqa: E402
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,7 +71,7 @@ def timed(engine: BlendEngine, num_rows: int) -> float:
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     settings = load_settings(model=model_overrides(args))
-    engine = BlendEngine.from_settings(settings)
+    engine = BlendEngine.from_config(settings.model, settings.blend)
     rows = [int(r) for r in args.rows.split(",")]
     for m in rows:  # warm-up
         timed(engine, m), timed(engine, 2 * m)

@@ -1,5 +1,5 @@
 """The stall a running answer sees while another request's long blend prefill is admitted, with the
-prefill cut into parts (`server.prefill_chunk_tokens`: each of `--chunk-tokens`) and whole (a chunk
+prefill cut into parts (`scheduler.prefill_chunk_tokens`: each of `--chunk-tokens`) and whole (a chunk
 size past any prompt: the behaviour before parts).
 
     python -m bench.prefill_stall_bench --threads 1 --rounds 3 --out docs/results/prefill_stall_cpu_t1.json
@@ -33,8 +33,8 @@ import torch  # noqa: E402
 
 from blend_engine.engine import BlendEngine  # noqa: E402
 from blend_engine.types import SamplingParams  # noqa: E402
-from configs import load_settings  # noqa: E402
-from configs.settings import RequestMode  # noqa: E402
+from configs.settings import load_settings  # noqa: E402
+from configs.enums import KVQuantization, RequestMode  # noqa: E402
 from kv_store import KVStore, StoreConfig  # noqa: E402
 from runtime.config import SchedulerConfig  # noqa: E402
 from runtime.executor import PrefillExecutor  # noqa: E402
@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model.name (default: the settings', SmolLM2)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads of every engine step (fixed)")
     parser.add_argument("--chunk-tokens", default="512,128",
-                        help="server.prefill_chunk_tokens of the settings with parts (each against whole)")
+                        help="scheduler.prefill_chunk_tokens of the settings with parts (each against whole)")
     parser.add_argument("--chunks", type=int, default=12, help="stored chunks in the blend prompt")
     parser.add_argument("--chunk-size", type=int, default=250, help="tokens per stored chunk")
     parser.add_argument("--rounds", type=int, default=3, help="rounds, each running both settings")
@@ -111,11 +111,11 @@ async def _round(loop: EngineLoop, blend: PrefillRequest, args) -> dict:
 def run(args: argparse.Namespace) -> int:
     model = {"cpu_threads": args.threads} | ({"name": args.model} if args.model else {})
     settings = load_settings(model=model)
-    engine = BlendEngine.from_settings(settings, max_cpu_threads=args.threads)
+    engine = BlendEngine.from_config(settings.model, settings.blend, max_cpu_threads=args.threads)
     engine.eos_ids = frozenset()  # the running answer decodes until the round cancels it, whatever it samples
     sink = engine.sink_ids(settings.blend.sink)
     with tempfile.TemporaryDirectory() as tmp:
-        store = KVStore(engine.fingerprint, StoreConfig(disk_dir=Path(tmp) / "kv"))
+        store = KVStore(engine.fingerprint, StoreConfig(quantization=KVQuantization.NONE, disk_dir=Path(tmp) / "kv"))
         blend = _blend_request(engine, store, sink, args)
         variants = [(f"parts_{c}", int(c)) for c in args.chunk_tokens.split(",")] + [("whole", OFF_CHUNK_TOKENS)]
         results: dict[str, list[dict]] = {name: [] for name, _ in variants}

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from statistics import median
 
@@ -102,12 +103,11 @@ def bench(args: argparse.Namespace, questions: list[Question]) -> dict:
     from configs.settings import load_settings
 
     base = load_settings(args.config)
-    engine = BlendEngine.from_settings(base)
+    engine = BlendEngine.from_config(base.model, base.blend)
     with tempfile.TemporaryDirectory(prefix="ragblend-bench-replicas-") as tmp:
         def settings(name: str, database_url: str | None):
-            store = {**base.store.model_dump(), "database_url": database_url}
             return base.model_copy(update={"data_dir": Path(tmp) / name,
-                                           "store": base.store.model_validate(store)})
+                                           "database": replace(base.database, url=database_url)})
 
         with LiveServer(settings("sqlite", None), engine) as sqlite_server, \
                 LiveServer(settings("pg-a", args.database_url), engine) as pg_a, \

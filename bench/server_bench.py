@@ -8,9 +8,9 @@ arrive here), aggregate tok/s (completion tokens / the round's wall time), req/s
 tok/s, and the server's queue wait (`timings.queue_ms`) where the server reports one.
 
 Two servers are measured side by side, the levels interleaved so that noise hits both alike: the
-server at --url and a baseline at --baseline-url (one started with server.max_running=1), or both
+server at --url and a baseline at --baseline-url (one started with scheduler.max_running=1), or both
 started here (--serve: `ragblend serve` twice on free loopback ports over temporary data dirs, the
-baseline with RAGBLEND_SERVER__MAX_RUNNING=1). `--uploads N` adds N text files uploaded through
+baseline with RAGBLEND_SCHEDULER__MAX_RUNNING=1). `--uploads N` adds N text files uploaded through
 /v1/documents/files while the largest level's chats run: each chat's TTFT with and without them.
 Prints tables, then one JSON object as the last line.
 """
@@ -42,7 +42,7 @@ from configs.enums import RequestMode
 
 # The baseline: one sequence at a time (the scheduler's off switch). An environment variable, so the
 # same `ragblend serve` command line starts both servers.
-BASELINE_ENV = {"RAGBLEND_SERVER__MAX_RUNNING": "1"}
+BASELINE_ENV = {"RAGBLEND_SCHEDULER__MAX_RUNNING": "1"}
 WARMUP_TOKENS = 4
 ONE_CHUNK_CHARS = 1000  # well under one chunk (retrieval.chunk_tokens, 384 tokens by default)
 
@@ -60,14 +60,14 @@ def concurrency_levels(text: str) -> list[int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default=os.environ.get("RAGBLEND_URL", "http://127.0.0.1:8000"),
                         help="the server measured (env RAGBLEND_URL)")
-    parser.add_argument("--baseline-url", help="a second server, started with server.max_running=1 "
-                        "(RAGBLEND_SERVER__MAX_RUNNING=1), measured side by side")
+    parser.add_argument("--baseline-url", help="a second server, started with scheduler.max_running=1 "
+                        "(RAGBLEND_SCHEDULER__MAX_RUNNING=1), measured side by side")
     parser.add_argument("--serve", action="store_true", help="start both servers here instead (`ragblend serve` "
                         "on free loopback ports, temporary data dirs; the baseline with "
-                        "RAGBLEND_SERVER__MAX_RUNNING=1, the other with this environment's settings)")
+                        "RAGBLEND_SCHEDULER__MAX_RUNNING=1, the other with this environment's settings)")
     parser.add_argument("--baseline-env", action="append", metavar="NAME=VALUE",
-                        help="--serve: the baseline's environment instead of RAGBLEND_SERVER__MAX_RUNNING=1 "
-                             "(repeat for several), e.g. RAGBLEND_SERVER__MAX_DECODE_STALL_MS=0 to measure "
+                        help="--serve: the baseline's environment instead of RAGBLEND_SCHEDULER__MAX_RUNNING=1 "
+                             "(repeat for several), e.g. RAGBLEND_SCHEDULER__MAX_DECODE_STALL_MS=0 to measure "
                              "the stall bound against none")
     parser.add_argument("--config", type=Path, help="--serve: a YAML file both servers layer over the defaults")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="--serve: seconds to wait for /readyz")
@@ -290,13 +290,6 @@ async def measure(targets: Sequence[Target], questions: Sequence[Question], fill
 # ---- the command -----------------------------------------------------------------------------
 
 
-def is_max_running_known() -> bool:
-    """Whether this checkout's settings have server.max_running (else the baseline env var is ignored)."""
-    from configs.settings import ServerSettings
-
-    return "max_running" in ServerSettings.model_fields
-
-
 def check_args(args: argparse.Namespace) -> None:
     if args.questions is None:
         args.questions = max(args.concurrency)
@@ -360,10 +353,6 @@ def serve_and_bench(args: argparse.Namespace, questions: Sequence[Question], fil
                     headers: dict[str, str]) -> dict[str, Any]:
     from bench.local_servers import LocalServer, started
 
-    is_known = is_max_running_known()
-    if not is_known:
-        print("ragblend bench server: this checkout has no server.max_running setting; the baseline runs "
-              "with the same settings as the server", file=sys.stderr)
     config = args.config.resolve() if args.config else None
     baseline_env = baseline_environment(args.baseline_env)
     # the server under test gets this environment as it is; the baseline, that and its own (max_running=1)
@@ -378,7 +367,7 @@ def serve_and_bench(args: argparse.Namespace, questions: Sequence[Question], fil
             prepared[role] = asyncio.run(prepare(Target(role, server.url), questions, args, headers))
         targets = [Target(role, server.url) for role, server in local.items()]
         summary = asyncio.run(bench(args, targets, questions, filler, headers, prepared))
-    summary["servers"][Role.BASELINE.value].update(env=baseline_env, is_max_running_known=is_known)
+    summary["servers"][Role.BASELINE.value].update(env=baseline_env)
     summary["servers"][Role.SERVER.value]["env"] = {name: os.environ[name] for name in baseline_env
                                                     if name in os.environ}
     return summary

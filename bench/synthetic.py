@@ -14,7 +14,7 @@ import torch
 from bench.musique import Question
 from blend_engine.engine import BlendEngine
 from blend_engine.types import Segment
-from configs import SinkMode
+from configs.enums import SinkMode
 
 CHARS_PER_PASSAGE_TOKEN = 3.96
 CHARS_PER_QUESTION_TOKEN = 4.47

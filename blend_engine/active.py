@@ -186,10 +186,10 @@ def decide_keep(ctx: ActiveContext, raw: torch.Tensor, num_keep: int) -> tuple[i
         return num_keep, raw.new_zeros(()), False
     covered = raw.sort(descending=True).values.cumsum(0) / raw.sum().clamp_min(1e-30)  # [C] ascending
     blend, is_guarded = ctx.blend, False
-    if blend.adaptive_mass is not None:
+    if blend.is_ratio_adaptive:
         needed = int(torch.searchsorted(covered, covered.new_tensor(blend.adaptive_mass))) + 1
         # the bounds hold exactly: the upper one rounded down (it is applied last)
-        num_keep = min(max(needed, round(blend.min_ratio * num_cand)), math.floor(blend.max_ratio * num_cand), num_cand)
+        num_keep = min(max(needed, round(blend.adaptive_min_ratio * num_cand)), math.floor(blend.adaptive_max_ratio * num_cand), num_cand)
     if blend.guard_unselected_mass is not None and num_keep < num_cand:
         left = 1.0 - float(covered[num_keep - 1]) if num_keep else 1.0
         if left > blend.guard_unselected_mass:

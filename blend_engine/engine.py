@@ -24,11 +24,11 @@ from blend_engine.threads import ThreadGovernor, governed
 from blend_engine.types import BlendConfig, Delta, PrefillMode, PrefillResult, SamplingParams, Segment
 from blend_engine.weights import weight_format
 from blend_engine.weights_id import engine_fingerprint
-from configs.settings import DecodeCache, Settings, SinkMode, WeightFormat
+from blend_engine.config import ModelConfig
+from configs.enums import DecodeCache, SinkMode, WeightFormat
 
 _Job = TypeVar("_Job", bound=Callable)
 MAX_CACHED_PREFIXES = 16
-DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer the question using the documents."
 
 
 def _on_cpu_threads(job: _Job) -> _Job:
@@ -71,7 +71,7 @@ class BlendEngine:
         self,
         loaded: LoadedModel,
         blend: BlendConfig = BlendConfig(),
-        system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+        system_prompt: str = ModelConfig.system_prompt,
         cpu_threads: int | None = None,
         decode_cache: DecodeCache = DecodeCache.AUTO,
         max_cpu_threads: int | None = None,
@@ -105,10 +105,10 @@ class BlendEngine:
         self._buckets = DecodeBuckets(self.runner)
 
     @classmethod
-    def from_settings(cls, settings: Settings, max_cpu_threads: int | None = None) -> BlendEngine:
-        model = settings.model
-        return cls(load_model(model), BlendConfig.from_settings(settings.blend), model.system_prompt,
-                   model.cpu_threads, model.decode_cache, max_cpu_threads)
+    def from_config(cls, model: ModelConfig, blend: BlendConfig = BlendConfig(),
+                    max_cpu_threads: int | None = None) -> BlendEngine:
+        return cls(load_model(model), blend, model.system_prompt, model.cpu_threads, model.decode_cache,
+                   max_cpu_threads)
 
     @classmethod
     def from_model(cls, model, tokenizer=None, name: str = "custom", **kwargs) -> BlendEngine:

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from blend_engine.weights import convert_linears, resolve_weight_format
-from configs.settings import ModelSettings
+from blend_engine.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def embedded_gguf_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / EMBEDDED_GGUF
 
 
-def load_model(settings: ModelSettings) -> LoadedModel:
+def load_model(settings: ModelConfig) -> LoadedModel:
     """The model with its linear layers in `settings.weights`' format (resolved for the device)."""
     loaded = _load(settings)
     fmt = resolve_weight_format(settings.weights, loaded.model.device, loaded.model)
@@ -90,7 +90,7 @@ def load_model(settings: ModelSettings) -> LoadedModel:
     return loaded
 
 
-def _load(settings: ModelSettings) -> LoadedModel:
+def _load(settings: ModelConfig) -> LoadedModel:
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
     name = settings.name

@@ -35,9 +35,9 @@ class PrefillPlan:
     first_reused_layer: int  # layers before it compute every token and read no reused KV
     forced_cached_idx: tuple[int, ...]  # indices into cached_pos always recomputed (chunk starts), if asked
     num_query_tokens: int  # the prompt's tail after the last cached chunk (the question): query-aware selection
-    reused_key_scale: float = 1.0  # multiplies the reused keys of inexact chunks from `first_scaled_layer` on
-    first_scaled_layer: int = 0
-    reused_attention_scale: float = 1.0  # multiplies their attention weights from `first_scaled_layer` on
+    reused_key_scale: float  # multiplies the reused keys of inexact chunks from `first_scaled_layer` on (1: none)
+    first_scaled_layer: int
+    reused_attention_scale: float  # multiplies their attention weights from `first_scaled_layer` on (1: none)
 
     @property
     def is_attention_scaled(self) -> bool:

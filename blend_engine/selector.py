@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from configs.settings import HeadReduce, ScoreCombine
+from configs.enums import HeadReduce, ScoreCombine
 
 
 def token_deviation(fresh: torch.Tensor, reused: torch.Tensor) -> torch.Tensor:

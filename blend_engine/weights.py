@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blend_engine.int4 import Int4Linear, gemm_dtype
-from configs.settings import WeightFormat
+from configs.enums import WeightFormat
 
 MAX_PACKED_ROWS = 32  # above: the GEMM path (measured crossover of the int8 kernel on CPU)
 _COMPUTE = torch.bfloat16

@@ -136,3 +136,12 @@ class KVQuantization(str, Enum):
     NONE = "none"
     INT8 = "int8"  # per-channel absmax int8 (scales kept in fp32)
     INT4 = "int4"  # keys 4 bits per channel over 32-token groups, values 3 bits per token, 8-bit scales, zstd (kv_store/lowbit.py)
+
+
+class Tier(str, Enum):
+    """The KV store's tiers, fastest first: the order reads go through (kv_store/)."""
+
+    GPU = "gpu"  # chunk KV held on the engine's device (kv_store/device.py)
+    MEMORY = "memory"
+    DISK = "disk"
+    REDIS = "redis"

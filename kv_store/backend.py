@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from enum import Enum
 from typing import Sequence
 
 import torch
@@ -13,17 +12,9 @@ from blend_engine.kv import ChunkKV
 from kv_store.codec import EncodedLayer, EntryHeader, read_layer_nbytes
 from kv_store.errors import CorruptEntryError, EntryLostError
 from kv_store.stats import TierCounters
+from configs.enums import Tier  # noqa: F401  (defined with the settings' enums; the store's own type)
 
 LayerPair = tuple[torch.Tensor, torch.Tensor]  # keys, values [H, n, D]
-
-
-class Tier(str, Enum):
-    """Storage tiers, fastest first: the order reads go through."""
-
-    GPU = "gpu"  # chunk KV held on the engine's device (kv_store/device.py)
-    MEMORY = "memory"
-    DISK = "disk"
-    REDIS = "redis"
 
 
 @dataclass(frozen=True)

@@ -1,60 +1,133 @@
-"""The store's frozen configuration, resolved from `configs.StoreSettings` (paths made absolute)."""
+"""The store's frozen configuration (the settings' `store` section): the one place its defaults live.
+
+Two values are left for the edge to resolve, each with one meaning: `disk_dir` null means the data
+directory's `kv/` (`resolved(data_dir)` fills it in; the store refuses an enabled disk tier without a
+directory), and `max_gpu_bytes` null means a share of the free GPU memory where the engine runs on CUDA
+(the store works that out when it opens, as it knows the engine's device). No torch here: the settings
+import this module without loading the model's libraries.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
+from typing import Annotated
 
-import torch
+from pydantic import ConfigDict, Field, field_validator
+from pydantic.dataclasses import dataclass
 
-from configs.settings import KVQuantization, LoaderPriority, Settings, StorageDtype
-from kv_store.backend import Tier
-from kv_store.device import check_device, default_gpu_bytes
+from configs.enums import KVQuantization, LoaderPriority, StorageDtype, Tier
 from kv_store.keys import StorageFormat
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=ConfigDict(extra="forbid", validate_default=True))
 class StoreConfig:
-    max_gpu_bytes: int = 0  # 0 = no GPU tier (see from_settings for its default on CUDA hosts)
-    gpu_device: str = "cuda"  # where the GPU tier holds its entries ("cpu": tests)
-    max_memory_bytes: int = 2 << 30  # 0 = no memory tier
-    disk_dir: Path | None = None  # None = no disk tier
-    max_disk_bytes: int = 20 << 30
-    redis_url: str | None = None  # None = no Redis tier
-    redis_ttl_s: int = 7 * 86400
-    dtype: StorageDtype = StorageDtype.FLOAT16
-    quantization: KVQuantization = KVQuantization.NONE  # the disk and Redis tiers' (settings default: int4)
-    write_tiers: frozenset[Tier] = frozenset(Tier)
-    fsync: bool = True
-    is_pipelined: bool = True
-    prefetch_depth: int = 2
-    loader_priority: LoaderPriority = LoaderPriority.AUTO  # of the reader threads (a pipelined prefill's, the prefetch's)
-    engine_device_type: str = "cpu"  # where the engine computes ("cpu", "cuda"): what `auto` resolves against for the prefetch
-    min_recompute_ratio: float = 0.15
-    max_recompute_ratio: float = 1.0
-    max_prefetch_bytes: int = 1 << 30  # chunk bytes being copied up at once by prefetch (0: off)
-    throttle_bytes_per_s: dict[Tier, float] = field(default_factory=dict)  # simulated slow tiers (tests, bench)
-    is_budgeted: bool = True  # the collection's KV budget (admission.py); False: every entry written, LRU evicts
-    use_half_life: int = 10_000  # uses of the store after which a chunk's use count halves
+    max_gpu_bytes: Annotated[int | None, Field(
+        ge=0, description="GPU tier bound (LRU of chunk KV on the device, above the memory tier); null: "
+        "gpu_memory_share of the free GPU memory at start-up where the model runs on CUDA, else off; 0 disables "
+        "it.")] = None
+    gpu_memory_share: Annotated[float, Field(
+        gt=0.0, lt=1.0, description="Share of the free GPU memory (after the model loaded) the GPU tier takes by "
+        "default.")] = 0.2
+    gpu_device: Annotated[str, Field(
+        pattern=r"^(cuda(:[0-9]+)?|cpu)$",
+        description="Device of the GPU tier: cuda or cuda:N; cpu for tests only, with an explicit "
+        "max_gpu_bytes.")] = "cuda"
+    max_memory_bytes: Annotated[int, Field(ge=0, description="Memory tier bound (LRU); 0 disables it.")] = 2 << 30
+    disk_enabled: Annotated[bool, Field(description="Keep chunk caches on disk (survives restarts).")] = True
+    disk_dir: Annotated[Path | None, Field(description="Disk tier directory; default <data_dir>/kv.")] = None
+    max_disk_bytes: Annotated[int, Field(ge=0, description="Disk tier bound (LRU by last use).")] = 20 << 30
+    disk_reserve_bytes: Annotated[int, Field(
+        ge=0, description="Space held in <data_dir>/reserve.bin so that a DELETE can free space on a full disk "
+        "(SQLite needs room even to delete): released for it, retaken when there is room; 0: none.")] = 16 << 20
+    redis_url: Annotated[str | None, Field(
+        description="redis://host:port/db of a shared tier; unset = no Redis.")] = None
+    redis_ttl_s: Annotated[int, Field(ge=1, description="Expiry of Redis entries.")] = 7 * 86400
+    lock_ttl_s: Annotated[float, Field(
+        gt=0, description="Expiry of the Redis lock that makes one replica precompute a chunk's KV while the "
+        "others wait for it (a replica that dies holding it frees it after this long).")] = 30.0
+    dtype: Annotated[StorageDtype, Field(description="dtype of stored KV.")] = StorageDtype.FLOAT16
+    quantization: Annotated[KVQuantization, Field(
+        description="Compression of the disk/Redis tiers' entries: none (float16), int8, or int4 (keys per "
+        "channel, values per token, 3.5 bits on average, zstd; docs/decisions/0014). Entries in another format "
+        "stay readable.")] = KVQuantization.INT4
+    write_tiers: Annotated[frozenset[Tier], Field(
+        description="Tiers a new chunk cache is written to (when enabled); the GPU tier fills on reads by "
+        "default (a chunk read from a slower tier is copied up).")] = frozenset({Tier.MEMORY, Tier.DISK, Tier.REDIS})
+    fsync: Annotated[bool, Field(description="fsync disk entries before the atomic rename.")] = True
+    pipelined: Annotated[bool, Field(description="Read layer i+1 while the engine computes layer i.")] = True
+    prefetch_depth: Annotated[int, Field(
+        ge=1, le=16, description="Layers read ahead of the engine when pipelined.")] = 2
+    loader_priority: Annotated[LoaderPriority, Field(
+        description="CPU priority of the threads that read and decode stored KV beside the engine (a pipelined "
+        "prefill's reader, the prefetch at retrieval): idle (Linux SCHED_IDLE: they run on cores the engine "
+        "leaves free, and whenever the engine waits on them), normal, or auto (idle where the engine computes on "
+        "the CPU, whose threads take every core; normal on CUDA). Measured: docs/benchmarks/kv-store.md, "
+        "decision 0017.")] = LoaderPriority.AUTO
+    min_recompute_ratio: Annotated[float, Field(
+        ge=0.0, le=1.0, description="Quality floor of the loading planner's blend ratio (mode or ratio "
+        "'auto').")] = 0.15
+    max_recompute_ratio: Annotated[float, Field(
+        ge=0.0, le=1.0, description="Ceiling of the loading planner's blend ratio.")] = 1.0
+    max_prefetch_bytes: Annotated[int, Field(
+        ge=0, description="Bytes of chunk KV copied up into the memory tier at once, started at retrieval so "
+        "queue wait hides the load; 0 disables prefetching.")] = 1 << 30
+    planner_profile_tokens: Annotated[tuple[int, ...], Field(
+        min_length=1, description="Prompt lengths of the timed prefills the loading planner's cost model is "
+        "fitted on at start-up (then refined by every answer).")] = (64, 256, 1024)
+    budgeted: Annotated[bool, Field(
+        description="The collection's KV budget: when its KV exceeds the disk tier's bound (the memory tier's "
+        "without disk), ingestion precomputes only into free room, and a chunk a question finds without KV is "
+        "cached once it is used more (frequency, decayed by recency) than the entries it would evict; the memory "
+        "tier fills on use. false: every entry is written and the tiers evict by LRU.")] = True
+    use_half_life: Annotated[int, Field(
+        ge=1, description="Chunk uses (retrievals, store-wide) after which a chunk's use count halves: how fast "
+        "the budget forgets old popularity.")] = 10_000
+    throttle_mbps: Annotated[dict[Tier, float], Field(
+        description="Tests and benchmarks: slow a tier (memory, disk, redis) down to this many MB/s (simulates a "
+        "cold disk, a remote tier).")] = Field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.max_gpu_bytes < 0 or self.max_memory_bytes < 0 or self.max_disk_bytes < 0:
-            raise ValueError("tier byte bounds must be >= 0")
-        if self.max_gpu_bytes > 0:
-            check_device(self.gpu_device)
-        if self.engine_device_type not in ("cpu", "cuda"):
-            raise ValueError(f"engine_device_type must be cpu or cuda, got {self.engine_device_type!r}")
-        if self.prefetch_depth < 1:
-            raise ValueError(f"prefetch_depth must be >= 1, got {self.prefetch_depth}")
-        if not 0.0 <= self.min_recompute_ratio <= self.max_recompute_ratio <= 1.0:
-            raise ValueError(
-                f"need 0 <= min_recompute_ratio ({self.min_recompute_ratio}) <= "
-                f"max_recompute_ratio ({self.max_recompute_ratio}) <= 1"
-            )
-        if self.use_half_life < 1:
-            raise ValueError(f"use_half_life must be >= 1, got {self.use_half_life}")
-        if any(rate <= 0 for rate in self.throttle_bytes_per_s.values()):
-            raise ValueError(f"throttles must be > 0 bytes/s, got {self.throttle_bytes_per_s}")
+        if self.gpu_device == "cpu" and self.max_gpu_bytes is None:
+            raise ValueError("a GPU tier on gpu_device 'cpu' is for tests: give max_gpu_bytes explicitly")
+        if self.min_recompute_ratio > self.max_recompute_ratio:
+            raise ValueError(f"need min_recompute_ratio ({self.min_recompute_ratio}) <= "
+                             f"max_recompute_ratio ({self.max_recompute_ratio})")
+        if any(mbps <= 0 for mbps in self.throttle_mbps.values()):
+            raise ValueError(f"throttle_mbps values must be > 0, got {self.throttle_mbps}")
+        if Tier.GPU in self.throttle_mbps:
+            raise ValueError("throttle_mbps slows the memory, disk or redis tier, not the GPU tier")
+        if any(n < 1 for n in self.planner_profile_tokens):
+            raise ValueError(f"planner_profile_tokens must be >= 1, got {self.planner_profile_tokens}")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _empty_is_none(cls, value: str | None) -> str | None:
+        return value or None  # RAGBLEND_STORE__REDIS_URL= (empty) turns the tier off
+
+    @field_validator("disk_dir")
+    @classmethod
+    def _expand(cls, value: Path | None) -> Path | None:
+        return None if value is None else value.expanduser()
+
+    def resolved(self, data_dir: Path) -> StoreConfig:
+        """This config with the disk tier's default directory, `<data_dir>/kv`, filled in."""
+        if not self.disk_enabled or self.disk_dir is not None:
+            return self
+        return replace(self, disk_dir=(data_dir / "kv").expanduser())
+
+    @property
+    def disk_path(self) -> Path | None:
+        """The disk tier's directory, None when it is off. ValueError when it is on but unresolved."""
+        if not self.disk_enabled:
+            return None
+        if self.disk_dir is None:
+            raise ValueError("store.disk_dir is unset: resolve it against the data directory (StoreConfig.resolved)")
+        return self.disk_dir
+
+    @property
+    def throttle_bytes_per_s(self) -> dict[Tier, float]:
+        return {tier: mbps * 1e6 for tier, mbps in self.throttle_mbps.items()}
 
     @property
     def memory_format(self) -> StorageFormat:
@@ -62,39 +135,5 @@ class StoreConfig:
 
     @property
     def remote_format(self) -> StorageFormat:
-        """Format of the disk and Redis tiers (optionally int8)."""
+        """Format of the disk and Redis tiers (optionally quantized)."""
         return StorageFormat(self.dtype, self.quantization)
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> StoreConfig:
-        s = settings.store
-        disk_dir = None
-        if s.disk_enabled:
-            disk_dir = Path(s.disk_dir if s.disk_dir is not None else settings.data_dir / "kv").expanduser()
-        is_model_on_cuda = settings.model.device != "cpu" and torch.cuda.is_available()  # auto: CUDA when present
-        max_gpu_bytes = s.max_gpu_bytes
-        if max_gpu_bytes is None:  # a share of what the loaded model left free, where it runs on CUDA
-            max_gpu_bytes = default_gpu_bytes(s.gpu_memory_share, s.gpu_device, is_model_on_cuda)
-        return cls(
-            max_gpu_bytes=max_gpu_bytes,
-            gpu_device=s.gpu_device,
-            max_memory_bytes=s.max_memory_bytes,
-            disk_dir=disk_dir,
-            max_disk_bytes=s.max_disk_bytes,
-            redis_url=s.redis_url or None,
-            redis_ttl_s=s.redis_ttl_s,
-            dtype=s.dtype,
-            quantization=s.quantization,
-            write_tiers=frozenset(Tier(t) for t in s.write_tiers),
-            fsync=s.fsync,
-            is_pipelined=s.pipelined,
-            prefetch_depth=s.prefetch_depth,
-            loader_priority=s.loader_priority,
-            engine_device_type="cuda" if is_model_on_cuda else "cpu",
-            min_recompute_ratio=s.min_recompute_ratio,
-            max_recompute_ratio=s.max_recompute_ratio,
-            max_prefetch_bytes=s.max_prefetch_bytes,
-            throttle_bytes_per_s={Tier(t): mbps * 1e6 for t, mbps in s.throttle_mbps.items()},
-            is_budgeted=s.budgeted,
-            use_half_life=s.use_half_life,
-        )

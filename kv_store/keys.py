@@ -9,7 +9,7 @@ from typing import Sequence
 
 import numpy as np
 
-from configs.settings import KVQuantization, StorageDtype
+from configs.enums import KVQuantization, StorageDtype
 
 # Bump when the on-disk/Redis layout changes: old entries then simply stop matching (misses).
 FORMAT_VERSION = 1

@@ -17,13 +17,13 @@ from typing import Sequence
 import torch
 
 from blend_engine.kv import ChunkKV
-from configs.settings import LoaderPriority, Settings
+from configs.enums import LoaderPriority
 from kv_store.admission import Admission, AdmissionPolicy, BudgetStats
 from kv_store.backend import Backend, Tier
 from kv_store import lowbit_kernels
 from kv_store.codec import LOWBIT_SPECS, TORCH_DTYPES
 from kv_store.config import StoreConfig
-from kv_store.device import DeviceBackend
+from kv_store.device import DeviceBackend, check_device, default_gpu_bytes
 from kv_store.disk import DiskBackend
 from kv_store.keys import chunk_key, is_valid_key
 from kv_store.loader import StoredChunk, StoreLayerSource
@@ -37,30 +37,40 @@ log = logging.getLogger(__name__)
 
 
 class KVStore:
-    def __init__(self, fingerprint: str, config: StoreConfig = StoreConfig()):
+    def __init__(self, fingerprint: str, config: StoreConfig = StoreConfig(disk_enabled=False),
+                 engine_device_type: str = "cpu"):
+        """`engine_device_type` ("cpu", "cuda"): where the engine computes; the GPU tier's default bound and
+        the loader threads' `auto` priority resolve against it."""
         if not fingerprint:
             raise ValueError("a model fingerprint is required")
+        if engine_device_type not in ("cpu", "cuda"):
+            raise ValueError(f"engine_device_type must be cpu or cuda, got {engine_device_type!r}")
         self.fingerprint, self.config = fingerprint, config
         self._backends: list[Backend] = []
-        if config.max_gpu_bytes > 0:
-            self._backends.append(DeviceBackend(config.max_gpu_bytes, TORCH_DTYPES[config.dtype], config.gpu_device))
+        max_gpu_bytes = config.max_gpu_bytes
+        if max_gpu_bytes is None:  # a share of what the loaded model left free, where it runs on CUDA
+            max_gpu_bytes = default_gpu_bytes(config.gpu_memory_share, config.gpu_device, engine_device_type == "cuda")
+        if max_gpu_bytes > 0:
+            check_device(config.gpu_device)
+            self._backends.append(DeviceBackend(max_gpu_bytes, TORCH_DTYPES[config.dtype], config.gpu_device))
         if config.max_memory_bytes > 0:
             self._backends.append(MemoryBackend(config.max_memory_bytes, TORCH_DTYPES[config.dtype]))
-        if config.disk_dir is not None:
+        disk_dir = config.disk_path
+        if disk_dir is not None:
             self._backends.append(
-                DiskBackend(config.disk_dir, config.max_disk_bytes, fingerprint, config.remote_format, config.fsync)
+                DiskBackend(disk_dir, config.max_disk_bytes, fingerprint, config.remote_format, config.fsync)
             )
         if config.redis_url is not None:
             from kv_store.redis_backend import RedisBackend  # redis-py only when a URL is configured
 
             self._backends.append(RedisBackend(config.redis_url, config.redis_ttl_s, fingerprint, config.remote_format))
-        if config.quantization in LOWBIT_SPECS and (config.disk_dir is not None or config.redis_url is not None):
+        if config.quantization in LOWBIT_SPECS and (disk_dir is not None or config.redis_url is not None):
             lowbit_kernels.warm_up()  # its decoder's compiled loops, before any request reads an entry
         self._budgeted = self._budget_tier()
         self.admission = self._admission(config) if self._budgeted is not None else None
         self._backends = [self._throttled(b) for b in self._backends]
         self.planner = LoadPlanner(config.min_recompute_ratio, config.max_recompute_ratio)
-        self._streaming = StoreStreaming(self._backends, config, self.put, self.get, self.backend)
+        self._streaming = StoreStreaming(self._backends, config, self.put, self.get, self.backend, engine_device_type)
         self._prefetcher = self._streaming.prefetcher
 
     def _budget_tier(self) -> DiskBackend | MemoryBackend | None:
@@ -73,16 +83,12 @@ class KVStore:
 
     def _admission(self, config: StoreConfig) -> AdmissionPolicy:
         tier = self._budgeted
-        victims = tier.victims if config.is_budgeted else None
+        victims = tier.victims if config.budgeted else None
         return AdmissionPolicy(tier, tier.max_bytes, config.use_half_life, victims=victims)
 
     def _throttled(self, backend: Backend) -> Backend:
         rate = self.config.throttle_bytes_per_s.get(backend.tier)
         return backend if rate is None else ThrottledBackend(backend, rate)
-
-    @classmethod
-    def from_settings(cls, settings: Settings, fingerprint: str) -> KVStore:
-        return cls(fingerprint, StoreConfig.from_settings(settings))
 
     @property
     def tiers(self) -> list[Tier]:
@@ -133,9 +139,9 @@ class KVStore:
         """Write `kv` if the collection's budget admits it (see admission.py); True when written.
 
         A precomputed entry (ingestion) goes to the tiers below memory only: the memory tier fills
-        on use (promote after an answer, prefetch). Unbudgeted (`is_budgeted: false`) every entry
+        on use (promote after an answer, prefetch). Unbudgeted (`budgeted: false`) every entry
         is written as `put` writes it."""
-        if self.admission is None or not self.config.is_budgeted:
+        if self.admission is None or not self.config.budgeted:
             self.put(key, kv)
             return True
         num_bytes = self.admission.estimated_bytes(kv.num_tokens) or 0
@@ -147,7 +153,7 @@ class KVStore:
     def should_compute(self, key: str, num_tokens: int, why: Admission) -> bool:
         """Whether an entry of `num_tokens` would be admitted, asked before computing it (yes while its
         size is unknown: no entry written yet). A no is counted as a rejection; `offer` decides for good."""
-        if self.admission is None or not self.config.is_budgeted:
+        if self.admission is None or not self.config.budgeted:
             return True
         num_bytes = self.admission.estimated_bytes(num_tokens)
         return num_bytes is None or self.admission.admits(key, num_bytes, why, is_final=False)

@@ -38,11 +38,12 @@ class StoreStreaming:
         put: Callable[[str, ChunkKV], None],
         get: Callable[[str], ChunkKV | None],
         backend: Callable[[Tier], Backend],
+        engine_device_type: str,
     ):
         self._backends = backends  # the store's list itself (fastest first), emptied by its `close`
         self.config = config
         self._put, self._get, self._backend = put, get, backend
-        is_prefetch_idle = config.loader_priority.is_idle_beside(config.engine_device_type)
+        is_prefetch_idle = config.loader_priority.is_idle_beside(engine_device_type)
         self.prefetcher = (Prefetcher(self._copy_up, config.max_prefetch_bytes, is_prefetch_idle)
                            if config.max_memory_bytes > 0 else None)
         self._lock = threading.Lock()
@@ -106,7 +107,7 @@ class StoreStreaming:
                 # only compete with the engine's compute threads for the cores (measured: ~8% slower). On
                 # CUDA its layers cross PCIe, worth hiding (issue 8: 242 -> 118 ms); the GPU tier's are views.
                 near = (Tier.GPU,) if torch.device(device).type == "cuda" else (Tier.GPU, Tier.MEMORY)
-                pipelined = self.config.is_pipelined and any(h.tier not in near for h in handles)
+                pipelined = self.config.pipelined and any(h.tier not in near for h in handles)
             priority = self.config.loader_priority if loader_priority is None else loader_priority
             return StoreLayerSource(readers, device, dtype, recover, pipelined, self.config.prefetch_depth, start_layer,
                                     priority.is_idle_beside(torch.device(device).type))

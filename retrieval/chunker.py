@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from configs.settings import ChunkingMode
+from configs.enums import ChunkingMode
 
 Tokenize = Callable[[str], list[int]]
 Detokenize = Callable[[list[int]], str]

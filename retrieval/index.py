@@ -16,7 +16,7 @@ from typing import Iterable
 import faiss
 import numpy as np
 
-from configs.settings import IndexKind
+from configs.enums import IndexKind
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Postgres document store, shared by server replicas (`store.database_url`).
+"""Postgres document store, shared by server replicas (`database.url`).
 
 The same contract as the SQLite store (one transaction per document is its commit point, row ids are
 never reused), plus a change log: every commit appends one row `(seq, row ids touched)` and notifies
@@ -328,7 +328,7 @@ def _redacted(url: str) -> str:
     try:
         parts = psycopg.conninfo.conninfo_to_dict(url)
     except psycopg.ProgrammingError:
-        return "(store.database_url: not a valid connection string)"
+        return "(database.url: not a valid connection string)"
     parts.pop("password", None)
     return " ".join(f"{k}={v}" for k, v in parts.items())
 

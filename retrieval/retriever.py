@@ -10,7 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
-from configs.settings import RetrievalSettings
+from retrieval.config import RetrievalConfig
 from retrieval.doc_store import SqliteDocumentStore
 from retrieval.store_types import DocumentStore, StoredChunk
 from retrieval.embedder import Embedder
@@ -57,7 +57,7 @@ class Retriever:
         self.seq = 0  # the last change of the store's log the index has followed
 
     @classmethod
-    def open(cls, data_dir: Path, settings: RetrievalSettings, store: DocumentStore | None = None) -> Retriever:
+    def open(cls, data_dir: Path, settings: RetrievalConfig, store: DocumentStore | None = None) -> Retriever:
         """Open the store (default: SQLite under `data_dir`) and the index under `data_dir`; reconcile
         the index with the store by id sets (rebuilt if stale or unreadable)."""
         embedder = Embedder.from_name(settings.embedder, batch_size=settings.embed_batch_size)

@@ -25,10 +25,11 @@ from typing import Generator, Protocol, Sequence
 
 from blend_engine.engine import BlendEngine
 from blend_engine.types import BlendConfig, PrefillMode, PrefillResult, PrefillStats, Segment
-from configs.settings import BlendSettings, RequestMode
+from configs.enums import RequestMode
 from kv_store import KVStore
-from kv_store.loader import StoredChunk
+from kv_store.loader import StoredChunk, StoreLayerSource
 from kv_store.planner import LoadPlan, PlanKind, PlanRequest
+from runtime.config import SchedulerConfig
 from runtime.planning import PlanReport, compute_seconds, measure_engine, planned_segments, shape_of
 from runtime.types import PrefillRequest, PromptChunk
 
@@ -50,9 +51,9 @@ class PrefillOutcome:
 class PrefillExecutor:
     engine: BlendEngine
     kv_store: KVStore
-    blend: BlendSettings
+    blend: BlendConfig  # as configured; each request's is fitted to the engine's layers (`request_config`)
     profile_tokens: Sequence[int]  # the start-up measurement's prompt sizes (store.planner_profile_tokens)
-    prefill_chunk_tokens: int = 512
+    prefill_chunk_tokens: int = SchedulerConfig.prefill_chunk_tokens
     repairer: Repairer | None = None  # recomputes, in the background, the entries found missing
 
     def prefill_steps(self, request: PrefillRequest) -> Generator[PrefillOutcome | None, None, None]:
@@ -61,12 +62,15 @@ class PrefillExecutor:
         is_full = request.mode is RequestMode.FULL
         segments = self._segments(request, with_kv=not is_full)
         handles = [s.kv for s in segments if isinstance(s.kv, StoredChunk)]
-        mode, plan = self._plan(request, segments, handles)
+        blend = self.request_config(request)  # its check layer decides where stored KV is read from
+        mode, plan = self._plan(request, segments, handles, blend.first_check_layer)
+        if plan is not None and plan.ratio is not None and request.recompute_ratio in (None, "auto"):
+            blend = replace(blend, recompute_ratio=plan.ratio)  # the planner's: what the loads hide
         num_tokens = sum(len(s.token_ids) for s in segments)
         if mode is PrefillMode.FULL and num_tokens > self.prefill_chunk_tokens:
-            yield from self._chunked_full(request, segments, handles, plan)
+            yield from self._chunked_full(request, segments, handles, plan, blend.first_check_layer)
             return
-        yield from self._prefill(request, segments, handles, mode, plan)
+        yield from self._prefill(request, segments, handles, mode, plan, blend)
 
     @property
     def max_step_token_layers(self) -> int:
@@ -94,15 +98,16 @@ class PrefillExecutor:
         return handle
 
     def _prefill(self, request: PrefillRequest, segments: list[Segment], handles: list[StoredChunk],
-                 mode: PrefillMode, plan: LoadPlan | None) -> Generator[PrefillOutcome | None, None, None]:
+                 mode: PrefillMode, plan: LoadPlan | None,
+                 blend: BlendConfig) -> Generator[PrefillOutcome | None, None, None]:
         """The engine's prefill cut by layers (`max_step_token_layers` a step), then the outcome."""
         if plan is not None:
             segments = planned_segments(segments, plan)
         used = [s.kv for s in segments if isinstance(s.kv, StoredChunk)]
-        source = self._layer_source(used, mode) if used else None
+        source = self._layer_source(used, mode, blend.first_check_layer) if used else None
         try:
             parts = self.engine.prefill_steps(
-                segments, mode=mode, blend=self._blend_config(request, plan), kv_source=source,
+                segments, mode=mode, blend=blend, kv_source=source,
                 max_new_tokens=request.sampling.max_tokens, max_step_token_layers=self.max_step_token_layers,
             )
             try:
@@ -116,7 +121,7 @@ class PrefillExecutor:
         finally:
             if source is not None:
                 source.close()  # its loader thread stops here, also when the request was abandoned
-        self.kv_store.planner.observe(shape_of(result.stats, self.engine.num_layers, self._first_check_layer),
+        self.kv_store.planner.observe(shape_of(result.stats, self.engine.num_layers, blend.first_check_layer),
                                       compute_seconds(result.stats))
         if plan is None:
             yield PrefillOutcome(result, handles, None)
@@ -132,7 +137,7 @@ class PrefillExecutor:
         return PrefillOutcome(result, handles, report)
 
     def _chunked_full(self, request: PrefillRequest, segments: list[Segment], handles: list[StoredChunk],
-                      plan: LoadPlan | None) -> Generator[PrefillOutcome | None, None, None]:
+                      plan: LoadPlan | None, first_check_layer: int) -> Generator[PrefillOutcome | None, None, None]:
         """A full prefill, `prefill_chunk_tokens` per step: the first chunk prefilled, each next one fed
         after the cache's end (causal over everything before it: what one full prefill computes). A
         planner's full plan reads no stored KV (`planned_segments` makes every chunk fresh): its report
@@ -156,16 +161,12 @@ class PrefillExecutor:
             yield PrefillOutcome(result, [], None)
             return
         # as a whole planned prefill does: its time teaches the cost model, its chunks are promoted after
-        self.kv_store.planner.observe(shape_of(stats, self.engine.num_layers, self._first_check_layer),
+        self.kv_store.planner.observe(shape_of(stats, self.engine.num_layers, first_check_layer),
                                       compute_seconds(stats))
         yield self._planned_outcome(result, handles, len(handles), 0.0, plan)
 
-    @property
-    def _first_check_layer(self) -> int:
-        """Blend's first check layer (a request may change the selection or ratio, never the checks)."""
-        return self.blend.check_layers[0]
-
-    def _plan(self, request: PrefillRequest, segments: list[Segment], handles: list) -> tuple[PrefillMode, LoadPlan | None]:
+    def _plan(self, request: PrefillRequest, segments: list[Segment], handles: list[StoredChunk],
+              first_check_layer: int) -> tuple[PrefillMode, LoadPlan | None]:
         """The prefill mode to run, and the loading planner's plan where the request leaves it the choice."""
         is_auto = request.mode is RequestMode.AUTO
         if not handles:
@@ -180,35 +181,37 @@ class PrefillExecutor:
             plan_request = PlanRequest(
                 chunks=handles, num_prompt_tokens=sum(len(s.token_ids) for s in segments),
                 num_fresh_tokens=sum(len(s.token_ids) for s in segments if not isinstance(s.kv, StoredChunk)),
-                first_reused_layer=self._first_check_layer,
+                first_reused_layer=first_check_layer,
                 num_layers=self.engine.num_layers,
-                is_pipelined=self.kv_store.config.is_pipelined,
+                is_pipelined=self.kv_store.config.pipelined,
             )
             plan = self.kv_store.plan(plan_request, is_blend_only=not is_auto)
             return (PrefillMode.FULL if plan.kind is PlanKind.FULL else PrefillMode.BLEND), plan
         return PrefillMode(request.mode.value), None  # 'auto' ratio outside blend: nothing to choose
 
-    def _layer_source(self, handles: list[StoredChunk], mode: PrefillMode):
-        start_layer = self._first_check_layer if mode is PrefillMode.BLEND else 0
+    def _layer_source(self, handles: list[StoredChunk], mode: PrefillMode, first_check_layer: int) -> StoreLayerSource:
+        start_layer = first_check_layer if mode is PrefillMode.BLEND else 0
         return self.kv_store.layer_source(
             handles, self.engine.device, self.engine.dtype, start_layer=start_layer, recompute=self.engine.precompute,
         )
 
-    def _blend_config(self, request: PrefillRequest, plan: LoadPlan | None) -> BlendConfig:
-        config = BlendConfig.from_settings(self.blend)
-        if request.selection is not None:
-            config = replace(config, selection=request.selection)
-        config = config.fitted(self.engine.num_layers)  # e.g. a deviation selection checks at layer 1 at least
+    def request_config(self, request: PrefillRequest) -> BlendConfig:
+        """The blend config this request runs with, fitted to the engine: the configured one with the
+        request's selection and ratio (None and 'auto': the configured ratio, the planner may set its own).
+        A request's selection can move the check layer (a deviation ranking checks at layer 1 at least),
+        so everything keyed to the check layer reads it from here."""
+        config = self.blend if request.selection is None else replace(self.blend, selection=request.selection)
+        config = config.fitted(self.engine.num_layers)
         ratio = request.recompute_ratio
         if ratio == "adaptive":
-            return replace(config, adaptive_mass=self.blend.adaptive_mass)
-        if ratio in (None, "auto"):  # the configured ratio, or the planner's (what the loads hide)
-            return config if plan is None or plan.ratio is None else replace(config, recompute_ratio=plan.ratio)
+            return replace(config, is_ratio_adaptive=True)
+        if ratio in (None, "auto"):
+            return config
         return replace(config, recompute_ratio=float(ratio))
 
     def measure_engine(self) -> None:
         """Fit the planner's cost model on timed prefills; run on the loop at start-up."""
-        blend = BlendConfig.from_settings(self.blend).fitted(self.engine.num_layers)
+        blend = self.blend.fitted(self.engine.num_layers)
         for shape, seconds in measure_engine(self.engine, self.profile_tokens, blend):
             self.kv_store.planner.observe(shape, seconds)
 

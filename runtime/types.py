@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from blend_engine.types import FinishReason, PrefillMode, SamplingParams, SelectionKind
-from configs.settings import RequestMode
+from configs.enums import RequestMode
 from runtime.planning import PlanReport
 
 RecomputeRatio = float | Literal["auto", "adaptive"] | None

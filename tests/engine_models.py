@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from blend_engine.config import BlendConfig
 from blend_engine.engine import BlendEngine
 
 VOCAB = 256
@@ -69,7 +70,7 @@ def build_engine(name: str, seed: int = 0) -> BlendEngine:
     device = test_device()
     if device.type == "cuda":
         model = model.to(device, dtype=torch.bfloat16)
-    return BlendEngine.from_model(model, tokenizer=None, name=name)
+    return BlendEngine.from_model(model, tokenizer=None, name=name, blend=BlendConfig.cacheblend())
 
 
 def random_ids(n: int, seed: int) -> tuple[int, ...]:

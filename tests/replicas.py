@@ -29,9 +29,10 @@ store:
   disk_enabled: false
   write_tiers: [redis]             # KV lives in the shared tier only: a hit on B is A's entry
   redis_url: "{redis_url}"
-  database_url: "{database_url}"
-  database_timeout_s: {timeout_s}
-  database_poll_s: {poll_s}
+database:
+  url: "{database_url}"
+  timeout_s: {timeout_s}
+  poll_s: {poll_s}
 """ % API_KEY
 
 

@@ -23,7 +23,7 @@ CONFIG = """\
 model: {name: "random:tiny-llama", device: cpu}
 retrieval: {chunk_tokens: 64, chunk_overlap: 0}
 store: {max_memory_bytes: 0}
-server: {max_running: 1}  # one answer decodes at a time: a second question waits in the queue
+scheduler: {max_running: 1}  # one answer decodes at a time: a second question waits in the queue
 """
 
 

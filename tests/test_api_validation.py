@@ -25,7 +25,7 @@ QUESTION = "What is the secret code of the blue vault?"
 def server(tmp_path_factory):
     settings = load_settings(
         data_dir=tmp_path_factory.mktemp("api"),
-        server={"api_key": API_KEY, "max_queue": 1, "retry_after_s": 3},
+        server={"api_key": API_KEY}, scheduler={"max_queue": 1, "retry_after_s": 3},
         generation={"max_tokens": 4},
         limits={"max_body_bytes": 20_000, "max_document_chars": 2_000, "max_documents_per_request": 4,
                 "max_top_k": 8, "max_tokens": 8, "max_question_chars": 400, "max_chunk_ids": 4},

@@ -19,7 +19,7 @@ from test_engine_blend import assert_same_prefill, rag_prompt
 from test_key_scale import exact_first_prompt, spans_of
 
 SCALE = 0.5
-SCALED = BlendConfig(reused_attention_scale=SCALE)
+SCALED = BlendConfig.cacheblend(reused_attention_scale=SCALE)
 
 
 def reference_attention(q, k, v, query_pos, bias, scaling):
@@ -68,7 +68,7 @@ def test_plan_scales_the_attention_of_inexact_chunks_only():
     (_, _), *inexact = spans_of(segments)
     assert plan.is_attention_scaled
     assert plan.scaled_attention_pos == tuple(p for a, b in inexact for p in range(a, b))
-    assert not plan_prefill(segments, PrefillMode.REUSE, BlendConfig(), 4).is_attention_scaled
+    assert not plan_prefill(segments, PrefillMode.REUSE, BlendConfig.cacheblend(), 4).is_attention_scaled
     assert not plan_prefill(segments, PrefillMode.FULL, SCALED, 4).is_attention_scaled
     assert not plan_prefill(segments, PrefillMode.PREFIX, SCALED, 4).is_attention_scaled
 
@@ -77,7 +77,7 @@ def test_plan_scales_the_attention_of_inexact_chunks_only():
 def test_reuse_biases_the_inexact_chunks_and_changes_the_answer(family):
     engine = build_engine(family)
     segments = exact_first_prompt(engine)
-    plain = engine.prefill(segments, PrefillMode.REUSE, BlendConfig())
+    plain = engine.prefill(segments, PrefillMode.REUSE, BlendConfig.cacheblend())
     scaled = engine.prefill(segments, PrefillMode.REUSE, SCALED)
     assert plain.cache.column_bias is None
     bias = scaled.cache.column_bias
@@ -100,14 +100,14 @@ def test_blend_with_an_attention_scale_at_ratio_one_equals_full(family):
     segments = exact_first_prompt(engine)
     full = engine.prefill(segments, PrefillMode.FULL)
     blend = engine.prefill(segments, PrefillMode.BLEND,
-                           BlendConfig(recompute_ratio=1.0, reused_attention_scale=SCALE))
+                           BlendConfig.cacheblend(recompute_ratio=1.0, reused_attention_scale=SCALE))
     assert_same_prefill(blend, full)
 
 
 def test_blend_leaves_the_tokens_it_recomputes_unbiased():
     engine = build_engine("llama-gqa")
     segments = rag_prompt(engine, chunk_len=40)
-    result = engine.prefill(segments, PrefillMode.BLEND, BlendConfig(recompute_ratio=0.3, reused_attention_scale=SCALE))
+    result = engine.prefill(segments, PrefillMode.BLEND, BlendConfig.cacheblend(recompute_ratio=0.3, reused_attention_scale=SCALE))
     selected = set(result.stats.selected_positions)
     assert selected
     bias = result.cache.column_bias.values
@@ -137,7 +137,7 @@ def test_scoring_and_decoding_attend_to_reused_tokens_as_the_prefill_does(family
     torch.testing.assert_close(scored, longer.logits, **tol(1e-4))
     stepped = engine.decoder(result, is_graphed=False).step(token)
     torch.testing.assert_close(stepped, longer.logits, **tol(1e-4))
-    unbiased = engine.prefill(question_appended(segments, token), PrefillMode.REUSE, BlendConfig())
+    unbiased = engine.prefill(question_appended(segments, token), PrefillMode.REUSE, BlendConfig.cacheblend())
     # without the bias the decode would be off by far more than it is from the reference
     assert (unbiased.logits - longer.logits).abs().max() > 10 * (stepped - longer.logits).abs().max()
 
@@ -173,9 +173,8 @@ def test_a_growing_cache_pads_its_bias_with_zeros():
 
 def test_attention_scale_is_validated_and_off_by_default():
     with pytest.raises(ValueError, match="reused_attention_scale"):
-        BlendConfig(reused_attention_scale=0.0)
+        BlendConfig.cacheblend(reused_attention_scale=0.0)
     with pytest.raises(ValueError, match="reused_attention_scale"):
-        BlendConfig(reused_attention_scale=5.0)
-    assert BlendConfig().reused_attention_scale == 1.0
-    settings = load_settings()
-    assert BlendConfig.from_settings(settings.blend).reused_attention_scale == settings.blend.reused_attention_scale
+        BlendConfig.cacheblend(reused_attention_scale=5.0)
+    assert BlendConfig.cacheblend().reused_attention_scale == 1.0  # CacheBlend scales nothing; the server's default does
+    assert load_settings().blend.reused_attention_scale == BlendConfig().reused_attention_scale == 0.5

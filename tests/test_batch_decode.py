@@ -10,7 +10,7 @@ from blend_engine.batch_decode import batch_step
 from blend_engine.engine import BlendEngine
 from blend_engine.types import BlendConfig, FinishReason, PrefillMode, SamplingParams
 from blend_engine.weights import convert_linears
-from configs import DecodeCache, WeightFormat
+from configs.enums import DecodeCache, WeightFormat
 from engine_models import MODEL_BUILDERS, build_engine, cpu_exact, random_ids
 from test_engine_blend import rag_prompt
 
@@ -21,7 +21,7 @@ FAMILIES = list(MODEL_BUILDERS)
 FORMATS = [(WeightFormat.FP32, DecodeCache.MODEL), (WeightFormat.FP32, DecodeCache.BF16),
            (WeightFormat.FP32, DecodeCache.INT8), (WeightFormat.INT8, DecodeCache.INT8),
            (WeightFormat.INT4, DecodeCache.INT8), (WeightFormat.INT4, DecodeCache.BF16)]
-SCALED = BlendConfig(reused_attention_scale=0.5)  # leaves a column bias on the cache: decode must honour it
+SCALED = BlendConfig.cacheblend(reused_attention_scale=0.5)  # leaves a column bias on the cache: decode must honour it
 # mixed prompt lengths and modes; the last prompt's cache has room for 2 new tokens only (it grows)
 REQUESTS = [
     (PrefillMode.BLEND, dict(seed=10), 0),
@@ -47,7 +47,7 @@ def engine_for(family: str, weights: WeightFormat, cache: DecodeCache) -> BlendE
     fp32 = build_engine(family)
     model = copy.deepcopy(fp32.model)
     convert_linears(model, weights)
-    return BlendEngine.from_model(model, name=family, decode_cache=cache)
+    return BlendEngine.from_model(model, name=family, decode_cache=cache, blend=BlendConfig.cacheblend())
 
 
 def prefills(engine: BlendEngine) -> list:
@@ -146,7 +146,7 @@ def tokenizer():
     from transformers import AutoTokenizer
 
     from blend_engine.loader import converted_gguf_dir, embedded_gguf_path
-    from configs import load_settings
+    from configs.settings import load_settings
 
     return AutoTokenizer.from_pretrained(converted_gguf_dir(embedded_gguf_path(), load_settings().model.cache_dir))
 
@@ -155,7 +155,7 @@ def text_engine(tokenizer, family: str = "qwen2-bias", cache: DecodeCache = Deco
     torch.manual_seed(0)
     model = MODEL_BUILDERS[family]().eval()
     convert_linears(model, WeightFormat.INT8)
-    return BlendEngine.from_model(model, tokenizer=tokenizer, name=family, decode_cache=cache)
+    return BlendEngine.from_model(model, tokenizer=tokenizer, name=family, decode_cache=cache, blend=BlendConfig.cacheblend())
 
 
 def run_batch(engine: BlendEngine, results, params, cancel_at: dict[int, int] | None = None):

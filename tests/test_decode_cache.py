@@ -10,7 +10,8 @@ from blend_engine.kv import KVCache
 from blend_engine.layer import rotate
 from blend_engine.runner import apply_rope, signed_sin
 from blend_engine.types import PrefillMode
-from configs import DecodeCache, WeightFormat, load_settings
+from configs.enums import DecodeCache, WeightFormat
+from configs.settings import load_settings
 from engine_models import cpu_exact, random_ids
 from test_engine_blend import rag_prompt
 from test_engine_weights import _quantized_engine

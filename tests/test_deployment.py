@@ -82,11 +82,11 @@ def test_compose_topology_is_complete(compose):
         assert {dep: c["condition"] for dep, c in replica["depends_on"].items()} == {
             "postgres": "service_healthy", "redis": "service_healthy"}
         env = replica["environment"]
-        assert env["RAGBLEND_STORE__DATABASE_URL"].startswith("postgresql://ragblend:")
-        assert "@postgres:5432/ragblend" in env["RAGBLEND_STORE__DATABASE_URL"]
+        assert env["RAGBLEND_DATABASE__URL"].startswith("postgresql://ragblend:")
+        assert "@postgres:5432/ragblend" in env["RAGBLEND_DATABASE__URL"]
         assert env["RAGBLEND_STORE__REDIS_URL"] == "redis://redis:6379/0"
         assert ":?" in env["RAGBLEND_SERVER__API_KEY"]
-        urls.add(env["RAGBLEND_STORE__DATABASE_URL"])
+        urls.add(env["RAGBLEND_DATABASE__URL"])
         assert "/readyz" in " ".join(replica["healthcheck"]["test"])
     assert len(urls) == 1  # one shared store
     data_volumes = [v.split(":")[0] for name in REPLICAS for v in services[name]["volumes"]]

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Annotated
 from urllib.parse import unquote
 
 import pytest
-from pydantic import BaseModel
+from pydantic import Field
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from configs import docgen
 from configs.settings import Settings, load_settings
@@ -112,21 +114,20 @@ def test_readme_figures_come_from_the_benchmark_page():
     assert figures and sorted(f for f in figures if f not in page) == []
 
 
-def _sections(model: type[BaseModel]) -> list[type[BaseModel]]:
-    found = [model]
-    for field in model.model_fields.values():
-        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+def _sections(config: type) -> list[type]:
+    found = [config]
+    for field in docgen.fields_of(config).values():
+        if docgen.is_section(field):
             found += _sections(field.annotation)
     return found
 
 
 def test_every_setting_has_a_description():
     undocumented = [
-        f"{model.__name__}.{name}"
-        for model in _sections(Settings)
-        for name, field in model.model_fields.items()
-        if not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel))
-        and not (field.description or "").strip()
+        f"{config.__name__}.{name}"
+        for config in _sections(Settings)
+        for name, field in docgen.fields_of(config).items()
+        if not docgen.is_section(field) and not (field.description or "").strip()
     ]
     assert undocumented == [], f"settings without description= (docs/configuration.md is generated from them): {undocumented}"
 
@@ -138,23 +139,23 @@ def test_configuration_page_is_generated_from_the_settings():
 
 def test_configuration_page_lists_every_setting():
     page = (DOCS / "configuration.md").read_text(encoding="utf-8")
-    for dotted, env, _, _ in docgen.rows(Settings, "", {}):
+    for dotted, env, _, _ in docgen.rows(Settings, ""):
         assert f"`{dotted}`" in page
     for name, field in Settings.model_fields.items():
-        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            for dotted, env, _, _ in docgen.rows(field.annotation, name + ".", {}):
+        if docgen.is_section(field):
+            for dotted, env, _, _ in docgen.rows(field.annotation, name + "."):
                 assert f"| `{dotted}` |" in page and f"`{env}`" in page, dotted
 
 
+@pydantic_dataclass(frozen=True)
+class _Section:
+    documented: Annotated[int, Field(description="Has one.")] = 1
+    forgotten: int = 2
+
+
 def test_generator_refuses_an_undocumented_setting():
-    from pydantic import Field
-
-    class Section(BaseModel):
-        documented: int = Field(1, description="Has one.")
-        forgotten: int = 2
-
     with pytest.raises(docgen.UndocumentedSettingError, match="forgotten"):
-        list(docgen.rows(Section, "section.", {}))
+        list(docgen.rows(_Section, "section."))
 
 
 @pytest.fixture(scope="module")

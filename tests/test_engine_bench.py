@@ -162,11 +162,11 @@ def test_scaled_defaults_bring_cacheblend_rows_as_the_kl_reference():
     from bench.engine_report import _is_cacheblend
     from bench.engine_variants import main_variants
     from blend_engine.types import BlendConfig
-    from configs import SinkMode
+    from configs.enums import SinkMode
 
-    assert [v.label for v in main_variants(BlendConfig(), SinkMode.PREFIX, [0.15])] == [
+    assert [v.label for v in main_variants(BlendConfig.cacheblend(), SinkMode.PREFIX, [0.15])] == [
         "full", "prefix", "reuse", "blend@0.15"]
-    for scaled in (BlendConfig(reused_attention_scale=0.5), BlendConfig(reused_key_scale=0.9)):
+    for scaled in (BlendConfig.cacheblend(reused_attention_scale=0.5), BlendConfig.cacheblend(reused_key_scale=0.9)):
         variants = {v.label: v for v in main_variants(scaled, SinkMode.PREFIX, [0.15])}
         assert not _is_cacheblend(variants["reuse"]) and not _is_cacheblend(variants["blend@0.15"])
         assert _is_cacheblend(variants["reuse unscaled"]) and _is_cacheblend(variants["blend@0.15 unscaled"])

@@ -37,7 +37,7 @@ def test_blend_at_ratio_one_equals_full_prefill(family, check_layers):
     engine = build_engine(family)
     segments = rag_prompt(engine)
     full = engine.prefill(segments, PrefillMode.FULL)
-    blend = engine.prefill(segments, PrefillMode.BLEND, BlendConfig(recompute_ratio=1.0, check_layers=check_layers))
+    blend = engine.prefill(segments, PrefillMode.BLEND, BlendConfig.cacheblend(recompute_ratio=1.0, check_layers=check_layers))
     assert_same_prefill(blend, full)
     assert blend.stats.num_reused_tokens == 0
     assert blend.stats.num_recomputed_tokens == len(full.token_ids)
@@ -75,7 +75,7 @@ def test_selector_picks_exactly_top_ratio_by_deviation(deviation, ratio):
     check = 2
     full = engine.prefill(segments, PrefillMode.FULL)
     blend = engine.prefill(segments, PrefillMode.BLEND,
-                           BlendConfig(recompute_ratio=ratio, check_layers=(check,), deviation=deviation))
+                           BlendConfig.cacheblend(recompute_ratio=ratio, check_layers=(check,), deviation=deviation))
     # Brute force: before the check layer every token is recomputed, so the fresh K/V there are
     # the full prefill's; compare them with the stored ones, token by token.
     cached_pos, stored_k, stored_v = [], [], []
@@ -104,7 +104,7 @@ def test_selector_picks_exactly_top_ratio_by_deviation(deviation, ratio):
 def test_gradual_filtering_keeps_a_subset_at_each_check():
     engine = build_engine("llama-gqa")
     segments = rag_prompt(engine, chunk_len=40)
-    config = BlendConfig(recompute_ratio=0.1, check_layers=(1, 2), filter_growth=3.0)
+    config = BlendConfig.cacheblend(recompute_ratio=0.1, check_layers=(1, 2), filter_growth=3.0)
     result = engine.prefill(segments, PrefillMode.BLEND, config)
     num_cached = sum(len(s.token_ids) for s in segments if s.kv is not None)
     assert len(result.stats.selected_positions) == round(0.1 * num_cached)
@@ -116,19 +116,19 @@ def test_given_positions_replace_the_ranking():
     a ranked blend chose, given back, give the same prefill; other positions are what gets recomputed."""
     engine = build_engine("llama-gqa")
     segments = rag_prompt(engine, chunk_len=40)
-    ranked = engine.prefill(segments, PrefillMode.BLEND, BlendConfig(recompute_ratio=0.2))
+    ranked = engine.prefill(segments, PrefillMode.BLEND, BlendConfig.cacheblend(recompute_ratio=0.2))
     chosen = tuple(ranked.stats.selected_positions)
-    given = engine.prefill(segments, PrefillMode.BLEND, BlendConfig(recompute_ratio=0.2, selected_positions=chosen))
+    given = engine.prefill(segments, PrefillMode.BLEND, BlendConfig.cacheblend(recompute_ratio=0.2, selected_positions=chosen))
     assert given.stats.selected_positions == list(chosen)
     assert torch.equal(given.logits, ranked.logits)
     cached = [p for p in range(len(ranked.token_ids)) if p not in chosen and p >= len(segments[0].token_ids)]
     other = tuple(cached[:len(chosen)])
     assert set(other) != set(chosen)
-    moved = engine.prefill(segments, PrefillMode.BLEND, BlendConfig(recompute_ratio=0.2, selected_positions=other))
+    moved = engine.prefill(segments, PrefillMode.BLEND, BlendConfig.cacheblend(recompute_ratio=0.2, selected_positions=other))
     assert moved.stats.selected_positions == list(other)
     assert not torch.equal(moved.logits, ranked.logits)
     with pytest.raises(ValueError, match="selected_positions"):
-        BlendConfig(selected_positions=(-1,))
+        BlendConfig.cacheblend(selected_positions=(-1,))
 
 
 def test_select_top_and_deviation():
@@ -167,7 +167,7 @@ def test_recomputed_tokens_never_see_later_positions():
     engine = build_engine("llama-gqa")
     a, b1, b2 = random_ids(20, 40), random_ids(20, 41), random_ids(20, 42)
     # a sparse selection: selected tokens of `a` sit among reused ones, with `b` after them
-    config = BlendConfig(recompute_ratio=0.3)
+    config = BlendConfig.cacheblend(recompute_ratio=0.3)
     head = Segment(random_ids(5, 43))  # puts `a` off its precompute context, so some of it is selected
     one = engine.prefill([head, Segment(a, engine.precompute(a)), Segment(b1, engine.precompute(b1))],
                          PrefillMode.BLEND, config)

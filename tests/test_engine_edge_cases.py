@@ -6,7 +6,7 @@ import torch
 from blend_engine.types import BlendConfig, PrefillMode, Segment
 from engine_models import tol, build_engine, random_ids
 
-ALL = BlendConfig(recompute_ratio=1.0)
+ALL = BlendConfig.cacheblend(recompute_ratio=1.0)
 
 
 def check_all_modes(engine, segments):

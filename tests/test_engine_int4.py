@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from blend_engine.int4 import GROUP_SIZE, MAX_PACKED_ROWS, Int4Linear
 from blend_engine.weights import resolve_weight_format
-from configs import WeightFormat
+from configs.enums import WeightFormat
 from engine_models import cpu_exact
 from test_engine_weights import _quantized_engine
 

@@ -44,7 +44,7 @@ def test_selected_positions_match_the_engine_before_reshaping(family, backend):
         name, deviation, checks, ratio = key.split("|")
         if name != family:
             continue
-        config = BlendConfig(recompute_ratio=float(ratio), check_layers=tuple(int(c) for c in checks.split(",")),
+        config = BlendConfig.cacheblend(recompute_ratio=float(ratio), check_layers=tuple(int(c) for c in checks.split(",")),
                              deviation=DeviationKind(deviation))
         result = engine.prefill(segments, PrefillMode.BLEND, config)
         assert result.stats.selected_positions == expected, key
@@ -81,14 +81,14 @@ def test_masked_backend_blend_at_ratio_one_equals_full(family):
     engine.attention_backend = AttentionBackend.MASKED
     segments = rag_prompt(engine)
     full = engine.prefill(segments, PrefillMode.FULL)
-    assert_same_prefill(engine.prefill(segments, PrefillMode.BLEND, BlendConfig(recompute_ratio=1.0)), full)
+    assert_same_prefill(engine.prefill(segments, PrefillMode.BLEND, BlendConfig.cacheblend(recompute_ratio=1.0)), full)
 
 
 def tiny_llama(num_layers: int) -> BlendEngine:
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096)
-    return BlendEngine.from_model(LlamaForCausalLM(config).eval(), name=f"tiny-{num_layers}")
+    return BlendEngine.from_model(LlamaForCausalLM(config).eval(), name=f"tiny-{num_layers}", blend=BlendConfig.cacheblend())
 
 
 def count_blend_prefill(num_layers: int, backend: AttentionBackend, check_layers: tuple[int, ...], **changes):
@@ -99,7 +99,7 @@ def count_blend_prefill(num_layers: int, backend: AttentionBackend, check_layers
         ids = random_ids(120, 2 + i)
         segments.append(Segment(ids, engine.precompute(ids)))
     segments.append(Segment(random_ids(12, 9)))
-    config = BlendConfig(recompute_ratio=0.15, check_layers=check_layers, **changes)
+    config = BlendConfig.cacheblend(recompute_ratio=0.15, check_layers=check_layers, **changes)
     engine.prefill(segments, PrefillMode.BLEND, config)  # warm-up
     counter = HostReadCounter(engine.model)
     try:
@@ -152,7 +152,7 @@ def test_grouped_backend_reads_back_only_at_check_layers():
 def test_decoder_steps_equal_forward_tokens(family, attention_scale):
     engine = build_engine(family)
     segments = rag_prompt(engine)
-    blend = BlendConfig(reused_attention_scale=attention_scale)
+    blend = BlendConfig.cacheblend(reused_attention_scale=attention_scale)
     result = engine.prefill(segments, PrefillMode.BLEND, blend, max_new_tokens=8)
     assert (result.cache.column_bias is not None) == (attention_scale != 1.0)
     tokens = random_ids(6, 77)
@@ -190,7 +190,7 @@ def test_an_engine_on_cuda_turns_sdpa_cudnn_backend_off():
     engine = build_engine("llama-gqa")
     if engine.device.type != "cuda":
         engine.model.to("cuda", dtype=torch.bfloat16)
-        engine = type(engine).from_model(engine.model, name="llama-gqa-cuda")
+        engine = type(engine).from_model(engine.model, name="llama-gqa-cuda", blend=BlendConfig.cacheblend())
     assert not torch.backends.cuda.cudnn_sdp_enabled()
 
 
@@ -199,7 +199,7 @@ def test_cuda_graph_decode_equals_eager():
     engine = build_engine("llama-gqa")
     if engine.device.type != "cuda":
         engine.model.to("cuda", dtype=torch.bfloat16)
-        engine = type(engine).from_model(engine.model, name="llama-gqa-cuda")
+        engine = type(engine).from_model(engine.model, name="llama-gqa-cuda", blend=BlendConfig.cacheblend())
     segments = rag_prompt(engine)
     result = engine.prefill(segments, PrefillMode.BLEND, max_new_tokens=8)
     tokens = random_ids(6, 77)

@@ -27,7 +27,7 @@ def test_every_selection_at_ratio_one_equals_full(family, selection):
     engine = build_engine(family)
     segments = rag_prompt(engine)
     full = engine.prefill(segments, PrefillMode.FULL)
-    blend = engine.prefill(segments, PrefillMode.BLEND, BlendConfig(recompute_ratio=1.0, selection=selection))
+    blend = engine.prefill(segments, PrefillMode.BLEND, BlendConfig.cacheblend(recompute_ratio=1.0, selection=selection))
     assert_same_prefill(blend, full)
 
 
@@ -36,7 +36,7 @@ def test_every_selection_at_ratio_one_equals_full(family, selection):
 def test_every_selection_spends_the_same_budget(selection, check_layers):
     engine = build_engine("llama-gqa")
     segments = rag_prompt(engine, chunk_len=40)
-    config = BlendConfig(recompute_ratio=0.2, selection=selection, check_layers=check_layers, chunk_start_tokens=3)
+    config = BlendConfig.cacheblend(recompute_ratio=0.2, selection=selection, check_layers=check_layers, chunk_start_tokens=3)
     result = engine.prefill(segments, PrefillMode.BLEND, config)
     cached = cached_positions(segments)
     assert len(result.stats.selected_positions) == round(0.2 * len(cached))
@@ -62,7 +62,7 @@ def test_query_selection_ranks_by_the_questions_attention_mass(check):
     segments = rag_prompt(engine, chunk_len=25)
     ratio = 0.2
     result = engine.prefill(segments, PrefillMode.BLEND,
-                            BlendConfig(recompute_ratio=ratio, check_layers=(check,), selection=SelectionKind.QUERY))
+                            BlendConfig.cacheblend(recompute_ratio=ratio, check_layers=(check,), selection=SelectionKind.QUERY))
     # Brute force: before the check layer every token is recomputed, so HF's own attention
     # probabilities at the check layer are the engine's; the question = the tokens after the last chunk.
     ids = [t for seg in segments for t in seg.token_ids]
@@ -80,16 +80,16 @@ def test_adaptive_ratio_covers_its_share_of_the_score():
     engine = build_engine("llama-gqa")
     segments = rag_prompt(engine, chunk_len=40)
     num_cached = len(cached_positions(segments))
-    low = engine.prefill(segments, PrefillMode.BLEND, BlendConfig(adaptive_mass=0.3, min_ratio=0.0, max_ratio=1.0))
-    high = engine.prefill(segments, PrefillMode.BLEND, BlendConfig(adaptive_mass=0.9, min_ratio=0.0, max_ratio=1.0))
+    low = engine.prefill(segments, PrefillMode.BLEND, BlendConfig.cacheblend(is_ratio_adaptive=True, adaptive_mass=0.3, adaptive_min_ratio=0.0, adaptive_max_ratio=1.0))
+    high = engine.prefill(segments, PrefillMode.BLEND, BlendConfig.cacheblend(is_ratio_adaptive=True, adaptive_mass=0.9, adaptive_min_ratio=0.0, adaptive_max_ratio=1.0))
     assert 0 < len(low.stats.selected_positions) < len(high.stats.selected_positions) <= num_cached
     assert low.stats.unselected_mass <= 0.7 + 1e-6 and high.stats.unselected_mass <= 0.1 + 1e-6
     assert low.stats.recompute_ratio == len(low.stats.selected_positions) / num_cached
     # the bounds win over the mass
-    capped = engine.prefill(segments, PrefillMode.BLEND, BlendConfig(adaptive_mass=0.99, max_ratio=0.2))
+    capped = engine.prefill(segments, PrefillMode.BLEND, BlendConfig.cacheblend(is_ratio_adaptive=True, adaptive_mass=0.99, adaptive_max_ratio=0.2))
     assert len(capped.stats.selected_positions) == round(0.2 * num_cached)
     # and at full coverage it is a full prefill
-    whole = engine.prefill(segments, PrefillMode.BLEND, BlendConfig(adaptive_mass=1.0, max_ratio=1.0))
+    whole = engine.prefill(segments, PrefillMode.BLEND, BlendConfig.cacheblend(is_ratio_adaptive=True, adaptive_mass=1.0, adaptive_max_ratio=1.0))
     assert_same_prefill(whole, engine.prefill(segments, PrefillMode.FULL))
 
 
@@ -97,20 +97,20 @@ def test_quality_guard_raises_the_ratio_of_risky_requests_only():
     engine = build_engine("llama-gqa")
     segments = rag_prompt(engine, chunk_len=40)
     num_cached = len(cached_positions(segments))
-    plain = engine.prefill(segments, PrefillMode.BLEND, BlendConfig(recompute_ratio=0.1))
+    plain = engine.prefill(segments, PrefillMode.BLEND, BlendConfig.cacheblend(recompute_ratio=0.1))
     left = plain.stats.unselected_mass
     assert 0 < left < 1 and not plain.stats.is_guarded
-    risky = engine.prefill(segments, PrefillMode.BLEND, BlendConfig(
+    risky = engine.prefill(segments, PrefillMode.BLEND, BlendConfig.cacheblend(
         recompute_ratio=0.1, guard_unselected_mass=left - 0.01, guard_ratio=0.4))
     assert risky.stats.is_guarded and len(risky.stats.selected_positions) == round(0.4 * num_cached)
-    calm = engine.prefill(segments, PrefillMode.BLEND, BlendConfig(
+    calm = engine.prefill(segments, PrefillMode.BLEND, BlendConfig.cacheblend(
         recompute_ratio=0.1, guard_unselected_mass=left + 0.01, guard_ratio=0.4))
     assert not calm.stats.is_guarded and calm.stats.selected_positions == plain.stats.selected_positions
 
 
 def test_ratio_decided_at_check_needs_one_check_layer():
     with pytest.raises(ValueError, match="one check layer"):
-        BlendConfig(adaptive_mass=0.5, check_layers=(1, 2))
+        BlendConfig.cacheblend(is_ratio_adaptive=True, adaptive_mass=0.5, check_layers=(1, 2))
 
 
 PROBE = dict(probe_layer=3, query_heads=HeadReduce.MAX, query_tokens=3)
@@ -123,7 +123,7 @@ def test_probe_selection_at_ratio_one_equals_full(family, selection):
     segments = rag_prompt(engine)
     full = engine.prefill(segments, PrefillMode.FULL)
     for checks, combine in [((1,), ScoreCombine.PRODUCT), ((1, 2, 3), ScoreCombine.RANK_SUM)]:
-        config = BlendConfig(recompute_ratio=1.0, selection=selection, check_layers=checks, combine=combine, **PROBE)
+        config = BlendConfig.cacheblend(recompute_ratio=1.0, selection=selection, check_layers=checks, combine=combine, **PROBE)
         assert_same_prefill(engine.prefill(segments, PrefillMode.BLEND, config), full)
 
 
@@ -132,7 +132,7 @@ def test_probe_selection_at_ratio_one_equals_full(family, selection):
 def test_probe_selection_spends_the_same_budget(check_layers, combine):
     engine = build_engine("llama-gqa")
     segments = rag_prompt(engine, chunk_len=40)
-    config = BlendConfig(recompute_ratio=0.2, selection=SelectionKind.QUERY_DEVIATION, check_layers=check_layers,
+    config = BlendConfig.cacheblend(recompute_ratio=0.2, selection=SelectionKind.QUERY_DEVIATION, check_layers=check_layers,
                          combine=combine, **PROBE)
     result = engine.prefill(segments, PrefillMode.BLEND, config)
     cached = cached_positions(segments)
@@ -153,7 +153,7 @@ def test_probe_ranks_by_the_questions_attention_at_the_probe_layer(heads, span):
         segments.append(Segment(seg.token_ids, engine.precompute(seg.token_ids, before) if seg.kv else None))
         before += seg.token_ids
     ratio, probe_layer, num_last = 0.2, 3, 4
-    config = BlendConfig(recompute_ratio=ratio, selection=SelectionKind.QUERY, probe_layer=probe_layer,
+    config = BlendConfig.cacheblend(recompute_ratio=ratio, selection=SelectionKind.QUERY, probe_layer=probe_layer,
                          probe_span=span, query_heads=heads, query_tokens=num_last)
     result = engine.prefill(segments, PrefillMode.BLEND, config)
     engine.model.set_attn_implementation("eager")
@@ -170,11 +170,11 @@ def test_probe_ranks_by_the_questions_attention_at_the_probe_layer(heads, span):
 
 def test_probe_layer_must_follow_the_check_and_fit_the_model():
     with pytest.raises(ValueError, match="probe_layer"):
-        BlendConfig(check_layers=(2,), probe_layer=2)
+        BlendConfig.cacheblend(check_layers=(2,), probe_layer=2)
     engine = build_engine("llama-gqa")
     with pytest.raises(ValueError, match="probe layer"):
         engine.prefill(rag_prompt(engine), PrefillMode.BLEND,
-                       BlendConfig(selection=SelectionKind.QUERY, probe_layer=engine.num_layers))
+                       BlendConfig.cacheblend(selection=SelectionKind.QUERY, probe_layer=engine.num_layers))
 
 
 def test_rank_sum_combines_the_two_rankings():
@@ -190,20 +190,20 @@ def test_last_token_shift_is_zero_for_exact_caches_only():
     for seg in plain:  # each chunk precomputed behind exactly the tokens before it: its KV is the full prefill's
         exact.append(Segment(seg.token_ids, engine.precompute(seg.token_ids, before) if seg.kv else None))
         before += seg.token_ids
-    config = BlendConfig(recompute_ratio=0.2, is_shift_measured=True)
-    assert engine.prefill(plain, PrefillMode.BLEND, BlendConfig()).stats.last_token_shift is None  # off by default
+    config = BlendConfig.cacheblend(recompute_ratio=0.2, is_shift_measured=True)
+    assert engine.prefill(plain, PrefillMode.BLEND, BlendConfig.cacheblend()).stats.last_token_shift is None  # off by default
     assert engine.prefill(exact, PrefillMode.BLEND, config).stats.last_token_shift < 1e-5
     assert engine.prefill(plain, PrefillMode.BLEND, config).stats.last_token_shift > 1e-3
 
 
 def test_query_options_come_from_settings():
-    from configs import load_settings
+    from configs.settings import load_settings
     settings = load_settings(blend={"selection": "query_deviation", "probe_layer": 8, "query_heads": "max",
                                     "query_tokens": 4, "combine": "rank_sum"})
-    config = BlendConfig.from_settings(settings.blend)
+    config = settings.blend
     assert (config.probe_layer, config.query_heads, config.query_tokens, config.combine) == (
         8, HeadReduce.MAX, 4, ScoreCombine.RANK_SUM)
-    default = BlendConfig.from_settings(load_settings().blend)
+    default = load_settings().blend
     assert (default.selection, default.check_layers, default.probe_layer, default.probe_span) == (
         SelectionKind.QUERY, (0,), 8, 4)
 
@@ -211,15 +211,15 @@ def test_query_options_come_from_settings():
 def test_fitted_configs_suit_the_model():
     """The server's defaults run on any model: a probe past the last layer probes at the last one (or
     at the check, with no layer after it), and a deviation ranking never checks at layer 0."""
-    config = BlendConfig(check_layers=(0,), selection=SelectionKind.QUERY, probe_layer=8, probe_span=4)
+    config = BlendConfig.cacheblend(check_layers=(0,), selection=SelectionKind.QUERY, probe_layer=8, probe_span=4)
     assert config.fitted(30) == config
     assert config.fitted(4).probe_layer == 3
     assert config.fitted(1).probe_layer is None
     for kind in (SelectionKind.DEVIATION, SelectionKind.QUERY_DEVIATION, SelectionKind.CHUNK_START):
-        fitted = BlendConfig(check_layers=(0,), selection=kind, probe_layer=8).fitted(30)
+        fitted = BlendConfig.cacheblend(check_layers=(0,), selection=kind, probe_layer=8).fitted(30)
         assert fitted.check_layers == (1,) and fitted.probe_layer == 8
-    assert BlendConfig(check_layers=(0, 1, 2)).fitted(30).check_layers == (1, 2)
-    assert BlendConfig(check_layers=(0,), probe_layer=1).fitted(30).probe_layer is None
+    assert BlendConfig.cacheblend(check_layers=(0, 1, 2)).fitted(30).check_layers == (1, 2)
+    assert BlendConfig.cacheblend(check_layers=(0,), probe_layer=1).fitted(30).probe_layer is None
     engine = build_engine("llama-gqa")  # 4 layers: the defaults' probe at 8 is fitted
     segments = rag_prompt(engine)
     fitted = BlendEngine.from_model(engine.model, blend=config).blend
@@ -233,6 +233,6 @@ def test_the_reported_ratio_is_the_share_that_ran(asked):
     engine = build_engine("llama-gqa")
     segments = rag_prompt(engine, chunk_len=40)
     num_cached = len(cached_positions(segments))
-    stats = engine.prefill(segments, PrefillMode.BLEND, BlendConfig(recompute_ratio=asked)).stats
+    stats = engine.prefill(segments, PrefillMode.BLEND, BlendConfig.cacheblend(recompute_ratio=asked)).stats
     assert stats.recompute_ratio == len(stats.selected_positions) / num_cached
     assert stats.recompute_ratio == pytest.approx(asked, abs=1 / num_cached)

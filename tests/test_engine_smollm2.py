@@ -7,7 +7,9 @@ from blend_engine.engine import BlendEngine
 from blend_engine.generate import IncrementalDetokenizer, StopStringFilter
 from blend_engine.loader import converted_gguf_dir, embedded_gguf_path, load_model
 from blend_engine.types import BlendConfig, FinishReason, PrefillMode, SamplingParams, Segment
-from configs import ModelSettings, SinkMode, load_settings
+from blend_engine.config import ModelConfig
+from configs.enums import SinkMode
+
 
 pytestmark = pytest.mark.smollm2
 
@@ -21,7 +23,7 @@ QUESTION = "In which year was the bridge of Brindlemoor built?"
 
 @pytest.fixture(scope="module")
 def engine():
-    return BlendEngine.from_settings(load_settings())
+    return BlendEngine.from_config(ModelConfig())
 
 
 def answer(engine, segments, mode, max_tokens=20, blend=None):
@@ -42,7 +44,7 @@ def test_blend_answers_like_full_over_facts_in_three_chunks(engine, sink):
     assert "1832" in full
     blend = engine.prefill(segments, PrefillMode.BLEND)
     assert blend.stats.num_reused_tokens > 0
-    cacheblend = BlendConfig(recompute_ratio=engine.blend.recompute_ratio)  # CacheBlend's own selection, no scale
+    cacheblend = BlendConfig.cacheblend(recompute_ratio=engine.blend.recompute_ratio)  # CacheBlend's own selection, no scale
     assert answer(engine, segments, PrefillMode.BLEND, blend=cacheblend) == full
     assert "1832" in answer(engine, segments, PrefillMode.BLEND)
 
@@ -98,27 +100,27 @@ def test_stop_filter_holds_back_partial_matches():
 
 
 def test_warm_load_uses_the_converted_copy(tmp_path):
-    settings = ModelSettings()
+    settings = ModelConfig()
     directory = converted_gguf_dir(embedded_gguf_path(), settings.cache_dir)
     assert (directory / "model.safetensors").exists() and (directory / "tokenizer.json").exists()
     # any local HF model directory loads too
-    loaded = load_model(ModelSettings(name=str(directory)))
+    loaded = load_model(ModelConfig(name=str(directory)))
     assert loaded.model.config.num_hidden_layers == 30
 
 
 @pytest.mark.slow  # ~70 s on 2 cores: one layer of Llama-3-8B with its 128k-token embedding, in bf16
 def test_random_shape_builds_the_architecture():
-    loaded = load_model(ModelSettings(name="random:llama-3-8b:1", dtype="bfloat16"))
+    loaded = load_model(ModelConfig(name="random:llama-3-8b:1", dtype="bfloat16"))
     config = loaded.model.config
     assert loaded.is_random and config.num_key_value_heads == 8 and config.hidden_size == 4096
     assert config.rope_parameters["rope_type"] == "llama3"
-    engine = BlendEngine(loaded)
+    engine = BlendEngine(loaded, BlendConfig.cacheblend())
     ids = tuple(engine.tokenize("a short prompt"))
     torch.testing.assert_close(engine.prefill([Segment(ids)], PrefillMode.FULL).logits.isfinite().all(), torch.tensor(True))
 
 
 def test_unknown_model_is_a_clear_error():
     with pytest.raises(FileNotFoundError, match="neither"):
-        load_model(ModelSettings(name="/no/such/model"))
+        load_model(ModelConfig(name="/no/such/model"))
     with pytest.raises(ValueError, match="unknown random shape"):
-        load_model(ModelSettings(name="random:gpt-17"))
+        load_model(ModelConfig(name="random:gpt-17"))

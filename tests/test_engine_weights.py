@@ -12,7 +12,8 @@ from blend_engine.types import BlendConfig, PrefillMode, Segment
 from blend_engine.weights import (
     MAX_PACKED_ROWS, Bf16Linear, Int8Linear, convert_linears, resolve_weight_format, unhooked, weight_format,
 )
-from configs import WeightFormat, load_settings
+from configs.enums import WeightFormat
+from configs.settings import load_settings
 from engine_models import MODEL_BUILDERS, cpu_exact, random_ids
 from test_engine_blend import assert_same_prefill, rag_prompt
 
@@ -23,7 +24,7 @@ def _quantized_engine(fmt: WeightFormat, family: str = "llama-gqa", seed: int = 
     torch.manual_seed(seed)
     model = MODEL_BUILDERS[family]().eval()
     convert_linears(model, fmt)
-    return BlendEngine.from_model(model, name=family)
+    return BlendEngine.from_model(model, name=family, blend=BlendConfig.cacheblend())
 
 
 @pytest.mark.parametrize("num_rows", [1, 3, MAX_PACKED_ROWS, MAX_PACKED_ROWS + 1, 300])
@@ -134,7 +135,7 @@ def test_blend_at_ratio_one_equals_full_under_quantized_weights(check_layers, fm
     engine = _quantized_engine(fmt)
     segments = rag_prompt(engine)
     full = engine.prefill(segments, PrefillMode.FULL)
-    blend = engine.prefill(segments, PrefillMode.BLEND, BlendConfig(recompute_ratio=1.0, check_layers=check_layers))
+    blend = engine.prefill(segments, PrefillMode.BLEND, BlendConfig.cacheblend(recompute_ratio=1.0, check_layers=check_layers))
     assert_same_prefill(blend, full, atol=1e-5)
     assert blend.stats.num_recomputed_tokens == len(full.token_ids)
 

@@ -5,6 +5,7 @@ it would evict, and use counts fade with recency."""
 import torch
 
 from blend_engine.kv import ChunkKV
+from configs.enums import KVQuantization
 from kv_store import Admission, KVStore, StoreConfig
 from kv_store.admission import AdmissionPolicy
 
@@ -17,11 +18,12 @@ def chunk(seed: int, num_tokens: int = 32) -> ChunkKV:
 
 
 def store_for(tmp_path, num_entries: float, **config) -> tuple[KVStore, list]:
-    probe = KVStore("fp", StoreConfig(max_memory_bytes=0, disk_dir=tmp_path / "probe"))
+    probe = KVStore("fp", StoreConfig(quantization=KVQuantization.NONE, max_memory_bytes=0, disk_dir=tmp_path / "probe"))
     kv = chunk(0)
     probe.put(probe.key_for(kv.token_ids), kv)
     size = probe.backend("disk").bytes_used()
     probe.close()
+    config.setdefault("quantization", KVQuantization.NONE)
     store = KVStore("fp", StoreConfig(max_memory_bytes=1 << 20, disk_dir=tmp_path / "kv",
                                       max_disk_bytes=int(num_entries * size), **config))
     kvs = [chunk(i) for i in range(6)]
@@ -58,7 +60,7 @@ def test_a_miss_is_cached_only_when_it_beats_what_it_would_evict(tmp_path):
 
 
 def test_unbudgeted_writes_everything_and_lru_evicts(tmp_path):
-    store, entries = store_for(tmp_path, 3.5, is_budgeted=False)
+    store, entries = store_for(tmp_path, 3.5, budgeted=False)
     assert all(store.offer(key, kv, Admission.PRECOMPUTE) for key, kv in entries)
     assert store.contains(entries[-1][0]) and not store.backend("disk").contains(entries[0][0])
 

@@ -45,7 +45,7 @@ def server(tmp_path_factory):
     base = dict(data_dir=tmp_path_factory.mktemp("budget"), model={"name": "random:tiny-llama", "device": "cpu"},
                 retrieval={"chunking": "none"})
     settings = load_settings(**base)
-    engine = BlendEngine.from_settings(settings)
+    engine = BlendEngine.from_config(settings.model, settings.blend)
     # one document's entry, in the store's own format: the budget holds about three of the twelve
     kv = engine.precompute(engine.tokenize(TOPICS[0][1]), engine.sink_ids(settings.blend.sink))
     fmt = StorageFormat(settings.store.dtype, settings.store.quantization)

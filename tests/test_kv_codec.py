@@ -5,7 +5,7 @@ import safetensors.torch
 import torch
 
 from blend_engine.kv import ChunkKV
-from configs.settings import KVQuantization, StorageDtype
+from configs.enums import KVQuantization, StorageDtype
 from kv_store import codec
 from kv_store.errors import CorruptEntryError
 from kv_store.keys import StorageFormat, chunk_key, is_valid_key

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from blend_engine.kv import ChunkKV
-from configs.settings import StorageDtype
+from configs.enums import KVQuantization, StorageDtype
 from kv_store import KVStore, StoreConfig, Tier
 
 FP = "fingerprint-c"
@@ -24,6 +24,7 @@ def random_kv(seed: int, num_tokens=24) -> ChunkKV:
 
 
 def make_store(root: Path, **kw) -> KVStore:
+    kw.setdefault("quantization", KVQuantization.NONE)
     return KVStore(FP, StoreConfig(dtype=StorageDtype.FLOAT32, disk_dir=root, fsync=False, **kw))
 
 

@@ -9,8 +9,8 @@ from pydantic import ValidationError
 
 from blend_engine.kv import ChunkKV
 from blend_engine.types import BlendConfig, PrefillMode, Segment
-from configs import load_settings
-from configs.settings import StorageDtype
+from configs.settings import load_settings
+from configs.enums import KVQuantization, StorageDtype
 from kv_store import KVStore, StoreConfig, Tier
 from kv_store.device import DeviceBackend, default_gpu_bytes
 from kv_store.memory import MemoryBackend
@@ -26,7 +26,7 @@ def chunk(seed: int, num_tokens: int = 8) -> ChunkKV:
 
 
 def device_store(tmp_path, max_gpu_bytes: int = 1 << 20) -> KVStore:
-    return KVStore("fp", StoreConfig(max_gpu_bytes=max_gpu_bytes, gpu_device="cpu", max_memory_bytes=1 << 20,
+    return KVStore("fp", StoreConfig(quantization=KVQuantization.NONE, max_gpu_bytes=max_gpu_bytes, gpu_device="cpu", max_memory_bytes=1 << 20,
                                      disk_dir=tmp_path, fsync=False, dtype=StorageDtype.FLOAT32,
                                      write_tiers=frozenset({Tier.DISK})))
 
@@ -87,7 +87,7 @@ def test_prefill_streamed_from_the_device_tier_equals_memory(tmp_path):
     handles = [store.handle(k) for k in keys]
     assert [h.tier for h in handles] == [Tier.GPU, Tier.GPU]
     question = Segment(tuple(range(200, 208)))
-    blend = BlendConfig(recompute_ratio=0.3)
+    blend = BlendConfig.cacheblend(recompute_ratio=0.3)
     source = store.layer_source(handles, "cpu", torch.float32, start_layer=1)
     assert not source.is_pipelined  # views on the engine's device: nothing to hide
     got = engine.prefill([Segment(p, h) for p, h in zip(parts, handles)] + [question], PrefillMode.BLEND, blend,
@@ -98,11 +98,15 @@ def test_prefill_streamed_from_the_device_tier_equals_memory(tmp_path):
     store.close()
 
 
-def test_settings_enable_the_device_tier_only_explicitly_off_cuda():
-    config = StoreConfig.from_settings(load_settings())
-    assert (config.max_gpu_bytes > 0) is torch.cuda.is_available()  # by default: on with CUDA, off without
-    on_cpu = StoreConfig.from_settings(load_settings(store={"gpu_device": "cpu", "max_gpu_bytes": 4096}))
-    assert on_cpu.max_gpu_bytes == 4096 and on_cpu.gpu_device == "cpu"
+def test_settings_enable_the_device_tier_only_explicitly_off_cuda(tmp_path):
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    store = KVStore("fp", load_settings(data_dir=tmp_path).store.resolved(tmp_path), device_type)
+    assert (Tier.GPU in store.tiers) is torch.cuda.is_available()  # by default: on with CUDA, off without
+    store.close()
+    on_cpu = load_settings(data_dir=tmp_path, store={"gpu_device": "cpu", "max_gpu_bytes": 4096}).store
+    store = KVStore("fp", on_cpu.resolved(tmp_path))
+    assert store.backend(Tier.GPU).max_bytes == 4096 and on_cpu.gpu_device == "cpu"
+    store.close()
     with pytest.raises(ValidationError, match="for tests: give max_gpu_bytes"):
         load_settings(store={"gpu_device": "cpu"})
     for bad in ({"gpu_device": "tpu", "max_gpu_bytes": 1}, {"gpu_memory_share": 1.5}, {"max_gpu_bytes": -1}):
@@ -112,7 +116,8 @@ def test_settings_enable_the_device_tier_only_explicitly_off_cuda():
     if not torch.cuda.is_available():
         assert default_gpu_bytes(0.2, "cuda", is_model_on_cuda=True) == 0
         with pytest.raises(ValueError, match="CUDA is not available"):
-            StoreConfig(max_gpu_bytes=1 << 20, gpu_device="cuda")
+            KVStore("fp", StoreConfig(quantization=KVQuantization.NONE, disk_enabled=False, max_gpu_bytes=1 << 20,
+                                      gpu_device="cuda"))
 
 
 def test_memory_tier_pins_only_where_cuda_is():

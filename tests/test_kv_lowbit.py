@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from blend_engine.kv import ChunkKV
-from configs.settings import KVQuantization, StorageDtype
+from configs.enums import KVQuantization, StorageDtype
 from kv_store import KVStore, StoreConfig, codec, lowbit
 from kv_store.disk import DiskBackend
 from kv_store.errors import CorruptEntryError

@@ -9,9 +9,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from blend_engine.config import BlendConfig
 from blend_engine.engine import BlendEngine
 from blend_engine.types import PrefillMode, Segment
-from configs.settings import LoaderPriority, StorageDtype
+from configs.enums import KVQuantization, LoaderPriority, StorageDtype
 from kv_store import EntryLostError, KVStore, StoreConfig, StoreLayerSource, Tier
 from kv_store.backend import ChunkInfo, LayerReader
 
@@ -24,7 +25,7 @@ def engine() -> BlendEngine:
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=128, vocab_size=256)
-    return BlendEngine.from_model(LlamaForCausalLM(config), name="tiny-llama")
+    return BlendEngine.from_model(LlamaForCausalLM(config), name="tiny-llama", blend=BlendConfig.cacheblend())
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,10 @@ def chunks(engine):
 
 def make_store(engine, tmp_path, dtype=StorageDtype.FLOAT32, **kw) -> KVStore:
     kw.setdefault("disk_dir", tmp_path / "kv")
-    return KVStore(engine.fingerprint, StoreConfig(dtype=dtype, fsync=False, **kw))
+    kw.setdefault("quantization", KVQuantization.NONE)
+    kw.setdefault("disk_enabled", kw["disk_dir"] is not None)
+    engine_device_type = kw.pop("engine_device_type", "cpu")
+    return KVStore(engine.fingerprint, StoreConfig(dtype=dtype, fsync=False, **kw), engine_device_type)
 
 
 def put_all(store, chunks) -> list[str]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from blend_engine.types import BlendConfig, PrefillMode, Segment
-from configs.settings import StorageDtype
+from configs.enums import KVQuantization, StorageDtype
 from kv_store import KVStore, StoreConfig, Tier
 from kv_store.loader import StoredChunk
 from kv_store.planner import CostModel, LoadPlanner, PlanKind, PlanRequest, PrefillShape
@@ -96,8 +96,8 @@ def test_planner_refuses_to_plan_before_any_measurement():
 
 def test_throttled_tier_sleeps_per_byte_and_counts_it_as_load_time(tmp_path):
     engine = build_engine("llama-gqa")
-    store = KVStore("fp", StoreConfig(max_memory_bytes=0, disk_dir=tmp_path, fsync=False,
-                                      throttle_bytes_per_s={Tier.DISK: 2e6}))
+    store = KVStore("fp", StoreConfig(quantization=KVQuantization.NONE, max_memory_bytes=0, disk_dir=tmp_path, fsync=False,
+                                      throttle_mbps={Tier.DISK: 2.0}))
     ids = tuple(range(5, 69))
     key = store.key_for(ids)
     store.put(key, engine.precompute(ids))
@@ -122,11 +122,11 @@ def test_every_plan_computes_what_it_says(tmp_path):
     parts = [tuple(range(10 + 20 * i, 30 + 20 * i)) for i in range(3)]
     kvs = [engine.precompute(p) for p in parts]
     question = Segment(tuple(range(200, 208)))
-    blend = BlendConfig(recompute_ratio=0.3)
+    blend = BlendConfig.cacheblend(recompute_ratio=0.3)
     reference_mixed = engine.prefill([Segment(parts[0], kvs[0]), Segment(parts[1], kvs[1]), Segment(parts[2]), question],
                                      PrefillMode.BLEND, blend)
-    store = KVStore("fp", StoreConfig(max_memory_bytes=1 << 30, disk_dir=tmp_path, fsync=False,
-                                      throttle_bytes_per_s={Tier.DISK: 2e4}, dtype=StorageDtype.FLOAT32))
+    store = KVStore("fp", StoreConfig(quantization=KVQuantization.NONE, max_memory_bytes=1 << 30, disk_dir=tmp_path, fsync=False,
+                                      throttle_mbps={Tier.DISK: 0.02}, dtype=StorageDtype.FLOAT32))
     keys = [store.key_for(p) for p in parts]
     for key, kv in zip(keys, kvs):
         store.put(key, kv)
@@ -154,7 +154,7 @@ def test_prefetch_copies_chunks_up_to_memory_within_its_byte_bound(tmp_path):
     engine = build_engine("llama-gqa")
     parts = [tuple(range(10 + 20 * i, 30 + 20 * i)) for i in range(3)]
     kvs = [engine.precompute(p) for p in parts]
-    config = StoreConfig(max_memory_bytes=1 << 30, disk_dir=tmp_path, fsync=False, dtype=StorageDtype.FLOAT32,
+    config = StoreConfig(quantization=KVQuantization.NONE, max_memory_bytes=1 << 30, disk_dir=tmp_path, fsync=False, dtype=StorageDtype.FLOAT32,
                          write_tiers=frozenset({Tier.DISK}), max_prefetch_bytes=2 * kvs[0].nbytes)
     store = KVStore("fp", config)
     keys = [store.key_for(p) for p in parts]
@@ -176,7 +176,7 @@ def test_prefetch_never_exceeds_its_bound_in_flight(tmp_path):
     engine = build_engine("llama-gqa")
     ids = tuple(range(10, 74))
     kv = engine.precompute(ids)
-    store = KVStore("fp", StoreConfig(max_memory_bytes=1 << 30, disk_dir=tmp_path, fsync=False,
+    store = KVStore("fp", StoreConfig(quantization=KVQuantization.NONE, max_memory_bytes=1 << 30, disk_dir=tmp_path, fsync=False,
                                       write_tiers=frozenset({Tier.DISK}), max_prefetch_bytes=kv.nbytes // 4))
     key = store.key_for(ids)
     store.put(key, kv)

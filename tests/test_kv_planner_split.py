@@ -12,7 +12,7 @@ from app.metrics import Metrics
 from app.query.protocol import PlanOut
 from runtime.planning import planned_segments
 from blend_engine.types import BlendConfig, PrefillMode, Segment
-from configs.settings import StorageDtype
+from configs.enums import KVQuantization, StorageDtype
 from kv_store import KVStore, StoreConfig, Tier
 from kv_store.planner import PlanKind, PlanRequest, PrefillShape
 from tests.engine_models import build_engine
@@ -61,8 +61,8 @@ def test_a_split_plan_computes_exactly_its_reference(tmp_path):
     parts = [tuple(range(10 + 20 * i, 30 + 20 * i)) for i in range(4)]
     kvs = [engine.precompute(p) for p in parts]
     question = Segment(tuple(range(200, 208)))
-    store = KVStore("fp", StoreConfig(max_memory_bytes=0, disk_dir=tmp_path, fsync=False,
-                                      throttle_bytes_per_s={Tier.DISK: 2e5}, dtype=StorageDtype.FLOAT32))
+    store = KVStore("fp", StoreConfig(quantization=KVQuantization.NONE, max_memory_bytes=0, disk_dir=tmp_path, fsync=False,
+                                      throttle_mbps={Tier.DISK: 0.2}, dtype=StorageDtype.FLOAT32))
     keys = [store.key_for(p) for p in parts]
     for key, kv in zip(keys, kvs):
         store.put(key, kv)
@@ -77,7 +77,7 @@ def test_a_split_plan_computes_exactly_its_reference(tmp_path):
 
     segments = planned_segments([Segment(p, h) for p, h in zip(parts, handles)] + [question], plan)
     assert [s.kv is not None for s in segments] == [False, False, False, True, False]
-    blend = replace(BlendConfig(), recompute_ratio=plan.ratio)
+    blend = replace(BlendConfig.cacheblend(), recompute_ratio=plan.ratio)
     source = store.layer_source([s.kv for s in segments if s.kv is not None], "cpu", torch.float32, start_layer=1)
     got = engine.prefill(segments, PrefillMode.BLEND, blend, kv_source=source)
     source.close()

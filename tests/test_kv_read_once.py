@@ -10,9 +10,10 @@ import redis
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from blend_engine.config import BlendConfig
 from blend_engine.engine import BlendEngine
 from blend_engine.types import PrefillMode, Segment
-from configs.settings import StorageDtype
+from configs.enums import KVQuantization, StorageDtype
 from kv_store import KVStore, StoreConfig, Tier, codec
 
 try:
@@ -28,7 +29,7 @@ def engine() -> BlendEngine:
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=64, num_hidden_layers=NUM_LAYERS, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=128, vocab_size=256)
-    return BlendEngine.from_model(LlamaForCausalLM(config), name="tiny-llama")
+    return BlendEngine.from_model(LlamaForCausalLM(config), name="tiny-llama", blend=BlendConfig.cacheblend())
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +100,9 @@ class RoundTrips:
 
 def slow_tier_store(engine, tmp_path, tier: Tier, redis_url=None, **kw) -> KVStore:
     """Memory above `tier`; entries written to `tier` only, so every chunk streams from it."""
+    kw.setdefault("quantization", KVQuantization.NONE)
     config = StoreConfig(dtype=StorageDtype.FLOAT32, fsync=False, write_tiers=frozenset({tier}),
-                         disk_dir=tmp_path / "kv" if tier is Tier.DISK else None,
+                         disk_enabled=tier is Tier.DISK, disk_dir=tmp_path / "kv" if tier is Tier.DISK else None,
                          redis_url=redis_url if tier is Tier.REDIS else None, **kw)
     return KVStore(engine.fingerprint, config)
 
@@ -266,7 +268,7 @@ def test_a_chunk_damaged_mid_stream_is_recomputed_not_promoted_from_its_kept_lay
 
 def test_a_throttled_tier_still_throttles_the_reads_promote_makes(engine, chunks, tmp_path, monkeypatch):
     rate = 2e5  # bytes/s
-    store = slow_tier_store(engine, tmp_path, Tier.DISK, throttle_bytes_per_s={Tier.DISK: rate})
+    store = slow_tier_store(engine, tmp_path, Tier.DISK, throttle_mbps={Tier.DISK: rate / 1e6})
     keys = put_all(store, chunks)
     counter = ReadCounter(monkeypatch)
     handles = [store.handle(k) for k in keys]

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from blend_engine.kv import ChunkKV
-from configs.settings import KVQuantization, StorageDtype, load_settings
+from configs.enums import KVQuantization, StorageDtype
+from configs.settings import load_settings
 from kv_store import KVStore, StoreConfig, Tier
 
 FP = "fingerprint-a"
@@ -24,6 +25,8 @@ def make_store(tmp_path: Path, fingerprint=FP, **kw) -> KVStore:
     kw.setdefault("dtype", StorageDtype.FLOAT32)
     kw.setdefault("disk_dir", tmp_path / "kv")
     kw.setdefault("fsync", False)
+    kw.setdefault("quantization", KVQuantization.NONE)
+    kw.setdefault("disk_enabled", kw["disk_dir"] is not None)
     return KVStore(fingerprint, StoreConfig(**kw))
 
 
@@ -212,22 +215,22 @@ def test_int8_disk_tier_fidelity(tmp_path):
     assert 0 < rel < 0.02
 
 
-def test_from_settings_paths_and_tiers(tmp_path, monkeypatch):
+def test_the_settings_section_resolved_paths_and_tiers(tmp_path, monkeypatch):
     settings = load_settings(data_dir=tmp_path)
-    store = KVStore.from_settings(settings, FP)
+    store = KVStore(FP, settings.store.resolved(settings.data_dir))
     assert store.tiers == [Tier.MEMORY, Tier.DISK]  # no Redis without a URL
     assert store.config.disk_dir == tmp_path / "kv" and (tmp_path / "kv").is_dir()
     monkeypatch.setenv("RAGBLEND_STORE__DISK_ENABLED", "false")
     monkeypatch.setenv("RAGBLEND_STORE__DTYPE", "bfloat16")
-    store = KVStore.from_settings(load_settings(data_dir=tmp_path), FP)
+    store = KVStore(FP, load_settings(data_dir=tmp_path).store.resolved(tmp_path))
     assert store.tiers == [Tier.MEMORY] and store.config.dtype == StorageDtype.BFLOAT16
 
 
 def test_config_rejects_bad_bounds():
     with pytest.raises(ValueError, match="min_recompute_ratio"):
-        StoreConfig(min_recompute_ratio=0.5, max_recompute_ratio=0.2)
+        StoreConfig(quantization=KVQuantization.NONE, disk_enabled=False, min_recompute_ratio=0.5, max_recompute_ratio=0.2)
     with pytest.raises(ValueError, match="prefetch_depth"):
-        StoreConfig(prefetch_depth=0)
+        StoreConfig(quantization=KVQuantization.NONE, disk_enabled=False, prefetch_depth=0)
 
 
 def test_get_many_reads_each_tier_once_for_the_missing(tmp_path):

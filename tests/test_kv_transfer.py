@@ -9,7 +9,7 @@ import torch
 
 from blend_engine.kv import ChunkKV
 from blend_engine.types import PrefillMode, Segment
-from configs.settings import KVQuantization, StorageDtype
+from configs.enums import KVQuantization, StorageDtype
 from kv_store import KVStore, StoreConfig, Tier
 from kv_store.codec import QuantizedLayer, StackedLayer
 from tests.engine_models import build_engine
@@ -83,7 +83,7 @@ def test_the_move_comes_before_the_dequantize(tmp_path, monkeypatch):
 
 def test_a_disk_layer_moves_keys_and_values_in_one_copy(tmp_path, monkeypatch):
     kv = ChunkKV(tuple(range(8)), (), torch.randn(2, 2, 8, 4), torch.randn(2, 2, 8, 4))
-    store = KVStore("fp", StoreConfig(max_memory_bytes=0, disk_dir=tmp_path, fsync=False,
+    store = KVStore("fp", StoreConfig(quantization=KVQuantization.NONE, max_memory_bytes=0, disk_dir=tmp_path, fsync=False,
                                       dtype=StorageDtype.FLOAT16))
     key = store.key_for(kv.token_ids)
     store.put(key, kv)
@@ -105,7 +105,7 @@ def test_a_memory_layer_moves_keys_and_values_in_one_copy(monkeypatch):
     """The memory tier holds each entry as one [L, 2, H, n, D] block: a layer's K and V are adjacent,
     handed over without a copy and moved in one (pinned once at put on CUDA hosts)."""
     kv = ChunkKV(tuple(range(8)), (), torch.randn(3, 2, 8, 4), torch.randn(3, 2, 8, 4))
-    store = KVStore("fp", StoreConfig(max_memory_bytes=1 << 20, dtype=StorageDtype.FLOAT16))
+    store = KVStore("fp", StoreConfig(quantization=KVQuantization.NONE, disk_enabled=False, max_memory_bytes=1 << 20, dtype=StorageDtype.FLOAT16))
     key = store.key_for(kv.token_ids)
     store.put(key, kv)
     stored = store.get(key)

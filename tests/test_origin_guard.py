@@ -13,7 +13,8 @@ import pytest
 
 from app.origin_guard import allowed_host_names, host_name
 from app.testing import LiveServer, free_port
-from configs.settings import ServerSettings, load_settings
+from app.config import ServerConfig
+from configs.settings import load_settings
 from tests.browser import launch
 
 TEXT = b"The planted document says the vault code is 0000."
@@ -81,11 +82,11 @@ def test_an_unknown_host_name_is_refused_even_for_reads(server, http):
 
 
 def test_default_host_names():
-    assert allowed_host_names(ServerSettings()) == {"localhost", "127.0.0.1", "::1"}
-    assert allowed_host_names(ServerSettings(host="10.0.0.5", api_key="k")) == {"localhost", "127.0.0.1", "::1",
+    assert allowed_host_names(ServerConfig()) == {"localhost", "127.0.0.1", "::1"}
+    assert allowed_host_names(ServerConfig(host="10.0.0.5", api_key="k")) == {"localhost", "127.0.0.1", "::1",
                                                                                  "10.0.0.5"}
-    assert allowed_host_names(ServerSettings(host="0.0.0.0", api_key="k")) is None  # any: the key guards
-    assert allowed_host_names(ServerSettings(allowed_hosts=["*"])) is None
+    assert allowed_host_names(ServerConfig(host="0.0.0.0", api_key="k")) is None  # any: the key guards
+    assert allowed_host_names(ServerConfig(allowed_hosts=["*"])) is None
     assert [host_name(h) for h in ("Example.org:80", "[::1]:8000", "::1", "x")] == ["example.org", "::1", "::1", "x"]
 
 

@@ -10,7 +10,8 @@ import numpy as np
 import psycopg
 import pytest
 
-from configs.settings import IndexKind, RetrievalSettings
+from configs.enums import IndexKind
+from retrieval.config import RetrievalConfig
 from retrieval.pg_store import SCHEMA_VERSION, PostgresDocumentStore
 from retrieval.retriever import Retriever
 from retrieval.store_types import NewChunk, StoreUnavailableError
@@ -37,7 +38,7 @@ def test_schema_is_created_once_versioned_and_a_newer_one_refused(postgres):
 def test_a_replica_index_follows_the_other_replicas_commits(postgres, tmp_path, kind):
     """Two retrievers (two replicas' indexes) on one database: each catches up with the other's
     creates, replaces and deletes through the change log, and its own writes are not applied twice."""
-    url, settings = postgres.new_database(), RetrievalSettings(index=kind)
+    url, settings = postgres.new_database(), RetrievalConfig(index=kind)
     a = Retriever.open(tmp_path / "a", settings, PostgresDocumentStore(url))
     b = Retriever.open(tmp_path / "b", settings, PostgresDocumentStore(url))
     try:
@@ -62,7 +63,7 @@ def test_a_replica_index_follows_the_other_replicas_commits(postgres, tmp_path, 
 
 def test_a_replica_behind_a_pruned_log_reconciles_by_id_sets(postgres, tmp_path):
     url = postgres.new_database()
-    a = Retriever.open(tmp_path / "a", RetrievalSettings(), PostgresDocumentStore(url))
+    a = Retriever.open(tmp_path / "a", RetrievalConfig(), PostgresDocumentStore(url))
     try:
         _put(a, "one", ["Alpha one."])
         _put(a, "two", ["Beta two."])
@@ -117,7 +118,7 @@ def test_store_copy_moves_a_sqlite_install_into_postgres_and_is_safe_to_rerun(po
     from retrieval.doc_store import SqliteDocumentStore
 
     data_dir, url = tmp_path / "old", postgres.new_database()
-    old = Retriever.open(data_dir, RetrievalSettings())
+    old = Retriever.open(data_dir, RetrievalConfig())
     texts = {"vault": ["The secret code of the blue vault is 4812."],
              "bridge": ["The red bridge in Lisbon was painted in 1966.", "Forty workers painted it."]}
     for doc_id, chunk_texts in texts.items():
@@ -143,7 +144,7 @@ def test_store_copy_moves_a_sqlite_install_into_postgres_and_is_safe_to_rerun(po
     finally:
         source.close()
         target.close()
-    replica = Retriever.open(tmp_path / "replica", RetrievalSettings(), PostgresDocumentStore(url))
+    replica = Retriever.open(tmp_path / "replica", RetrievalConfig(), PostgresDocumentStore(url))
     try:
         assert replica.search("What is the code of the blue vault?", 1)[0].chunk.kv_key == "key-vault-0"
     finally:

@@ -15,7 +15,8 @@ import torch
 
 from blend_engine.engine import BlendEngine
 from blend_engine.types import PrefillMode, SamplingParams, SelectionKind
-from configs.settings import RequestMode, StorageDtype, load_settings
+from configs.enums import KVQuantization, RequestMode, StorageDtype
+from configs.settings import load_settings
 from kv_store import KVStore, StoreConfig, Tier
 from kv_store.planner import PrefillShape
 from runtime.config import SchedulerConfig
@@ -33,14 +34,14 @@ def engine(tmp_path_factory) -> BlendEngine:
     # fp32 on one fixed thread: two runs of the same ops give the same bits
     settings = load_settings(data_dir=tmp_path_factory.mktemp("executor"),
                              model={"name": "random:tiny-llama", "device": "cpu", "weights": "fp32", "cpu_threads": 1})
-    return BlendEngine.from_settings(settings)
+    return BlendEngine.from_config(settings.model, settings.blend)
 
 
 @pytest.fixture
 def store(engine, tmp_path):
     """Every chunk on the disk tier only: a prefill streams them through a loader thread, which reads
     one layer ahead (the tiny model's 4 layers: else it would be through before the first part ends)."""
-    store = KVStore(engine.fingerprint, StoreConfig(dtype=StorageDtype.FLOAT32, fsync=False, disk_dir=tmp_path / "kv",
+    store = KVStore(engine.fingerprint, StoreConfig(quantization=KVQuantization.NONE, dtype=StorageDtype.FLOAT32, fsync=False, disk_dir=tmp_path / "kv",
                                                     write_tiers=frozenset({Tier.DISK}), prefetch_depth=1))
     yield store
     store.close()
@@ -177,3 +178,27 @@ def test_the_engine_loop_closes_a_prefill_whose_client_left_between_its_parts(en
         released.set()
         assert loop.close()
     assert loop.stats.num_prefill_parts >= 1 and loop.stats.num_cancelled == 1 and loop.scheduler.prefilling is None
+
+
+@pytest.mark.parametrize("mode", [RequestMode.BLEND, RequestMode.AUTO])
+def test_a_deviation_ranking_reads_stored_kv_from_the_layer_it_checks(engine, store, monkeypatch, mode):
+    """The configured check is layer 0 (the query ranking's); a request ranking by deviation checks at
+    layer 1 (its K/V deviation is zero at layer 0). Everything keyed to the check layer follows the config
+    the engine runs: the loader streams reused KV from layer 1, the planner plans and learns with layer 1
+    (once they all read the unfitted layer 0 while the engine checked at 1)."""
+    request = replace(stored_request(engine, store, mode), selection=SelectionKind.DEVIATION)
+    executor = executor_for(engine, store)
+    assert list(load_settings().blend.check_layers) == [0]
+    start_layers, planned, observed = [], [], []
+    layer_source, plan, observe = store.layer_source, store.plan, store.planner.observe
+    monkeypatch.setattr(store, "layer_source", lambda *a, **kw: (start_layers.append(kw["start_layer"]),
+                                                                 layer_source(*a, **kw))[1])
+    monkeypatch.setattr(store, "plan", lambda req, **kw: (planned.append(req.first_reused_layer), plan(req, **kw))[1])
+    monkeypatch.setattr(store.planner, "observe", lambda shape, s: (observed.append(shape), observe(shape, s))[1])
+    _, outcome = run_steps(executor, request)
+    assert outcome.result.stats.mode is PrefillMode.BLEND or mode is RequestMode.AUTO
+    if outcome.result.stats.mode is PrefillMode.BLEND:
+        assert start_layers == [1]
+        layers = engine.num_layers
+        assert observed[-1].reuse_fraction == (layers - 1) / layers  # blend reads reused KV from layer 1
+    assert planned == ([1] if mode is RequestMode.AUTO else [])

@@ -11,7 +11,7 @@ from blend_engine.engine import _on_cpu_threads
 from blend_engine.prefill import last_part
 from blend_engine.threads import ThreadGovernor
 from blend_engine.types import BlendConfig, PrefillMode, SelectionKind
-from configs.settings import StorageDtype
+from configs.enums import KVQuantization, StorageDtype
 from engine_models import build_engine, cpu_exact
 from kv_store import KVStore, StoreConfig, Tier
 from test_engine_blend import rag_prompt
@@ -45,10 +45,10 @@ def assert_identical(a, b):
 
 
 BLENDS = {
-    "one-check": BlendConfig(recompute_ratio=0.2, check_layers=(1,)),
-    "gradual": BlendConfig(recompute_ratio=0.2, check_layers=(1, 2)),
+    "one-check": BlendConfig.cacheblend(recompute_ratio=0.2, check_layers=(1,)),
+    "gradual": BlendConfig.cacheblend(recompute_ratio=0.2, check_layers=(1, 2)),
     # the probe lays out a layer ahead of the loop (layer 3 while the loop is at 1): across parts too
-    "query-probe": BlendConfig(recompute_ratio=0.2, check_layers=(1,), selection=SelectionKind.QUERY_DEVIATION,
+    "query-probe": BlendConfig.cacheblend(recompute_ratio=0.2, check_layers=(1,), selection=SelectionKind.QUERY_DEVIATION,
                                probe_layer=3, is_shift_measured=True, reused_attention_scale=0.8),
 }
 
@@ -82,7 +82,7 @@ def test_the_step_budget_counts_the_active_tokens_of_each_layer():
     assert parts_of(engine, segments, PrefillMode.FULL, budget=n)[0] == NUM_LAYERS - 1
     assert parts_of(engine, segments, PrefillMode.FULL, budget=n * NUM_LAYERS)[0] == 0
     # blend at a 0 ratio: layers 0 and 1 compute all n, layers 2 and 3 only the fresh tokens
-    blend = BlendConfig(recompute_ratio=0.0, check_layers=(1,))
+    blend = BlendConfig.cacheblend(recompute_ratio=0.0, check_layers=(1,))
     num_fresh = sum(len(s.token_ids) for s in segments if s.kv is None)
     assert parts_of(engine, segments, PrefillMode.BLEND, blend, budget=2 * n)[0] == 1
     assert parts_of(engine, segments, PrefillMode.BLEND, blend, budget=2 * n + num_fresh)[0] == 1
@@ -110,7 +110,7 @@ def stored(tmp_path):
     """An engine, its prompt's chunks on the disk tier only, and the store."""
     engine = build_engine("llama-gqa")
     segments = rag_prompt(engine, num_chunks=3, chunk_len=20)
-    store = KVStore(engine.fingerprint, StoreConfig(dtype=StorageDtype.FLOAT32, fsync=False, disk_dir=tmp_path / "kv",
+    store = KVStore(engine.fingerprint, StoreConfig(quantization=KVQuantization.NONE, dtype=StorageDtype.FLOAT32, fsync=False, disk_dir=tmp_path / "kv",
                                                     write_tiers=frozenset({Tier.DISK})))
     handled = []
     for s in segments:

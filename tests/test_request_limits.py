@@ -18,7 +18,7 @@ from app.rag.types import RagRequest
 from blend_engine.loader import converted_gguf_dir, embedded_gguf_path
 from blend_engine.prompt import PromptBuilder
 from blend_engine.types import PrefillMode, SamplingParams
-from configs import load_settings
+from configs.settings import load_settings
 
 # SmolLM2-135M's KV shape: 30 layers, 3 KV heads of 64 -> 23 040 bytes per token in float16
 ENGINE = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64, tokenize=lambda text: text.split())
@@ -101,7 +101,7 @@ def test_uploaded_files_meet_the_same_kv_bound(tmp_path):
 
     base = dict(data_dir=tmp_path, model={"name": "random:tiny-llama", "device": "cpu"},
                 retrieval={"chunking": "none"}, limits={"max_document_chars": 100})
-    engine = BlendEngine.from_settings(load_settings(**base))
+    engine = BlendEngine.from_config(load_settings(**base).model)
     per_token = KVBudget.of(load_settings(**base, store=UNBUDGETED), engine).bytes_per_token
     settings = load_settings(**base, store={"max_disk_bytes": 150 * per_token, "max_memory_bytes": 0, **UNBUDGETED})
     text = ("#%&" * 30).encode()  # ~90 tokens a file: two do not fit 150 tokens of KV

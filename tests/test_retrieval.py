@@ -8,7 +8,8 @@ import re
 import numpy as np
 import pytest
 
-from configs.settings import ChunkingMode, IndexKind, RetrievalSettings
+from configs.enums import ChunkingMode, IndexKind
+from retrieval.config import RetrievalConfig
 from retrieval.chunker import Chunker
 from retrieval.doc_store import NewChunk, SqliteDocumentStore
 from retrieval.index import VectorIndex
@@ -171,7 +172,7 @@ def test_index_search_remove_and_persist(tmp_path, kind):
 @pytest.fixture(scope="module")
 def retriever(tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("retrieval")
-    retriever = Retriever.open(data_dir, RetrievalSettings())
+    retriever = Retriever.open(data_dir, RetrievalConfig())
     texts = {
         "vault": "The secret code of the blue vault is 4812.",
         "bridge": "The red bridge in Lisbon was painted in 1966 by forty workers.",
@@ -199,7 +200,7 @@ def test_retriever_rebuilds_a_lost_index_from_the_store(retriever):
     retriever, data_dir = retriever
     retriever.index.save()
     (data_dir / "index.faiss").unlink()
-    reopened = Retriever.open(data_dir, RetrievalSettings(index=IndexKind.HNSW))
+    reopened = Retriever.open(data_dir, RetrievalConfig(index=IndexKind.HNSW))
     assert reopened.index.num_vectors == 3 and reopened.index.loaded_kind is IndexKind.HNSW
     assert reopened.search("Which festival is in October?", 1)[0].chunk.document_id == "cheese"
     deleted = reopened.store.delete_document("cheese")
@@ -218,7 +219,7 @@ def _put(retriever, doc_id, texts):
 def test_a_crash_between_the_commit_and_the_index_is_reconciled_by_id_sets(tmp_path, kind, open_store):
     """A replace with as many chunks as before, killed after the store's commit and before the index
     follows: the counts match, the ids do not. Start-up must swap the dead ids for the new chunks."""
-    settings = RetrievalSettings(index=kind)
+    settings = RetrievalConfig(index=kind)
     retriever = Retriever.open(tmp_path, settings, open_store())
     (doc, _), vectors = _put(retriever, "ships", ["Old ships sail at dawn.", "Old harbours smell of tar."])
     retriever.follow([], [c.row_id for c in doc.chunks], list(vectors))
@@ -234,7 +235,7 @@ def test_a_crash_between_the_commit_and_the_index_is_reconciled_by_id_sets(tmp_p
 
 
 def test_reconcile_adds_missing_removes_dead_and_survives_an_unreadable_index(tmp_path, open_store):
-    retriever = Retriever.open(tmp_path, RetrievalSettings(), open_store())
+    retriever = Retriever.open(tmp_path, RetrievalConfig(), open_store())
     (a, _), vectors = _put(retriever, "a", ["Alpha one.", "Alpha two."])
     retriever.index.add([999], vectors[:1])  # a dead id: no chunk has it
     result = retriever.reconcile()
@@ -242,7 +243,7 @@ def test_reconcile_adds_missing_removes_dead_and_survives_an_unreadable_index(tm
     assert set(retriever.index.ids().tolist()) == {c.row_id for c in a.chunks}
     retriever.close()
     (tmp_path / "index.faiss").write_bytes(b"not a faiss index")
-    reopened = Retriever.open(tmp_path, RetrievalSettings(), open_store())
+    reopened = Retriever.open(tmp_path, RetrievalConfig(), open_store())
     assert set(reopened.index.ids().tolist()) == {c.row_id for c in a.chunks}
     reopened.close()
 
@@ -261,7 +262,7 @@ def test_store_lists_with_counts_and_keeps_content_hashes(open_store):
 def test_follow_a_replace_leaves_each_chunk_indexed_once(tmp_path, kind, open_store):
     """HNSW cannot remove: the index is rebuilt from the store, which already holds the new chunks
     (adding them again would index them twice)."""
-    retriever = Retriever.open(tmp_path, RetrievalSettings(index=kind), open_store())
+    retriever = Retriever.open(tmp_path, RetrievalConfig(index=kind), open_store())
     (doc, _), vectors = _put(retriever, "a", ["Alpha one.", "Alpha two."])
     retriever.follow([], [c.row_id for c in doc.chunks], list(vectors))
     (doc2, replaced), vectors2 = _put(retriever, "a", ["Beta one.", "Beta two.", "Beta three."])

@@ -21,7 +21,8 @@ import torch
 from app.rag.types import DoneEvent, RagRequest, TokenEvent
 from app.testing import LiveServer
 from blend_engine.types import FinishReason, PrefillMode, SamplingParams
-from configs.settings import RequestMode, load_settings
+from configs.enums import RequestMode
+from configs.settings import load_settings
 from runtime.jobs import JobCancelled
 from runtime.types import PrefillRequest
 
@@ -34,7 +35,7 @@ def server(tmp_path_factory):
         data_dir=tmp_path_factory.mktemp("batching"), model={"name": "random:tiny-llama", "device": "cpu"},
         retrieval={"chunk_tokens": 24, "chunk_overlap": 0},
         # 0: a decode step after every step, so that running answers decode between another's parts
-        server={"max_running": 8, "prefill_chunk_tokens": 64, "max_decode_stall_ms": 0},
+        scheduler={"max_running": 8, "prefill_chunk_tokens": 64, "max_decode_stall_ms": 0},
     )
     docs = [{"id": t, "text": " ".join(f"Fact {i} about {t}: the {t} number {i} is remarkable." for i in range(6))}
             for t in TOPICS]
@@ -212,7 +213,7 @@ def test_a_running_answer_streams_between_the_parts_of_a_long_blend_prefill(serv
 
 
 def test_with_a_stall_bound_a_long_prefill_runs_its_parts_back_to_back(server):
-    """`server.max_decode_stall_ms`: while a prefill runs in parts, the running answer's decode step
+    """`scheduler.max_decode_stall_ms`: while a prefill runs in parts, the running answer's decode step
     waits (here the bound is far off: no decode step between the parts at all); the answer then goes
     on, and the new one is what it is alone."""
     loop, pipeline = server.components.loop, server.components.pipeline
@@ -277,7 +278,7 @@ def test_a_question_waits_through_one_background_unit_at_most(tmp_path):
     one unit's time or none, though the 4 questions together waited through many steps."""
     settings = load_settings(data_dir=tmp_path, model={"name": "random:tiny-llama", "device": "cpu"},
                              retrieval={"chunk_tokens": 24, "chunk_overlap": 0},
-                             server={"max_running": 1, "background_every_steps": 1})
+                             scheduler={"max_running": 1, "background_every_steps": 1})
     unit_s = 0.15
     with LiveServer(settings) as live, httpx.Client(base_url=live.url, timeout=60) as http:
         docs = [{"id": t, "text": f"The {t} are remarkable in many ways."} for t in TOPICS[:4]]

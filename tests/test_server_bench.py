@@ -41,7 +41,7 @@ def dataset(path, num_questions: int = 3) -> str:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """The server and its baseline: both the tiny model (this checkout may predate server.max_running)."""
+    """The server and its baseline: both the tiny model ."""
     settings = [load_settings(data_dir=tmp_path_factory.mktemp(name), model=TINY_MODEL) for name in ("s", "b")]
     with LiveServer(settings[0]) as server, LiveServer(settings[1]) as baseline:
         yield server, baseline
@@ -184,11 +184,8 @@ def test_bench_server_serve_starts_both_servers_and_stops_them(tmp_path, capsys)
     assert code == 0, captured.err
     summary = json.loads(captured.out.strip().splitlines()[-1])
     servers = summary["servers"]
-    assert servers["baseline"]["env"] == {"RAGBLEND_SERVER__MAX_RUNNING": "1"} and servers["server"]["env"] == {}
+    assert servers["baseline"]["env"] == {"RAGBLEND_SCHEDULER__MAX_RUNNING": "1"} and servers["server"]["env"] == {}
     assert servers["server"]["model"] == servers["baseline"]["model"] == "random"
-    is_known = server_bench.is_max_running_known()
-    assert servers["baseline"]["is_max_running_known"] is is_known
-    assert ("no server.max_running setting" in captured.err) is not is_known
     for role in ("server", "baseline"):
         assert [row["num_requests"] for row in summary["results"][role]] == [1, 2]
     assert summary["ratios"][1]["ttft_p50_vs_baseline"] > 0
@@ -198,8 +195,8 @@ def test_bench_server_serve_starts_both_servers_and_stops_them(tmp_path, capsys)
 
 
 def test_the_baseline_environment_of_serve():
-    assert server_bench.baseline_environment(None) == {"RAGBLEND_SERVER__MAX_RUNNING": "1"}  # one request at a time
-    assert server_bench.baseline_environment(["RAGBLEND_SERVER__MAX_DECODE_STALL_MS=0", "A=b=c"]) == {
-        "RAGBLEND_SERVER__MAX_DECODE_STALL_MS": "0", "A": "b=c"}
+    assert server_bench.baseline_environment(None) == {"RAGBLEND_SCHEDULER__MAX_RUNNING": "1"}  # one request at a time
+    assert server_bench.baseline_environment(["RAGBLEND_SCHEDULER__MAX_DECODE_STALL_MS=0", "A=b=c"]) == {
+        "RAGBLEND_SCHEDULER__MAX_DECODE_STALL_MS": "0", "A": "b=c"}
     with pytest.raises(ValueError, match="NAME=VALUE"):
-        server_bench.baseline_environment(["RAGBLEND_SERVER__MAX_RUNNING"])
+        server_bench.baseline_environment(["RAGBLEND_SCHEDULER__MAX_RUNNING"])

@@ -11,6 +11,7 @@ from openai import OpenAI
 
 from app.commands.ask import iter_events
 from app.testing import LiveServer
+from blend_engine.config import ModelConfig
 from blend_engine.engine import BlendEngine
 from configs.settings import load_settings
 
@@ -31,7 +32,7 @@ def make_settings(data_dir, **overrides):
 
 @pytest.fixture(scope="module")
 def engine():
-    return BlendEngine.from_settings(load_settings())
+    return BlendEngine.from_config(ModelConfig())
 
 
 @pytest.fixture(scope="module")

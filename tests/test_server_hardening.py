@@ -19,7 +19,8 @@ from app.query.serving import QueryService
 from app.rag.types import RagContext
 from app.server import InsecureBindError, check_exposure, is_loopback
 from app.testing import LiveServer, free_port
-from configs.settings import ServerSettings, load_settings
+from app.config import ServerConfig
+from configs.settings import load_settings
 
 API_KEY = "hardening-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -110,10 +111,10 @@ def test_loopback_hosts(host, is_local):
 
 def test_a_public_host_needs_a_key_or_an_explicit_allowance():
     with pytest.raises(InsecureBindError, match="without an API key"):
-        check_exposure(ServerSettings(host="0.0.0.0"))
-    check_exposure(ServerSettings(host="0.0.0.0", api_key="k"))
-    check_exposure(ServerSettings(host="0.0.0.0", allow_public_without_key=True))
-    check_exposure(ServerSettings(host="127.0.0.1"))
+        check_exposure(ServerConfig(host="0.0.0.0"))
+    check_exposure(ServerConfig(host="0.0.0.0", api_key="k"))
+    check_exposure(ServerConfig(host="0.0.0.0", allow_public_without_key=True))
+    check_exposure(ServerConfig(host="127.0.0.1"))
 
 
 def run_serve(*args: str, tmp_path) -> tuple[subprocess.CompletedProcess, float]:

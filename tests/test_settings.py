@@ -2,8 +2,9 @@ import pytest
 from pydantic import ValidationError
 
 from blend_engine.types import BlendConfig
-from configs import DeviationKind, load_settings
-from configs.settings import RequestMode
+from configs.enums import DeviationKind
+from configs.settings import load_settings
+from configs.enums import RequestMode
 
 
 def test_defaults_come_from_the_yaml():
@@ -37,7 +38,7 @@ def test_missing_config_file_is_an_error():
 
 def test_blend_config_validates():
     with pytest.raises(ValueError):
-        BlendConfig(recompute_ratio=-0.1)
+        BlendConfig.cacheblend(recompute_ratio=-0.1)
     with pytest.raises(ValueError):
-        BlendConfig(check_layers=(3, 1))
-    assert BlendConfig(recompute_ratio=0.1, check_layers=(1, 2, 3), filter_growth=2.0).ratio_at_check(0) == pytest.approx(0.4)
+        BlendConfig.cacheblend(check_layers=(3, 1))
+    assert BlendConfig.cacheblend(recompute_ratio=0.1, check_layers=(1, 2, 3), filter_growth=2.0).ratio_at_check(0) == pytest.approx(0.4)

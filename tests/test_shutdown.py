@@ -62,7 +62,7 @@ def ingesting(server: ServeProcess) -> None:
 
 
 def start_stream(server: ServeProcess) -> None:
-    """A long streaming answer (1024 tokens) while an ingest runs: with `server.max_running: 1` (the
+    """A long streaming answer (1024 tokens) while an ingest runs: with `scheduler.max_running: 1` (the
     harness's config) a second question waits in the queue behind it."""
     import threading
 

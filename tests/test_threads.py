@@ -16,7 +16,8 @@ from blend_engine.threads import (
     CpuSample, ThreadGovernor, num_free_threads, pin_one_thread, read_sample, single_threaded_default,
 )
 from blend_engine.types import PrefillMode
-from configs import WeightFormat, load_settings
+from configs.enums import WeightFormat
+from configs.settings import load_settings
 from engine_models import random_ids
 from kv_store.prefetch import Prefetcher
 from test_engine_blend import rag_prompt

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from blend_engine.config import BlendConfig
 from blend_engine.engine import BlendEngine
 from blend_engine.weights_id import weights_digest
 
@@ -54,5 +55,5 @@ def test_the_engine_fingerprint_follows_the_checkpoint(tmp_path):
         weights = tmp_path / "model.safetensors"
         os.utime(weights, ns=(1_700_000_000_000_000_000,) * 2)
         model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-        fingerprints.append(BlendEngine.from_model(model, name="same-name").fingerprint)
+        fingerprints.append(BlendEngine.from_model(model, name="same-name", blend=BlendConfig.cacheblend()).fingerprint)
     assert fingerprints[0] != fingerprints[1]

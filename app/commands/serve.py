@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="bind address (default from config: 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port (default from config: 8000)")
     parser.add_argument("--data-dir", type=Path, help="documents, index and KV live here (default ./data)")
-    parser.add_argument("--config", type=Path, help="a YAML file layered over configs/default.yaml")
+    parser.add_argument("--config", type=Path, help="a YAML file of settings (docs/configuration.md) layered over the defaults")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--allow-insecure-public", action="store_true",
                         help="listen on a non-loopback host without an API key (server.allow_public_without_key)")

@@ -19,8 +19,8 @@ from app.commands.exit_codes import ExitCode
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", type=Path, required=True,
                         help="the data directory whose documents.sqlite3 is copied (read only)")
-    parser.add_argument("--database-url", default=os.environ.get("RAGBLEND_STORE__DATABASE_URL"),
-                        help="postgresql://... to copy into (default: $RAGBLEND_STORE__DATABASE_URL)")
+    parser.add_argument("--database-url", default=os.environ.get("RAGBLEND_DATABASE__URL"),
+                        help="postgresql://... to copy into (default: $RAGBLEND_DATABASE__URL)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace a document already in Postgres whose content differs (default: keep it, "
                              "report it, exit 1)")
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"ragblend store copy: no document store at {source_path}", file=sys.stderr)
         return ExitCode.USAGE
     if not args.database_url:
-        print("ragblend store copy: give --database-url (or set RAGBLEND_STORE__DATABASE_URL)", file=sys.stderr)
+        print("ragblend store copy: give --database-url (or set RAGBLEND_DATABASE__URL)", file=sys.stderr)
         return ExitCode.USAGE
     source = SqliteDocumentStore(source_path)
     try:

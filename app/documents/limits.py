@@ -18,7 +18,8 @@ import anyio
 
 from app.documents.protocol import IngestRequest
 from app.errors import PayloadTooLargeError
-from configs.settings import ChunkingMode, KVQuantization, Settings
+from configs.enums import ChunkingMode, KVQuantization
+from configs.settings import Settings
 from kv_store.codec import storage_bytes_per_layer
 from kv_store.keys import StorageFormat
 

@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from app.text import is_blank
-from configs.settings import ChunkingMode
+from configs.enums import ChunkingMode
 
 DOCUMENT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 

@@ -27,7 +27,8 @@ from blend_engine.kv import ChunkKV
 from blend_engine.threads import pin_one_thread
 from runtime.jobs import JobCancelled
 from runtime.loop import EngineLoop
-from configs.settings import ChunkingMode, Settings
+from configs.enums import ChunkingMode
+from configs.settings import Settings
 from kv_store.single_flight import SingleFlight
 from retrieval.chunker import Chunker
 from retrieval.store_types import StoredChunk

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from app.documents.protocol import DocumentIn, DocumentStatus
-from configs.settings import ChunkingMode, Settings
+from configs.enums import ChunkingMode
+from configs.settings import Settings
 from kv_store.admission import Admission
 from kv_store.single_flight import PrecomputeLocks, PrecomputeReason, SingleFlight
 from retrieval.chunker import Chunker, TextChunk

@@ -31,9 +31,11 @@ SUFFIX_FORMATS: dict[str, FileFormat] = {
 
 @dataclass(frozen=True)
 class ExtractionLimits:
-    max_document_chars: int = 1_000_000  # extracted text per document (413 above)
-    max_unzipped_bytes: int = 100_000_000  # a DOCX's members, uncompressed (zip bombs: 413 above)
-    max_documents: int = 64  # documents from one file (JSONL lines)
+    """The configured limits (`limits.*`) extraction enforces: built from them (app/uploads/serving.py)."""
+
+    max_document_chars: int  # extracted text per document (413 above)
+    max_unzipped_bytes: int  # a DOCX's members, uncompressed (zip bombs: 413 above)
+    max_documents: int  # documents from one file (JSONL lines)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, field_validator
 
 from blend_engine.types import PrefillMode, SelectionKind
-from configs.settings import RequestMode
+from configs.enums import RequestMode
 
 Ratio = float
 # Strict numbers: JSON "3" or true is not an int (no coercion); an int is still a valid float.

@@ -14,7 +14,8 @@ from app.rag.types import DoneEvent, RagContext, RagRequest, Source, TokenEvent
 from app.sse import sse
 from app.text import is_blank
 from blend_engine.types import SamplingParams
-from configs.settings import LimitsSettings, Settings
+from app.config import LimitsConfig
+from configs.settings import Settings
 from runtime.jobs import JobStream
 
 
@@ -55,7 +56,7 @@ def build_rag_request(
     )
 
 
-def _check_history(history: Sequence[dict], limits: LimitsSettings) -> None:
+def _check_history(history: Sequence[dict], limits: LimitsConfig) -> None:
     """Sizes first: a history past these is refused before its tokens are counted (tokenizing megabytes
     of history, once per chunk the context fit drops, cost half a minute of CPU for the same 422)."""
     if len(history) > limits.max_history_messages:

@@ -15,7 +15,8 @@ from app.rag.types import RagContext, RagRequest, Source
 from blend_engine.engine import BlendEngine
 from blend_engine.threads import pin_one_thread
 from blend_engine.types import Segment
-from configs.settings import RequestMode, Settings
+from configs.enums import RequestMode
+from configs.settings import Settings
 from kv_store import KVStore
 from retrieval.retriever import Retriever, ScoredChunk
 from runtime.jobs import JobStream

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from blend_engine.types import SamplingParams, SelectionKind
-from configs.settings import RequestMode
+from configs.enums import RequestMode
+from retrieval.config import RetrievalConfig
 from runtime.types import (  # noqa: F401 (the events are the runtime's; re-exported for app/)
     DoneEvent, GenerationEvent, PromptChunk, RecomputeRatio, Timings, TokenEvent, Usage,
 )
@@ -16,7 +17,7 @@ class RagRequest:
     question: str
     mode: RequestMode
     sampling: SamplingParams
-    top_k: int = 5
+    top_k: int = RetrievalConfig.top_k
     chunk_ids: tuple[str, ...] | None = None  # skip retrieval: exactly these chunks, in this order
     recompute_ratio: RecomputeRatio = None  # None: the configured ratio
     selection: SelectionKind | None = None  # None: the configured selection

@@ -9,7 +9,7 @@ from fastapi import APIRouter, File, Form, UploadFile, status
 from app.deps import UploadsDep
 from app.errors import ERROR_RESPONSES
 from app.uploads.protocol import UploadResponse
-from configs.settings import ChunkingMode
+from configs.enums import ChunkingMode
 
 router = APIRouter(prefix="/v1/documents", tags=["documents"], responses=ERROR_RESPONSES)
 

@@ -19,7 +19,8 @@ from app.extract import ExtractedDocument, ExtractionLimits, FileFormat, extract
 from app.extract.dispatch import page_at
 from app.extract.types import FileRejected
 from app.uploads.protocol import UploadedDocument, UploadResponse
-from configs.settings import ChunkingMode, Settings
+from configs.enums import ChunkingMode
+from configs.settings import Settings
 from retrieval.chunker import Chunker
 
 

@@ -1,0 +1,197 @@
+"""The engine's frozen configs: the model, how blend fuses reused KV, the answer defaults.
+
+Each is the one place its defaults, bounds and meaning live: the server's settings (`configs.settings`)
+compose these classes as their `model`, `blend` and `generation` sections, and the engine, the executor,
+the benchmarks and the tests construct the same classes. They are pydantic dataclasses, so a value is
+validated however it arrives (YAML, env, a constructor, `dataclasses.replace`). No torch here: the
+settings import this module without loading the model's libraries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import ConfigDict, Field, field_validator
+from pydantic.dataclasses import dataclass
+
+from configs.enums import (
+    DecodeCache,
+    DeviationKind,
+    HeadReduce,
+    RequestMode,
+    ScoreCombine,
+    SelectionKind,
+    SinkMode,
+    WeightFormat,
+)
+
+# frozen, unknown keys refused (a YAML typo is an error at start-up), defaults validated like values
+CONFIG = ConfigDict(extra="forbid", validate_default=True)
+
+
+@dataclass(frozen=True, config=CONFIG)
+class ModelConfig:
+    """Which model runs, where and how (the `model` section)."""
+
+    name: Annotated[str, Field(
+        description="'smollm2' (the embedded SmolLM2-135M-Instruct GGUF), a local HF model directory, "
+        "a .gguf file, or 'random:<shape>' (random weights of a real architecture, e.g. random:llama-7b).")] = "smollm2"
+    device: Annotated[Literal["auto", "cpu", "cuda"], Field(description="auto: CUDA when present, else CPU.")] = "auto"
+    dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], Field(
+        description="auto: float32 on CPU, bfloat16 on CUDA.")] = "auto"
+    weights: Annotated[WeightFormat, Field(
+        description="Linear layers' weights: auto (int4 on CPU, int8 where a shape does not fit int4) | fp32 "
+        "(as loaded) | bf16 | int8 | int4 (CPU).")] = WeightFormat.AUTO
+    cpu_threads: Annotated[int, Field(
+        ge=0, le=1024,
+        description="CPU threads of each engine job and decode step. 0: as many as the cores other processes "
+        "left idle since the last look (at most torch's thread count), so the CLI's briefly spinning OpenMP "
+        "threads never share a core (docs/decisions/0006); n: always n.")] = 0
+    decode_cache: Annotated[DecodeCache, Field(
+        description="What decode attends over: auto (int8 with quantized weights on CPU, else model) | "
+        "model (the prefill's cache, exact) | bf16 (a bf16 copy) | int8 (keys and values int8 with a scale "
+        "per token and head; CPU).")] = DecodeCache.AUTO
+    cache_dir: Annotated[Path, Field(
+        description="Where a GGUF model's converted copy (safetensors + tokenizer) is kept for warm starts.")] = (
+        Path("~/.cache/ragblend/models"))
+    system_prompt: Annotated[str, Field(description="System message of every RAG prompt.")] = (
+        "You are a helpful assistant. Answer the question using the documents.")
+
+    @field_validator("cache_dir")
+    @classmethod
+    def _expand(cls, value: Path) -> Path:
+        return value.expanduser()
+
+
+@dataclass(frozen=True, config=CONFIG)
+class BlendConfig:
+    """How reused chunk KV is fused and which tokens blend recomputes (the `blend` section). Frozen:
+    per request, `dataclasses.replace` it. The defaults are the server's, each measured (README,
+    docs/decisions); `cacheblend()` is the paper's own configuration, which the engine's tests use."""
+
+    mode: Annotated[RequestMode, Field(
+        description="Default mode of a request: auto (the loading planner) or a prefill mode.")] = RequestMode.AUTO
+    recompute_ratio: Annotated[float, Field(
+        ge=0.0, le=1.0, description="Share of reused tokens recomputed in blend mode (from the last check layer "
+        "on).")] = 0.15
+    is_ratio_adaptive: Annotated[bool, Field(
+        description="Recompute the fewest top-ranked tokens holding adaptive_mass of the ranking score, within "
+        "[adaptive_min_ratio, adaptive_max_ratio], instead of recompute_ratio (a request's recompute_ratio "
+        "'adaptive' sets it; docs/decisions/0010).")] = False
+    check_layers: Annotated[tuple[int, ...], Field(
+        min_length=1,
+        description="Layers where tokens are selected (after them reused KV is read); several = gradual "
+        "filtering. A deviation ranking checks at layer 1 at least (its K/V deviation is zero at layer 0).")] = (0,)
+    filter_growth: Annotated[float, Field(
+        ge=1.0, description="With several check layers, each earlier check keeps this many times more "
+        "tokens.")] = 2.0
+    deviation: Annotated[DeviationKind, Field(description="Select tokens by K or V deviation.")] = DeviationKind.VALUE
+    selection: Annotated[SelectionKind, Field(
+        description="How cached tokens are ranked for recompute (measured: docs/decisions/0002).")] = SelectionKind.QUERY
+    chunk_start_tokens: Annotated[int, Field(
+        ge=0, le=256, description="chunk_start selections: each chunk's first tokens always recomputed.")] = 8
+    probe_layer: Annotated[int | None, Field(
+        ge=1,
+        description="Query selections: measure the question's attention at this deeper layer with a probe of the "
+        "fresh tokens over the reused cache (null: at the check layer).")] = 8
+    probe_span: Annotated[int, Field(
+        ge=1, description="The probe sums the attention over this many layers up to probe_layer.")] = 4
+    query_heads: Annotated[HeadReduce, Field(description="Query selections: sum or max over heads.")] = HeadReduce.SUM
+    query_tokens: Annotated[int, Field(
+        ge=0, description="Query selections: only the question's last tokens' attention counts (0: all).")] = 0
+    combine: Annotated[ScoreCombine, Field(
+        description="query_deviation: attention mass x deviation, or the sum of their ranks.")] = ScoreCombine.PRODUCT
+    adaptive_mass: Annotated[float, Field(
+        gt=0.0, le=1.0, description="An adaptive ratio recomputes the fewest top-ranked tokens holding this share "
+        "of the score.")] = 0.9
+    adaptive_min_ratio: Annotated[float, Field(ge=0.0, le=1.0, description="Lower bound of an adaptive ratio.")] = 0.05
+    adaptive_max_ratio: Annotated[float, Field(ge=0.0, le=1.0, description="Upper bound of an adaptive ratio.")] = 0.5
+    guard_unselected_mass: Annotated[float | None, Field(
+        ge=0.0, le=1.0,
+        description="Quality guard (off when null): a request leaving more of the score unselected is risky, "
+        "and is recomputed at guard_ratio.")] = None
+    guard_ratio: Annotated[float, Field(
+        ge=0.0, le=1.0, description="The ratio a risky request is recomputed at.")] = 0.5
+    reused_key_scale: Annotated[float, Field(
+        gt=0.0, le=2.0,
+        description="Keys of reused chunks not computed at their place are multiplied by this after the last check "
+        "layer (an attention temperature; 1 = CacheBlend; calibrated: docs/benchmarks/key-scale.md).")] = 1.0
+    reused_attention_scale: Annotated[float, Field(
+        gt=0.0, le=4.0,
+        description="The attention weight of every query on a reused token of such a chunk (not recomputed) is "
+        "multiplied by this after the last check layer, in prefill and decode (APE's scaling factor; "
+        "1 = none; calibrated: docs/decisions/0003).")] = 0.5
+    sink: Annotated[SinkMode, Field(
+        description="What a chunk is computed behind at precompute (measured: docs/decisions/0001).")] = SinkMode.PREFIX
+    is_shift_measured: Annotated[bool, Field(
+        description="Benchmarks: report each blend prefill's last-token attention shift at the first check "
+        "(two one-query attentions more).")] = False
+    selected_positions: Annotated[tuple[int, ...] | None, Field(
+        description="Benchmarks: the cached positions to recompute, given instead of ranked (to compare two "
+        "caches of the same chunks under one selection); null: ranked.")] = None
+
+    def __post_init__(self) -> None:
+        # the bounds of single fields are their Field()s'; these relate several
+        if self.selected_positions is not None and any(p < 0 for p in self.selected_positions):
+            raise ValueError("selected_positions must be >= 0")
+        if self.adaptive_min_ratio > self.adaptive_max_ratio:
+            raise ValueError("adaptive_min_ratio must be <= adaptive_max_ratio")
+        if self.is_ratio_decided_at_check and len(self.check_layers) > 1:
+            raise ValueError("an adaptive ratio or a quality guard needs exactly one check layer")
+        if list(self.check_layers) != sorted(set(self.check_layers)) or self.check_layers[0] < 0:
+            raise ValueError(f"check_layers must be >= 0 and strictly increasing, got {self.check_layers}")
+        if self.probe_layer is not None and self.probe_layer <= self.check_layers[0]:
+            raise ValueError(f"probe_layer must be after the first check layer {self.check_layers[0]}")
+
+    @classmethod
+    def cacheblend(cls, **changes: object) -> BlendConfig:
+        """CacheBlend's own configuration (arXiv 2405.16444), with `changes`: tokens ranked by their value
+        deviation at layer 1, no probe, no scaling of the reused KV. The engine's tests compare against it."""
+        preset = cls(check_layers=(1,), selection=SelectionKind.DEVIATION, probe_layer=None, probe_span=1,
+                     reused_attention_scale=1.0)
+        return replace(preset, **changes) if changes else preset
+
+    def fitted(self, num_layers: int) -> BlendConfig:
+        """This config on a model of `num_layers` layers: a probe past the last layer probes at the last one
+        (none where that is not after the first check); a deviation-ranked selection checks at layer 1 at
+        least (at layer 0 a chunk's K/V do not depend on its context, so their deviation is zero)."""
+        config = self
+        if config.selection.is_deviation and config.first_check_layer == 0 and num_layers > 1:
+            checks = tuple(sorted({max(1, layer) for layer in config.check_layers}))
+            probe = config.probe_layer if config.probe_layer is None or config.probe_layer > 1 else None
+            config = replace(config, check_layers=checks, probe_layer=probe)
+        if config.probe_layer is not None and config.probe_layer >= num_layers:
+            last = num_layers - 1
+            config = replace(config, probe_layer=last if last > config.first_check_layer else None)
+        return config
+
+    @property
+    def first_check_layer(self) -> int:
+        """Layers before it compute every token and read no reused KV (check_layers is never empty)."""
+        return self.check_layers[0]
+
+    @property
+    def is_reuse_scaled(self) -> bool:
+        """Whether the reused tokens' keys or attention are scaled (else CacheBlend's own reuse / blend)."""
+        return self.reused_key_scale != 1.0 or self.reused_attention_scale != 1.0
+
+    @property
+    def is_ratio_decided_at_check(self) -> bool:
+        """The kept count is read back at the check layer (one host read per request)."""
+        return self.is_ratio_adaptive or self.guard_unselected_mass is not None
+
+    def ratio_at_check(self, check_idx: int) -> float:
+        """Share of reused tokens kept at the `check_idx`-th check layer."""
+        num_after = len(self.check_layers) - 1 - check_idx
+        return min(1.0, self.recompute_ratio * self.filter_growth**num_after)
+
+
+@dataclass(frozen=True, config=CONFIG)
+class GenerationConfig:
+    """An answer's defaults where a request leaves them out (the `generation` section)."""
+
+    max_tokens: Annotated[int, Field(ge=1, le=4096, description="Default answer length cap in tokens.")] = 128
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, description="0 = greedy.")] = 0.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0, description="Nucleus sampling mass.")] = 1.0
