@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import AsyncIterator, TYPE_CHECKING
 
 import anyio
 from fastapi import Depends, FastAPI
@@ -27,10 +27,13 @@ from app.uploads.api_router import router as uploads_router
 from app.web import install_web
 from configs.settings import Settings
 
+if TYPE_CHECKING:
+    from blend_engine.engine import BlendEngine
+
 logger = logging.getLogger(__name__)
 
 
-async def _load(app: FastAPI, settings: Settings, engine: Any | None) -> None:
+async def _load(app: FastAPI, settings: Settings, engine: BlendEngine | None) -> None:
     try:
         components = await anyio.to_thread.run_sync(Components.build, settings, app.state.metrics, engine)
     except Exception as exc:
@@ -61,7 +64,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             await anyio.to_thread.run_sync(components.close)
 
 
-def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
+def create_app(settings: Settings, engine: BlendEngine | None = None) -> FastAPI:
     """The app; nothing is loaded until it starts. `engine`: reuse an already loaded BlendEngine."""
     app = FastAPI(
         title="ragblend",
