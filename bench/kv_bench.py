@@ -104,7 +104,7 @@ def drop_page_cache(store: KVStore, keys: list[str]) -> None:
 def make_stores(fingerprint: str, base: StoreConfig, workdir: Path, redis_url: str | None,
                 throttles: dict[Tier, float]) -> dict[str, KVStore]:
     """One store per tier (so each row reads from exactly one), with the settings' other choices."""
-    base = dataclasses.replace(base, max_memory_bytes=0, disk_enabled=False, disk_dir=None, redis_url=None,
+    base = dataclasses.replace(base, max_memory_bytes=0, disk_enabled=False, disk_enabled=False, redis_url=None,
                                fsync=False, quantization=KVQuantization.NONE, write_tiers=frozenset(Tier),
                                throttle_mbps=throttles)
     configs = {

@@ -70,12 +70,12 @@ WRITER = textwrap.dedent(
     import sys, torch
     from pathlib import Path
     from blend_engine.kv import ChunkKV
-    from configs.settings import StorageDtype
+    from configs.enums import KVQuantization, StorageDtype
     from kv_store import KVStore, StoreConfig, Tier
     g = torch.Generator().manual_seed(7)
     kv = ChunkKV(tuple(range(500)), (), torch.randn(4, 2, 500, 32, generator=g), torch.randn(4, 2, 500, 32, generator=g))
     store = KVStore("fingerprint-c", StoreConfig(dtype=StorageDtype.FLOAT32, disk_dir=Path(sys.argv[1]),
-                    max_memory_bytes=0, fsync=False))
+                    max_memory_bytes=0, fsync=False, quantization=KVQuantization.NONE))
     key = store.key_for(kv.token_ids, ())
     disk = store.backend(Tier.DISK)
     for _ in range(25):

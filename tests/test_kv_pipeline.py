@@ -154,7 +154,7 @@ def test_entry_damaged_without_recompute_raises_cleanly(engine, chunks, tmp_path
 
 
 def test_entry_vanished_after_handle_is_recomputed(engine, chunks, tmp_path):
-    store = make_store(engine, tmp_path, disk_dir=None)
+    store = make_store(engine, tmp_path, disk_enabled=False)
     keys = put_all(store, chunks)
     handles = [store.handle(k) for k in keys]
     store.delete(keys[2])  # e.g. evicted by another request in between

@@ -111,7 +111,7 @@ def test_streamed_prefill_from_redis_matches_memory(server, client):
                          intermediate_size=128, vocab_size=256)
     engine = BlendEngine.from_model(LlamaForCausalLM(config), name="tiny-llama", blend=BlendConfig.cacheblend())
     chunks = [engine.precompute(tuple(range(10 * i + 2, 10 * i + 40)), (1,)) for i in range(3)]
-    store = KVStore(engine.fingerprint, StoreConfig(quantization=KVQuantization.NONE, dtype=StorageDtype.FLOAT32, max_memory_bytes=0, disk_dir=None,
+    store = KVStore(engine.fingerprint, StoreConfig(quantization=KVQuantization.NONE, dtype=StorageDtype.FLOAT32, max_memory_bytes=0, disk_enabled=False,
                                                     redis_url=server.url))
     handles = [store.handle(put(store, kv)) for kv in chunks]
     expected = engine.prefill([Segment((3, 4))] + [Segment(c.token_ids, c) for c in chunks])
@@ -150,7 +150,7 @@ def test_get_many_is_batched_and_promotes(server, client, tmp_path):
     kvs = [random_kv(seed) for seed in range(3)]
     remote = redis_only(server)
     keys = [put(remote, kv) for kv in kvs]
-    store = KVStore(FP, StoreConfig(quantization=KVQuantization.NONE, dtype=StorageDtype.FLOAT32, disk_dir=None, redis_url=server.url))
+    store = KVStore(FP, StoreConfig(quantization=KVQuantization.NONE, dtype=StorageDtype.FLOAT32, disk_enabled=False, redis_url=server.url))
     absent = store.key_for((999,), (1,))
     out = store.get_many([keys[0], absent, keys[2], keys[0]])
     assert out[1] is None and torch.equal(out[2].keys, kvs[2].keys) and torch.equal(out[3].values, kvs[0].values)

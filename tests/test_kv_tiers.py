@@ -162,7 +162,7 @@ def test_damaged_entry_is_a_miss_then_clean_recompute(tmp_path, damage, caplog):
 def test_memory_tier_bound_and_lru_order(tmp_path):
     kvs = [random_kv(seed=i) for i in range(5)]
     size = kvs[0].nbytes
-    store = make_store(tmp_path, disk_dir=None, max_memory_bytes=3 * size)
+    store = make_store(tmp_path, disk_enabled=False, max_memory_bytes=3 * size)
     mem = store.backend(Tier.MEMORY)
     keys = [put(store, kv) for kv in kvs[:3]]
     store.get(keys[0])  # 0 is now the most recently used: 1 goes first

@@ -60,8 +60,8 @@ def test_admission_stops_at_max_running_and_resumes_when_a_sequence_ends():
 
 
 def test_kv_bytes_bound_admission_but_one_request_always_runs():
-    s = scheduler(max_running=8, max_running_kv_bytes=100)
-    big, small = Req(kv_bytes=500), Req(kv_bytes=60)
+    s = scheduler(max_running=8, max_running_kv_bytes=100 << 20)
+    big, small = Req(kv_bytes=500 << 20), Req(kv_bytes=60 << 20)
     s.waiting.extend([big, small])
     step = s.schedule()
     assert step.admitted == [big]  # alone it runs, however large

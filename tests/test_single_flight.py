@@ -35,7 +35,7 @@ def _kv(num_tokens: int = 12) -> ChunkKV:
 
 
 def _replica(server, ttl_s: float = 30.0) -> tuple[SingleFlight, KVStore, list]:
-    store = KVStore("fp-single-flight", StoreConfig(quantization=KVQuantization.NONE, max_memory_bytes=0, disk_dir=None, redis_url=server.url,
+    store = KVStore("fp-single-flight", StoreConfig(quantization=KVQuantization.NONE, max_memory_bytes=0, disk_enabled=False, redis_url=server.url,
                                                     dtype=StorageDtype.FLOAT32))
     outcomes: list = []
     flight = SingleFlight(store, PrecomputeLocks(server.url, ttl_s), lambda r, o: outcomes.append((r, o)))
