@@ -173,6 +173,11 @@ async def delete_documents(client: httpx.AsyncClient, ids: Sequence[str]) -> Non
 # ---- asking and scoring ----------------------------------------------------------------------
 
 
+def progress(message: str) -> None:
+    """A line on stderr: a full run takes a while (stdout carries the table and the JSON)."""
+    print(f"bench answers: {message}", file=sys.stderr, flush=True)
+
+
 def in_turn(settings: Sequence[Setting], turn: int) -> list[Setting]:
     """The settings starting from the `turn`th (mod their number): each takes every place in turn."""
     k = turn % len(settings)
@@ -236,6 +241,7 @@ async def document_part(clients: Mapping[str, httpx.AsyncClient], settings: Sequ
     records = []
     for repeat in range(args.repeats):
         for qi, question in enumerate(questions):
+            progress(f"documents: question {qi + 1}/{len(questions)}, repeat {repeat + 1}/{args.repeats}")
             for setting in in_turn(settings, qi + repeat):
                 got = await ask(clients[setting.server_key], setting, question.question, args)
                 record = {"part": f"docs_{question.split}", "question": question.id, "document": question.document,
@@ -252,6 +258,7 @@ async def musique_part(clients: Mapping[str, httpx.AsyncClient], settings: Seque
     """Per question: its passages ingested on every server, asked in every setting, deleted again."""
     records, ingest_s = [], 0.0
     for mi, question in enumerate(questions):
+        progress(f"MuSiQue: question {mi + 1}/{len(questions)}")
         ids = [f"musique-{mi}-{pi}" for pi in range(len(question.passages))]
         for client in clients.values():
             ingest_s += await ingest_passages(client, ids, question.passages, args.kv_timeout)
@@ -363,6 +370,8 @@ async def measure(urls: Mapping[str, str], settings: Sequence[Setting], qset: Qu
             model = (await client.get("/v1/models")).json()["data"][0]["id"]
             start = time.perf_counter()
             documents = await upload_documents(client, qset, args.kv_timeout) if questions else {}
+            progress(f"server {urls[key]}: {model}, {len(documents)} documents in "
+                     f"{sum(d['num_chunks'] for d in documents.values())} chunks, {time.perf_counter() - start:.0f} s")
             servers.append({"settings": [s.name for s in settings if s.server_key == key], "overrides": json.loads(key),
                             "url": urls[key], "model": model, "ingest_s": time.perf_counter() - start,
                             "documents": documents})
@@ -407,8 +416,10 @@ def run(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         # One after the other: a server's loading planner times prefills while it starts, and a second
         # server starting meanwhile would slow those down.
-        urls = {key: stack.enter_context(started_server(f"answers-{i}", group[0].server, args))
-                for i, (key, group) in enumerate(server_groups(settings).items())}
+        urls = {}
+        for i, (key, group) in enumerate(server_groups(settings).items()):
+            progress(f"starting a server for {', '.join(s.name for s in group)}")
+            urls[key] = stack.enter_context(started_server(f"answers-{i}", group[0].server, args))
         try:
             measured = asyncio.run(measure(urls, settings, qset, questions, musique, args))
         except QueryFailed as exc:  # an upload, an ingest, a delete or a warm-up refused: nothing to score
