@@ -1,5 +1,5 @@
 """The settings `ragblend bench answers` compares side by side. A setting is a name, the /v1/query
-fields it adds to every request, and the server settings it overrides (nested like configs/default.yaml;
+fields it adds to every request, and the server settings it overrides (nested by section as in docs/configuration.md;
 settings with the same overrides share one server). Adding a setting is one line in SETTINGS, e.g.
 
     Setting("chunks-256", server={"retrieval": {"chunk_tokens": 256}}),
