@@ -7,7 +7,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from blend_engine.kv import ChunkKV
+from blend_engine.kv import ChunkKV, KVShape
 from blend_engine.types import BlendConfig, PrefillMode, Segment
 from configs import load_settings
 from configs.settings import StorageDtype
@@ -28,7 +28,7 @@ def chunk(seed: int, num_tokens: int = 8) -> ChunkKV:
 def device_store(tmp_path, max_gpu_bytes: int = 1 << 20) -> KVStore:
     return KVStore("fp", StoreConfig(max_gpu_bytes=max_gpu_bytes, gpu_device="cpu", max_memory_bytes=1 << 20,
                                      disk_dir=tmp_path, fsync=False, dtype=StorageDtype.FLOAT32,
-                                     write_tiers=frozenset({Tier.DISK})))
+                                     write_tiers=frozenset({Tier.DISK})), shape=KVShape(2, 2, 4))
 
 
 def test_device_tier_is_an_lru_by_bytes():

@@ -36,7 +36,7 @@ def chunks(engine):
 
 def make_store(engine, tmp_path, dtype=StorageDtype.FLOAT32, **kw) -> KVStore:
     kw.setdefault("disk_dir", tmp_path / "kv")
-    return KVStore(engine.fingerprint, StoreConfig(dtype=dtype, fsync=False, **kw))
+    return KVStore(engine.fingerprint, StoreConfig(dtype=dtype, fsync=False, **kw), shape=engine.kv_shape)
 
 
 def put_all(store, chunks) -> list[str]:
