@@ -236,7 +236,8 @@ def parse_header(head: bytes, total_bytes: int, expected_key: str, fingerprint: 
         raise CorruptEntryError(f"entry holds key {meta.key[:16]!r}, expected {expected_key[:16]}")
     token_ids, context_ids = tuple(meta.token_ids), tuple(meta.context_ids)
     if chunk_key(fingerprint, stored_fmt, token_ids, context_ids) != expected_key:  # content-addressed
-        raise CorruptEntryError(f"entry's {len(token_ids)} token ids and context are not those of key {expected_key[:16]}")
+        raise CorruptEntryError(f"entry's {len(token_ids)} token ids and context are not those of key "
+                                f"{expected_key[:16]}")
     stored_shape = tuple(meta.shape)
     if stored_shape != (shape.num_layers, shape.num_kv_heads, shape.head_dim):
         raise CorruptEntryError(f"entry of shape {stored_shape} (layers, KV heads, head dim), the model's is "

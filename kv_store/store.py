@@ -52,7 +52,8 @@ class KVStore:
             self._backends.append(MemoryBackend(config.max_memory_bytes, TORCH_DTYPES[config.dtype]))
         if config.disk_dir is not None:
             self._backends.append(
-                DiskBackend(config.disk_dir, config.max_disk_bytes, fingerprint, config.remote_format, shape, config.fsync)
+                DiskBackend(config.disk_dir, config.max_disk_bytes, fingerprint, config.remote_format, shape,
+                            config.fsync)
             )
         if config.redis_url is not None:
             from kv_store.redis_backend import RedisBackend  # redis-py only when a URL is configured
