@@ -68,7 +68,8 @@ class Components:
         retriever = kv_store = loop = locks = None
         try:
             retriever = Retriever.open(settings.data_dir, settings.retrieval, _shared_store(settings))
-            kv_store = KVStore(engine.fingerprint, settings.store.resolved(settings.data_dir), engine.device.type)
+            kv_store = KVStore(engine.fingerprint, settings.store.resolved(settings.data_dir), engine.device.type,
+                               shape=engine.kv_shape)
             _collect_kv_garbage(settings, kv_store, retriever)
             reserve = _take_reserve(settings, kv_store)
             executor = PrefillExecutor(engine, kv_store, settings.blend, settings.store.planner_profile_tokens,

@@ -40,7 +40,8 @@ def make_store(engine, tmp_path, dtype=StorageDtype.FLOAT32, **kw) -> KVStore:
     kw.setdefault("quantization", KVQuantization.NONE)
     kw.setdefault("disk_enabled", kw["disk_dir"] is not None)
     engine_device_type = kw.pop("engine_device_type", "cpu")
-    return KVStore(engine.fingerprint, StoreConfig(dtype=dtype, fsync=False, **kw), engine_device_type)
+    return KVStore(engine.fingerprint, StoreConfig(dtype=dtype, fsync=False, **kw), engine_device_type,
+                   shape=engine.kv_shape)
 
 
 def put_all(store, chunks) -> list[str]:

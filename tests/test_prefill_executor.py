@@ -42,7 +42,8 @@ def store(engine, tmp_path):
     """Every chunk on the disk tier only: a prefill streams them through a loader thread, which reads
     one layer ahead (the tiny model's 4 layers: else it would be through before the first part ends)."""
     store = KVStore(engine.fingerprint, StoreConfig(quantization=KVQuantization.NONE, dtype=StorageDtype.FLOAT32, fsync=False, disk_dir=tmp_path / "kv",
-                                                    write_tiers=frozenset({Tier.DISK}), prefetch_depth=1))
+                                                    write_tiers=frozenset({Tier.DISK}), prefetch_depth=1),
+                    shape=engine.kv_shape)
     yield store
     store.close()
 
