@@ -21,6 +21,7 @@ from app.health.api_router import metrics_router, router as health_router
 from app.metrics import Metrics
 from app.middleware import BodyGuardMiddleware, MetricsMiddleware
 from app.origin_guard import OriginGuardMiddleware
+from app.security_headers import SecurityHeadersMiddleware
 from app.models.api_router import router as models_router
 from app.query.api_router import router as query_router
 from app.uploads.api_router import router as uploads_router
@@ -82,7 +83,8 @@ def create_app(settings: Settings, engine: BlendEngine | None = None) -> FastAPI
         path_limits={"/v1/documents/files": settings.limits.max_upload_bytes},
     )
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
-    app.add_middleware(OriginGuardMiddleware, server=settings.server)  # outermost: refused before anything runs
+    app.add_middleware(OriginGuardMiddleware, server=settings.server)  # refused before anything runs
+    app.add_middleware(SecurityHeadersMiddleware)  # outermost: on every response, refusals included
     app.include_router(health_router)
     app.include_router(metrics_router, dependencies=[Depends(require_api_key)])
     protected = [Depends(require_api_key)]
