@@ -20,6 +20,14 @@ import sys
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
+# oneDNN (the bf16 GEMMs of a prefill) caches each GEMM shape's compiled primitive, and torch's ideep
+# layer keeps its own cache beside it: 1024 entries each by default, about 0.5 and 0.2 MB an entry.
+# Prompt lengths differ from question to question, so a long-running server filled both to ~700 MB
+# while a prefill reuses only its own dozen or so shapes (one per projection and distinct row count)
+# across its layers. 64 holds a few prefills' worth (docs/benchmarks/memory.md). 0 crashes ideep.
+for _name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+    os.environ.setdefault(_name, "64")
+
 # subcommand path -> (module, help). The module defines add_arguments(parser) and run(args) -> int.
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("serve",): ("app.commands.serve", "run the RAG server"),
@@ -38,6 +46,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "kv-codec"): ("bench.kv_codec_bench", "KV entry formats: bytes per token, decode speed, fidelity"),
     ("bench", "corpus"): ("bench.corpus_bench", "KV budget at corpus scale: hit rate and TTFT per budget, Zipf stream"),
     ("bench", "plot"): ("bench.plot", "plot an engine bench's KL-vs-speed frontier (PNG)"),
+    ("bench", "memory"): ("bench.memory_bench", "where a server's memory goes: RSS stage by stage through start-up, "
+                          "and a live server's, idle after start-up and after a run of questions"),
 }
 
 

@@ -52,13 +52,14 @@ class ModelRunner:
         self.calls = [LayerCalls.of(block, self.shape, self.dtype) for block in self.layers]
         self._final_norm = norm_call(self.decoder.norm, self.dtype)
 
+    # read off the final norm: the embedding may be held in int8 blocks (blend_engine/embedding.py)
     @property
     def device(self) -> torch.device:
-        return self.decoder.embed_tokens.weight.device
+        return self.decoder.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.decoder.embed_tokens.weight.dtype
+        return self.decoder.norm.weight.dtype
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids [n] -> hidden [n, hidden]."""

@@ -33,23 +33,27 @@ _COMPUTE = torch.bfloat16
 class Int8Linear(nn.Module):
     """y = x @ (q * scale).T + bias with q int8 [out, in] and scale [out] (bf16)."""
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 is_copy_kept: bool = True):
         super().__init__()
         self.register_buffer("qweight", qweight)  # [out, in] int8
         self.register_buffer("scales", scales)  # [out] bf16
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.in_features, self.out_features = qweight.shape[1], qweight.shape[0]
-        is_bf16_gemm = gemm_dtype(qweight.device) == _COMPUTE
+        self.is_bf16_gemm = gemm_dtype(qweight.device) == _COMPUTE
         # prefill's weight: the dequantized weight kept in bf16 (2 more bytes a weight, still less than
-        # fp32's 4) where bf16 GEMMs are native; else dequantized to fp32 at each call
-        gemm_weight = self.dequantized(_COMPUTE) if is_bf16_gemm else None
+        # fp32's 4) where bf16 GEMMs are native; else dequantized to fp32 at each call. Not
+        # `is_copy_kept`: made at the first call with many rows (the lm_head's: it sees one row a
+        # sequence but in teacher forcing and batches of over 32 answers, and is SmolLM2's largest)
+        gemm_weight = self.dequantized(_COMPUTE) if self.is_bf16_gemm and is_copy_kept else None
         self.register_buffer("gemm_weight", gemm_weight, persistent=False)  # [out, in] bf16 or None
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, is_copy_kept: bool = True,
+                    ) -> Int8Linear:
         scales = (weight.detach().float().abs().amax(dim=1).clamp_min(1e-8) / 127).to(_COMPUTE)
         q = torch.round(weight.detach().float() / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
-        return cls(q, scales, None if bias is None else bias.detach().clone())
+        return cls(q, scales, None if bias is None else bias.detach().clone(), is_copy_kept)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight this module multiplies by, [out, in]."""
@@ -59,7 +63,9 @@ class Int8Linear(nn.Module):
         rows = x.reshape(-1, x.shape[-1])  # [n, in]
         if rows.shape[0] <= MAX_PACKED_ROWS:
             out = torch._weight_int8pack_mm(rows.to(_COMPUTE).contiguous(), self.qweight, self.scales)
-        elif self.gemm_weight is not None:
+        elif self.is_bf16_gemm:
+            if self.gemm_weight is None:  # the first call with many rows of a copy not kept from the start
+                self.gemm_weight = self.dequantized(_COMPUTE)
             out = F.linear(rows.to(_COMPUTE), self.gemm_weight)
         else:
             out = F.linear(rows.float(), self.dequantized(torch.float32))
@@ -158,14 +164,16 @@ def convert_linears(model: nn.Module, fmt: WeightFormat) -> int:
         setattr(parent, child, _convert(linear, fmt))
     lm_head = model.get_output_embeddings()
     if isinstance(lm_head, nn.Linear):  # tied or not: a converted copy (the embedding lookup stays)
-        model.set_output_embeddings(_convert(lm_head, _LM_HEAD_FORMAT.get(fmt, fmt)))
+        model.set_output_embeddings(_convert(lm_head, _LM_HEAD_FORMAT.get(fmt, fmt), is_lm_head=True))
         targets.append(("lm_head", lm_head))
     return len(targets)
 
 
-def _convert(linear: nn.Linear, fmt: WeightFormat) -> nn.Module:
-    if fmt in (WeightFormat.INT8, WeightFormat.INT4):
-        return _MODULES[fmt].from_weight(linear.weight, linear.bias)
+def _convert(linear: nn.Linear, fmt: WeightFormat, is_lm_head: bool = False) -> nn.Module:
+    if fmt == WeightFormat.INT8:  # the lm_head's prefill copy only once it sees many rows (see Int8Linear)
+        return Int8Linear.from_weight(linear.weight, linear.bias, is_copy_kept=not is_lm_head)
+    if fmt == WeightFormat.INT4:
+        return Int4Linear.from_weight(linear.weight, linear.bias)
     return Bf16Linear(linear.weight, linear.bias)
 
 

@@ -29,15 +29,37 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from enum import Enum
+from types import ModuleType
 
 import numpy as np
 import torch
 import zstandard
 
-from kv_store import lowbit_kernels
-
-
 MIN_BITS, MAX_BITS = 1, 8  # the widths a code can have
+
+
+_KERNELS_LOCK = threading.Lock()
+_warm_kernels: ModuleType | None = None
+
+
+def kernels() -> ModuleType:
+    """The decoder's compiled loops (kv_store/lowbit_kernels.py), imported and warmed up (compiled, or
+    loaded from numba's cache: ~1 s) by the first call. Not at import: numba and LLVM add ~100 MB to a
+    process once loaded (docs/benchmarks/memory.md), which one that has read no low-bit entry needs not
+    hold. `KVStore` calls this ahead of the first read, off the request path."""
+    global _warm_kernels
+    with _KERNELS_LOCK:
+        if _warm_kernels is None:
+            from kv_store import lowbit_kernels
+
+            lowbit_kernels.warm_up()
+            _warm_kernels = lowbit_kernels
+        return _warm_kernels
+
+
+def are_kernels_loaded() -> bool:
+    with _KERNELS_LOCK:
+        return _warm_kernels is not None
 
 
 class BitWidths(str, Enum):
@@ -387,9 +409,9 @@ def _take_part(reader: _Reader, num_heads: int, num_slices: int, slice_len: int,
     if widths is BitWidths.UNIFORM:
         return None, reader.take(_packed_len(num_heads * num_slices * slice_len, int(bits)))
     # compiled (one call, no GIL): a few dozen small numpy calls here cost as much as the codes' decode
-    slice_widths, start, end = lowbit_kernels.take_widths(reader.buf, reader.offset, num_heads, num_slices,
-                                                          slice_len, _total_bits(bits, num_slices), MIN_BITS,
-                                                          _WIDTH_CODE_BITS)
+    slice_widths, start, end = kernels().take_widths(reader.buf, reader.offset, num_heads, num_slices,
+                                                     slice_len, _total_bits(bits, num_slices), MIN_BITS,
+                                                     _WIDTH_CODE_BITS)
     reader.offset = end
     return slice_widths, reader.buf[start:end]
 
@@ -452,12 +474,12 @@ def decode_layer(payload, num_heads: int, num_tokens: int, head_dim: int, spec: 
     # code * step + min in fp32: k_* [H, G, D] per key group, v_* [H, n] per token
     out = np.empty((2, num_heads, num_tokens, head_dim), dtype=np.float32)  # [2, H, n, D]
     if k_widths is not None:  # one compiled pass (lowbit_kernels: why)
-        lowbit_kernels.decode_keys(k_packed, k_widths, spec.group_tokens, k_step, k_lo, out[0])
+        kernels().decode_keys(k_packed, k_widths, spec.group_tokens, k_step, k_lo, out[0])
     else:
         k = _uniform_codes(k_packed, spec.key_bits, (num_heads, num_tokens, head_dim), spec.is_delta)
         _dequantize_keys(k, k_step, k_lo, spec.group_tokens, torch.from_numpy(out[0]))
     if v_widths is not None:
-        lowbit_kernels.decode_values(v_packed, v_widths, v_step, v_lo, out[1])
+        kernels().decode_values(v_packed, v_widths, v_step, v_lo, out[1])
     else:
         v = _uniform_codes(v_packed, spec.value_bits, (num_heads, num_tokens, head_dim), spec.is_delta)
         torch.from_numpy(out[1]).copy_(torch.from_numpy(v)).mul_(torch.from_numpy(v_step[..., None])).add_(

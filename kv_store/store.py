@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Sequence
 
 import torch
@@ -21,7 +22,7 @@ from blend_engine.kv import ChunkKV, KVShape
 from configs.enums import LoaderPriority
 from kv_store.admission import Admission, AdmissionPolicy, BudgetStats
 from kv_store.backend import Backend, Tier
-from kv_store import lowbit_kernels
+from kv_store import lowbit
 from kv_store.codec import LOWBIT_SPECS, TORCH_DTYPES
 from kv_store.config import StoreConfig
 from kv_store.device import DeviceBackend, check_device, default_gpu_bytes
@@ -69,14 +70,28 @@ class KVStore:
 
             self._backends.append(RedisBackend(config.redis_url, config.redis_ttl_s, fingerprint, config.remote_format,
                                                shape))
-        if config.quantization in LOWBIT_SPECS and (disk_dir is not None or config.redis_url is not None):
-            lowbit_kernels.warm_up()  # its decoder's compiled loops, before any request reads an entry
+        self._lowbit_tiers = {b.tier for b in self._backends if b.tier in (Tier.DISK, Tier.REDIS)} \
+            if config.quantization in LOWBIT_SPECS else set()
+        self._decoder_warm_up: threading.Thread | None = None
+        if self._lowbit_tiers and (config.redis_url is not None or self._disk_holds_entries()):
+            lowbit.kernels()  # its decoder's compiled loops, before any request reads an entry
         self._budgeted = self._budget_tier()
         self.admission = self._admission(config) if self._budgeted is not None else None
         self._backends = [self._throttled(b) for b in self._backends]
         self.planner = LoadPlanner(config.min_recompute_ratio, config.max_recompute_ratio)
         self._streaming = StoreStreaming(self._backends, config, self.put, self.get, self.backend, engine_device_type)
         self._prefetcher = self._streaming.prefetcher
+
+    def _disk_holds_entries(self) -> bool:
+        return any(type(b) is DiskBackend and b.bytes_used() > 0 for b in self._backends)
+
+    def _warm_decoder(self) -> None:
+        """At the first low-bit write of a store that started with none (a fresh data dir), the decoder's
+        compiled loops load on a thread of their own: a question's read of the entry finds them warm,
+        and a server nothing was written to never loads numba (docs/benchmarks/memory.md)."""
+        if self._decoder_warm_up is None and not lowbit.are_kernels_loaded():
+            self._decoder_warm_up = threading.Thread(target=lowbit.kernels, name="kv-decoder-warm-up", daemon=True)
+            self._decoder_warm_up.start()
 
     def _budget_tier(self) -> DiskBackend | MemoryBackend | None:
         """The tier whose bound is the collection's KV budget: disk (persistent), else memory."""
@@ -180,6 +195,8 @@ class KVStore:
         for b in self._backends:
             if b.tier in tiers:
                 b.put(key, kv)
+        if tiers & self._lowbit_tiers:
+            self._warm_decoder()
         if self.admission is not None:
             size = self._budgeted.sizes_of([key])[0]
             if size is not None:

@@ -40,3 +40,7 @@ class SchedulerConfig:
     max_background: Annotated[int, Field(
         ge=1, description="Background units waiting (KV repairs, backfill); beyond, new ones are dropped "
         "(a repair is scheduled again by the next question that misses the entry).")] = 64
+    idle_release_s: Annotated[float, Field(
+        ge=0, description="Once the engine has been idle this long after work, the memory the allocator holds "
+        "free goes back to the system (glibc's malloc_trim; the next request touches those pages afresh). 0: "
+        "never. Measured in docs/benchmarks/memory.md.")] = 2.0

@@ -21,6 +21,7 @@ from blend_engine.types import Delta, FinishReason
 from runtime.config import SchedulerConfig
 from runtime.executor import PrefillExecutor, PrefillOutcome
 from runtime.jobs import END, Emit, Job, JobCancelled, JobStream, QueueFull, emitter, new_job
+from runtime.memory import release_free_memory
 from runtime.scheduler import Scheduler, Step
 from runtime.types import DoneEvent, PrefillRequest, Timings, TokenEvent, Usage
 
@@ -50,6 +51,7 @@ class LoopStats:
     num_prefill_parts: int = 0  # prefill parts that handed the step back before their prompt was in
     num_decode_steps_mid_prefill: int = 0  # batched decode steps run between the parts of another's prefill
     num_decode_steps_deferred: int = 0  # steps whose prefill ran without the running sequences' decode step
+    num_idle_releases: int = 0  # times the allocator's free memory went back to the system (runtime/memory.py)
 
 
 @dataclass(eq=False)
@@ -115,6 +117,7 @@ class EngineLoop:
         self._cond = threading.Condition()
         self._current: Job | None = None
         self._is_closing = False
+        self._is_release_due = False  # work ran since the last idle release
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -235,6 +238,9 @@ class EngineLoop:
     def _loop(self) -> None:
         while (step := self._next_step()) is not None:
             self._run_step(step)
+            # not held while the loop waits: the last step's finished answers would keep their
+            # prefill's cache (SmolLM2's fp32 cache: 46 kB a prompt token) until the next request
+            del step
 
     def _next_step(self) -> Step[Generation] | None:
         with self._cond:
@@ -248,10 +254,26 @@ class EngineLoop:
                 step = self.scheduler.schedule(time.perf_counter())
                 if not step.is_idle:
                     self._current = step.job
+                    self._is_release_due = True
                     return step
                 if self.engine is not None and not self.scheduler.running:
                     self.engine.close_decode_batch()  # idle: a graphed batch's KV pool goes back
+                if self._is_release_due and self.config.idle_release_s > 0 and not self.scheduler.running:
+                    if not self._cond.wait(self.config.idle_release_s):  # nothing came meanwhile
+                        self._release_idle_memory()
+                    continue
                 self._cond.wait()
+
+    def _release_idle_memory(self) -> None:
+        """The allocator's free memory back to the system (called holding `_cond`, released meanwhile: a
+        trim takes tens of ms, and `submit` must not wait for it)."""
+        self._is_release_due = False
+        self._cond.release()
+        try:
+            release_free_memory()
+        finally:
+            self._cond.acquire()
+        self.stats.num_idle_releases += 1
 
     def _drop_cancelled(self) -> None:
         """Requests whose client left: out of the queue and the batch (under the lock). Closing, every

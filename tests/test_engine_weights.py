@@ -37,7 +37,7 @@ def test_int8_linear_matches_its_dequantized_weight(num_rows, is_bf16_gemm):
     weight, bias = torch.randn(96, 64) * 0.05, torch.randn(96)
     linear = Int8Linear.from_weight(weight, bias)
     if not is_bf16_gemm:  # a CPU without native bf16
-        linear.gemm_weight = None
+        linear.is_bf16_gemm, linear.gemm_weight = False, None
     x = torch.randn(num_rows, 64)
     is_bf16_input = num_rows <= MAX_PACKED_ROWS or is_bf16_gemm
     ref = F.linear(x.bfloat16().float() if is_bf16_input else x, linear.dequantized(), bias)

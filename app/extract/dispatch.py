@@ -9,9 +9,6 @@ from pathlib import PurePath
 from typing import Sequence
 
 from app.documents.ids import id_from_file_name, id_from_value
-from app.extract.docx import extract_docx, unzip_bounded
-from app.extract.html import decode_html, extract_html
-from app.extract.pdf import extract_pdf
 from app.extract.text import decode_text, first_line_title, markdown_title, parse_jsonl
 from app.extract.types import SUFFIX_FORMATS, ExtractedDocument, ExtractionLimits, FileFormat, FileRejected
 from app.text import without_nul
@@ -77,15 +74,23 @@ def _check_magic(name: str, data: bytes, fmt: FileFormat) -> None:
 
 def _extract(name: str, data: bytes, fmt: FileFormat, limits: ExtractionLimits, doc_id: str) -> list[ExtractedDocument]:
     base = {"source": without_nul(PurePath(name).name), "format": fmt.value}
+    # each format's parser is imported with its first file: pypdf, python-docx and trafilatura with
+    # theirs hold ~20 MB a server that never sees one needs not (docs/benchmarks/memory.md)
     if fmt is FileFormat.PDF:
+        from app.extract.pdf import extract_pdf
+
         title, pages = extract_pdf(name, data)
         text, starts = join_pages(pages)
         return [ExtractedDocument(doc_id, title or first_line_title(text), text, fmt,
                                   {**base, "num_pages": len(pages)}, starts)]
     if fmt is FileFormat.DOCX:
+        from app.extract.docx import extract_docx, unzip_bounded
+
         title, text = extract_docx(name, unzip_bounded(name, data, limits.max_unzipped_bytes))
         return [ExtractedDocument(doc_id, title or first_line_title(text), text, fmt, base)]
     if fmt is FileFormat.HTML:
+        from app.extract.html import decode_html, extract_html
+
         markup = decode_html(data)
         if markup is None:
             raise FileRejected(f"{name}: not decodable HTML (neither UTF-8 nor its declared charset)")
