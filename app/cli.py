@@ -20,13 +20,14 @@ import sys
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
-# oneDNN (the bf16 GEMMs of a prefill) caches each GEMM shape's compiled primitive, and torch's ideep
-# layer keeps its own cache beside it: 1024 entries each by default, about 0.5 and 0.2 MB an entry.
-# Prompt lengths differ from question to question, so a long-running server filled both to ~700 MB
-# while a prefill reuses only its own dozen or so shapes (one per projection and distinct row count)
-# across its layers. 64 holds a few prefills' worth (docs/benchmarks/memory.md). 0 crashes ideep.
+# oneDNN (a prefill's bf16 GEMMs) keeps each GEMM shape's compiled primitive, and torch's ideep layer a
+# cache of its own beside it: 1024 entries each by default, about 0.55 MB a shape for the two. Prompt
+# lengths differ from question to question, so a long-running server filled both (~560 MB) with shapes
+# it never met again, while a prefill reuses only its own (four projections per distinct row count,
+# up to a dozen) across its layers. 16 keeps a prefill's and an interleaved precompute's
+# (docs/benchmarks/memory.md). 0 crashes ideep.
 for _name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
-    os.environ.setdefault(_name, "64")
+    os.environ.setdefault(_name, "16")
 
 # subcommand path -> (module, help). The module defines add_arguments(parser) and run(args) -> int.
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from blend_engine.embedding import compact_embedding
+from blend_engine.embedding import Int8BlockEmbedding, compact_embedding
 from blend_engine.int4 import Int4Linear
 from blend_engine.weights import Bf16Linear, Int8Linear, convert_linears, resolve_weight_format
 from blend_engine.config import ModelConfig
@@ -88,7 +88,7 @@ def load_model(settings: ModelConfig) -> LoadedModel:
     loaded = _load(settings)
     fmt = resolve_weight_format(settings.weights, loaded.model.device, loaded.model)
     num = convert_linears(loaded.model, fmt)
-    if num:
+    if num and not loaded.is_random:  # loaded from a checkpoint, and most of it converted
         is_compact = compact_embedding(loaded.model)
         copied = own_remaining_weights(loaded.model)
         log.info("model %s: embedding %s; %d MB of other weights copied off the checkpoint's file mapping",
@@ -105,13 +105,13 @@ def own_remaining_weights(model: torch.nn.Module) -> int:
     conversion read every page of it: while one tensor still views the mapping, all of it stays in the
     process's memory (SmolLM2: 513 MB resident for a few MB still used). The converted layers are
     already copies, so with these copied too nothing holds the mapping and it is released."""
-    quantized = (Int8Linear, Int4Linear, Bf16Linear)
+    made_here = (Int8Linear, Int4Linear, Bf16Linear, Int8BlockEmbedding)  # their own memory already
     copied_params: set[int] = set()
     copied_buffers: dict[int, torch.Tensor] = {}  # a buffer two modules share gets one copy
     num_bytes = 0
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, quantized):
+            if isinstance(module, made_here):
                 continue
             for param in module.parameters(recurse=False):
                 if param.device.type == "cpu" and id(param) not in copied_params:
