@@ -44,8 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--documents", type=int, default=None,
                         help="documents of the answers set uploaded (default: those the questions are about)")
     parser.add_argument("--max-tokens", type=int, default=64, help="each answer's token cap")
-    parser.add_argument("--idle-s", type=float, default=4.0,
-                        help="seconds waited before each idle reading (longer than the engine loop's idle release)")
+    parser.add_argument("--idle-s", type=float, default=35.0,
+                        help="seconds waited before each idle reading: longer than the server's "
+                             "scheduler.idle_release_s (default 30)")
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--no-stages", action="store_true", help="skip the stage-by-stage part")
     parser.add_argument("--no-server", action="store_true", help="skip the live server part")

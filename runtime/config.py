@@ -42,5 +42,6 @@ class SchedulerConfig:
         "(a repair is scheduled again by the next question that misses the entry).")] = 64
     idle_release_s: Annotated[float, Field(
         ge=0, description="Once the engine has been idle this long after work, the memory the allocator holds "
-        "free goes back to the system (glibc's malloc_trim; the next request touches those pages afresh). 0: "
-        "never. Measured in docs/benchmarks/memory.md.")] = 2.0
+        "free goes back to the system (glibc's malloc_trim): an idle server's RSS falls by a few hundred MB, and "
+        "the first request after the pause touches those pages afresh (~20 000 page faults, ~0.1 s on a VM). "
+        "0: never. Measured in docs/benchmarks/memory.md.")] = 30.0
