@@ -45,8 +45,8 @@ class RagPipeline:
     def _scored_chunks(self, request: RagRequest) -> list[ScoredChunk]:
         pin_one_thread()  # the query's embedding runs torch on this worker thread: one thread, no pool
         if request.chunk_ids is None:
-            return self.retriever.search(request.question, request.top_k)
-        found, missing = self.retriever.named(request.chunk_ids)
+            return self.retriever.search(request.question, request.top_k, request.collections)
+        found, missing = self.retriever.named(request.chunk_ids, request.collections)
         if missing:
             raise NotFoundError(f"unknown chunk id(s): {', '.join(missing[:10])}")
         return found
@@ -99,7 +99,7 @@ def prefill_request(request: RagRequest, sources: Sequence[Source]) -> PrefillRe
 
 def _source(scored: ScoredChunk) -> Source:
     c = scored.chunk
-    return Source(c.id, c.document_id, c.title, scored.score, c.text, c.token_ids, c.kv_key, c.pages)
+    return Source(c.id, c.document_id, c.title, scored.score, c.text, c.token_ids, c.kv_key, c.pages, c.collection)
 
 
 def _lowest_ranked(sources: list[Source]) -> int:
