@@ -23,9 +23,11 @@ if "OMP_WAIT_POLICY" not in os.environ:
 # subcommand path -> (module, help). The module defines add_arguments(parser) and run(args) -> int.
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("serve",): ("app.commands.serve", "run the RAG server"),
-    ("ingest",): ("app.commands.ingest", "ingest txt/md/jsonl files into a running server"),
+    ("ingest",): ("app.commands.ingest", "ingest files into a running server (--collection: into a knowledge base)"),
     ("ask",): ("app.commands.ask", "ask a running server a question, streaming the answer"),
     ("store", "copy"): ("app.commands.store_copy", "copy a data directory's SQLite documents into Postgres"),
+    ("collections",): ("app.commands.collections", "create, list or delete knowledge bases on a running server"),
+    ("keys",): ("app.commands.keys", "create, list or revoke scoped API keys on a running server"),
     ("bench", "engine"): ("bench.engine_bench", "engine benchmark: TTFT and fidelity per prefill mode"),
     ("bench", "kv"): ("bench.kv_bench", "KV store benchmark: blend TTFT per tier, pipelined or not"),
     ("bench", "server"): ("bench.server_bench", "concurrent streaming clients against servers, side by side with a "
