@@ -37,6 +37,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "replicas"): ("bench.replicas_bench", "Postgres vs SQLite store: query TTFT, ingest, change propagation"),
     ("bench", "kv-codec"): ("bench.kv_codec_bench", "KV entry formats: bytes per token, decode speed, fidelity"),
     ("bench", "corpus"): ("bench.corpus_bench", "KV budget at corpus scale: hit rate and TTFT per budget, Zipf stream"),
+    ("bench", "collections"): ("bench.collections_bench", "retrieval scoped to collections: one filtered index vs an "
+                               "index per collection, search p50/p99"),
     ("bench", "plot"): ("bench.plot", "plot an engine bench's KL-vs-speed frontier (PNG)"),
 }
 

@@ -130,9 +130,9 @@ class CollectionIndexes:
     """One VectorIndex per collection (`<directory>/<collection>.faiss`): a question searches only its
     collections' indexes, so its cost, and its timing, depend on those collections alone, never on
     what the others hold. Chosen over one index searched with an id filter by measurement
-    (python -m bench.collections_bench: at 200 collections x 500 chunks a filtered search scanned all
-    100 000 vectors, p50 0.59 ms against 0.07 ms for the collection's own; at 1 x 100 000 the two are
-    alike). Chunk row ids are unique across collections, so a row id names one index's vector."""
+    (docs/decisions/0019: at 200 collections x 500 chunks a filtered search walks all 100 000 vectors,
+    ~8x the collection's own at the median; at 1 x 100 000 the two are alike). Chunk row ids are unique
+    across collections, so a row id names one index's vector."""
 
     def __init__(self, directory: Path | None, dim: int, kind: IndexKind = IndexKind.FLAT, hnsw_m: int = 32):
         self.directory, self.dim, self.kind, self.hnsw_m = directory, dim, kind, hnsw_m
