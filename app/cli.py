@@ -30,6 +30,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "kv"): ("bench.kv_bench", "KV store benchmark: blend TTFT per tier, pipelined or not"),
     ("bench", "server"): ("bench.server_bench", "concurrent streaming clients against servers, side by side with a "
                           "one-sequence-at-a-time baseline: TTFT, inter-token latency, aggregate tok/s"),
+    ("bench", "compare"): ("bench.compare_bench", "this checkout's server against a git revision's, side by side: "
+                           "TTFT asked again and first ask, decode tok/s, concurrent clients; ratios"),
     ("bench", "server-modes"): ("bench.server_modes_bench", "end-to-end TTFT and fidelity per prefill mode against a "
                                 "running server"),
     ("bench", "replicas"): ("bench.replicas_bench", "Postgres vs SQLite store: query TTFT, ingest, change propagation"),
