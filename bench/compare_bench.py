@@ -54,7 +54,7 @@ from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from statistics import mean, median
+from statistics import mean
 from typing import Any, Awaitable, Callable, Sequence
 
 import httpx
@@ -67,7 +67,7 @@ from bench.musique import Question, load_questions
 from bench.output import emit_summary
 from bench.server_bench import WARMUP_TOKENS, in_turn, prepare, request_body, round_questions, run_round
 from bench.server_client import QueryFailed, StreamedAnswer, stream_query
-from bench.server_report import percentile, ratio
+from bench.server_report import percentile, ratio, spread
 from configs.enums import RequestMode
 
 IDLE_SHARE_WARNING = 0.05  # of one core, over a part's wall time
@@ -252,14 +252,6 @@ async def measure(targets: Sequence[Target], questions: Sequence[Question], args
 
 
 # ---- statistics -----------------------------------------------------------------------------------
-
-
-def spread(values: Sequence[float | None]) -> dict[str, Any]:
-    """Per-round values (None where a round had none) with their median, min-max and IQR."""
-    known = [v for v in values if v is not None]
-    return {"values": list(values), "median": median(known) if known else None,
-            "min": min(known, default=None), "max": max(known, default=None),
-            "p25": percentile(known, 25), "p75": percentile(known, 75)}
 
 
 def compare_measures(values: dict[Side, dict[str, list[float | None]]], clients: int) -> dict[str, Any]:
