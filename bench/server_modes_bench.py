@@ -100,7 +100,7 @@ async def latency_phase(client, questions: list[Question], modes: list[str], max
     return runs
 
 
-def round_args(args: argparse.Namespace, mode: str, max_tokens: int) -> argparse.Namespace:
+def round_args(mode: str, max_tokens: int) -> argparse.Namespace:
     """What server_bench.run_round reads: every answer `max_tokens` long in `mode`, the chats at once."""
     return argparse.Namespace(max_tokens=max_tokens, ignore_eos=True, mode=mode, stagger_ms=0.0, upload_lead=0.0)
 
@@ -113,13 +113,13 @@ async def throughput_phase(client: httpx.AsyncClient, questions: list[Question],
         for mode in modes:
             for start in range(0, len(questions), args.concurrency):
                 indices = list(range(start, min(start + args.concurrency, len(questions))))
-                await run_round(client, questions, indices, round_args(args, mode, WARMUP_TOKENS))
+                await run_round(client, questions, indices, round_args(mode, WARMUP_TOKENS))
     rounds: dict[str, list[Round]] = {mode: [] for mode in modes}
     schedule = []
     for round_index in range(args.throughput_rounds):
         indices = round_questions(args.concurrency, round_index, len(questions))
         for mode in in_turn(modes, round_index):
-            rounds[mode].append(await run_round(client, questions, indices, round_args(args, mode, args.max_tokens)))
+            rounds[mode].append(await run_round(client, questions, indices, round_args(mode, args.max_tokens)))
             schedule.append({"round": round_index, "mode": mode, "questions": indices})
     return rounds, schedule
 

@@ -235,6 +235,12 @@ def test_server_modes_throughput_alternates_full_and_blend_and_divides_their_rou
     assert ratios["ttft_p50"] == pytest.approx(blend["ttft_p50_ms"] / full["ttft_p50_ms"])
     assert ratios["ttft_p95"] == pytest.approx(blend["ttft_p95_ms"] / full["ttft_p95_ms"])
     assert "blend/full: req/s" in "\n".join(lines[:-1])
+    # what each throughput request asks for (a random model seldom stops early, so the rounds cannot show it)
+    from bench.musique import Question
+    from bench.server_modes_bench import round_args
+
+    body = server_bench.request_body(Question("q?", (), ("p",)), 0, round_args("blend", 5))
+    assert body["ignore_eos"] is True and body["mode"] == "blend" and body["max_tokens"] == 5
     # more clients than questions: refused (each client asks its own)
     assert main(["bench", "server-modes", "--url", server.url, "--data", data, "--questions", "2",
                  "--concurrency", "3"]) == 2
