@@ -309,7 +309,7 @@ def print_table(summary: dict[str, Any]) -> None:
     mode = summary["mode"] or "each server's default"
     print(f"\ncompare: REV {summary['rev']} ({rev['sha'][:10]}) against the current checkout ({current['sha'][:10]}"
           f"{', with uncommitted changes' if current['is_dirty'] else ''}); model {current['model']}; "
-          f"{summary['rounds']} rounds, prompt ~{mean(prompts) if prompts else 0:.0f} tokens, "
+          f"{summary['rounds']} round(s), prompt ~{mean(prompts) if prompts else 0:.0f} tokens, "
           f"{summary['max_tokens']} tokens an answer, mode {mode}")
     print("median over rounds [min-max]; ratio: current/REV per round")
     print(f"{'measure':<34}{'REV':>22}{'current':>22}{'current/REV':>20}  better")

@@ -81,9 +81,9 @@ def worktree(sha: str, path: Path, is_creating: bool, repo: Path = REPO_ROOT) ->
         return path
     if not is_creating:
         raise BuildError(f"no worktree of {sha} at {path}: run without --skip-build to make it")
-    git(repo, "worktree", "prune")  # a cache folder deleted by hand leaves its registration behind
     path.parent.mkdir(parents=True, exist_ok=True)
-    git(repo, "worktree", "add", "--detach", str(path), sha)
+    # --force: a cache folder deleted by hand leaves its registration behind, which would refuse the path
+    git(repo, "worktree", "add", "--force", "--detach", str(path), sha)
     return path
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -167,3 +168,15 @@ def test_process_tree_cpu_counts_a_busy_child():
         child.kill()
         child.wait()
     assert process_tree_cpu_s(child.pid) is None
+
+
+def test_a_worktree_deleted_by_hand_is_made_again(tmp_path):
+    sha = compare_build.resolve("HEAD")
+    path = tmp_path / sha / "src"
+    compare_build.worktree(sha, path, is_creating=True)
+    try:
+        shutil.rmtree(path)  # its registration stays in the repository
+        assert compare_build.worktree(sha, path, is_creating=True) == path
+        assert compare_build.git(path, "rev-parse", "HEAD") == sha
+    finally:
+        compare_build.remove_worktree(path)
