@@ -234,7 +234,7 @@ def chunks(engine, tmp_path_factory):
     """A store holding each topic's chunk (~40 tokens), and the chunks as a prompt holds them."""
     store = KVStore(engine.fingerprint, StoreConfig(quantization=KVQuantization.NONE, dtype=StorageDtype.FLOAT32,
                                                     fsync=False, disk_dir=tmp_path_factory.mktemp("kv"),
-                                                    write_tiers=frozenset({Tier.MEMORY})))
+                                                    write_tiers=frozenset({Tier.MEMORY})), shape=engine.kv_shape)
     sink = engine.sink_ids(load_settings().blend.sink)
     prompt_chunks = []
     for topic in TOPICS:
