@@ -61,7 +61,7 @@ class Setup:
         self.engine, self.prompt, self.context = engine, prompt, context
         self.store = KVStore(engine.fingerprint, StoreConfig(
             disk_dir=root, fsync=False, dtype=settings.store.dtype, quantization=settings.store.quantization,
-            max_memory_bytes=8 << 30, loader_priority=priority), engine.device.type)
+            max_memory_bytes=8 << 30, loader_priority=priority), engine.device.type, shape=engine.kv_shape)
         self.prompt_keys = [self.store.key_for(ids, context) for ids in prompt]
         for key, ids in zip(self.prompt_keys, prompt):
             self.store.put(key, kvs[ids])

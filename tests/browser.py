@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 CANDIDATES = ("chromium", "chromium-browser", "google-chrome")
 
@@ -25,3 +26,14 @@ def launch(playwright, args: tuple[str, ...] = ()):
         return playwright.chromium.launch(executable_path=path, args=["--no-sandbox", *args]), None
     except Exception as exc:  # any failure to start is a reason to skip, printed in full
         return None, f"chromium at {path} did not start: {type(exc).__name__}: {str(exc)[:300]}"
+
+
+def wait_until(page, expression: str, timeout: float = 30_000, poll_s: float = 0.02) -> None:
+    """`page.wait_for_function` without its in-page `new Function`, which the chat page's policy (CSP
+    `script-src 'self'`, no 'unsafe-eval') refuses: `expression` is evaluated over the DevTools protocol
+    (`page.evaluate`), which the page's CSP does not govern, until it is truthy. `timeout`: ms, as Playwright's."""
+    deadline = time.monotonic() + timeout / 1000
+    while not page.evaluate(expression):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not true within {timeout / 1000:g} s: {expression}")
+        time.sleep(poll_s)

@@ -14,7 +14,7 @@ import pytest
 
 from app.testing import LiveServer
 from configs.settings import load_settings
-from tests.browser import launch
+from tests.browser import launch, wait_until
 
 playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install '.[dev]')")
 
@@ -51,8 +51,8 @@ def open_page(browser, server, key: str):
     page.wait_for_selector("#key-dialog[open]")
     page.fill("#key-input", key)
     page.press("#key-input", "Enter")
-    page.wait_for_function("document.querySelector('#server-status').textContent.startsWith('ready')")
-    page.wait_for_function("document.querySelectorAll('#kb-select option').length > 0")
+    wait_until(page, "document.querySelector('#server-status').textContent.startsWith('ready')")
+    wait_until(page, "document.querySelectorAll('#kb-select option').length > 0")
     return context, page
 
 
@@ -76,8 +76,8 @@ def test_create_a_knowledge_base_upload_into_it_and_ask_within_it(browser, serve
         page.click("#kb-new")
         page.fill("#kb-name", "team-notes")
         page.click("#kb-form button[value=create]")
-        page.wait_for_function("document.querySelector('#kb-select').value === 'team-notes'")
-        page.wait_for_function("document.querySelectorAll('#doc-list li').length === 0")  # the new one's documents only
+        wait_until(page, "document.querySelector('#kb-select').value === 'team-notes'")
+        wait_until(page, "document.querySelectorAll('#doc-list li').length === 0")  # the new one's documents only
         page.set_input_files("#file-input", files=[{"name": "standup.txt", "mimeType": "text/plain",
                                                     "buffer": b"The team standup moves to 10:15 on Thursdays."}])
         page.wait_for_selector("#uploads li.done")

@@ -19,7 +19,7 @@ from app.query.protocol import TimingsOut
 from app.query.serving import build_rag_request, plan_out, sources_out
 from app.rag.collect import IsDisconnected, collect
 from app.rag.pipeline import RagPipeline
-from app.rag.types import DoneEvent, RagContext, RagRequest, TokenEvent
+from app.rag.types import DoneEvent, GenerationEvent, RagContext, RagRequest, TokenEvent
 from app.sse import sse
 from configs.settings import Settings
 from runtime.jobs import JobStream
@@ -32,7 +32,7 @@ class ChatCall:
     model: str
     request: RagRequest
     context: RagContext
-    stream: JobStream
+    stream: JobStream[GenerationEvent]
     include_usage: bool = False  # stream_options.include_usage: usage in a last chunk with empty choices
 
 

@@ -9,12 +9,16 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence, TYPE_CHECKING
 
 from kv_store.admission import Admission
 from kv_store.keys import KVScope
 from kv_store.single_flight import PrecomputeLocks, PrecomputeOutcome, PrecomputeReason, SingleFlight
 from runtime.loop import EngineLoop
+
+if TYPE_CHECKING:
+    from blend_engine.engine import BlendEngine
+    from kv_store import KVStore
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +35,8 @@ class RepairStats:
 
 
 class KVRepairer:
-    def __init__(self, engine: Any, kv_store: Any, loop: EngineLoop, scope_of: Callable[[str], KVScope | None],
+    def __init__(self, engine: BlendEngine, kv_store: KVStore, loop: EngineLoop,
+                 scope_of: Callable[[str], KVScope | None],
                  single_flight: SingleFlight | None = None):
         """`scope_of(key)`: the KV namespace of a collection whose chunk still points at the key (its
         salt, to check the key; its budget), None when no chunk does (checked when the task runs).
