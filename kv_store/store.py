@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -75,7 +76,9 @@ class KVStore:
         self.admission = self._admission(config) if self._budgeted is not None else None
         self._backends = [self._throttled(b) for b in self._backends]
         self.planner = LoadPlanner(config.min_recompute_ratio, config.max_recompute_ratio)
-        self._streaming = StoreStreaming(self._backends, config, self._heal, self.get, self.backend, engine_device_type)
+        # a chunk recomputed mid-request is put back under its own key (its salt read from its header)
+        self._streaming = StoreStreaming(self._backends, config, lambda key, kv: self.put(key, kv, kv.salt), self.get,
+                                         self.backend, engine_device_type)
         self._prefetcher = self._streaming.prefetcher
 
     def _budget_tier(self) -> DiskBackend | MemoryBackend | None:
@@ -141,17 +144,6 @@ class KVStore:
         """Write to every tier in `write_tiers`, unconditionally (see `offer` for the budgeted write)."""
         self._put_to(key, kv, set(self.config.write_tiers), KVScope(salt))
 
-    def _heal(self, key: str, kv: ChunkKV) -> None:
-        """Write back an entry recomputed mid-request from its damaged copy's own header (streaming.py).
-        Its key is the one it was stored under, checked against its salt when first written; the salt is
-        not known here, so the key is not checked again."""
-        self._check_key(key)
-        if kv.shape != self.shape:
-            raise ValueError(f"a chunk of KV shape {kv.shape} in a store of the model's {self.shape}")
-        for b in self._backends:
-            if b.tier in self.config.write_tiers:
-                b.put(key, kv)
-
     def offer(self, key: str, kv: ChunkKV, why: Admission, scope: KVScope = KVScope()) -> bool:
         """Write `kv` if the collection's budget admits it (see admission.py); True when written.
 
@@ -190,6 +182,8 @@ class KVStore:
             raise ValueError("cannot store an empty chunk")
         if key != self.key_for(kv.token_ids, kv.context_ids, scope.salt):
             raise ValueError(f"key {key[:16]} is not this chunk's key under its collection's salt (see key_for)")
+        if kv.salt != scope.salt:  # recorded in the stored entry, so a reader can check its key
+            kv = replace(kv, salt=scope.salt)
         if kv.shape != self.shape:
             raise ValueError(f"a chunk of KV shape {kv.shape} in a store of the model's {self.shape}")
         for b in self._backends:

@@ -112,14 +112,15 @@ def test_collections_that_share_kv_cache_a_text_once(server):
         assert disk_bytes(server) - start == 2 * one  # isolated: cached twice
         start = disk_bytes(server)
         ingest(http, "shared-a", text)
-        chunk = ingest(http, "shared-b", text, precompute=False)["manual"]
+        one_shared = disk_bytes(server) - start  # its header records the common salt: a few bytes apart
+        chunk = ingest(http, "shared-b", text)["manual"]  # precomputed: it would write its own if isolated
+        saved = 2 * one_shared - (disk_bytes(server) - start)
+        assert saved == one_shared > 0  # cached once for both
         alone = ingest(http, "own-b", {"note": "A note nobody precomputed, about the red crane."}, False)["note"]
-        saved = 2 * one - (disk_bytes(server) - start)  # against the two entries isolated collections hold
-        assert saved == one  # cached once for both
         usage, _ = ask(http, "shared-b", chunk)
         assert usage["reused_tokens"] > ask(http, "own-b", alone)[0]["reused_tokens"]  # shared-a's KV, reused
         sizes = {c["name"]: c["kv_bytes"] for c in http.get("/v1/collections").json()["collections"]}
-        assert sizes["shared-a"] == sizes["shared-b"] == sizes["own-a"] == sizes["own-b"] == one
+        assert sizes["shared-a"] == sizes["shared-b"] == one_shared and sizes["own-a"] == sizes["own-b"] == one
         assert http.patch("/v1/collections/own-a", json={"shares_kv": True}).status_code == 422
 
 
