@@ -157,7 +157,7 @@ def test_nginx_in_front_requires_the_key_and_streams_an_answer_unbuffered(cluste
 
 
 def test_a_collection_and_a_key_made_or_revoked_through_a_hold_on_b_within_a_second(cluster):
-    a, b, _ = cluster
+    a, b, _, _ = cluster
     assert httpx.post(f"{a}/v1/collections", headers=HEADERS, json={"name": "repl-kb"}).status_code == 201
     response = httpx.post(f"{a}/v1/documents", headers=HEADERS, timeout=120, json={
         "collection": "repl-kb", "documents": [{"id": "tide", "text": "High tide at Saint-Malo reaches twelve metres."}]})
