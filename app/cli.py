@@ -34,6 +34,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
                           "one-sequence-at-a-time baseline: TTFT, inter-token latency, aggregate tok/s"),
     ("bench", "compare"): ("bench.compare_bench", "this checkout's server against a git revision's, side by side: "
                            "TTFT asked again and first ask, decode tok/s, concurrent clients; ratios"),
+    ("bench", "overhead"): ("bench.overhead_bench", "the server's blend TTFT and decode against the bare engine's, "
+                            "same prompts, in turn: ratios and where the server's time goes"),
     ("bench", "server-modes"): ("bench.server_modes_bench", "end-to-end TTFT and fidelity per prefill mode against a "
                                 "running server"),
     ("bench", "replicas"): ("bench.replicas_bench", "Postgres vs SQLite store: query TTFT, ingest, change propagation"),
