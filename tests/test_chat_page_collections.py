@@ -14,9 +14,7 @@ import pytest
 
 from app.testing import LiveServer
 from configs.settings import load_settings
-from tests.browser import launch, wait_until
-
-playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install '.[dev]')")
+from tests.browser import launched, wait_until
 
 API_KEY = "page-kb-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -35,13 +33,8 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser():
-    with playwright_api.sync_playwright() as playwright:
-        browser, reason = launch(playwright)
-        if browser is None:
-            print(f"\nSKIP browser tests: {reason}")
-            pytest.skip(reason)
+    with launched() as browser:
         yield browser
-        browser.close()
 
 
 def open_page(browser, server, key: str):
