@@ -29,6 +29,7 @@ from kv_store.keys import chunk_key, is_valid_key
 from kv_store.loader import StoredChunk, StoreLayerSource
 from kv_store.memory import MemoryBackend
 from kv_store.planner import LoadPlan, LoadPlanner, PlanRequest
+from kv_store.prefix_cache import PrefixCache
 from kv_store.stats import StoreStats
 from kv_store.streaming import RecomputeFn, StoreStreaming
 from kv_store.throttle import ThrottledBackend
@@ -70,6 +71,8 @@ class KVStore:
         self.admission = self._admission(config) if self._budgeted is not None else None
         self._backends = [self._throttled(b) for b in self._backends]
         self.planner = LoadPlanner(config.min_recompute_ratio, config.max_recompute_ratio)
+        # finished prompts' KV (the executor the server builds keeps them here; the writers invalidate)
+        self.prompts: PrefixCache = PrefixCache(config.prefix_cache_bytes)
         self._streaming = StoreStreaming(self._backends, config, self.put, self.get, self.backend, engine_device_type)
         self._prefetcher = self._streaming.prefetcher
 
@@ -268,9 +271,11 @@ class KVStore:
             tiers=tiers,
             num_recovered=self._streaming.num_recovered,
             budget=self.budget_stats(),
+            prefix=self.prompts.stats(),
         )
 
     def close(self) -> None:
+        self.prompts.clear()
         if self._prefetcher is not None:
             self._prefetcher.close()
         for b in self._backends:

@@ -330,7 +330,8 @@ class EngineLoop:
                     self.scheduler.prefilling = None
             generation.outcome = outcome
             stats = outcome.result.stats
-            generation.usage = Usage(stats.num_prompt_tokens, stats.num_reused_tokens, stats.num_recomputed_tokens)
+            generation.usage = Usage(stats.num_prompt_tokens, stats.num_reused_tokens, stats.num_recomputed_tokens,
+                                     prefix_cached_tokens=stats.num_prefix_cached_tokens)
             generation.timings.kv_load_ms, generation.timings.prefill_ms = stats.kv_load_ms, stats.prefill_ms
             generation.sequence, first = self.engine.start_sequence(outcome.result, generation.request.sampling)
         except Exception as exc:  # the request's own failure goes back to it
@@ -339,7 +340,9 @@ class EngineLoop:
                     self.scheduler.prefilling = None
             self._fail([generation], exc)
             return
-        if not self._deliver(generation, first, time.perf_counter()):
+        is_going_on = self._deliver(generation, first, time.perf_counter())
+        self._keep(generation.outcome)  # its prompt's KV kept for later prompts, once the first token is out
+        if not is_going_on:
             return
         try:  # its decode cache now, after the first token is out: not inside a shared decode step
             generation.sequence.prepare()
@@ -348,6 +351,12 @@ class EngineLoop:
             return
         with self._cond:
             self.scheduler.running.append(generation)
+
+    def _keep(self, outcome: PrefillOutcome) -> None:
+        try:  # by reference: no copy (runtime/executor.py)
+            self.executor.keep(outcome)
+        except Exception:  # the answer goes on without it
+            logger.exception("keeping a prompt in the prefix cache failed")
 
     def _decode(self, batch: list[Generation]) -> None:
         try:

@@ -64,7 +64,7 @@ def test_fast_tiers_blend_at_the_floor_and_slow_ones_fall_back_to_full():
     planner = planner_with_model()
     fast = planner.plan(request(chunks([Tier.MEMORY] * 5)), {Tier.MEMORY: None})  # not measured: prior
     assert fast.kind is PlanKind.BLEND and fast.ratio == pytest.approx(0.15)
-    assert fast.predicted_ttft_ms < planner._full(request(chunks([Tier.MEMORY] * 5))).predicted_ttft_ms
+    assert fast.predicted_ttft_ms < planner.full(request(chunks([Tier.MEMORY] * 5))).predicted_ttft_ms
     slow = planner.plan(request(chunks([Tier.DISK] * 5)), {Tier.DISK: 20e6})  # 20 MB/s
     assert slow.kind is PlanKind.FULL and slow.predicted_load_ms == 0
 
@@ -189,7 +189,7 @@ def test_reuse_stays_unless_another_plan_is_clearly_faster():
     # chunk (of five's size) so that no split can beat both (tests/test_kv_planner_split.py)
     planner = planner_with_model()
     stored = chunks([Tier.DISK], num_tokens=3000, layer_nbytes=5 * 600 * 2 * 8 * 128 * 2)
-    full_ms = planner._full(request(stored)).predicted_ttft_ms
+    full_ms = planner.full(request(stored)).predicted_ttft_ms
     bytes_per_chunk = stored[0].layer_nbytes * (NUM_LAYERS - 1)
     for slower, expected in ((0.98, PlanKind.BLEND), (1.5, PlanKind.FULL)):  # + read latencies ~1%
         rate = bytes_per_chunk / (full_ms / 1000 * slower)  # the loads alone take `slower` x full
