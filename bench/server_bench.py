@@ -110,9 +110,10 @@ class Target:
 
 
 def request_body(question: Question, qi: int, args: argparse.Namespace) -> dict[str, Any]:
+    # the prefix cache off: every round asks the same questions again (bench prefix measures it)
     body: dict[str, Any] = {"question": question.question, "chunk_ids": chunk_ids(qi, question),
                             "max_tokens": args.max_tokens, "temperature": 0.0,
-                            "ignore_eos": args.ignore_eos}
+                            "ignore_eos": args.ignore_eos, "prefix_cache": False}
     if args.mode:
         body["mode"] = args.mode
     return body

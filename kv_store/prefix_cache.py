@@ -14,7 +14,9 @@ caller's value (the runtime's kept prompt) and its size.
   least recently used; an entry larger than the bound is not kept.
 - **Invalidated** by chunk: each entry lists the stored chunks its prompt holds (their KV keys), and a
   changed or deleted document drops every entry holding one of its chunks (`invalidate_chunks`, or
-  `retain_live` where only the live keys are known: a replica following another's writes).
+  `retain_live` where only the live keys are known: a replica following another's writes). A prompt
+  prefilled before such a change and kept after it is refused (`insert`'s `epoch`: the cache's
+  `epoch` when its prefill began).
 - Thread-safe: the engine loop looks up and inserts, the writers and the index follower invalidate,
   the metrics read the counters.
 """
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Generic, Iterable, Sequence, TypeVar
 
 V = TypeVar("V")
+MAX_INVALIDATED_KEYS = 100_000  # chunk keys remembered as invalidated (for prompts still prefilling)
 
 
 @dataclass(eq=False)
@@ -100,6 +103,8 @@ class PrefixCache(Generic[V]):
         self._entries: set[CachedPrompt[V]] = set()
         self._clock = itertools.count(1)
         self._bytes = 0
+        self._epoch = 0  # invalidations so far
+        self._invalidated_at: dict[str, int] = {}  # chunk key -> the epoch of its last invalidation
         self._counts = dict.fromkeys(("hits", "partial_hits", "misses", "tokens_served", "insertions", "evictions",
                                       "invalidations"), 0)
 
@@ -152,10 +157,17 @@ class PrefixCache(Generic[V]):
             self._counts["tokens_served"] += num_tokens
 
     # --- insert and evict ---------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """Invalidations so far: give it to `insert` for a prompt whose prefill begins now."""
+        with self._lock:
+            return self._epoch
+
     def insert(self, namespace: str, kind: str, token_ids: Sequence[int], value: V, nbytes: int,
-               chunk_keys: Iterable[str] = ()) -> bool:
+               chunk_keys: Iterable[str] = (), epoch: int | None = None) -> bool:
         """Keep `value` for this prompt (replacing one kept for the same tokens, namespace and kind),
-        evicting the least recently used entries for room. False where it cannot fit at all."""
+        evicting the least recently used entries for room. False where it cannot fit at all, or where
+        one of its chunks was invalidated after `epoch` (its document changed while it was prefilled)."""
         token_ids = tuple(token_ids)
         if not token_ids:
             raise ValueError("cannot keep an empty prompt")
@@ -163,6 +175,8 @@ class PrefixCache(Generic[V]):
             return False
         entry = CachedPrompt(token_ids, value, nbytes, frozenset(chunk_keys), namespace, kind)
         with self._lock:
+            if epoch is not None and any(self._invalidated_at.get(key, -1) > epoch for key in entry.chunk_keys):
+                return False
             root = self._roots.get((namespace, kind))
             kept = self._find(root, token_ids) if root is not None else None
             if kept is not None and kept.terminal is not None:
@@ -240,6 +254,12 @@ class PrefixCache(Generic[V]):
         if not keys:
             return 0
         with self._lock:
+            self._epoch += 1
+            if len(self._invalidated_at) > MAX_INVALIDATED_KEYS:  # the oldest go: a prefill lasts seconds
+                self._invalidated_at = dict(list(self._invalidated_at.items())[MAX_INVALIDATED_KEYS // 2:])
+            for key in keys:  # re-inserted: the most recent last
+                self._invalidated_at.pop(key, None)
+                self._invalidated_at[key] = self._epoch
             gone = [e for e in self._entries if e.chunk_keys & keys]
             return self._drop(gone)
 

@@ -24,8 +24,9 @@ first token is out (`keep`), and a later prompt first looks for its longest kept
   is copied and only the rest is fed over it (`BlendEngine.forward_tokens`, in token chunks as a full
   prefill), when the loading planner predicts that sooner than the plan it would run otherwise (a
   prompt sharing only the system prompt: today's plan);
-- a prompt computed exactly (full, prefix) serves every request; one blended (or reused) serves only
-  requests asking for the same mode, ratio and selection. Requests of another `namespace` never meet."""
+- a kept prompt serves only requests asking for the same prefill (mode, ratio and selection, as asked:
+  a full prefill's serves full requests, a blend's blend requests), so an answer never comes from KV
+  computed otherwise than it asked; requests of another `namespace` never meet."""
 
 from __future__ import annotations
 
@@ -55,9 +56,6 @@ class Repairer(Protocol):
     def schedule(self, key: str, token_ids: Sequence[int], context_ids: Sequence[int]) -> bool: ...
 
 
-EXACT_KIND = "exact"  # the prefix cache's kind of a prompt computed exactly: it serves every request
-
-
 @dataclass(frozen=True)
 class KeptPrompt:
     """A prefix cache entry's value: a finished prompt's KV, its next-token logits, the mode that made it."""
@@ -76,9 +74,10 @@ class PromptToKeep:
     """Where a finished prompt goes in the prefix cache (`PrefillExecutor.keep`)."""
 
     namespace: str
-    kind: str  # EXACT_KIND, or the blend the request asked for (see `_variant`)
+    kind: str  # the prefill its request asked for (`prefill_kind`): the requests it serves ask the same
     chunk_keys: frozenset[str]  # the stored chunks it holds: a change to one of them drops it
     mode: PrefillMode
+    epoch: int  # the prefix cache's epoch when its chunks were chosen: not kept if one changed since
 
 
 @dataclass
@@ -102,6 +101,8 @@ class PrefillExecutor:
     def prefill_steps(self, request: PrefillRequest) -> Generator[PrefillOutcome | None, None, None]:
         """The prefill, in one step or (a long one) several: None after each part but the last, then
         the outcome. Close the generator to abandon it midway: its KV source is closed then."""
+        if self._is_prefix_cached(request) and request.prefix_cache_epoch is None:
+            request = replace(request, prefix_cache_epoch=self.prefix_cache.epoch)
         match, token_ids = self._lookup(request)
         if match is not None and match.is_whole:
             yield self._whole_prompt_kept(request, match, token_ids)
@@ -136,7 +137,7 @@ class PrefillExecutor:
         if not self._is_prefix_cached(request):
             return None, None
         token_ids = tuple(t for s in self._segments(request, with_kv=False) for t in s.token_ids)
-        return self.prefix_cache.lookup(request.namespace, _kinds(request), token_ids), token_ids
+        return self.prefix_cache.lookup(request.namespace, (prefill_kind(request),), token_ids), token_ids
 
     def _check_context(self, num_tokens: int, max_new_tokens: int) -> None:
         if num_tokens + max_new_tokens > self.engine.max_context:  # as the engine's prefill refuses it
@@ -182,8 +183,10 @@ class PrefillExecutor:
         self.prefix_cache.record(match, num_cached)
         report = PlanReport.of(plan, 0, 0.0, result.stats)
         logger.info("load plan %s", report)
-        keep = PromptToKeep(request.namespace, match.entry.kind, match.entry.chunk_keys | _chunk_keys(request),
-                            kept.mode) if _chunk_keys(request) is not None else None
+        # the prompt holds the request's chunks (the kept prefix is its own first tokens), no other
+        chunk_keys = _chunk_keys(request)
+        keep = None if chunk_keys is None else PromptToKeep(request.namespace, match.entry.kind, chunk_keys, kept.mode,
+                                                            request.prefix_cache_epoch)
         yield PrefillOutcome(result, [], report, keep)
 
     def _keeping(self, request: PrefillRequest, parts: Generator[PrefillOutcome | None, None, None]
@@ -192,9 +195,8 @@ class PrefillExecutor:
         try:
             for part in parts:
                 if part is not None and self._is_prefix_cached(request) and _chunk_keys(request) is not None:
-                    mode = part.result.stats.mode
-                    kind = EXACT_KIND if mode in (PrefillMode.FULL, PrefillMode.PREFIX) else _variant(request)
-                    part.keep = PromptToKeep(request.namespace, kind, _chunk_keys(request), mode)
+                    part.keep = PromptToKeep(request.namespace, prefill_kind(request), _chunk_keys(request),
+                                             part.result.stats.mode, request.prefix_cache_epoch)
                 yield part
         finally:
             parts.close()
@@ -208,7 +210,7 @@ class PrefillExecutor:
         result = outcome.result
         kept = KeptPrompt(PromptKV.of(result.cache, len(result.token_ids)), result.logits, spec.mode)
         return self.prefix_cache.insert(spec.namespace, spec.kind, result.token_ids, kept, kept.nbytes,
-                                        spec.chunk_keys)
+                                        spec.chunk_keys, spec.epoch)
 
     @property
     def max_step_token_layers(self) -> int:
@@ -381,16 +383,9 @@ class PrefillExecutor:
             self.measure_engine()
 
 
-def _kinds(request: PrefillRequest) -> tuple[str, ...]:
-    """The prefix cache entries a request may reuse: those computed exactly, and (unless it asks for an
-    exact prefill) those computed as it asks."""
-    if request.mode in (RequestMode.FULL, RequestMode.PREFIX):
-        return (EXACT_KIND,)
-    return EXACT_KIND, _variant(request)
-
-
-def _variant(request: PrefillRequest) -> str:
-    """The blend a request asks for (as asked: its mode, ratio and selection, defaults unresolved)."""
+def prefill_kind(request: PrefillRequest) -> str:
+    """The prefill a request asks for, as asked (its mode, ratio and selection; defaults unresolved): the
+    prefix cache's kind of its prompt, the only kind it reuses."""
     selection = None if request.selection is None else request.selection.value
     return f"{request.mode.value}/{request.recompute_ratio}/{selection}"
 

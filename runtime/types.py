@@ -32,6 +32,9 @@ class PrefillRequest:
     history: tuple[dict[str, str], ...] = ()  # earlier chat messages
     namespace: str = ""  # the request's isolation key: the prefix cache never serves one namespace another's prompts
     is_prefix_cache_used: bool = True  # False: the prefix cache is neither read nor filled (benchmarks of prefills)
+    # the prefix cache's epoch when the chunks were chosen (None: when its prefill begins): a prompt whose
+    # document changes after it is not kept
+    prefix_cache_epoch: int | None = None
 
 
 @dataclass

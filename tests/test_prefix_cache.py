@@ -162,3 +162,13 @@ def test_an_empty_prompt_or_a_negative_bound_is_refused():
         PrefixCache(-1)
     with pytest.raises(ValueError, match="empty prompt"):
         insert(PrefixCache(10), [])
+
+
+def test_a_prompt_whose_chunk_changed_while_it_was_prefilled_is_not_kept():
+    cache = PrefixCache(1000)
+    epoch = cache.epoch  # its chunks are chosen
+    cache.invalidate_chunks({"c1"})  # their document changes meanwhile
+    assert not insert(cache, [1, 2], keys={"c1", "c2"}, epoch=epoch) and len(cache) == 0
+    assert insert(cache, [1, 3], keys={"c2"}, epoch=epoch)  # another chunk's prompt: kept
+    assert insert(cache, [1, 2], keys={"c1", "c2"}, epoch=cache.epoch)  # chosen after the change: kept
+    assert insert(cache, [1, 4], keys={"c1"})  # no epoch given: kept

@@ -2,7 +2,7 @@
 against full-prefill references: a prompt kept whole answers with the logits and the greedy tokens of the
 request that filled it, decoding never writes the kept KV, a chat's follow-up computes only its new
 tokens (what a full prefill computes over the kept KV), a prompt sharing only the system prompt runs
-today's plan, and what must stay apart (namespaces, exact against blended KV, an opted-out request) does."""
+today's plan, and what must stay apart (namespaces, prefills asked otherwise, an opted-out request) does."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ import torch
 
 from blend_engine.engine import BlendEngine
 from blend_engine.kv import PromptKV
-from blend_engine.types import PrefillMode, SamplingParams, Segment
+from blend_engine.types import PrefillMode, SamplingParams, Segment, SelectionKind
 from configs.enums import DecodeCache, RequestMode
 from configs.settings import load_settings
 from kv_store import KVStore, StoreConfig
 from kv_store.planner import PrefillShape
 from runtime.config import SchedulerConfig
-from runtime.executor import EXACT_KIND, PrefillExecutor
+from runtime.executor import PrefillExecutor, prefill_kind
 from runtime.loop import EngineLoop
 from runtime.types import DoneEvent, PrefillRequest, PromptChunk, TokenEvent
 
@@ -40,13 +40,15 @@ def engine(tmp_path_factory) -> BlendEngine:
 
 
 @pytest.fixture
-def store(engine):
+def store(engine, monkeypatch):
     store = KVStore(engine.fingerprint, StoreConfig(disk_enabled=False, prefix_cache_bytes=1 << 30))
-    # a measured engine whose cost is its computed tokens (1 ms / 10 token-layers), reuse nearly free:
-    # the planner's choices below then follow from the shapes alone, whatever the machine's load
+    # a measured engine whose cost is its computed tokens (1 ms / 10 token-layers), reuse nearly free,
+    # and no more learning from the prefills here: the planner's choices below follow from the shapes
+    # alone, whatever the machine's load
     for n in (64, 128, 256):
         store.planner.observe(PrefillShape(n, n, 0, 0.0), n / 10_000)
     store.planner.observe(PrefillShape(256, 60, 200, 1.0), 60 / 10_000 + 200 / 1e6)
+    monkeypatch.setattr(store.planner, "observe", lambda shape, seconds: None)
     yield store
     store.close()
 
@@ -151,7 +153,7 @@ def test_a_follow_up_computes_only_its_new_tokens_over_the_kept_prompt(engine, s
     m = len(result.token_ids)
     torch.testing.assert_close(result.cache.keys[:, :, :m], first.result.cache.keys[:, :, :m], rtol=0, atol=1e-4)
     # it is kept in turn (the blend's kind): the next turn begins with it
-    assert outcome.keep is not None and outcome.keep.kind != EXACT_KIND and executor.keep(outcome)
+    assert outcome.keep is not None and outcome.keep.kind == "blend/None/None" and executor.keep(outcome)
     third = run(executor, follow_up(follow_up(request), "The rivers flow."))
     assert third.result.stats.num_prefix_cached_tokens == m
 
@@ -171,7 +173,7 @@ def test_a_follow_up_over_a_full_prefill_equals_a_full_prefill_of_the_whole(engi
     executor = executor_for(engine, store, chunk_tokens=10_000)
     request = request_for(engine, store, RequestMode.FULL)
     first = run_and_keep(executor, request)
-    assert first.keep.kind == EXACT_KIND
+    assert first.keep.kind == prefill_kind(request) == "full/None/None"
     outcome = run(executor, follow_up(request))
     result = outcome.result
     assert result.stats.num_prefix_cached_tokens == len(first.result.token_ids) and result.stats.mode is PrefillMode.FULL
@@ -187,7 +189,7 @@ def test_a_prompt_sharing_only_the_system_prompt_runs_todays_plan(engine, store)
     request = request_for(engine, store)
     run_and_keep(executor, request)
     other = replace(request, chunks=tuple(reversed(request.chunks)))  # the same passages, another order
-    match = store.prompts.lookup("", ["exact", "blend/None/None"], [t for s in engine.prompts.segments(
+    match = store.prompts.lookup("", ["blend/None/None"], [t for s in engine.prompts.segments(
         other.question, [Segment(c.token_ids) for c in other.chunks]) for t in s.token_ids])
     assert match is not None and 0 < match.num_tokens < 40  # the chat header and system prompt
     outcome = run(executor, other)
@@ -201,16 +203,19 @@ def test_what_must_stay_apart_does(engine, store):
     request = request_for(engine, store, namespace="kb-a")
     run_and_keep(executor, request)
     assert run(executor, replace(request, namespace="kb-b")).result.stats.num_prefix_cached_tokens == 0
-    # an exact prefill never reuses a blend's KV; a blend reuses an exact prefill's
+    # a prompt serves requests asking the same prefill only: a full prefill never reuses a blend's KV,
+    # nor a blend a full prefill's, nor a blend at another ratio or selection the default blend's
     full = run(executor, replace(request, mode=RequestMode.FULL))
-    assert full.result.stats.num_prefix_cached_tokens == 0 and full.keep.kind == EXACT_KIND
+    assert full.result.stats.num_prefix_cached_tokens == 0 and full.keep.kind == "full/None/None"
     assert executor.keep(full)
+    assert run(executor, replace(request, mode=RequestMode.FULL)).result.stats.num_prefix_cached_tokens > 0
     again = run(executor, request)
     assert again.result.stats.num_prefix_cached_tokens == len(again.result.token_ids)
-    assert again.result.stats.mode is PrefillMode.FULL and torch.equal(again.result.logits, full.result.logits)
-    # another blend than asked (its own ratio) reuses the exact prompt, not the default blend's
-    asked = run(executor, replace(request, recompute_ratio=0.5))
-    assert torch.equal(asked.result.logits, full.result.logits)
+    assert again.result.stats.mode is PrefillMode.BLEND and not torch.equal(again.result.logits, full.result.logits)
+    for other in (replace(request, recompute_ratio=0.5), replace(request, selection=SelectionKind.DEVIATION),
+                  replace(request, mode=RequestMode.AUTO)):
+        asked = run(executor, other)
+        assert asked.result.stats.num_prefix_cached_tokens == 0 and asked.keep.kind == prefill_kind(other)
     # opted out: neither read nor filled
     alone = run(executor, replace(request, is_prefix_cache_used=False))
     assert alone.result.stats.num_prefix_cached_tokens == 0 and alone.keep is None
@@ -268,3 +273,17 @@ def test_the_engine_loop_answers_a_repeated_request_with_the_same_tokens(engine,
     assert tokens_2 == tokens_1 and done_2.usage.completion_tokens == 24
     assert done_3.usage.prefix_cached_tokens == 0 and done_4.usage.prefix_cached_tokens == done_4.usage.prompt_tokens
     assert tokens_4 == tokens_5 != tokens_3 and done_4.usage.completion_tokens == 24
+
+
+def test_a_prompt_kept_over_another_holds_its_own_chunks_only(engine, store):
+    """A prompt computed over a kept prefix of another (here only its first chunk in common) is dropped
+    with its own chunks' documents, not with the other's."""
+    executor = executor_for(engine, store)
+    request = request_for(engine, store)
+    run_and_keep(executor, request)
+    shorter = replace(request, chunks=request.chunks[:1])
+    outcome = run(executor, shorter)
+    assert outcome.plan.plan == "prefix_cache" and outcome.keep.chunk_keys == {request.chunks[0].kv_key}
+    assert executor.keep(outcome)
+    assert store.prompts.invalidate_chunks({request.chunks[3].kv_key}) == 1  # the first prompt only
+    assert run(executor, shorter).result.stats.num_prefix_cached_tokens == len(outcome.result.token_ids)

@@ -22,6 +22,7 @@ class RagRequest:
     recompute_ratio: RecomputeRatio = None  # None: the configured ratio
     selection: SelectionKind | None = None  # None: the configured selection
     history: tuple[dict[str, str], ...] = ()  # earlier chat messages
+    is_prefix_cache_used: bool = True  # read and fill the prefix cache
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class RagContext:
     dropped_chunk_ids: list[str]
     retrieval_ms: float
     num_prompt_tokens: int = 0  # the prompt's length with these sources (counted when fitting it)
+    prefix_cache_epoch: int | None = None  # the prefix cache's epoch before the chunks were chosen
 
     @property
     def warnings(self) -> list[str]:
