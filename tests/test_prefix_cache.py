@@ -12,8 +12,9 @@ import pytest
 from kv_store.prefix_cache import PrefixCache
 
 
-def insert(cache: PrefixCache, ids, value=None, nbytes: int = 10, keys=(), namespace: str = "", kind: str = "k"):
-    return cache.insert(namespace, kind, tuple(ids), value if value is not None else tuple(ids), nbytes, keys)
+def insert(cache: PrefixCache, ids, value=None, nbytes: int = 10, keys=(), namespace: str = "", kind: str = "k",
+           epoch: int | None = None):
+    return cache.insert(namespace, kind, tuple(ids), value if value is not None else tuple(ids), nbytes, keys, epoch)
 
 
 def test_the_longest_kept_prefix_is_found_whole_or_in_part():
