@@ -114,7 +114,7 @@ class PrefillExecutor:
         num_cached = 0 if match is None else min(match.num_tokens, len(token_ids) - 1)  # the last is computed
         mode, plan = self._plan(request, segments, handles, blend.first_check_layer, num_cached)
         if plan is not None and plan.kind is PlanKind.PREFIX_CACHE:
-            yield from self._prefix_kept(request, match, num_cached, token_ids, plan)
+            yield from self._prefix_kept(request, match, num_cached, token_ids, handles, plan)
             return
         if token_ids is not None:
             self.prefix_cache.record(match, 0)  # looked up, nothing reused
@@ -159,9 +159,12 @@ class PrefillExecutor:
         return PrefillOutcome(PrefillResult(list(token_ids), cache, kept.logits, stats), [], None)
 
     def _prefix_kept(self, request: PrefillRequest, match: PrefixMatch[KeptPrompt], num_cached: int,
-                     token_ids: tuple[int, ...], plan: LoadPlan) -> Generator[PrefillOutcome | None, None, None]:
+                     token_ids: tuple[int, ...], handles: list[StoredChunk],
+                     plan: LoadPlan) -> Generator[PrefillOutcome | None, None, None]:
         """The first `num_cached` tokens' kept KV copied, the rest fed over it `prefill_chunk_tokens` at
-        a time (causal over everything before: what a full prefill of them computes over that KV)."""
+        a time (causal over everything before: what a full prefill of them computes over that KV). The
+        stored chunks' handles (opened for the planner, unread) go with the outcome: promoted and let go
+        after the answer, as a mixed plan's unread ones."""
         kept, num_tokens, chunk = match.entry.value, len(token_ids), self.prefill_chunk_tokens
         max_new_tokens = request.sampling.max_tokens
         self._check_context(num_tokens, max_new_tokens)
@@ -187,7 +190,7 @@ class PrefillExecutor:
         chunk_keys = _chunk_keys(request)
         keep = None if chunk_keys is None else PromptToKeep(request.namespace, match.entry.kind, chunk_keys, kept.mode,
                                                             request.prefix_cache_epoch)
-        yield PrefillOutcome(result, [], report, keep)
+        yield PrefillOutcome(result, handles, report, keep)
 
     def _keeping(self, request: PrefillRequest, parts: Generator[PrefillOutcome | None, None, None]
                  ) -> Generator[PrefillOutcome | None, None, None]:

@@ -144,6 +144,7 @@ def test_a_follow_up_computes_only_its_new_tokens_over_the_kept_prompt(engine, s
     result = outcome.result
     assert result.token_ids[:n] == first.result.token_ids and len(result.token_ids) > n
     assert outcome.plan is not None and outcome.plan.plan == "prefix_cache"
+    assert len(outcome.handles) == len(TOPICS)  # opened for the planner: promoted and let go after the answer
     assert result.stats.num_prefix_cached_tokens == n
     assert result.stats.num_recomputed_tokens == len(result.token_ids) - n and result.stats.num_reused_tokens == 0
     # the reference: the new tokens fed in one go over the first request's own cache
