@@ -272,13 +272,15 @@ class PrefixCache(Generic[V]):
         return self.invalidate_chunks(dead)
 
     def clear(self) -> int:
+        """Drop every entry (the store closing); how many."""
         with self._lock:
-            return self._drop(list(self._entries))
+            return self._drop(list(self._entries), is_invalidation=False)
 
-    def _drop(self, entries: list[CachedPrompt[V]]) -> int:
+    def _drop(self, entries: list[CachedPrompt[V]], is_invalidation: bool = True) -> int:
         for entry in entries:
             self._remove(entry)
-        self._counts["invalidations"] += len(entries)
+        if is_invalidation:
+            self._counts["invalidations"] += len(entries)
         return len(entries)
 
     # --- bookkeeping --------------------------------------------------------------------------------
