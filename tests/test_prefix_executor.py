@@ -288,3 +288,12 @@ def test_a_prompt_kept_over_another_holds_its_own_chunks_only(engine, store):
     assert executor.keep(outcome)
     assert store.prompts.invalidate_chunks({request.chunks[3].kv_key}) == 1  # the first prompt only
     assert run(executor, shorter).result.stats.num_prefix_cached_tokens == len(outcome.result.token_ids)
+
+
+def test_a_prompt_whose_document_changed_after_its_chunks_were_chosen_is_not_kept(engine, store):
+    executor = executor_for(engine, store)
+    request = request_for(engine, store, prefix_cache_epoch=store.prompts.epoch)  # retrieval's moment
+    store.prompts.invalidate_chunks({request.chunks[1].kv_key})  # the document changes meanwhile
+    outcome = run(executor, request)
+    assert outcome.keep is not None and not executor.keep(outcome) and len(store.prompts) == 0
+    assert executor.keep(run(executor, replace(request, prefix_cache_epoch=None)))  # chosen now: kept
