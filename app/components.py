@@ -20,7 +20,7 @@ from app.rag.repair import KVRepairer
 from configs.settings import Settings
 from kv_store.single_flight import PrecomputeLocks, SingleFlight
 from retrieval.chunker import Chunker
-from retrieval.retriever import Retriever
+from retrieval.retriever import CatchUp, Retriever
 from retrieval.store_types import DocumentStore
 from runtime.executor import PrefillExecutor
 from runtime.loop import EngineLoop
@@ -126,7 +126,7 @@ def _start_follower(settings: Settings, retriever: Retriever, kv_store: Any) -> 
         return None
     from retrieval.follower import IndexFollower
 
-    def forget_prompts(result: Any) -> None:  # retrieval.retriever.CatchUp
+    def forget_prompts(result: CatchUp) -> None:
         if result.num_removed or result.is_reconciled:
             kv_store.prompts.retain_live(retriever.store.is_kv_key_used)
 
