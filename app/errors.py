@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from runtime.jobs import JobCancelled, QueueFull
 
+from app.security_headers import SECURITY_HEADERS
 from retrieval.store_types import StoreUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -210,8 +211,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         error_id = log_internal(exc, f"unhandled error on {request.method} {request.url.path}")
+        # Starlette sends this answer from outside every middleware: the security headers come with it here
         return error_response(500, ErrorType.SERVER,
-                              f"internal error (error id {error_id}; the server log has the details)")
+                              f"internal error (error id {error_id}; the server log has the details)",
+                              headers=SECURITY_HEADERS)
 
 
 class ErrorDetail(BaseModel):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import AsyncIterator, TYPE_CHECKING
 
 import anyio
 from fastapi import Depends, FastAPI
@@ -21,16 +21,20 @@ from app.health.api_router import metrics_router, router as health_router
 from app.metrics import Metrics
 from app.middleware import BodyGuardMiddleware, MetricsMiddleware
 from app.origin_guard import OriginGuardMiddleware
+from app.security_headers import SecurityHeadersMiddleware
 from app.models.api_router import router as models_router
 from app.query.api_router import router as query_router
 from app.uploads.api_router import router as uploads_router
 from app.web import install_web
 from configs.settings import Settings
 
+if TYPE_CHECKING:
+    from blend_engine.engine import BlendEngine
+
 logger = logging.getLogger(__name__)
 
 
-async def _load(app: FastAPI, settings: Settings, engine: Any | None) -> None:
+async def _load(app: FastAPI, settings: Settings, engine: BlendEngine | None) -> None:
     try:
         components = await anyio.to_thread.run_sync(Components.build, settings, app.state.metrics, engine)
     except Exception as exc:
@@ -61,7 +65,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             await anyio.to_thread.run_sync(components.close)
 
 
-def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
+def create_app(settings: Settings, engine: BlendEngine | None = None) -> FastAPI:
     """The app; nothing is loaded until it starts. `engine`: reuse an already loaded BlendEngine."""
     app = FastAPI(
         title="ragblend",
@@ -79,7 +83,8 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
         path_limits={"/v1/documents/files": settings.limits.max_upload_bytes},
     )
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
-    app.add_middleware(OriginGuardMiddleware, server=settings.server)  # outermost: refused before anything runs
+    app.add_middleware(OriginGuardMiddleware, server=settings.server)  # refused before anything runs
+    app.add_middleware(SecurityHeadersMiddleware)  # outermost: on every response, refusals included
     app.include_router(health_router)
     app.include_router(metrics_router, dependencies=[Depends(require_api_key)])
     protected = [Depends(require_api_key)]

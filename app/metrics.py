@@ -13,6 +13,16 @@ from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
+# Every request label comes from a fixed set: a client picks the method and path of its request line
+# (h11 takes any token as a method), and each new label value would be a new series for ever: /metrics
+# would grow without bound, and so would the time to render it.
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "CONNECT", "TRACE"})
+OTHER_LABEL = "other"  # a method outside HTTP_METHODS, a path that matched none of the app's routes
+
+
+def method_label(method: str) -> str:
+    return method if method in HTTP_METHODS else OTHER_LABEL
+
 
 class _StoreCollector(Collector):
     """Reads the KV store's counters at scrape time."""

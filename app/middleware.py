@@ -6,10 +6,11 @@ import asyncio
 import codecs
 import time
 
+from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import ErrorType, error_response
-from app.metrics import Metrics
+from app.metrics import OTHER_LABEL, Metrics, method_label
 
 
 class BodyRejected(Exception):
@@ -99,7 +100,9 @@ class BodyGuardMiddleware:
 
 
 class MetricsMiddleware:
-    """Counts requests and their latency by route template (not raw path, to bound label cardinality)."""
+    """Counts requests and their latency by method and route. Every label comes from a fixed set, so no
+    request line can add series: the standard methods (app.metrics.HTTP_METHODS), the matched route's
+    template ('/v1/documents/{document_id}', never the raw path), `other` for anything else."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics):
         self.app, self.metrics = app, metrics
@@ -119,7 +122,14 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, send_status)
         finally:
-            route = scope.get("route")
-            path = getattr(route, "path", None) or "unmatched"
-            self.metrics.requests.labels(method=scope["method"], route=path, status=str(status)).inc()
-            self.metrics.latency.labels(route=path).observe(time.perf_counter() - start)
+            route = route_label(scope)
+            self.metrics.requests.labels(method=method_label(scope["method"]), route=route, status=str(status)).inc()
+            self.metrics.latency.labels(route=route).observe(time.perf_counter() - start)
+
+
+def route_label(scope: Scope) -> str:
+    """The template of the route the router matched (one of the app's, set in the scope by routing),
+    `other` where none matched (a 404, or a request refused before routing)."""
+    route = scope.get("route")
+    path = getattr(route, "path", None) if isinstance(route, BaseRoute) else None
+    return path if isinstance(path, str) and path else OTHER_LABEL

@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from app.main import create_app
 from app.readiness import free_port, wait_ready
 from app.server import Server, uvicorn_config
 from configs.settings import Settings
 
+if TYPE_CHECKING:
+    from app.components import Components
+    from blend_engine.engine import BlendEngine
+
 
 class LiveServer:
     """`with LiveServer(settings) as server:` starts uvicorn and waits for /readyz; leaving stops it."""
 
     def __init__(
-        self, settings: Settings, engine: Any | None = None, ready_timeout_s: float = 300.0, is_waiting: bool = True
+        self, settings: Settings, engine: BlendEngine | None = None, ready_timeout_s: float = 300.0, is_waiting: bool = True
     ):
         self.settings, self.engine, self.ready_timeout_s = settings, engine, ready_timeout_s
         self.is_waiting = is_waiting  # False: return once uvicorn listens, ready or not
@@ -30,7 +34,7 @@ class LiveServer:
         return f"http://127.0.0.1:{self.port}"
 
     @property
-    def components(self) -> Any:
+    def components(self) -> Components | None:
         return self.app.state.components
 
     def __enter__(self) -> LiveServer:

@@ -40,7 +40,7 @@ import torch
 from bench.output import emit_summary
 from blend_engine.config import ModelConfig
 from blend_engine.engine import BlendEngine
-from blend_engine.kv import ChunkKV
+from blend_engine.kv import ChunkKV, KVShape
 from blend_engine.types import SamplingParams
 from configs.enums import RequestMode
 from configs.settings import load_settings
@@ -96,10 +96,10 @@ class Collection:
         return ChunkKV(tuple(token_ids), self.context_ids, torch.randn(shape, generator=g), torch.randn(shape, generator=g))
 
 
-def _store(root: Path, fingerprint: str, budget_bytes: int) -> KVStore:
+def _store(root: Path, fingerprint: str, shape: KVShape, budget_bytes: int) -> KVStore:
     config = replace(load_settings().store, max_memory_bytes=0, disk_dir=root, max_disk_bytes=budget_bytes,
                      fsync=False, redis_url=None)
-    return KVStore(fingerprint, config)
+    return KVStore(fingerprint, config, shape=shape)
 
 
 def ingest(store: KVStore, collection: Collection) -> dict:
@@ -158,7 +158,7 @@ def measure_ttft(args: argparse.Namespace, num_chunks: int) -> tuple[list[float]
     out: list[float] = []
     plans: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
-        store = _store(Path(tmp), engine.fingerprint, 1 << 40)
+        store = _store(Path(tmp), engine.fingerprint, engine.kv_shape, 1 << 40)
         keys = [store.key_for(ids, context) for ids in chunks]
         for key, ids in zip(keys, chunks):
             store.put(key, engine.precompute(list(ids), context))
@@ -204,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         # unbounded first: its bytes on disk are the collection's KV, the 100% the budgets are shares of;
         # the 100% row reopens that directory under exactly that bound (every entry fits: no re-ingest)
-        store = _store(Path(tmp) / "full", engine.fingerprint, 1 << 50)
+        store = _store(Path(tmp) / "full", engine.fingerprint, engine.kv_shape, 1 << 50)
         full_ingest = ingest(store, collection)
         full_bytes = store.backend(store.tiers[0]).bytes_used()
         store.close()
@@ -212,9 +212,10 @@ def run(args: argparse.Namespace) -> int:
         for share in sorted(budgets):
             budget_bytes = int(share * full_bytes)
             if share == 1.0:
-                store, ingested = _store(Path(tmp) / "full", engine.fingerprint, budget_bytes), full_ingest
+                store = _store(Path(tmp) / "full", engine.fingerprint, engine.kv_shape, budget_bytes)
+                ingested = full_ingest
             else:
-                store = _store(Path(tmp) / f"b{share}", engine.fingerprint, budget_bytes)
+                store = _store(Path(tmp) / f"b{share}", engine.fingerprint, engine.kv_shape, budget_bytes)
                 ingested = ingest(store, collection)
             streamed = stream(store, collection, order, ttft_ms)
             budget = store.budget_stats()
@@ -225,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
             store.close()
             print(f"{share:.0%}: {row}", flush=True)
         if 1.0 not in budgets:  # the reference: the collection's KV all kept
-            store = _store(Path(tmp) / "full", engine.fingerprint, full_bytes)
+            store = _store(Path(tmp) / "full", engine.fingerprint, engine.kv_shape, full_bytes)
             rows.append({"budget": "100%", "budget_bytes": full_bytes, **full_ingest,
                          **stream(store, collection, order, ttft_ms), "bytes_on_disk": full_bytes})
             store.close()

@@ -22,6 +22,7 @@ from statistics import mean
 import torch
 
 from blend_engine.engine import BlendEngine
+from blend_engine.kv import KVShape
 from blend_engine.types import PrefillMode, Segment
 from configs.enums import KVQuantization, LoaderPriority, StorageDtype
 from configs.settings import load_settings
@@ -101,7 +102,7 @@ def drop_page_cache(store: KVStore, keys: list[str]) -> None:
         os.close(fd)
 
 
-def make_stores(fingerprint: str, base: StoreConfig, workdir: Path, redis_url: str | None,
+def make_stores(fingerprint: str, shape: KVShape, base: StoreConfig, workdir: Path, redis_url: str | None,
                 throttles: dict[Tier, float]) -> dict[str, KVStore]:
     """One store per tier (so each row reads from exactly one), with the settings' other choices."""
     base = dataclasses.replace(base, max_memory_bytes=0, disk_enabled=False, disk_dir=None, redis_url=None,
@@ -117,7 +118,7 @@ def make_stores(fingerprint: str, base: StoreConfig, workdir: Path, redis_url: s
     }
     if redis_url:
         configs["redis"] = dataclasses.replace(base, redis_url=redis_url)
-    return {name: KVStore(fingerprint, config) for name, config in configs.items()}
+    return {name: KVStore(fingerprint, config, shape=shape) for name, config in configs.items()}
 
 
 def best_of(num_repeats: int, fns: dict) -> tuple[dict, dict]:
@@ -271,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
         redis_url = redis.url
     base = dataclasses.replace(settings.store, dtype=StorageDtype(args.dtype))
     throttles = {Tier(t): float(n) for t, n in (spec.split("=", 1) for spec in args.throttle_mbps)}
-    stores = make_stores(engine.fingerprint, base, workdir, redis_url, throttles)
+    stores = make_stores(engine.fingerprint, engine.kv_shape, base, workdir, redis_url, throttles)
     sink = engine.sink_ids(settings.blend.sink)
     try:
         fit_planners(engine, stores, blend, settings.store.planner_profile_tokens)

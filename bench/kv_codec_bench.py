@@ -29,7 +29,7 @@ from configs.enums import SinkMode
 from configs.settings import load_settings
 from configs.enums import KVQuantization, StorageDtype
 from kv_store import codec
-from kv_store.keys import StorageFormat
+from kv_store.keys import StorageFormat, chunk_key
 from kv_store.lowbit import BitWidths
 
 FP16 = StorageFormat(StorageDtype.FLOAT16)
@@ -93,9 +93,10 @@ def _round_trip(kv: ChunkKV, cand: Candidate, sizes: dict, times: dict) -> Chunk
 
     if cand.fmt is not None:
         t0 = time.perf_counter()
-        blob = codec.encode(kv, "0" * 64, "bench", cand.fmt)
+        key = chunk_key("bench", cand.fmt, kv.token_ids, kv.context_ids)
+        blob = codec.encode(kv, key, "bench", cand.fmt)
         t1 = time.perf_counter()
-        header = codec.parse_header(blob[: codec.header_size(blob[:8])], len(blob), "0" * 64, "bench", cand.fmt)
+        header = codec.read_header(blob, key, "bench", cand.fmt, kv.shape)
         out = codec.decode(header, lambda b, e: bytearray(blob[b:e]))
         t2 = time.perf_counter()
         payload = sum(header.layer_nbytes(i) for i in range(header.num_layers))

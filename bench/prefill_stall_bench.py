@@ -115,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
     engine.eos_ids = frozenset()  # the running answer decodes until the round cancels it, whatever it samples
     sink = engine.sink_ids(settings.blend.sink)
     with tempfile.TemporaryDirectory() as tmp:
-        store = KVStore(engine.fingerprint, StoreConfig(quantization=KVQuantization.NONE, disk_dir=Path(tmp) / "kv"))
+        store = KVStore(engine.fingerprint, StoreConfig(quantization=KVQuantization.NONE, disk_dir=Path(tmp) / "kv"),
+                        shape=engine.kv_shape)
         blend = _blend_request(engine, store, sink, args)
         variants = [(f"parts_{c}", int(c)) for c in args.chunk_tokens.split(",")] + [("whole", OFF_CHUNK_TOKENS)]
         results: dict[str, list[dict]] = {name: [] for name, _ in variants}

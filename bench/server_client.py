@@ -44,7 +44,8 @@ class StreamedAnswer:
     token_s: tuple[float, ...]  # each `token` event arrived
     end_s: float  # the stream ended
     answer: str
-    done: dict[str, Any]  # the `done` event: mode, usage, timings, plan
+    done: dict[str, Any]  # the `done` event: mode, finish_reason, usage, timings, plan
+    sources: tuple[dict[str, Any], ...] = ()  # the `sources` event: the chunks the prompt held, with their text
 
     @property
     def ttft_ms(self) -> float:
@@ -72,6 +73,11 @@ class StreamedAnswer:
         return (n - 1) / decode_s if n > 1 and decode_s > 0 else None
 
     @property
+    def finish_reason(self) -> str | None:
+        """'stop', 'length' (ran to max_tokens), ..., as the `done` event says."""
+        return self.done.get("finish_reason")
+
+    @property
     def timings(self) -> dict[str, float]:
         return self.done.get("timings", {})
 
@@ -85,6 +91,7 @@ async def stream_query(client: httpx.AsyncClient, body: dict[str, Any]) -> Strea
     pieces: list[str] = []
     token_s: list[float] = []
     done: dict[str, Any] = {}
+    sources: list[dict[str, Any]] = []
     sent = time.perf_counter()
     async with client.stream("POST", "/v1/query", json={**body, "stream": True}) as response:
         if response.status_code != 200:
@@ -99,13 +106,15 @@ async def stream_query(client: httpx.AsyncClient, body: dict[str, Any]) -> Strea
     for kind, data in iter_events(lines):
         if kind == "token":
             pieces.append(data["text"])
+        elif kind == "sources":
+            sources = data["sources"]
         elif kind == "done":
             done = data
         elif kind == "error":
             raise QueryFailed(data["error"]["message"])
     if not done:
         raise QueryFailed("the stream ended without a done event")
-    return StreamedAnswer(sent, tuple(token_s), end, "".join(pieces), done)
+    return StreamedAnswer(sent, tuple(token_s), end, "".join(pieces), done, tuple(sources))
 
 
 async def stream_chat(client: httpx.AsyncClient, body: dict[str, Any]) -> StreamedAnswer:
@@ -114,6 +123,7 @@ async def stream_chat(client: httpx.AsyncClient, body: dict[str, Any]) -> Stream
     pieces: list[str] = []
     token_s: list[float] = []
     done: dict[str, Any] = {}
+    sources: list[dict[str, Any]] = []
     sent = time.perf_counter()
     async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
         if response.status_code != 200:
@@ -125,6 +135,7 @@ async def stream_chat(client: httpx.AsyncClient, body: dict[str, Any]) -> Stream
             chunk = json.loads(line[len("data: "):])
             if "error" in chunk:
                 raise QueryFailed(chunk["error"]["message"])
+            sources = chunk.get("sources") or sources  # the first chunk's
             content = chunk["choices"][0]["delta"].get("content") if chunk.get("choices") else None
             if content:
                 token_s.append(time.perf_counter())
@@ -134,4 +145,4 @@ async def stream_chat(client: httpx.AsyncClient, body: dict[str, Any]) -> Stream
     end = time.perf_counter()
     if not done:
         raise QueryFailed("the stream ended without a usage chunk")
-    return StreamedAnswer(sent, tuple(token_s), end, "".join(pieces), done)
+    return StreamedAnswer(sent, tuple(token_s), end, "".join(pieces), done, tuple(sources))

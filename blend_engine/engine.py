@@ -13,7 +13,7 @@ from blend_engine.attention import AttentionBackend, attend, avoid_cudnn_attenti
 from blend_engine.batch_decode import DecodeBuckets, batch_step
 from blend_engine.decode import Decoder
 from blend_engine.decode_cache import resolve_decode_cache
-from blend_engine.kv import ChunkKV, LayerKVSource, MemoryKVSource, MergedKVSource
+from blend_engine.kv import ChunkKV, KVShape, LayerKVSource, MemoryKVSource, MergedKVSource
 from blend_engine.loader import LoadedModel, load_model
 from blend_engine.plan import plan_prefill
 from blend_engine.prefill import last_part, prefill_steps
@@ -134,6 +134,11 @@ class BlendEngine:
     @property
     def head_dim(self) -> int:
         return self.runner.head_dim
+
+    @property
+    def kv_shape(self) -> KVShape:
+        """What every chunk's KV holds besides its tokens: what the KV store checks its entries against."""
+        return KVShape(self.num_layers, self.num_kv_heads, self.head_dim)
 
     @property
     def max_context(self) -> int:

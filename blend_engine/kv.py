@@ -12,6 +12,20 @@ import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
+class KVShape:
+    """A model's KV besides the token axis: every chunk it computes has keys and values
+    [num_layers, num_kv_heads, num_tokens, head_dim]. A store holds entries of its model's shape only."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        if min(self.num_layers, self.num_kv_heads, self.head_dim) < 1:
+            raise ValueError(f"a KV shape has at least one layer, KV head and head dim: {self}")
+
+
+@dataclass(frozen=True)
 class ChunkKV:
     """A chunk's KV, computed on the chunk alone (behind `context_ids`, whose own KV is dropped).
 
@@ -37,6 +51,10 @@ class ChunkKV:
     @property
     def num_layers(self) -> int:
         return self.keys.shape[0]
+
+    @property
+    def shape(self) -> KVShape:
+        return KVShape(self.keys.shape[0], self.keys.shape[1], self.keys.shape[3])
 
     @property
     def nbytes(self) -> int:

@@ -8,7 +8,7 @@ cache; `blend` all tokens up to its first check layer. Reused KV is laid into th
 request (all layers at once when it is in memory) and never gathered or concatenated per layer.
 No value is read back from the device inside the loop: the selection is read once at the end.
 `prefill_steps` can stop the loop after a group of layers and go on in a caller's next step (the
-server's engine loop: running answers decode in between); `run_prefill` runs it in one go.
+server's engine loop: running answers decode in between); `last_part` runs it to its end.
 """
 
 from __future__ import annotations
@@ -45,17 +45,6 @@ class _Loop:
     last_shift: torch.Tensor | None = None  # 0-d, from the first check: a candidate guard signal
     probe_mass: torch.Tensor | None = None  # [N] the question's attention at the probe layer (query selections)
     laid_out: set[int] = field(default_factory=set)  # layers whose reused KV is in the cache (streamed layout)
-
-
-def run_prefill(runner: ModelRunner, plan: PrefillPlan, blend: BlendConfig, source: LayerKVSource | None,
-                max_new_tokens: int, backend: AttentionBackend, is_profiled: bool = False,
-                is_bulk_layout: bool = False) -> PrefillResult:
-    """The whole prefill in one go: `prefill_steps` with no step budget, run to its end.
-
-    `is_bulk_layout`: lay out in-memory chunks for all layers before the loop (pays on CUDA: fewer
-    launches; on CPU layer by layer is faster, its working set staying in the processor's caches)."""
-    return last_part(prefill_steps(runner, plan, blend, source, max_new_tokens, backend, is_profiled,
-                                   is_bulk_layout))
 
 
 def last_part(parts: Generator[PrefillResult | None, None, None]) -> PrefillResult:

@@ -16,16 +16,17 @@ import json
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Annotated, Callable
 
 import safetensors.torch
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from blend_engine.kv import ChunkKV
+from blend_engine.kv import ChunkKV, KVShape
 from configs.enums import KVQuantization, StorageDtype
 from kv_store import lowbit
 from kv_store.errors import CorruptEntryError
-from kv_store.keys import StorageFormat
+from kv_store.keys import StorageFormat, chunk_key
 
 TORCH_DTYPES = {
     StorageDtype.FLOAT16: torch.float16,
@@ -46,6 +47,7 @@ _EARLIER_LOWBIT_SPECS = (  # written by earlier versions, under the header's `lo
 _READABLE_LOWBIT_SPECS = {spec.tag: spec for spec in (*LOWBIT_SPECS.values(), *_FIRST_LOWBIT_SPECS.values(),
                                                       *_EARLIER_LOWBIT_SPECS)}
 _MAX_HEADER_BYTES = 64 << 20  # safetensors' own limit is 100 MB; ours are a few KB per 1k tokens
+_MAX_ENTRY_BYTES = 1 << 40  # any size or offset a header states is below this (entries are megabytes)
 META_KEY = "ragblend"
 
 
@@ -140,56 +142,160 @@ def encode(kv: ChunkKV, key: str, fingerprint: str, fmt: StorageFormat) -> bytes
 MAX_REASON_CHARS = 200  # of a damaged entry's reason: enough to say what is wrong, never its content
 
 
-def header_size(prefix: bytes) -> int:
-    """Bytes of the whole header (8-byte length + JSON), from the blob's first 8 bytes."""
+def header_size(prefix: bytes, total_bytes: int) -> int:
+    """Bytes of the whole header (8-byte length + JSON), from the blob's first 8 bytes; `total_bytes`
+    is the whole entry's size: a header claiming more is a truncated or crafted entry, refused before
+    anything that size is read."""
     if len(prefix) < 8:
         raise CorruptEntryError(f"truncated: {len(prefix)} bytes")
     (n,) = struct.unpack("<Q", prefix[:8])
     if n > _MAX_HEADER_BYTES:
         raise CorruptEntryError(f"header length {n} is implausible")
+    if 8 + n > total_bytes:
+        raise CorruptEntryError(f"truncated: a header of {8 + n} bytes in an entry of {total_bytes}")
     return 8 + n
 
 
-def parse_header(head: bytes, total_bytes: int, expected_key: str, fingerprint: str, fmt: StorageFormat) -> EntryHeader:
-    """Parse and validate a header (`head` = the blob's first `header_size` bytes).
+# The header's schema, validated by pydantic (strict: no float or string passes for an int) before
+# any value is used. Its JSON parser bounds nesting (a deeply nested header is a validation error, not
+# a RecursionError) and the bounds below keep every number a plain int that fits what reads it.
+_Size = Annotated[int, Field(ge=0, le=_MAX_ENTRY_BYTES)]
+_Id = Annotated[int, Field(ge=0, lt=1 << 63)]  # token ids are hashed as int64 (keys.py)
+_Crc = Annotated[int, Field(ge=0, lt=1 << 32)]
+
+
+class _TensorInfo(BaseModel):
+    """One tensor of the safetensors table."""
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
+    dtype: str
+    shape: Annotated[list[_Size], Field(max_length=4)]
+    data_offsets: tuple[_Size, _Size]  # [begin, end) from the start of the data, after the header
+
+
+class _Table(BaseModel):
+    """The safetensors header: our metadata plus one `_TensorInfo` per tensor name."""
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="allow")
+    __pydantic_extra__: dict[str, _TensorInfo] = Field(init=False)
+    metadata: dict[str, str] = Field(alias="__metadata__")
+
+
+class _Meta(BaseModel):
+    """Our metadata (`encode`). Unknown fields are ignored: a later version may add some."""
+
+    model_config = ConfigDict(strict=True, frozen=True)
+    key: str
+    fingerprint: str
+    format: tuple[int, StorageDtype, KVQuantization]  # version, dtype, quantization
+    token_ids: Annotated[list[_Id], Field(min_length=1)]
+    context_ids: list[_Id]
+    shape: tuple[_Size, _Size, _Size]  # num_layers, num_kv_heads, head_dim
+    checksums: list[_Crc]
+    lowbit: str | None = None
+
+
+def _invalid(what: str, exc: ValidationError) -> CorruptEntryError:
+    """Where and why a header fails its schema; never its values (kilobytes of a document's token ids)."""
+    first = exc.errors(include_url=False, include_input=False)[0]
+    where = ".".join(str(part) for part in first["loc"])[:60]
+    return CorruptEntryError(f"unreadable {what}: {where or 'JSON'}: {first['msg'][:MAX_REASON_CHARS]}")
+
+
+def read_header(blob, expected_key: str, fingerprint: str, fmt: StorageFormat, shape: KVShape) -> EntryHeader:
+    """`parse_header` of a whole entry held in memory."""
+    return parse_header(blob[: header_size(blob[:8], len(blob))], len(blob), expected_key, fingerprint, fmt, shape)
+
+
+def parse_header(head: bytes, total_bytes: int, expected_key: str, fingerprint: str, fmt: StorageFormat,
+                 shape: KVShape) -> EntryHeader:
+    """Parse and validate a header (`head` = the blob's first `header_size` bytes). Anything wrong with
+    it raises CorruptEntryError, checked before anything is allocated for the entry's layers: its
+    schema, then that it is this model's entry for this key (fingerprint, key, token and context ids
+    hashing to that key), of the model's `shape` (layers, KV heads, head dim), with one checksum per
+    layer and each layer's tensors inside the entry at their exact sizes.
 
     `fmt` is the tier's current format; an entry in another format this version reads (float16,
     int8, int4 ...: the tag in its header) is accepted: its key, made with its own format, was
     looked up by a chunk stored before the default changed."""
     try:
-        table = json.loads(bytes(head[8:]))
-        meta = json.loads(table.pop("__metadata__")[META_KEY])
-        num_layers, num_kv_heads, head_dim = (int(v) for v in meta["shape"])
-        token_ids = tuple(int(t) for t in meta["token_ids"])
-        context_ids = tuple(int(t) for t in meta["context_ids"])
-        checksums = tuple(int(c) for c in meta["checksums"])
-        stored_fmt = StorageFormat(StorageDtype(meta["format"][1]), KVQuantization(meta["format"][2]), int(meta["format"][0]))
-        lowbit_spec = _lowbit_spec(stored_fmt.quantization, meta.get("lowbit"))
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
-        # str, cut: the repr of a UnicodeDecodeError holds the whole header (kilobytes of a document's token ids)
-        raise CorruptEntryError(f"unreadable header: {str(exc)[:MAX_REASON_CHARS]}") from exc
-    if meta["fingerprint"] != fingerprint or stored_fmt.version != fmt.version:
-        raise CorruptEntryError(f"entry is for another model/format: {meta['fingerprint'][:40]!r}, {stored_fmt.tag}")
-    if meta["key"] != expected_key:
-        raise CorruptEntryError(f"entry holds key {meta['key'][:16]}, expected {expected_key[:16]}")
-    if len(checksums) != num_layers:
-        raise CorruptEntryError(f"{len(checksums)} checksums for {num_layers} layers")
-    num_tokens = len(token_ids)
+        table = _Table.model_validate_json(bytes(head[8:]))
+    except ValidationError as exc:
+        raise _invalid("header", exc) from exc
+    if META_KEY not in table.metadata:
+        raise CorruptEntryError(f"header has no {META_KEY!r} metadata")
+    try:
+        meta = _Meta.model_validate_json(table.metadata[META_KEY])
+    except ValidationError as exc:
+        raise _invalid("metadata", exc) from exc
+    version, dtype, quantization = meta.format
+    stored_fmt = StorageFormat(dtype, quantization, version)
+    if meta.fingerprint != fingerprint or version != fmt.version:
+        raise CorruptEntryError(f"entry is for another model/format: {meta.fingerprint[:40]!r}, {stored_fmt.tag}")
+    if meta.key != expected_key:
+        raise CorruptEntryError(f"entry holds key {meta.key[:16]!r}, expected {expected_key[:16]}")
+    token_ids, context_ids = tuple(meta.token_ids), tuple(meta.context_ids)
+    if chunk_key(fingerprint, stored_fmt, token_ids, context_ids) != expected_key:  # content-addressed
+        raise CorruptEntryError(f"entry's {len(token_ids)} token ids and context are not those of key "
+                                f"{expected_key[:16]}")
+    stored_shape = tuple(meta.shape)
+    if stored_shape != (shape.num_layers, shape.num_kv_heads, shape.head_dim):
+        raise CorruptEntryError(f"entry of shape {stored_shape} (layers, KV heads, head dim), the model's is "
+                                f"{(shape.num_layers, shape.num_kv_heads, shape.head_dim)}")
+    if len(meta.checksums) != shape.num_layers:
+        raise CorruptEntryError(f"{len(meta.checksums)} checksums for {shape.num_layers} layers")
+    try:
+        lowbit_spec = _lowbit_spec(quantization, meta.lowbit)
+    except ValueError as exc:
+        raise CorruptEntryError(str(exc)) from exc
+    tensors = table.__pydantic_extra__
+    expected = _tensor_shapes(stored_fmt, lowbit_spec is not None, shape, len(token_ids))
+    if set(tensors) != {name for layer in expected for name, _, _ in layer}:
+        raise CorruptEntryError(f"entry's tensors are not one set per layer of {shape.num_layers}: "
+                                f"{sorted(tensors)[:6]}"[:MAX_REASON_CHARS])
     data_start = len(head)
-    ranges = []
-    fmt = stored_fmt
-    for layer_idx in range(num_layers):
-        if lowbit_spec is not None:  # one compressed payload of any length
-            ranges.append((_payload_range(table, f"kv.{layer_idx}", data_start, total_bytes),))
-            continue
-        names = [(f"kv.{layer_idx}", [2, num_kv_heads, num_tokens, head_dim])]
-        if fmt.quantization is KVQuantization.INT8:
-            names.append((f"scale.{layer_idx}", [2, num_kv_heads, 1, head_dim]))
-        ranges.append(tuple(_tensor_range(table, name, shape, data_start, total_bytes) for name, shape in names))
+    ranges = tuple(tuple(_tensor_range(name, tensors[name], dtype_name, dims, data_start, total_bytes)
+                         for name, dtype_name, dims in layer) for layer in expected)
     return EntryHeader(
-        expected_key, fingerprint, fmt, token_ids, context_ids, num_layers, num_kv_heads, head_dim,
-        tuple(ranges), checksums, total_bytes, lowbit_spec,
+        expected_key, fingerprint, stored_fmt, token_ids, context_ids, shape.num_layers, shape.num_kv_heads,
+        shape.head_dim, ranges, tuple(meta.checksums), total_bytes, lowbit_spec,
     )
+
+
+_ST_NAMES = {StorageDtype.FLOAT16: "F16", StorageDtype.BFLOAT16: "BF16", StorageDtype.FLOAT32: "F32"}
+
+
+def _tensor_shapes(fmt: StorageFormat, is_lowbit: bool, shape: KVShape, num_tokens: int
+                   ) -> list[list[tuple[str, str, list[int] | None]]]:
+    """Per layer: each tensor's name, safetensors dtype and shape (None: a low-bit payload, u8 of any length)."""
+    kv_shape = [2, shape.num_kv_heads, num_tokens, shape.head_dim]
+    layers = []
+    for layer_idx in range(shape.num_layers):
+        if is_lowbit:
+            layers.append([(f"kv.{layer_idx}", "U8", None)])
+        elif fmt.quantization is KVQuantization.INT8:
+            layers.append([(f"kv.{layer_idx}", "I8", kv_shape),
+                           (f"scale.{layer_idx}", "F32", [2, shape.num_kv_heads, 1, shape.head_dim])])
+        else:
+            layers.append([(f"kv.{layer_idx}", _ST_NAMES[fmt.dtype], kv_shape)])
+    return layers
+
+
+def _tensor_range(name: str, info: _TensorInfo, dtype_name: str, shape: list[int] | None, data_start: int,
+                  total_bytes: int) -> tuple[int, int]:
+    """The tensor's absolute byte range, checked against its dtype, its shape and the entry's size."""
+    if info.dtype != dtype_name:
+        raise CorruptEntryError(f"tensor {name}: dtype {info.dtype[:10]!r}, expected {dtype_name}")
+    if shape is None:  # a low-bit payload: its length is its own
+        if len(info.shape) != 1:
+            raise CorruptEntryError(f"tensor {name}: expected a u8 payload, got shape {info.shape}")
+        shape = info.shape
+    elif info.shape != shape:
+        raise CorruptEntryError(f"tensor {name}: expected shape {shape}, got {info.shape}")
+    begin, end = (data_start + offset for offset in info.data_offsets)
+    if end - begin != _ST_DTYPES[dtype_name].itemsize * _numel(shape) or end > total_bytes:
+        raise CorruptEntryError(f"tensor {name}: bad byte range (entry of {total_bytes} bytes)")
+    return begin, end
 
 
 def _lowbit_spec(quantization: KVQuantization, tag: str | None) -> lowbit.LowBitSpec | None:
@@ -201,27 +307,6 @@ def _lowbit_spec(quantization: KVQuantization, tag: str | None) -> lowbit.LowBit
     if tag not in _READABLE_LOWBIT_SPECS:
         raise ValueError(f"low-bit parameters {str(tag)[:40]!r} are not known to this version")
     return _READABLE_LOWBIT_SPECS[tag]
-
-
-def _tensor_range(table: dict, name: str, shape: list[int], data_start: int, total_bytes: int) -> tuple[int, int]:
-    info = table.get(name)
-    if info is None or list(info.get("shape", ())) != shape:
-        raise CorruptEntryError(f"tensor {name}: expected shape {shape}, got {info and info.get('shape')}")
-    dtype = _ST_DTYPES.get(info.get("dtype"))
-    begin, end = (data_start + int(o) for o in info["data_offsets"])
-    if dtype is None or end - begin != dtype.itemsize * _numel(shape) or end > total_bytes:
-        raise CorruptEntryError(f"tensor {name}: bad dtype or byte range (entry of {total_bytes} bytes)")
-    return begin, end
-
-
-def _payload_range(table: dict, name: str, data_start: int, total_bytes: int) -> tuple[int, int]:
-    info = table.get(name)
-    if info is None or info.get("dtype") != "U8" or len(info.get("shape", ())) != 1:
-        raise CorruptEntryError(f"tensor {name}: expected a u8 payload, got {info}")
-    begin, end = (data_start + int(o) for o in info["data_offsets"])
-    if end - begin != int(info["shape"][0]) or end > total_bytes:
-        raise CorruptEntryError(f"tensor {name}: bad byte range (entry of {total_bytes} bytes)")
-    return begin, end
 
 
 def _numel(shape: list[int]) -> int:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from blend_engine.kv import ChunkKV
+from blend_engine.kv import ChunkKV, KVShape
 from kv_store import codec
 from kv_store.backend import Backend, ChunkInfo, LayerReader, Tier
 from kv_store.codec import EntryHeader
@@ -61,12 +61,13 @@ class DiskReader(LayerReader):
 class DiskBackend(Backend):
     tier = Tier.DISK
 
-    def __init__(self, root: Path, max_bytes: int, fingerprint: str, fmt: StorageFormat, fsync: bool = True):
+    def __init__(self, root: Path, max_bytes: int, fingerprint: str, fmt: StorageFormat, shape: KVShape,
+                 fsync: bool = True):
         super().__init__()
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.root, self.max_bytes = Path(root), max_bytes
-        self._fingerprint, self._fmt, self._fsync = fingerprint, fmt, fsync
+        self._fingerprint, self._fmt, self._shape, self._fsync = fingerprint, fmt, shape, fsync
         self._lock = threading.Lock()
         self._sizes: OrderedDict[str, int] = OrderedDict()  # key -> file bytes, least recently used first
         self._num_bytes = 0
@@ -158,8 +159,8 @@ class DiskBackend(Backend):
         try:
             size = os.fstat(fd).st_size
             head = os.pread(fd, 8, 0)
-            head += os.pread(fd, codec.header_size(head) - 8, 8)
-            header = codec.parse_header(head, size, key, self._fingerprint, self._fmt)
+            head += os.pread(fd, codec.header_size(head, size) - 8, 8)
+            header = codec.parse_header(head, size, key, self._fingerprint, self._fmt, self._shape)
         except CorruptEntryError as exc:
             os.close(fd)
             self.discard_corrupt(key, exc)

@@ -1,6 +1,7 @@
 """Redis tier: the cache shared by several server replicas. Values are the same safetensors blobs
 as the disk tier's files, so a layer is one GETRANGE; layer i of several chunks goes out in one pipelined
-round trip. Any Redis failure reads as a miss."""
+round trip. Any Redis failure reads as a miss. An entry's TTL is refreshed by its first layer read once
+its header is verified (in that read's round trip): a damaged entry is deleted, never kept alive."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from blend_engine.kv import ChunkKV
+from blend_engine.kv import ChunkKV, KVShape
 from kv_store import codec
 from kv_store.backend import Backend, ChunkInfo, LayerReader, Tier
 from kv_store.codec import EntryHeader
@@ -29,6 +30,7 @@ class RedisReader(LayerReader):
     def __init__(self, backend: RedisBackend, header: EntryHeader):
         self.header, self.info = header, ChunkInfo.from_header(header)
         self._backend = backend
+        self.is_ttl_refreshed = False  # set by the first layer read (read_layer_many)
 
     def read_layer(self, layer_idx: int, pinned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         return codec.unpacked(self.read_layer_encoded(layer_idx, pinned))
@@ -54,14 +56,15 @@ class RedisReader(LayerReader):
 class RedisBackend(Backend):
     tier = Tier.REDIS
 
-    def __init__(self, url: str, ttl_s: int, fingerprint: str, fmt: StorageFormat, timeout_s: float = 5.0):
+    def __init__(self, url: str, ttl_s: int, fingerprint: str, fmt: StorageFormat, shape: KVShape,
+                 timeout_s: float = 5.0):
         super().__init__()
         # One retry re-dials a connection dropped by a server restart; no backoff, so a down
         # server costs a refused connect (fast), not seconds of waiting per request.
         self._client = redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=min(timeout_s, 1.0), retry=Retry(NoBackoff(), 1)
         )
-        self._ttl_s, self._fingerprint, self._fmt = ttl_s, fingerprint, fmt
+        self._ttl_s, self._fingerprint, self._fmt, self._shape = ttl_s, fingerprint, fmt, shape
 
     def _name(self, key: str) -> str:
         if not is_valid_key(key):
@@ -78,18 +81,30 @@ class RedisBackend(Backend):
         """Layers of several entries (of this tier's readers) in one pipelined round trip: a request
         streaming C chunks from Redis costs one round trip per layer, not C."""
         readers = [(_redis_reader(r), layer_idx) for r, layer_idx in reads]
+        refreshing: list[RedisReader] = []  # entries read for the first time: in use, kept alive
+        has_expire = []  # per read: whether an EXPIRE's reply comes before its ranges'
         start = time.perf_counter()
         try:
             pipe = self._client.pipeline(transaction=False)
             for reader, layer_idx in readers:
+                name = self._name(reader.header.key)
+                is_first = not reader.is_ttl_refreshed and not any(r is reader for r in refreshing)
+                if is_first:
+                    pipe.expire(name, self._ttl_s)
+                    refreshing.append(reader)
+                has_expire.append(is_first)
                 for begin, end in reader.header.layer_ranges[layer_idx]:
-                    pipe.getrange(self._name(reader.header.key), begin, end - 1)
+                    pipe.getrange(name, begin, end - 1)
             replies = iter(pipe.execute())
         except redis.RedisError as exc:
             return [EntryLostError(f"redis unreachable: {exc}") for _ in readers]
+        for reader in refreshing:
+            reader.is_ttl_refreshed = True
         share_s = (time.perf_counter() - start) / max(len(readers), 1)  # the round trip, shared
         results: list[codec.EncodedLayer | CorruptEntryError | EntryLostError] = []
-        for reader, layer_idx in readers:
+        for (reader, layer_idx), is_first in zip(readers, has_expire):
+            if is_first:
+                next(replies)  # EXPIRE's
             chunks = [next(replies) for _ in reader.header.layer_ranges[layer_idx]]
             decode_start = time.perf_counter()
             try:
@@ -112,17 +127,16 @@ class RedisBackend(Backend):
         self.counters.add(bytes_written=len(blob))
 
     def _parse(self, key: str, total: int, head: bytes) -> EntryHeader:
-        size = codec.header_size(head)
+        size = codec.header_size(head, total)
         if size > len(head):
             head += self._client.getrange(self._name(key), len(head), size - 1)
-        return codec.parse_header(head[:size], total, key, self._fingerprint, self._fmt)
+        return codec.parse_header(head[:size], total, key, self._fingerprint, self._fmt, self._shape)
 
     def open_reader(self, key: str, is_lookup: bool = True) -> RedisReader | None:
         try:
             pipe = self._client.pipeline(transaction=False)
             pipe.strlen(self._name(key)).getrange(self._name(key), 0, _FIRST_READ_BYTES - 1)
-            pipe.expire(self._name(key), self._ttl_s)  # a hit keeps the entry alive
-            total, head, _ = pipe.execute()
+            total, head = pipe.execute()  # no EXPIRE yet: the header is unverified (see read_layer_many)
             if total == 0:
                 self.counters.add(misses=int(is_lookup))
                 return None
@@ -162,7 +176,7 @@ class RedisBackend(Backend):
         start = time.perf_counter()
         data = bytearray(blob)  # writable, so tensors can view it without a warning
         try:
-            header = codec.parse_header(data[: codec.header_size(data)], len(data), key, self._fingerprint, self._fmt)
+            header = codec.read_header(data, key, self._fingerprint, self._fmt, self._shape)
             kv = codec.decode(header, lambda begin, end: memoryview(data)[begin:end])
         except CorruptEntryError as exc:
             self.discard_corrupt(key, exc)

@@ -12,13 +12,17 @@ import logging
 import secrets
 import time
 from enum import Enum
-from typing import Any, Callable
+from typing import Callable, TYPE_CHECKING
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kv_store.admission import Admission
+
+if TYPE_CHECKING:
+    from blend_engine.kv import ChunkKV
+    from kv_store.store import KVStore
 
 logger = logging.getLogger(__name__)
 LOCK_PREFIX = "ragblend:lock:kv:"
@@ -80,12 +84,12 @@ class SingleFlight:
     """`ensure(key, compute, reason)`: the entry exists afterwards (computed here or by another replica),
     unless another replica holds the lock and the reason is background work (SKIPPED)."""
 
-    def __init__(self, kv_store: Any, locks: PrecomputeLocks,
+    def __init__(self, kv_store: KVStore, locks: PrecomputeLocks,
                  on_outcome: Callable[[PrecomputeReason, PrecomputeOutcome], None] | None = None,
                  max_poll_s: float = 0.25):
         self._kv_store, self._locks, self._on_outcome, self._max_poll_s = kv_store, locks, on_outcome, max_poll_s
 
-    def ensure(self, key: str, compute: Callable[[], Any], reason: PrecomputeReason,
+    def ensure(self, key: str, compute: Callable[[], ChunkKV], reason: PrecomputeReason,
                admission: Admission | None = None) -> PrecomputeOutcome:
         """`admission`: the entry is offered to the collection's KV budget for this reason (written only
         if admitted); None: written unconditionally."""
@@ -94,7 +98,7 @@ class SingleFlight:
             self._on_outcome(reason, outcome)
         return outcome
 
-    def _ensure(self, key: str, compute: Callable[[], Any], is_waiting: bool,
+    def _ensure(self, key: str, compute: Callable[[], ChunkKV], is_waiting: bool,
                 admission: Admission | None) -> PrecomputeOutcome:
         token = self._locks.acquire(key)
         if token is None:

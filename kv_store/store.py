@@ -3,7 +3,8 @@
 - read through: `get` tries the GPU tier, memory, disk, then Redis; a hit is promoted into every faster tier;
 - write where configured: `put` writes to each enabled tier in `write_tiers`;
 - a damaged or mismatched entry is a miss: logged, deleted from its tier, and recomputed by the caller
-  (or, mid-request, by the `recompute` function given to `layer_source`);
+  (or, mid-request, by the `recompute` function given to `layer_source`). The store knows its model's
+  fingerprint and KV shape: an entry of another model, key, token ids or shape is such an entry;
 - stream: `handle` reads headers only; `layer_source` streams layers to the engine, pipelined;
   `promote` then copies streamed chunks up, off the latency path. Within a request each entry is
   opened once (by `handle` or the prefetch) and each layer read once (see `entry.py`).
@@ -16,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from blend_engine.kv import ChunkKV
+from blend_engine.kv import ChunkKV, KVShape
 from configs.enums import LoaderPriority
 from kv_store.admission import Admission, AdmissionPolicy, BudgetStats
 from kv_store.backend import Backend, Tier
@@ -38,15 +39,18 @@ log = logging.getLogger(__name__)
 
 
 class KVStore:
+    """The chunk KV of one model: `fingerprint` (its weights and format) and `shape` (what each of its
+    chunks' KV holds besides the tokens, `engine.kv_shape`) say which entries are its own."""
+
     def __init__(self, fingerprint: str, config: StoreConfig = StoreConfig(disk_enabled=False),
-                 engine_device_type: str = "cpu"):
+                 engine_device_type: str = "cpu", *, shape: KVShape):
         """`engine_device_type` ("cpu", "cuda"): where the engine computes; the GPU tier's default bound and
         the loader threads' `auto` priority resolve against it."""
         if not fingerprint:
             raise ValueError("a model fingerprint is required")
         if engine_device_type not in ("cpu", "cuda"):
             raise ValueError(f"engine_device_type must be cpu or cuda, got {engine_device_type!r}")
-        self.fingerprint, self.config = fingerprint, config
+        self.fingerprint, self.config, self.shape = fingerprint, config, shape
         self._backends: list[Backend] = []
         max_gpu_bytes = config.max_gpu_bytes
         if max_gpu_bytes is None:  # a share of what the loaded model left free, where it runs on CUDA
@@ -59,12 +63,13 @@ class KVStore:
         disk_dir = config.disk_path
         if disk_dir is not None:
             self._backends.append(
-                DiskBackend(disk_dir, config.max_disk_bytes, fingerprint, config.remote_format, config.fsync)
+                DiskBackend(disk_dir, config.max_disk_bytes, fingerprint, config.remote_format, shape, config.fsync)
             )
         if config.redis_url is not None:
             from kv_store.redis_backend import RedisBackend  # redis-py only when a URL is configured
 
-            self._backends.append(RedisBackend(config.redis_url, config.redis_ttl_s, fingerprint, config.remote_format))
+            self._backends.append(RedisBackend(config.redis_url, config.redis_ttl_s, fingerprint, config.remote_format,
+                                               shape))
         if config.quantization in LOWBIT_SPECS and (disk_dir is not None or config.redis_url is not None):
             lowbit_kernels.warm_up()  # its decoder's compiled loops, before any request reads an entry
         self._budgeted = self._budget_tier()
@@ -173,6 +178,8 @@ class KVStore:
             raise ValueError("cannot store an empty chunk")
         if key != self.key_for(kv.token_ids, kv.context_ids):
             raise ValueError(f"key {key[:16]} is not this chunk's key (see key_for)")
+        if kv.shape != self.shape:
+            raise ValueError(f"a chunk of KV shape {kv.shape} in a store of the model's {self.shape}")
         for b in self._backends:
             if b.tier in tiers:
                 b.put(key, kv)

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence, TYPE_CHECKING
 
 import torch
 
 from blend_engine.types import BlendConfig, PrefillMode, PrefillStats, Segment
 from kv_store.loader import StoredChunk
 from kv_store.planner import LoadPlan, PrefillShape
+
+if TYPE_CHECKING:
+    from blend_engine.engine import BlendEngine
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,7 @@ def compute_seconds(stats: PrefillStats) -> float:
     return max(stats.prefill_ms - stats.kv_load_ms, 0.0) / 1000
 
 
-def measure_engine(engine: Any, sizes: Sequence[int], blend: BlendConfig) -> list[tuple[PrefillShape, float]]:
+def measure_engine(engine: BlendEngine, sizes: Sequence[int], blend: BlendConfig) -> list[tuple[PrefillShape, float]]:
     """Timed prefills for the cost model: full at each size, reuse and blend at the largest (chunk KV
     in memory). Run once at start-up on the engine worker, never inside a user's request."""
     sizes = sorted({min(int(s), engine.max_context - 16) for s in sizes if s > 0})

@@ -22,6 +22,7 @@ import httpx
 
 from app import cli
 from app.readiness import free_port, wait_ready
+from blend_engine.kv import KVShape
 from kv_store import codec
 from kv_store.disk import SUFFIX
 from kv_store.keys import StorageFormat
@@ -243,13 +244,12 @@ def _is_readable(path: Path | None) -> bool:
         return False
     data = bytearray(path.read_bytes())  # writable: the decoded tensors view it
     try:
-        table = json.loads(bytes(data[8 : codec.header_size(bytes(data[:8]))]))
+        table = json.loads(bytes(data[8 : codec.header_size(bytes(data[:8]), len(data))]))
         meta = json.loads(table["__metadata__"][codec.META_KEY])
         version, dtype, quantization = meta["format"]
         fmt = StorageFormat(codec.StorageDtype(dtype), codec.KVQuantization(quantization), int(version))
-        head = bytes(data[: codec.header_size(bytes(data[:8]))])
-        header = codec.parse_header(head, len(data), path.name[: -len(SUFFIX)], meta["fingerprint"], fmt)
+        header = codec.read_header(data, path.name[: -len(SUFFIX)], meta["fingerprint"], fmt, KVShape(*meta["shape"]))
         codec.decode(header, lambda begin, end: memoryview(data)[begin:end])
-    except (codec.CorruptEntryError, ValueError, KeyError):
+    except (codec.CorruptEntryError, ValueError, KeyError, TypeError):
         return False
     return True

@@ -18,24 +18,28 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """Start/stop/restart a redis-server process on 127.0.0.1:`port` (same port across restarts)."""
+    """Start/stop/restart a redis-server process on 127.0.0.1:`port` (same port across restarts).
+    `password`: requirepass, as docker-compose.yml runs it (the URL then carries it)."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, password: str | None = None):
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             raise FileNotFoundError("redis-server is not installed (CI installs it from Debian: apt-get install redis-server)")
-        self.port, self.workdir = free_port(), workdir
+        self.port, self.workdir, self.password = free_port(), workdir, password
         self._proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> None:
         cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                "--dir", str(self.workdir), "--protected-mode", "yes"]
+        if self.password:
+            cmd += ["--requirepass", self.password]
         self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.2)
+        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_connect_timeout=0.2)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
@@ -69,12 +73,12 @@ def stop_process(proc: subprocess.Popen | None) -> None:
         proc.stderr.close()
 
 
-def start_or_skip(workdir: Path) -> RedisServer:
+def start_or_skip(workdir: Path, password: str | None = None) -> RedisServer:
     """A started server, or the calling test skipped, saying why none could start on this machine."""
     import pytest  # only tests call this
 
     try:
-        server = RedisServer(workdir)
+        server = RedisServer(workdir, password)
         server.start()
     except (FileNotFoundError, RuntimeError) as exc:
         pytest.skip(f"no redis-server could start on loopback: {exc}")

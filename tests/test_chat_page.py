@@ -19,7 +19,7 @@ import pytest
 
 from app.testing import LiveServer
 from configs.settings import load_settings
-from tests.browser import launch
+from tests.browser import launched, wait_until
 from tests.docgen import make_pdf
 
 pytestmark = pytest.mark.smollm2
@@ -44,13 +44,8 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser():
-    with playwright_api.sync_playwright() as playwright:
-        browser, reason = launch(playwright)
-        if browser is None:
-            print(f"\nSKIP browser tests: {reason}")
-            pytest.skip(reason)
+    with launched() as browser:
         yield browser
-        browser.close()
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +53,9 @@ def page(browser, server):
     context = browser.new_context(viewport={"width": 1280, "height": 860})
     page = context.new_page()
     page.on("dialog", lambda dialog: dialog.accept())  # the delete confirmation
+    page.add_init_script("window.__violations = [];"  # what the page's Content-Security-Policy refused
+                         "document.addEventListener('securitypolicyviolation',"
+                         " (e) => window.__violations.push(e.violatedDirective + ' ' + e.blockedURI));")
     page.goto(server.url + "/")
     yield page
     context.close()
@@ -92,7 +90,7 @@ def test_a_wrong_key_shows_an_error_then_the_right_one_works(page):
     page.wait_for_selector("#key-dialog[open]")  # asked again
     page.fill("#key-input", API_KEY)
     page.press("#key-input", "Enter")
-    page.wait_for_function("document.querySelector('#server-status').textContent.startsWith('ready')")
+    wait_until(page, "document.querySelector('#server-status').textContent.startsWith('ready')")
     assert page.evaluate("sessionStorage.getItem('ragblend.apiKey')") == API_KEY
 
 
@@ -107,7 +105,7 @@ def test_upload_by_picker_and_by_drop_then_ingestion_finishes(page):
         }""",
         ["bridges.html", base64.b64encode(HTML).decode()],
     )
-    page.wait_for_function("document.querySelectorAll('#uploads li.done').length === 2", timeout=120_000)
+    wait_until(page, "document.querySelectorAll('#uploads li.done').length === 2", timeout=120_000)
     assert "KV cached" in page.inner_text("#uploads")
     page.wait_for_selector("#doc-list li[data-id='vault.pdf']")
     titles = page.locator("#doc-list li .title").all_inner_texts()
@@ -130,7 +128,7 @@ def test_an_answer_streams_with_a_citation_naming_the_pdf_page(page):
     page.fill("#question", "What is the secret code of the green vault?")
     page.press("#question", "Enter")
     # tokens arrive while the answer is still streaming
-    page.wait_for_function(
+    wait_until(page, 
         "(() => { const a = document.querySelector('.msg.assistant .answer');"
         " return a && a.classList.contains('streaming') && a.textContent.length > 0; })()", timeout=120_000)
     page.wait_for_selector(".msg.assistant .stats", timeout=120_000)
@@ -138,7 +136,7 @@ def test_an_answer_streams_with_a_citation_naming_the_pdf_page(page):
     assert "TTFT" in stats and "reused" in stats and "recomputed" in stats and "mode blend" in stats and "ratio 0.15" in stats
     citation = page.locator(".citation", has_text="Vault Report")
     citation.first.wait_for()
-    page.wait_for_function("[...document.querySelectorAll('.citation')].some((c) => c.textContent.includes('p. 2'))")
+    wait_until(page, "[...document.querySelectorAll('.citation')].some((c) => c.textContent.includes('p. 2'))")
     # docs/chat_page.png (README's) is rewritten when missing or asked for, so test runs leave git clean
     is_updating = not SCREENSHOT.exists() or os.environ.get("RAGBLEND_UPDATE_SCREENSHOT") == "1"
     shot = page.screenshot(path=str(SCREENSHOT) if is_updating else None)
@@ -156,7 +154,7 @@ def test_a_follow_up_sends_the_history(page):
     messages = json.loads(request.value.post_data)["messages"]
     assert [m["role"] for m in messages] == ["user", "assistant", "user"]
     assert messages[0]["content"] == "What is the secret code of the green vault?"
-    page.wait_for_function("document.querySelectorAll('.msg.assistant .stats').length === 2", timeout=120_000)
+    wait_until(page, "document.querySelectorAll('.msg.assistant .stats').length === 2", timeout=120_000)
 
 
 def test_shift_enter_is_a_new_line_and_esc_stops_a_stream(page, server):
@@ -168,7 +166,7 @@ def test_shift_enter_is_a_new_line_and_esc_stops_a_stream(page, server):
     before = cancelled_jobs(server)
     page.fill("#max-tokens", "1000")
     page.press("#question", "Enter")
-    page.wait_for_function(
+    wait_until(page, 
         "(() => { const a = [...document.querySelectorAll('.msg.assistant .answer')].pop();"
         " return a.classList.contains('streaming') && a.textContent.length > 0; })()", timeout=120_000)
     page.keyboard.press("Escape")
@@ -201,9 +199,14 @@ def test_an_oversized_upload_and_a_full_queue_show_clear_errors(page):
         body=json.dumps({"error": {"type": "overloaded_error", "message": "engine queue is full"}})))
     page.fill("#question", "Anything?")
     page.press("#question", "Enter")
-    page.wait_for_function("document.querySelector('#error').textContent.includes('Retry in 7 s')")
+    wait_until(page, "document.querySelector('#error').textContent.includes('Retry in 7 s')")
     assert "503" in page.inner_text("#error")
     page.unroute("**/v1/chat/completions")
+
+
+def test_the_page_did_all_of_the_above_under_its_content_security_policy(page):
+    assert "script-src 'self'" in httpx.get(page.url, timeout=30).headers["content-security-policy"]
+    assert page.evaluate("window.__violations") == []
 
 
 def test_a_server_that_is_not_ready_says_so(browser, tmp_path):
@@ -212,7 +215,7 @@ def test_a_server_that_is_not_ready_says_so(browser, tmp_path):
         context = browser.new_context()
         page = context.new_page()
         page.goto(server.url + "/")
-        page.wait_for_function("document.querySelector('#server-status').textContent.includes('failed to start')",
+        wait_until(page, "document.querySelector('#server-status').textContent.includes('failed to start')",
                                timeout=60_000)
         assert "missing.gguf" in page.inner_text("#server-status")
         page.fill("#question", "Anything?")

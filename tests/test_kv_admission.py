@@ -4,7 +4,7 @@ it would evict, and use counts fade with recency."""
 
 import torch
 
-from blend_engine.kv import ChunkKV
+from blend_engine.kv import ChunkKV, KVShape
 from configs.enums import KVQuantization
 from kv_store import Admission, KVStore, StoreConfig
 from kv_store.admission import AdmissionPolicy
@@ -18,14 +18,14 @@ def chunk(seed: int, num_tokens: int = 32) -> ChunkKV:
 
 
 def store_for(tmp_path, num_entries: float, **config) -> tuple[KVStore, list]:
-    probe = KVStore("fp", StoreConfig(quantization=KVQuantization.NONE, max_memory_bytes=0, disk_dir=tmp_path / "probe"))
+    probe = KVStore("fp", StoreConfig(quantization=KVQuantization.NONE, max_memory_bytes=0, disk_dir=tmp_path / "probe"), shape=KVShape(2, 2, 16))
     kv = chunk(0)
     probe.put(probe.key_for(kv.token_ids), kv)
     size = probe.backend("disk").bytes_used()
     probe.close()
     config.setdefault("quantization", KVQuantization.NONE)
     store = KVStore("fp", StoreConfig(max_memory_bytes=1 << 20, disk_dir=tmp_path / "kv",
-                                      max_disk_bytes=int(num_entries * size), **config))
+                                      max_disk_bytes=int(num_entries * size), **config), shape=KVShape(2, 2, 16))
     kvs = [chunk(i) for i in range(6)]
     return store, [(store.key_for(kv.token_ids), kv) for kv in kvs]
 

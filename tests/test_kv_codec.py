@@ -4,7 +4,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from blend_engine.kv import ChunkKV
+from blend_engine.kv import ChunkKV, KVShape
 from configs.enums import KVQuantization, StorageDtype
 from kv_store import codec
 from kv_store.errors import CorruptEntryError
@@ -24,7 +24,7 @@ def random_kv(num_tokens=40, num_layers=3, num_kv_heads=2, head_dim=16, seed=0, 
 def roundtrip(kv: ChunkKV, fmt: StorageFormat) -> ChunkKV:
     key = chunk_key("fp", fmt, kv.token_ids, kv.context_ids)
     blob = bytearray(codec.encode(kv, key, "fp", fmt))
-    header = codec.parse_header(blob[: codec.header_size(blob)], len(blob), key, "fp", fmt)
+    header = codec.read_header(blob, key, "fp", fmt, kv.shape)
     return codec.decode(header, lambda b, e: memoryview(blob)[b:e])
 
 
@@ -87,15 +87,15 @@ def test_layer_ranges_allow_single_layer_decode():
     kv = random_kv()
     key = chunk_key("fp", FP32, kv.token_ids, kv.context_ids)
     blob = bytearray(codec.encode(kv, key, "fp", FP32))
-    header = codec.parse_header(blob[: codec.header_size(blob)], len(blob), key, "fp", FP32)
+    header = codec.read_header(blob, key, "fp", FP32, kv.shape)
     k, v = codec.decode_layer(header, 2, [bytearray(blob[b:e]) for b, e in header.layer_ranges[2]])
     assert torch.equal(k, kv.keys[2]) and torch.equal(v, kv.values[2])
     assert header.layer_nbytes(2) == codec.storage_bytes_per_layer(2, 40, 16, FP32)
 
 
-def _header_error(blob: bytearray, key, fingerprint="fp", fmt=FP16, total=None):
+def _header_error(blob: bytearray, key, fingerprint="fp", fmt=FP16, total=None, shape=random_kv().shape):
     with pytest.raises(CorruptEntryError) as info:
-        codec.parse_header(blob[: codec.header_size(blob)], total or len(blob), key, fingerprint, fmt)
+        codec.parse_header(blob[: codec.header_size(blob, len(blob))], total or len(blob), key, fingerprint, fmt, shape)
     return str(info.value)
 
 
@@ -106,20 +106,23 @@ def test_header_rejects_mismatches():
     assert "another model" in _header_error(blob, key, fingerprint="other")
     # another format is not an error: the entry's own tag says how to read it (an entry written
     # before the default format changed stays readable under its key)
-    assert codec.parse_header(blob[: codec.header_size(blob)], len(blob), key, "fp", FP32).fmt == FP16
+    assert codec.read_header(blob, key, "fp", FP32, kv.shape).fmt == FP16
     assert "expected" in _header_error(blob, "0" * 64)
+    assert "the model's is (3, 4, 16)" in _header_error(blob, key, shape=KVShape(3, 4, 16))  # another model's shape
     assert "byte range" in _header_error(blob, key, total=len(blob) - 1)  # truncated
     with pytest.raises(CorruptEntryError, match="truncated"):
-        codec.header_size(b"\x01\x02")
+        codec.header_size(b"\x01\x02", 2)
     with pytest.raises(CorruptEntryError, match="implausible"):
-        codec.header_size((1 << 40).to_bytes(8, "little"))
+        codec.header_size((1 << 40).to_bytes(8, "little"), 1 << 50)
+    with pytest.raises(CorruptEntryError, match="truncated"):  # a header longer than its entry: refused unread
+        codec.header_size(blob[:8], codec.header_size(blob, len(blob)) - 1)
 
 
 def test_checksum_catches_a_flipped_byte():
     kv = random_kv()
     key = chunk_key("fp", FP16, kv.token_ids, kv.context_ids)
     blob = bytearray(codec.encode(kv, key, "fp", FP16))
-    header = codec.parse_header(blob[: codec.header_size(blob)], len(blob), key, "fp", FP16)
+    header = codec.read_header(blob, key, "fp", FP16, kv.shape)
     begin, end = header.layer_ranges[1][0]
     blob[begin + 7] ^= 0x01
     with pytest.raises(CorruptEntryError, match="checksum"):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from blend_engine.kv import ChunkKV
+from blend_engine.kv import ChunkKV, KVShape
 from configs.enums import KVQuantization, StorageDtype
 from kv_store import KVStore, StoreConfig, Tier
 
@@ -23,9 +23,9 @@ def random_kv(seed: int, num_tokens=24) -> ChunkKV:
     return ChunkKV(tuple(range(seed, seed + num_tokens)), (), torch.randn(shape, generator=g), torch.randn(shape, generator=g))
 
 
-def make_store(root: Path, **kw) -> KVStore:
+def make_store(root: Path, shape: KVShape = KVShape(2, 2, 8), **kw) -> KVStore:  # random_kv's shape
     kw.setdefault("quantization", KVQuantization.NONE)
-    return KVStore(FP, StoreConfig(dtype=StorageDtype.FLOAT32, disk_dir=root, fsync=False, **kw))
+    return KVStore(FP, StoreConfig(dtype=StorageDtype.FLOAT32, disk_dir=root, fsync=False, **kw), shape=shape)
 
 
 def test_threads_put_get_same_and_different_keys(tmp_path):
@@ -69,13 +69,13 @@ WRITER = textwrap.dedent(
     """
     import sys, torch
     from pathlib import Path
-    from blend_engine.kv import ChunkKV
-    from configs.settings import StorageDtype
+    from blend_engine.kv import ChunkKV, KVShape
+    from configs.enums import KVQuantization, StorageDtype
     from kv_store import KVStore, StoreConfig, Tier
     g = torch.Generator().manual_seed(7)
     kv = ChunkKV(tuple(range(500)), (), torch.randn(4, 2, 500, 32, generator=g), torch.randn(4, 2, 500, 32, generator=g))
     store = KVStore("fingerprint-c", StoreConfig(dtype=StorageDtype.FLOAT32, disk_dir=Path(sys.argv[1]),
-                    max_memory_bytes=0, fsync=False))
+                    max_memory_bytes=0, fsync=False, quantization=KVQuantization.NONE), shape=KVShape(4, 2, 32))
     key = store.key_for(kv.token_ids, ())
     disk = store.backend(Tier.DISK)
     for _ in range(25):
@@ -95,7 +95,7 @@ def test_two_processes_writing_same_key_leave_one_valid_file(tmp_path):
     # Meanwhile read in this process: every successful read must be whole (checksums hold).
     g = torch.Generator().manual_seed(7)
     expected = torch.randn(4, 2, 500, 32, generator=g)
-    reader = make_store(root, max_memory_bytes=0)
+    reader = make_store(root, KVShape(4, 2, 32), max_memory_bytes=0)  # the writers' chunk
     key = reader.key_for(tuple(range(500)), ())
     while any(p.poll() is None for p in procs):
         out = reader.backend(Tier.DISK).get(key)
@@ -107,4 +107,4 @@ def test_two_processes_writing_same_key_leave_one_valid_file(tmp_path):
     assert [f.name.split(".")[0] for f in files] == [key]
     assert not list((root / "tmp").iterdir())
     assert reader.stats().tiers["disk"].corrupt == 0
-    assert torch.equal(make_store(root, max_memory_bytes=0).get(key).keys, expected)
+    assert torch.equal(make_store(root, KVShape(4, 2, 32), max_memory_bytes=0).get(key).keys, expected)

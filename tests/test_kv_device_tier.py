@@ -7,7 +7,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from blend_engine.kv import ChunkKV
+from blend_engine.kv import ChunkKV, KVShape
 from blend_engine.types import BlendConfig, PrefillMode, Segment
 from configs.settings import load_settings
 from configs.enums import KVQuantization, StorageDtype
@@ -17,6 +17,8 @@ from kv_store.memory import MemoryBackend
 from tests.engine_models import build_engine
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+SHAPE = KVShape(2, 2, 4)  # the chunks these tests store (any shape: the tiers hold what they are given)
 
 
 def chunk(seed: int, num_tokens: int = 8) -> ChunkKV:
@@ -28,7 +30,7 @@ def chunk(seed: int, num_tokens: int = 8) -> ChunkKV:
 def device_store(tmp_path, max_gpu_bytes: int = 1 << 20) -> KVStore:
     return KVStore("fp", StoreConfig(quantization=KVQuantization.NONE, max_gpu_bytes=max_gpu_bytes, gpu_device="cpu", max_memory_bytes=1 << 20,
                                      disk_dir=tmp_path, fsync=False, dtype=StorageDtype.FLOAT32,
-                                     write_tiers=frozenset({Tier.DISK})))
+                                     write_tiers=frozenset({Tier.DISK})), shape=KVShape(2, 2, 4))
 
 
 def test_device_tier_is_an_lru_by_bytes():
@@ -100,11 +102,11 @@ def test_prefill_streamed_from_the_device_tier_equals_memory(tmp_path):
 
 def test_settings_enable_the_device_tier_only_explicitly_off_cuda(tmp_path):
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    store = KVStore("fp", load_settings(data_dir=tmp_path).store.resolved(tmp_path), device_type)
+    store = KVStore("fp", load_settings(data_dir=tmp_path).store.resolved(tmp_path), device_type, shape=SHAPE)
     assert (Tier.GPU in store.tiers) is torch.cuda.is_available()  # by default: on with CUDA, off without
     store.close()
     on_cpu = load_settings(data_dir=tmp_path, store={"gpu_device": "cpu", "max_gpu_bytes": 4096}).store
-    store = KVStore("fp", on_cpu.resolved(tmp_path))
+    store = KVStore("fp", on_cpu.resolved(tmp_path), shape=SHAPE)
     assert store.backend(Tier.GPU).max_bytes == 4096 and on_cpu.gpu_device == "cpu"
     store.close()
     with pytest.raises(ValidationError, match="for tests: give max_gpu_bytes"):
@@ -117,7 +119,7 @@ def test_settings_enable_the_device_tier_only_explicitly_off_cuda(tmp_path):
         assert default_gpu_bytes(0.2, "cuda", is_model_on_cuda=True) == 0
         with pytest.raises(ValueError, match="CUDA is not available"):
             KVStore("fp", StoreConfig(quantization=KVQuantization.NONE, disk_enabled=False, max_gpu_bytes=1 << 20,
-                                      gpu_device="cuda"))
+                                      gpu_device="cuda"), shape=SHAPE)
 
 
 def test_memory_tier_pins_only_where_cuda_is():

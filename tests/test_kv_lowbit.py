@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from blend_engine.kv import ChunkKV
+from blend_engine.kv import ChunkKV, KVShape
 from configs.enums import KVQuantization, StorageDtype
 from kv_store import KVStore, StoreConfig, codec, lowbit
 from kv_store.disk import DiskBackend
@@ -17,6 +17,9 @@ from kv_store.keys import StorageFormat, chunk_key
 INT4 = StorageFormat(StorageDtype.FLOAT16, KVQuantization.INT4)
 FP16 = StorageFormat(StorageDtype.FLOAT16)
 INT8 = StorageFormat(StorageDtype.FLOAT16, KVQuantization.INT8)
+
+
+SHAPE = KVShape(num_layers=3, num_kv_heads=2, head_dim=64)  # smooth_kv's
 
 
 def smooth_kv(num_tokens=100, num_layers=3, num_kv_heads=2, head_dim=64, seed=0) -> ChunkKV:
@@ -34,7 +37,7 @@ def test_int4_round_trip_is_within_half_a_step_and_small():
     kv = smooth_kv()
     key = chunk_key("fp", INT4, kv.token_ids, kv.context_ids)
     blob = bytearray(codec.encode(kv, key, "fp", INT4))
-    header = codec.parse_header(blob[: codec.header_size(blob)], len(blob), key, "fp", INT4)
+    header = codec.read_header(blob, key, "fp", INT4, kv.shape)
     out = codec.decode(header, lambda b, e: bytearray(blob[b:e]))
     assert out.keys.dtype == torch.float16 and out.keys.shape == kv.keys.shape
     # keys: per channel over groups of tokens; values: per token; error <= half a step (+ fp16 rounding)
@@ -60,7 +63,7 @@ def test_a_streamed_int4_layer_is_fp32_and_rounds_to_the_whole_entry_decode():
     kv = smooth_kv(num_tokens=70)  # a last, shorter key group
     key = chunk_key("fp", INT4, kv.token_ids, kv.context_ids)
     blob = bytearray(codec.encode(kv, key, "fp", INT4))
-    header = codec.parse_header(blob[: codec.header_size(blob)], len(blob), key, "fp", INT4)
+    header = codec.read_header(blob, key, "fp", INT4, kv.shape)
     whole = codec.decode(header, lambda b, e: bytearray(blob[b:e]))
     for layer in range(kv.num_layers):
         buffers = [bytearray(blob[b:e]) for b, e in header.layer_ranges[layer]]
@@ -78,7 +81,8 @@ def test_token_wise_deltas_decode_to_the_same_values():
 
 
 def test_a_damaged_int4_layer_fails_its_checksum(tmp_path):
-    store = KVStore("fp", StoreConfig(max_memory_bytes=0, disk_dir=tmp_path, quantization=KVQuantization.INT4))
+    store = KVStore("fp", StoreConfig(max_memory_bytes=0, disk_dir=tmp_path, quantization=KVQuantization.INT4),
+                    shape=SHAPE)
     kv = smooth_kv()
     key = store.key_for(kv.token_ids, kv.context_ids)
     store.put(key, kv)
@@ -95,7 +99,8 @@ def test_a_damaged_int4_layer_fails_its_checksum(tmp_path):
 def test_an_open_int4_entry_counts_the_bytes_its_read_layers_hold(tmp_path):
     """Keeping streamed layers for promotion, and the prefetch's bound, count what a read layer holds:
     int4 decodes to fp32, several times its payload."""
-    store = KVStore("fp", StoreConfig(max_memory_bytes=0, disk_dir=tmp_path, quantization=KVQuantization.INT4))
+    store = KVStore("fp", StoreConfig(max_memory_bytes=0, disk_dir=tmp_path, quantization=KVQuantization.INT4),
+                    shape=SHAPE)
     kv = smooth_kv()  # [3 layers, 2 heads, 100 tokens, 64]
     key = store.key_for(kv.token_ids, kv.context_ids)
     store.put(key, kv)
@@ -110,8 +115,9 @@ def test_an_open_int4_entry_counts_the_bytes_its_read_layers_hold(tmp_path):
 def test_entries_in_an_older_format_stay_readable_after_the_default_changes(tmp_path, old):
     kv = smooth_kv()
     old_key = chunk_key("fp", old, kv.token_ids, kv.context_ids)
-    DiskBackend(tmp_path, 1 << 30, "fp", old).put(old_key, kv)  # written under the old default
-    store = KVStore("fp", StoreConfig(max_memory_bytes=0, disk_dir=tmp_path, quantization=KVQuantization.INT4))
+    DiskBackend(tmp_path, 1 << 30, "fp", old, SHAPE).put(old_key, kv)  # written under the old default
+    store = KVStore("fp", StoreConfig(max_memory_bytes=0, disk_dir=tmp_path, quantization=KVQuantization.INT4),
+                    shape=SHAPE)
     assert store.key_for(kv.token_ids, kv.context_ids) != old_key  # new chunks get int4 entries
     found = store.get(old_key)
     assert found is not None and found.token_ids == kv.token_ids
@@ -172,7 +178,7 @@ def test_int4_entries_written_before_headers_named_their_parameters_stay_readabl
     blob = _with_meta(codec.encode(kv, key, "fp", INT4), lambda meta: meta.pop("lowbit"))
     monkeypatch.undo()
     assert codec.LOWBIT_SPECS[KVQuantization.INT4] != first
-    header = codec.parse_header(blob[: codec.header_size(blob)], len(blob), key, "fp", INT4)
+    header = codec.read_header(blob, key, "fp", INT4, kv.shape)
     assert header.lowbit_spec == first
     out = codec.decode(header, lambda b, e: bytearray(blob[b:e]))
     assert torch.allclose(out.keys.float(), kv.keys, atol=0.05 * kv.keys.abs().max())
@@ -186,7 +192,7 @@ def test_an_entry_naming_unknown_low_bit_parameters_is_damaged():
     key = chunk_key("fp", INT4, kv.token_ids, kv.context_ids)
     blob = _with_meta(codec.encode(kv, key, "fp", INT4), lambda meta: meta.update(lowbit="k9v9"))
     with pytest.raises(CorruptEntryError, match="not known"):
-        codec.parse_header(blob[: codec.header_size(blob)], len(blob), key, "fp", INT4)
+        codec.read_header(blob, key, "fp", INT4, kv.shape)
 
 
 def test_widths_by_range_sum_to_the_bits_and_follow_the_ranges():
@@ -324,7 +330,7 @@ def test_int4_entries_written_with_earlier_parameters_stay_readable(earlier, mon
     blob = bytearray(codec.encode(kv, key, "fp", INT4))
     monkeypatch.undo()
     assert codec.LOWBIT_SPECS[KVQuantization.INT4] != earlier
-    header = codec.parse_header(blob[: codec.header_size(blob)], len(blob), key, "fp", INT4)
+    header = codec.read_header(blob, key, "fp", INT4, kv.shape)
     assert header.lowbit_spec == earlier  # by the header's tag, under the same key
     out = codec.decode(header, lambda b, e: bytearray(blob[b:e]))
     assert torch.allclose(out.keys.float(), kv.keys, atol=0.05 * kv.keys.abs().max())

@@ -40,7 +40,8 @@ def make_store(engine, tmp_path, dtype=StorageDtype.FLOAT32, **kw) -> KVStore:
     kw.setdefault("quantization", KVQuantization.NONE)
     kw.setdefault("disk_enabled", kw["disk_dir"] is not None)
     engine_device_type = kw.pop("engine_device_type", "cpu")
-    return KVStore(engine.fingerprint, StoreConfig(dtype=dtype, fsync=False, **kw), engine_device_type)
+    return KVStore(engine.fingerprint, StoreConfig(dtype=dtype, fsync=False, **kw), engine_device_type,
+                   shape=engine.kv_shape)
 
 
 def put_all(store, chunks) -> list[str]:
@@ -154,7 +155,7 @@ def test_entry_damaged_without_recompute_raises_cleanly(engine, chunks, tmp_path
 
 
 def test_entry_vanished_after_handle_is_recomputed(engine, chunks, tmp_path):
-    store = make_store(engine, tmp_path, disk_dir=None)
+    store = make_store(engine, tmp_path, disk_enabled=False)
     keys = put_all(store, chunks)
     handles = [store.handle(k) for k in keys]
     store.delete(keys[2])  # e.g. evicted by another request in between

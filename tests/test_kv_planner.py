@@ -97,7 +97,7 @@ def test_planner_refuses_to_plan_before_any_measurement():
 def test_throttled_tier_sleeps_per_byte_and_counts_it_as_load_time(tmp_path):
     engine = build_engine("llama-gqa")
     store = KVStore("fp", StoreConfig(quantization=KVQuantization.NONE, max_memory_bytes=0, disk_dir=tmp_path, fsync=False,
-                                      throttle_mbps={Tier.DISK: 2.0}))
+                                      throttle_mbps={Tier.DISK: 2.0}), shape=engine.kv_shape)
     ids = tuple(range(5, 69))
     key = store.key_for(ids)
     store.put(key, engine.precompute(ids))
@@ -126,7 +126,8 @@ def test_every_plan_computes_what_it_says(tmp_path):
     reference_mixed = engine.prefill([Segment(parts[0], kvs[0]), Segment(parts[1], kvs[1]), Segment(parts[2]), question],
                                      PrefillMode.BLEND, blend)
     store = KVStore("fp", StoreConfig(quantization=KVQuantization.NONE, max_memory_bytes=1 << 30, disk_dir=tmp_path, fsync=False,
-                                      throttle_mbps={Tier.DISK: 0.02}, dtype=StorageDtype.FLOAT32))
+                                      throttle_mbps={Tier.DISK: 0.02}, dtype=StorageDtype.FLOAT32),
+                    shape=engine.kv_shape)
     keys = [store.key_for(p) for p in parts]
     for key, kv in zip(keys, kvs):
         store.put(key, kv)
@@ -156,7 +157,7 @@ def test_prefetch_copies_chunks_up_to_memory_within_its_byte_bound(tmp_path):
     kvs = [engine.precompute(p) for p in parts]
     config = StoreConfig(quantization=KVQuantization.NONE, max_memory_bytes=1 << 30, disk_dir=tmp_path, fsync=False, dtype=StorageDtype.FLOAT32,
                          write_tiers=frozenset({Tier.DISK}), max_prefetch_bytes=2 * kvs[0].nbytes)
-    store = KVStore("fp", config)
+    store = KVStore("fp", config, shape=engine.kv_shape)
     keys = [store.key_for(p) for p in parts]
     for key, kv in zip(keys, kvs):
         store.put(key, kv)
@@ -177,7 +178,8 @@ def test_prefetch_never_exceeds_its_bound_in_flight(tmp_path):
     ids = tuple(range(10, 74))
     kv = engine.precompute(ids)
     store = KVStore("fp", StoreConfig(quantization=KVQuantization.NONE, max_memory_bytes=1 << 30, disk_dir=tmp_path, fsync=False,
-                                      write_tiers=frozenset({Tier.DISK}), max_prefetch_bytes=kv.nbytes // 4))
+                                      write_tiers=frozenset({Tier.DISK}), max_prefetch_bytes=kv.nbytes // 4),
+                    shape=engine.kv_shape)
     key = store.key_for(ids)
     store.put(key, kv)
     assert store.prefetch([key]) == 0 and not store.backend(Tier.MEMORY).contains(key)

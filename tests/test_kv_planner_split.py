@@ -62,7 +62,8 @@ def test_a_split_plan_computes_exactly_its_reference(tmp_path):
     kvs = [engine.precompute(p) for p in parts]
     question = Segment(tuple(range(200, 208)))
     store = KVStore("fp", StoreConfig(quantization=KVQuantization.NONE, max_memory_bytes=0, disk_dir=tmp_path, fsync=False,
-                                      throttle_mbps={Tier.DISK: 0.2}, dtype=StorageDtype.FLOAT32))
+                                      throttle_mbps={Tier.DISK: 0.2}, dtype=StorageDtype.FLOAT32),
+                    shape=engine.kv_shape)
     keys = [store.key_for(p) for p in parts]
     for key, kv in zip(keys, kvs):
         store.put(key, kv)

@@ -104,7 +104,7 @@ def slow_tier_store(engine, tmp_path, tier: Tier, redis_url=None, **kw) -> KVSto
     config = StoreConfig(dtype=StorageDtype.FLOAT32, fsync=False, write_tiers=frozenset({tier}),
                          disk_enabled=tier is Tier.DISK, disk_dir=tmp_path / "kv" if tier is Tier.DISK else None,
                          redis_url=redis_url if tier is Tier.REDIS else None, **kw)
-    return KVStore(engine.fingerprint, config)
+    return KVStore(engine.fingerprint, config, shape=engine.kv_shape)
 
 
 def put_all(store, chunks) -> list[str]:

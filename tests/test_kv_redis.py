@@ -7,7 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from blend_engine.config import BlendConfig
 from blend_engine.engine import BlendEngine
-from blend_engine.kv import ChunkKV
+from blend_engine.kv import ChunkKV, KVShape
 from blend_engine.types import PrefillMode, Segment
 from configs.enums import KVQuantization, StorageDtype
 from kv_store import EntryLostError, KVStore, StoreConfig, Tier
@@ -19,6 +19,7 @@ except ImportError:  # tests/ is not a package: pytest put it on sys.path itself
     from redis_server import start_or_skip
 
 FP = "fingerprint-r"
+SHAPE = KVShape(num_layers=3, num_kv_heads=2, head_dim=8)  # random_kv's
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,7 @@ def random_kv(seed=0, num_tokens=30) -> ChunkKV:
 def redis_only(server, fingerprint=FP, **kw) -> KVStore:
     kw.setdefault("dtype", StorageDtype.FLOAT32)
     kw.setdefault("quantization", KVQuantization.NONE)
-    return KVStore(fingerprint, StoreConfig(max_memory_bytes=0, disk_enabled=False, redis_url=server.url, **kw))
+    return KVStore(fingerprint, StoreConfig(max_memory_bytes=0, disk_enabled=False, redis_url=server.url, **kw), shape=SHAPE)
 
 
 def put(store, kv) -> str:
@@ -82,7 +83,8 @@ def test_fp16_and_int8_within_rounding(server, client):
 def test_shared_between_replicas_and_promoted(server, client, tmp_path):
     kv = random_kv()
     key = put(redis_only(server), kv)  # replica A writes
-    replica_b = KVStore(FP, StoreConfig(quantization=KVQuantization.NONE, dtype=StorageDtype.FLOAT32, disk_dir=tmp_path, redis_url=server.url, fsync=False))
+    replica_b = KVStore(FP, StoreConfig(quantization=KVQuantization.NONE, dtype=StorageDtype.FLOAT32, disk_dir=tmp_path, redis_url=server.url, fsync=False),
+                        shape=SHAPE)
     assert replica_b.handle(key).tier == Tier.REDIS
     assert torch.equal(replica_b.get(key).keys, kv.keys)
     assert replica_b.backend(Tier.MEMORY).contains(key) and replica_b.backend(Tier.DISK).contains(key)
@@ -111,8 +113,8 @@ def test_streamed_prefill_from_redis_matches_memory(server, client):
                          intermediate_size=128, vocab_size=256)
     engine = BlendEngine.from_model(LlamaForCausalLM(config), name="tiny-llama", blend=BlendConfig.cacheblend())
     chunks = [engine.precompute(tuple(range(10 * i + 2, 10 * i + 40)), (1,)) for i in range(3)]
-    store = KVStore(engine.fingerprint, StoreConfig(quantization=KVQuantization.NONE, dtype=StorageDtype.FLOAT32, max_memory_bytes=0, disk_dir=None,
-                                                    redis_url=server.url))
+    store = KVStore(engine.fingerprint, StoreConfig(quantization=KVQuantization.NONE, dtype=StorageDtype.FLOAT32, max_memory_bytes=0, disk_enabled=False,
+                                                    redis_url=server.url), shape=engine.kv_shape)
     handles = [store.handle(put(store, kv)) for kv in chunks]
     expected = engine.prefill([Segment((3, 4))] + [Segment(c.token_ids, c) for c in chunks])
     for pipelined in (False, True):
@@ -150,7 +152,7 @@ def test_get_many_is_batched_and_promotes(server, client, tmp_path):
     kvs = [random_kv(seed) for seed in range(3)]
     remote = redis_only(server)
     keys = [put(remote, kv) for kv in kvs]
-    store = KVStore(FP, StoreConfig(quantization=KVQuantization.NONE, dtype=StorageDtype.FLOAT32, disk_dir=None, redis_url=server.url))
+    store = KVStore(FP, StoreConfig(quantization=KVQuantization.NONE, dtype=StorageDtype.FLOAT32, disk_enabled=False, redis_url=server.url), shape=SHAPE)
     absent = store.key_for((999,), (1,))
     out = store.get_many([keys[0], absent, keys[2], keys[0]])
     assert out[1] is None and torch.equal(out[2].keys, kvs[2].keys) and torch.equal(out[3].values, kvs[0].values)

@@ -6,12 +6,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from blend_engine.kv import ChunkKV
+from blend_engine.kv import ChunkKV, KVShape
 from configs.enums import KVQuantization, StorageDtype
 from configs.settings import load_settings
 from kv_store import KVStore, StoreConfig, Tier
 
 FP = "fingerprint-a"
+SHAPE = KVShape(num_layers=3, num_kv_heads=2, head_dim=8)  # random_kv's
 
 
 def random_kv(seed=0, num_tokens=32, num_layers=3) -> ChunkKV:
@@ -27,7 +28,7 @@ def make_store(tmp_path: Path, fingerprint=FP, **kw) -> KVStore:
     kw.setdefault("fsync", False)
     kw.setdefault("quantization", KVQuantization.NONE)
     kw.setdefault("disk_enabled", kw["disk_dir"] is not None)
-    return KVStore(fingerprint, StoreConfig(**kw))
+    return KVStore(fingerprint, StoreConfig(**kw), shape=SHAPE)
 
 
 def put(store: KVStore, kv: ChunkKV) -> str:
@@ -162,7 +163,7 @@ def test_damaged_entry_is_a_miss_then_clean_recompute(tmp_path, damage, caplog):
 def test_memory_tier_bound_and_lru_order(tmp_path):
     kvs = [random_kv(seed=i) for i in range(5)]
     size = kvs[0].nbytes
-    store = make_store(tmp_path, disk_dir=None, max_memory_bytes=3 * size)
+    store = make_store(tmp_path, disk_enabled=False, max_memory_bytes=3 * size)
     mem = store.backend(Tier.MEMORY)
     keys = [put(store, kv) for kv in kvs[:3]]
     store.get(keys[0])  # 0 is now the most recently used: 1 goes first
@@ -217,12 +218,12 @@ def test_int8_disk_tier_fidelity(tmp_path):
 
 def test_the_settings_section_resolved_paths_and_tiers(tmp_path, monkeypatch):
     settings = load_settings(data_dir=tmp_path)
-    store = KVStore(FP, settings.store.resolved(settings.data_dir))
+    store = KVStore(FP, settings.store.resolved(settings.data_dir), shape=SHAPE)
     assert store.tiers == [Tier.MEMORY, Tier.DISK]  # no Redis without a URL
     assert store.config.disk_dir == tmp_path / "kv" and (tmp_path / "kv").is_dir()
     monkeypatch.setenv("RAGBLEND_STORE__DISK_ENABLED", "false")
     monkeypatch.setenv("RAGBLEND_STORE__DTYPE", "bfloat16")
-    store = KVStore(FP, load_settings(data_dir=tmp_path).store.resolved(tmp_path))
+    store = KVStore(FP, load_settings(data_dir=tmp_path).store.resolved(tmp_path), shape=SHAPE)
     assert store.tiers == [Tier.MEMORY] and store.config.dtype == StorageDtype.BFLOAT16
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blend_engine.kv import ChunkKV
+from blend_engine.kv import ChunkKV, KVShape
 from blend_engine.types import PrefillMode, Segment
 from configs.enums import KVQuantization, StorageDtype
 from kv_store import KVStore, StoreConfig, Tier
@@ -15,9 +15,9 @@ from kv_store.codec import QuantizedLayer, StackedLayer
 from tests.engine_models import build_engine
 
 
-def int8_disk_store(tmp_path, dtype: StorageDtype, **kw) -> KVStore:
+def int8_disk_store(tmp_path, dtype: StorageDtype, shape: KVShape, **kw) -> KVStore:
     return KVStore("fp", StoreConfig(max_memory_bytes=0, disk_dir=tmp_path, fsync=False, dtype=dtype,
-                                     quantization=KVQuantization.INT8, **kw))
+                                     quantization=KVQuantization.INT8, **kw), shape=shape)
 
 
 @pytest.mark.parametrize("dtype", [StorageDtype.FLOAT16, StorageDtype.FLOAT32])
@@ -25,7 +25,7 @@ def test_int8_layers_cross_as_int8_and_dequantize_to_what_the_host_gave(tmp_path
     g = torch.Generator().manual_seed(0)
     keys, values = torch.randn(2, 3, 2, 24, 8, generator=g)  # [L=3, H=2, n=24, D=8] each
     kv = ChunkKV(tuple(range(24)), (), keys, values)
-    store = int8_disk_store(tmp_path, dtype)
+    store = int8_disk_store(tmp_path, dtype, kv.shape)
     key = store.key_for(kv.token_ids)
     store.put(key, kv)
     reader = store.backend(Tier.DISK).open_reader(key)
@@ -46,7 +46,7 @@ def test_int8_layers_cross_as_int8_and_dequantize_to_what_the_host_gave(tmp_path
 def test_prefill_from_int8_disk_equals_the_host_dequantized_kv_in_memory(tmp_path):
     engine = build_engine("llama-gqa")
     parts = [tuple(range(10 + 20 * i, 30 + 20 * i)) for i in range(2)]
-    store = int8_disk_store(tmp_path, StorageDtype.FLOAT32)
+    store = int8_disk_store(tmp_path, StorageDtype.FLOAT32, engine.kv_shape)
     keys = [store.key_for(p) for p in parts]
     for key, p in zip(keys, parts):
         store.put(key, engine.precompute(p))
@@ -67,7 +67,7 @@ def test_prefill_from_int8_disk_equals_the_host_dequantized_kv_in_memory(tmp_pat
 def test_the_move_comes_before_the_dequantize(tmp_path, monkeypatch):
     """On a "meta" target (no data, any host): the dequantize sees int8 tensors already on the target."""
     kv = ChunkKV(tuple(range(8)), (), torch.randn(2, 2, 8, 4), torch.randn(2, 2, 8, 4))
-    store = int8_disk_store(tmp_path, StorageDtype.FLOAT16)
+    store = int8_disk_store(tmp_path, StorageDtype.FLOAT16, kv.shape)
     key = store.key_for(kv.token_ids)
     store.put(key, kv)
     seen: list[tuple[torch.device, torch.dtype]] = []
@@ -84,7 +84,7 @@ def test_the_move_comes_before_the_dequantize(tmp_path, monkeypatch):
 def test_a_disk_layer_moves_keys_and_values_in_one_copy(tmp_path, monkeypatch):
     kv = ChunkKV(tuple(range(8)), (), torch.randn(2, 2, 8, 4), torch.randn(2, 2, 8, 4))
     store = KVStore("fp", StoreConfig(quantization=KVQuantization.NONE, max_memory_bytes=0, disk_dir=tmp_path, fsync=False,
-                                      dtype=StorageDtype.FLOAT16))
+                                      dtype=StorageDtype.FLOAT16), shape=kv.shape)
     key = store.key_for(kv.token_ids)
     store.put(key, kv)
     moves: list[torch.Size] = []
@@ -105,7 +105,7 @@ def test_a_memory_layer_moves_keys_and_values_in_one_copy(monkeypatch):
     """The memory tier holds each entry as one [L, 2, H, n, D] block: a layer's K and V are adjacent,
     handed over without a copy and moved in one (pinned once at put on CUDA hosts)."""
     kv = ChunkKV(tuple(range(8)), (), torch.randn(3, 2, 8, 4), torch.randn(3, 2, 8, 4))
-    store = KVStore("fp", StoreConfig(quantization=KVQuantization.NONE, disk_enabled=False, max_memory_bytes=1 << 20, dtype=StorageDtype.FLOAT16))
+    store = KVStore("fp", StoreConfig(quantization=KVQuantization.NONE, disk_enabled=False, max_memory_bytes=1 << 20, dtype=StorageDtype.FLOAT16), shape=kv.shape)
     key = store.key_for(kv.token_ids)
     store.put(key, kv)
     stored = store.get(key)

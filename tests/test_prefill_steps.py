@@ -111,7 +111,7 @@ def stored(tmp_path):
     engine = build_engine("llama-gqa")
     segments = rag_prompt(engine, num_chunks=3, chunk_len=20)
     store = KVStore(engine.fingerprint, StoreConfig(quantization=KVQuantization.NONE, dtype=StorageDtype.FLOAT32, fsync=False, disk_dir=tmp_path / "kv",
-                                                    write_tiers=frozenset({Tier.DISK})))
+                                                    write_tiers=frozenset({Tier.DISK})), shape=engine.kv_shape)
     handled = []
     for s in segments:
         if s.kv is None:

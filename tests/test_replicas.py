@@ -1,7 +1,9 @@
 """Two real `ragblend serve` replicas on one Postgres (documents, change log) and one redis-server (KV),
 an API key required, nginx (deploy/nginx.conf) in front: what one replica commits, the other lists,
 retrieves and answers from, within a second, reusing the KV the first put in Redis; the same document
-sent to both at once is one version, precomputed once; an answer streams through nginx unbuffered."""
+sent to both at once is one version, precomputed once; an answer streams through nginx unbuffered, its
+rate limits (deploy/nginx.conf) notwithstanding. Redis requires a password, as in docker-compose.yml:
+the replicas' redis_url carries it."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import threading
 import httpx
 import psycopg
 import pytest
+import redis
 
 try:
     from tests.nginx_server import NginxServer
@@ -25,18 +28,19 @@ except ImportError:  # tests/ is not a package: pytest put it on sys.path itself
     )
 
 FOLLOW_S = 1.0  # the issue's bound on change propagation between replicas
+REDIS_PASSWORD = "replica-redis-secret"
 
 
 @pytest.fixture(scope="module")
 def cluster(postgres, tmp_path_factory):
     root = tmp_path_factory.mktemp("replicas")
-    redis_server = start_redis_or_skip(root)
+    redis_server = start_redis_or_skip(root, password=REDIS_PASSWORD)
     database_url = postgres.new_database()
     try:
         config = write_config(root / "replica.yaml", redis_server.url, database_url)
         replicas = start_replicas(fork_context(), root, config)
         try:
-            yield replicas[0].url, replicas[1].url, database_url
+            yield replicas[0].url, replicas[1].url, database_url, redis_server
         finally:
             stop_all(replicas)
     finally:
@@ -48,7 +52,7 @@ def _retrieves(url: str, question: str, doc_id: str) -> bool:
 
 
 def test_a_document_ingested_through_a_is_answered_through_b_from_redis(cluster):
-    a, b, _ = cluster
+    a, b, _, _ = cluster
     ask(b, "warm up the question path")
     text = "The secret code of the blue vault is 4812. The vault stands in the old harbour of Porto."
     assert ingest(a, "vault", text)["status"] == "created"
@@ -60,8 +64,18 @@ def test_a_document_ingested_through_a_is_answered_through_b_from_redis(cluster)
     assert metric(b, "ragblend_kv_precomputes_total", outcome="computed") == 0  # B computed none of it
 
 
+def test_redis_refuses_clients_without_the_password(cluster):
+    """The KV hits above came through the replicas' redis_url, which carries the password."""
+    *_, redis_server = cluster
+    anonymous = redis.Redis(host="127.0.0.1", port=redis_server.port, socket_connect_timeout=2)
+    with pytest.raises(redis.AuthenticationError):
+        anonymous.ping()
+    anonymous.close()
+    assert redis.Redis.from_url(redis_server.url).ping()
+
+
 def test_a_replace_and_a_delete_through_b_are_followed_by_a(cluster):
-    a, b, _ = cluster
+    a, b, _, _ = cluster
     ingest(a, "ships", "Old ships sail from Lisbon at dawn. Their sails are red.")
     until(lambda: _retrieves(b, "When do the old ships sail?", "ships"), FOLLOW_S)
     assert ingest(b, "ships", "The violet zeppelin lands in Oslo every Tuesday.")["status"] == "replaced"
@@ -102,7 +116,7 @@ def test_a_delete_through_a_drops_the_prompts_b_keeps_with_its_chunks(cluster):
 
 
 def test_the_same_document_through_both_at_once_is_one_version_and_one_precompute(cluster):
-    a, b, database_url = cluster
+    a, b, database_url, _ = cluster
     text = " ".join(f"Paragraph {i} of the twin report says the river rose {i} metres in spring." for i in range(12))
     before = {url: metric(url, "ragblend_kv_precomputes_total", reason="ingest", outcome="computed") for url in (a, b)}
     barrier, results = threading.Barrier(2), {}
@@ -131,7 +145,7 @@ def test_the_same_document_through_both_at_once_is_one_version_and_one_precomput
 def nginx(cluster, tmp_path_factory):
     from app.testing import free_port
 
-    a, b, _ = cluster
+    a, b, _, _ = cluster
     try:
         server = NginxServer([u.removeprefix("http://") for u in (a, b)], free_port(), tmp_path_factory.mktemp("nginx"))
     except FileNotFoundError as exc:
@@ -144,7 +158,7 @@ def nginx(cluster, tmp_path_factory):
 
 
 def test_nginx_in_front_requires_the_key_and_streams_an_answer_unbuffered(cluster, nginx):
-    a, b, _ = cluster
+    a, b, _, _ = cluster
     assert httpx.get(f"{nginx}/v1/documents", timeout=30).status_code == 401
     text = "The lighthouse of Kalmar flashes green twice every nine seconds."
     assert ingest(nginx, "lighthouse", text)["status"] in ("created", "unchanged")

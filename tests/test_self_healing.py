@@ -4,15 +4,20 @@ a damaged or missing entry found at a question is recomputed in the background (
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+import struct
 import time
 
 import httpx
 import pytest
+import torch
 
 from app.testing import LiveServer
+from blend_engine.kv import ChunkKV
 from configs.settings import load_settings
+from kv_store import codec
 
 TEXT = "The violet zeppelin lands in Oslo every Tuesday. It carries forty passengers and a cat named Fred."
 
@@ -73,6 +78,52 @@ def test_an_entry_found_damaged_or_missing_at_a_question_is_rebuilt_in_the_backg
         again = http.post("/v1/query", json=body).json()
         num_chunk_tokens = http.get(f"/v1/documents/{doc_id}").json()["chunks"][0]["num_tokens"]
         assert again["usage"]["reused_tokens"] == first.json()["usage"]["reused_tokens"] + num_chunk_tokens
+
+
+def _crafted(server, doc_id: str, kind: str) -> bytes:
+    """An entry for the document's first chunk, under its key, whose header parses but lies (or nests
+    past any parser's recursion): what once answered 500 to every question and ingest of that text."""
+    store = server.components.kv_store
+    key = server.components.retriever.store.get_document(doc_id).chunks[0].kv_key
+    real = _entry_path(server, doc_id).read_bytes()
+    kv = store.get(key)  # the sound entry
+    if kind == "one-token-short":
+        kv = ChunkKV(kv.token_ids[:-1], kv.context_ids, kv.keys[:, :, :-1], kv.values[:, :, :-1])
+    elif kind == "3000-kv-heads":  # a few KB of int4 that would decode to 3000 heads
+        zeros = torch.zeros(kv.num_layers, 3000, kv.num_tokens, kv.keys.shape[3])
+        kv = ChunkKV(kv.token_ids, kv.context_ids, zeros, zeros)
+    else:  # nesting
+        n = struct.unpack("<Q", real[:8])[0]
+        table = json.loads(real[8 : 8 + n])
+        depth = 100_000
+        meta = table["__metadata__"][codec.META_KEY]
+        table["__metadata__"][codec.META_KEY] = re.sub(r'"shape":\[[0-9,]*\]', '"shape":' + "[" * depth + "]" * depth,
+                                                       meta)
+        head = json.dumps(table).encode()
+        return struct.pack("<Q", len(head)) + head + real[8 + n :]
+    return codec.encode(kv, key, store.fingerprint, store.config.remote_format)
+
+
+@pytest.mark.parametrize("kind", ["one-token-short", "3000-kv-heads", "nesting"])
+def test_a_crafted_entry_heals_at_an_ingest_and_at_a_question(server, kind):
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        doc_id = f"crafted-{kind}"
+        document = {"documents": [{"id": doc_id, "text": f"{TEXT} Crafted: {kind}."}]}
+        assert http.post("/v1/documents", json=document).status_code == 201
+        path = _entry_path(server, doc_id)
+        corrupt = _metric(http, "ragblend_kv_corrupt_total", tier="disk")
+        path.write_bytes(_crafted(server, doc_id, kind))
+        resent = http.post("/v1/documents", json=document)  # an unchanged document: its missing KV filled
+        assert resent.status_code == 201 and resent.json()["documents"][0]["status"] == "unchanged"
+        assert _metric(http, "ragblend_kv_corrupt_total", tier="disk") == corrupt + 1
+        assert http.get(f"/v1/documents/{doc_id}").json()["chunks"][0]["kv_cached"]  # rebuilt by the ingest
+        path.write_bytes(_crafted(server, doc_id, kind))
+        body = {"question": "Where does the zeppelin land?", "chunk_ids": [f"{doc_id}#0"], "max_tokens": 2,
+                "mode": "reuse"}
+        assert http.post("/v1/query", json=body).status_code == 200
+        assert _wait_cached(http, doc_id), "the entry was not rebuilt"
+        assert _metric(http, "ragblend_kv_corrupt_total", tier="disk") == corrupt + 2
+        assert http.post("/v1/query", json=body).status_code == 200
 
 
 def test_kv_cached_tells_the_truth_about_a_damaged_entry(server):

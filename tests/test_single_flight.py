@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from blend_engine.kv import ChunkKV
+from blend_engine.kv import ChunkKV, KVShape
 from configs.enums import KVQuantization, StorageDtype
 from kv_store import KVStore, StoreConfig
 from kv_store.single_flight import PrecomputeLocks, PrecomputeOutcome, PrecomputeReason, SingleFlight
@@ -35,8 +35,8 @@ def _kv(num_tokens: int = 12) -> ChunkKV:
 
 
 def _replica(server, ttl_s: float = 30.0) -> tuple[SingleFlight, KVStore, list]:
-    store = KVStore("fp-single-flight", StoreConfig(quantization=KVQuantization.NONE, max_memory_bytes=0, disk_dir=None, redis_url=server.url,
-                                                    dtype=StorageDtype.FLOAT32))
+    store = KVStore("fp-single-flight", StoreConfig(quantization=KVQuantization.NONE, max_memory_bytes=0, disk_enabled=False, redis_url=server.url,
+                                                    dtype=StorageDtype.FLOAT32), shape=KVShape(2, 2, 8))
     outcomes: list = []
     flight = SingleFlight(store, PrecomputeLocks(server.url, ttl_s), lambda r, o: outcomes.append((r, o)))
     return flight, store, outcomes

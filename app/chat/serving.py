@@ -16,7 +16,7 @@ from app.query.protocol import TimingsOut
 from app.query.serving import build_rag_request, plan_out, sources_out
 from app.rag.collect import IsDisconnected, collect
 from app.rag.pipeline import RagPipeline
-from app.rag.types import DoneEvent, RagContext, RagRequest, TokenEvent
+from app.rag.types import DoneEvent, GenerationEvent, RagContext, RagRequest, TokenEvent
 from app.sse import sse
 from configs.settings import Settings
 from runtime.jobs import JobStream
@@ -29,7 +29,7 @@ class ChatCall:
     model: str
     request: RagRequest
     context: RagContext
-    stream: JobStream
+    stream: JobStream[GenerationEvent]
 
 
 @dataclass

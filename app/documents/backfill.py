@@ -1,4 +1,4 @@
-"""KV of large documents, computed between questions: a document over `ingest.max_inline_kv_chars` is
+"""KV of large documents, computed between questions: a document over `retrieval.max_inline_kv_chars` is
 committed at once (its text is searchable and answerable right away, recomputed per question) and its
 chunks' KV is precomputed afterwards, one chunk per low-priority unit of the engine loop. A question that arrives
 meanwhile waits for at most one chunk's precompute, never for the whole document; `kv_cached` in
@@ -10,12 +10,16 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence, TYPE_CHECKING
 
 from kv_store.admission import Admission
 from kv_store.single_flight import PrecomputeLocks, PrecomputeReason, SingleFlight
 from retrieval.store_types import StoredChunk
 from runtime.loop import EngineLoop
+
+if TYPE_CHECKING:
+    from blend_engine.engine import BlendEngine
+    from kv_store import KVStore
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +32,7 @@ class BackfillStats:
 
 
 class KVBackfill:
-    def __init__(self, engine: Any, kv_store: Any, loop: EngineLoop, is_live: Callable[[str], bool],
+    def __init__(self, engine: BlendEngine, kv_store: KVStore, loop: EngineLoop, is_live: Callable[[str], bool],
                  context_ids: Sequence[int], single_flight: SingleFlight | None = None):
         """`is_live(key)`: whether a stored chunk still points at the key (a replaced document's
         chunks are skipped). `context_ids`: the attention sink chunks are precomputed behind.

@@ -12,7 +12,7 @@ that cannot.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence, TYPE_CHECKING
 
 import anyio
 
@@ -22,6 +22,9 @@ from configs.enums import ChunkingMode, KVQuantization
 from configs.settings import Settings
 from kv_store.codec import storage_bytes_per_layer
 from kv_store.keys import StorageFormat
+
+if TYPE_CHECKING:
+    from blend_engine.engine import BlendEngine
 
 
 def _gb(num_bytes: float) -> str:
@@ -37,7 +40,7 @@ class KVBudget:
     settings: Settings
 
     @classmethod
-    def of(cls, settings: Settings, engine: Any) -> KVBudget | None:
+    def of(cls, settings: Settings, engine: BlendEngine) -> KVBudget | None:
         """The bound a document's KV must fit in; None when none is known (e.g. Redis holds it) or
         the collection's KV budget takes documents of any size."""
         store, tiers = settings.store, set(settings.store.write_tiers)
@@ -99,7 +102,7 @@ class KVBudget:
             )
 
 
-def nominal_bytes_per_token(settings: Settings, engine: Any, is_remote: bool = True) -> float:
+def nominal_bytes_per_token(settings: Settings, engine: BlendEngine, is_remote: bool = True) -> float:
     """KV bytes per token in the disk/Redis format (`is_remote`) or the memory tier's, before any
     entry is measured: a low-bit format's bound before zstd (its entries are smaller)."""
     store = settings.store
@@ -110,7 +113,7 @@ def nominal_bytes_per_token(settings: Settings, engine: Any, is_remote: bool = T
     return engine.num_layers * per_layer / num_tokens
 
 
-def check_document_limit(settings: Settings, engine: Any) -> None:
+def check_document_limit(settings: Settings, engine: BlendEngine) -> None:
     """Start-up: ValueError when limits.max_document_chars cannot fit the store's bound."""
     budget = KVBudget.of(settings, engine)
     if budget is not None:

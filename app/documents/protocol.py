@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
-from app.text import is_blank
+from app.text import NUL, NUL_MESSAGE, is_blank, nul_location
 from configs.enums import ChunkingMode
 
 DOCUMENT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
@@ -26,6 +26,23 @@ class DocumentIn(BaseModel):
     def _not_blank(cls, value: str) -> str:
         if is_blank(value):
             raise ValueError("text is empty (only whitespace, control or zero-width characters)")
+        if NUL in value:
+            raise ValueError(f"text {NUL_MESSAGE}")
+        return value
+
+    @field_validator("title")
+    @classmethod
+    def _title_without_nul(cls, value: str | None) -> str | None:
+        if value is not None and NUL in value:
+            raise ValueError(f"title {NUL_MESSAGE}")
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_without_nul(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        where = nul_location(value, "metadata")
+        if where is not None:
+            raise ValueError(f"{where} {NUL_MESSAGE}")
         return value
 
 

@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence, TYPE_CHECKING
 
 import anyio
 
@@ -34,15 +34,19 @@ from retrieval.chunker import Chunker
 from retrieval.store_types import StoredChunk
 from retrieval.retriever import Retriever
 
+if TYPE_CHECKING:
+    from blend_engine.engine import BlendEngine
+    from kv_store import KVStore
+
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class DocumentService:
     settings: Settings
-    engine: Any  # blend_engine.engine.BlendEngine
+    engine: BlendEngine
     retriever: Retriever
-    kv_store: Any  # kv_store.KVStore
+    kv_store: KVStore
     chunker: Chunker
     loop: EngineLoop
     writes: WriteQueue

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence, TYPE_CHECKING
 
 from app.documents.protocol import DocumentIn, DocumentStatus
 from configs.enums import ChunkingMode
@@ -29,6 +29,11 @@ from kv_store.single_flight import PrecomputeLocks, PrecomputeReason, SingleFlig
 from retrieval.chunker import Chunker, TextChunk
 from retrieval.store_types import NewChunk, StoredChunk
 from retrieval.retriever import Retriever
+
+if TYPE_CHECKING:
+    from blend_engine.engine import BlendEngine
+    from blend_engine.kv import ChunkKV
+    from kv_store import KVStore
 
 
 @dataclass(frozen=True)
@@ -41,12 +46,12 @@ class WrittenDocument:
 @dataclass
 class DocumentWriter:
     settings: Settings
-    engine: Any  # blend_engine.engine.BlendEngine
+    engine: BlendEngine
     retriever: Retriever
-    kv_store: Any  # kv_store.KVStore
+    kv_store: KVStore
     chunker: Chunker
     # computes a chunk's KV (the engine's precompute, run on the engine loop); default: the engine's own
-    compute_kv: Callable[[list[int], tuple[int, ...]], Any] | None = None
+    compute_kv: Callable[[list[int], tuple[int, ...]], ChunkKV] | None = None
     single_flight: SingleFlight | None = None  # one replica precomputes a chunk, others wait (Redis lock)
     _flight: SingleFlight = field(init=False, repr=False)
 

@@ -14,6 +14,7 @@ from app.extract.html import decode_html, extract_html
 from app.extract.pdf import extract_pdf
 from app.extract.text import decode_text, first_line_title, markdown_title, parse_jsonl
 from app.extract.types import SUFFIX_FORMATS, ExtractedDocument, ExtractionLimits, FileFormat, FileRejected
+from app.text import without_nul
 
 _ZIP_MAGIC, _PDF_MAGIC = b"PK\x03\x04", b"%PDF-"
 MAX_TITLE_CHARS = 512  # DocumentIn.title's limit
@@ -42,7 +43,10 @@ def extract_file(name: str, data: bytes, limits: ExtractionLimits, doc_id: str |
     if not data.strip():
         raise FileRejected(f"{name}: the file is empty")
     _check_magic(name, data, fmt)
-    docs = [replace(doc, title=_clean_title(doc.title)) for doc in _extract(name, data, fmt, limits, doc_id or document_id(name))]
+    # NULs dropped from extracted text (the store cannot hold them; a PDF's pages lose theirs before
+    # they are joined, so its page offsets hold); a JSONL line's metadata keeps them: its 422 names them
+    docs = [replace(doc, title=_clean_title(doc.title), text=without_nul(doc.text))
+            for doc in _extract(name, data, fmt, limits, doc_id or document_id(name))]
     for doc in docs:
         if not doc.text.strip():
             raise FileRejected(f"{name}: no text found in the file")
@@ -56,7 +60,7 @@ def extract_file(name: str, data: bytes, limits: ExtractionLimits, doc_id: str |
 
 def _clean_title(title: str | None) -> str | None:
     """One line, at most MAX_TITLE_CHARS (a PDF's Title can be anything)."""
-    return " ".join((title or "").split())[:MAX_TITLE_CHARS] or None
+    return " ".join(without_nul(title or "").split())[:MAX_TITLE_CHARS] or None
 
 
 def _check_magic(name: str, data: bytes, fmt: FileFormat) -> None:
@@ -72,7 +76,7 @@ def _check_magic(name: str, data: bytes, fmt: FileFormat) -> None:
 
 
 def _extract(name: str, data: bytes, fmt: FileFormat, limits: ExtractionLimits, doc_id: str) -> list[ExtractedDocument]:
-    base = {"source": PurePath(name).name, "format": fmt.value}
+    base = {"source": without_nul(PurePath(name).name), "format": fmt.value}
     if fmt is FileFormat.PDF:
         title, pages = extract_pdf(name, data)
         text, starts = join_pages(pages)

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from app.config import LimitsConfig
+
 
 class FileFormat(str, Enum):
     PDF = "pdf"
@@ -36,6 +38,10 @@ class ExtractionLimits:
     max_document_chars: int  # extracted text per document (413 above)
     max_unzipped_bytes: int  # a DOCX's members, uncompressed (zip bombs: 413 above)
     max_documents: int  # documents from one file (JSONL lines)
+
+    @classmethod
+    def of(cls, limits: LimitsConfig) -> ExtractionLimits:
+        return cls(limits.max_document_chars, limits.max_unzipped_bytes, limits.max_documents_per_request)
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -36,4 +37,6 @@ metrics_router = APIRouter(tags=["health"])
 
 @metrics_router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
 async def metrics(metrics: MetricsDep) -> Response:
-    return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    # Rendering reads every collector (the store's and engine's too) and formats every series: in a
+    # worker thread, so a scrape never holds the event loop (health checks, streams) while it runs.
+    return Response(await anyio.to_thread.run_sync(metrics.render), media_type=CONTENT_TYPE_LATEST)

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, field_validator
 
+from app.text import NUL_MESSAGE, nul_location
 from blend_engine.types import PrefillMode, SelectionKind
 from configs.enums import RequestMode
 
@@ -51,6 +52,9 @@ class GenerationOptions(BaseModel):
     @field_validator("chunk_ids")
     @classmethod
     def _unique(cls, value: list[str] | None) -> list[str] | None:
+        where = nul_location(value, "chunk_ids")
+        if where is not None:  # no chunk id holds one; Postgres could not even look it up
+            raise ValueError(f"{where} {NUL_MESSAGE}")
         repeated = sorted(chunk_id for chunk_id, count in Counter(value or ()).items() if count > 1)
         if repeated:
             raise ValueError(f"chunk_ids repeat: {', '.join(repeated[:10])}")

@@ -10,7 +10,7 @@ from app.errors import InvalidRequestError, stream_error_body
 from app.query.protocol import GenerationOptions, PlanOut, QueryRequest, QueryResponse, SourceOut, TimingsOut, UsageOut
 from app.rag.collect import IsDisconnected, collect
 from app.rag.pipeline import RagPipeline
-from app.rag.types import DoneEvent, RagContext, RagRequest, Source, TokenEvent
+from app.rag.types import DoneEvent, GenerationEvent, RagContext, RagRequest, Source, TokenEvent
 from app.sse import sse
 from app.text import is_blank
 from blend_engine.types import SamplingParams
@@ -84,18 +84,19 @@ class QueryService:
     settings: Settings
     pipeline: RagPipeline
 
-    async def prepare(self, body: QueryRequest) -> tuple[RagRequest, RagContext, JobStream, float]:
+    async def prepare(self, body: QueryRequest) -> tuple[RagRequest, RagContext, JobStream[GenerationEvent], float]:
         """Everything that can fail with a 4xx/503 happens here, before a stream's headers go out."""
         t_start = time.perf_counter()
         request = build_rag_request(self.settings, body.question, body)
         context = await self.pipeline.retrieve(request)
         return request, context, self.pipeline.start(request, context, t_start), t_start
 
-    async def answer(self, context: RagContext, stream: JobStream, is_disconnected: IsDisconnected) -> QueryResponse:
+    async def answer(self, context: RagContext, stream: JobStream[GenerationEvent],
+                     is_disconnected: IsDisconnected) -> QueryResponse:
         answer, done = await collect(stream, is_disconnected)
         return _response(answer, context, done)
 
-    async def events(self, context: RagContext, stream: JobStream) -> AsyncIterator[str]:
+    async def events(self, context: RagContext, stream: JobStream[GenerationEvent]) -> AsyncIterator[str]:
         """SSE: `sources`, then `token` events, then `done` (usage, timings) or `error`."""
         try:
             yield sse({"sources": [s.model_dump() for s in sources_out(context.sources)],

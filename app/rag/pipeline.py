@@ -11,7 +11,7 @@ from typing import Sequence
 import anyio
 
 from app.errors import InvalidRequestError, NotFoundError
-from app.rag.types import RagContext, RagRequest, Source
+from app.rag.types import GenerationEvent, RagContext, RagRequest, Source
 from blend_engine.engine import BlendEngine
 from blend_engine.threads import pin_one_thread
 from blend_engine.types import Segment
@@ -83,7 +83,7 @@ class RagPipeline:
         chunks = [Segment(s.token_ids) for s in sources]
         return self.engine.prompts.segments(request.question, chunks, list(request.history))
 
-    def start(self, request: RagRequest, context: RagContext, t_start: float) -> JobStream:
+    def start(self, request: RagRequest, context: RagContext, t_start: float) -> JobStream[GenerationEvent]:
         """Queue the generation on the engine loop (QueueFull when full): TokenEvents, then one DoneEvent."""
         return self.loop.generate(prefill_request(request, context.sources, context.prefix_cache_epoch), t_start,
                                   context.retrieval_ms,

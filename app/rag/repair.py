@@ -9,11 +9,15 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence, TYPE_CHECKING
 
 from kv_store.admission import Admission
 from kv_store.single_flight import PrecomputeLocks, PrecomputeOutcome, PrecomputeReason, SingleFlight
 from runtime.loop import EngineLoop
+
+if TYPE_CHECKING:
+    from blend_engine.engine import BlendEngine
+    from kv_store import KVStore
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +34,7 @@ class RepairStats:
 
 
 class KVRepairer:
-    def __init__(self, engine: Any, kv_store: Any, loop: EngineLoop, is_live: Callable[[str], bool],
+    def __init__(self, engine: BlendEngine, kv_store: KVStore, loop: EngineLoop, is_live: Callable[[str], bool],
                  single_flight: SingleFlight | None = None):
         """`is_live(key)`: whether a stored chunk still points at the key (checked when the task runs).
         `single_flight`: a chunk another replica is repairing is left to it."""

@@ -31,8 +31,7 @@ class UploadService:
 
     @property
     def limits(self) -> ExtractionLimits:
-        limits = self.settings.limits
-        return ExtractionLimits(limits.max_document_chars, limits.max_unzipped_bytes, limits.max_documents_per_request)
+        return ExtractionLimits.of(self.settings.limits)
 
     async def upload(
         self, files: Sequence[UploadFile], chunking: ChunkingMode | None, precompute: bool,

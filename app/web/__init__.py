@@ -9,6 +9,8 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
+from app.security_headers import CHAT_PAGE_CSP
+
 STATIC_DIR = Path(__file__).parent / "static"
 
 
@@ -17,4 +19,5 @@ def install_web(app: FastAPI) -> None:
 
     @app.get("/", include_in_schema=False)
     async def chat_page() -> FileResponse:
-        return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+        return FileResponse(STATIC_DIR / "index.html",
+                            headers={"Cache-Control": "no-cache", "Content-Security-Policy": CHAT_PAGE_CSP})
