@@ -41,7 +41,8 @@ def engine(tmp_path_factory) -> BlendEngine:
 
 @pytest.fixture
 def store(engine, monkeypatch):
-    store = KVStore(engine.fingerprint, StoreConfig(disk_enabled=False, prefix_cache_bytes=1 << 30))
+    store = KVStore(engine.fingerprint, StoreConfig(disk_enabled=False, prefix_cache_bytes=1 << 30),
+                    shape=engine.kv_shape)
     # a measured engine whose cost is its computed tokens (1 ms / 10 token-layers), reuse nearly free,
     # and no more learning from the prefills here: the planner's choices below follow from the shapes
     # alone, whatever the machine's load
