@@ -97,7 +97,7 @@ def test_a_replace_and_a_delete_through_b_are_followed_by_a(cluster):
 def test_a_delete_through_a_drops_the_prompts_b_keeps_with_its_chunks(cluster):
     """Each replica keeps its own prefix cache; B's index follower drops B's kept prompts holding a
     chunk of a document deleted through A (the same text sent again is not served from them)."""
-    a, b, _ = cluster
+    a, b, _, _ = cluster
     text = "The amber lighthouse of Vigo flashes twice every ten seconds from its granite tower."
     ingest(a, "amber", text)
     assert until(lambda: "amber" in listed(b), FOLLOW_S) < FOLLOW_S
