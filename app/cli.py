@@ -38,6 +38,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
                             "same prompts, in turn: ratios and where the server's time goes"),
     ("bench", "server-modes"): ("bench.server_modes_bench", "end-to-end TTFT and fidelity per prefill mode against a "
                                 "running server"),
+    ("bench", "prefix"): ("bench.prefix_bench", "the prefix cache against a running server: a fresh blend, the same "
+                          "prompt again, a follow-up turn and no match, side by side"),
     ("bench", "replicas"): ("bench.replicas_bench", "Postgres vs SQLite store: query TTFT, ingest, change propagation"),
     ("bench", "answers"): ("bench.answers_bench", "answer quality of the whole pipeline on real documents and MuSiQue, "
                            "settings side by side: right, inside the retrieved text, source, ran to the cap, TTFT"),

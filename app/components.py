@@ -26,7 +26,7 @@ from configs.settings import Settings
 from kv_store.keys import KVScope
 from kv_store.single_flight import PrecomputeLocks, SingleFlight
 from retrieval.chunker import Chunker
-from retrieval.retriever import Retriever
+from retrieval.retriever import CatchUp, Retriever
 from retrieval.store_types import DocumentStore
 from runtime.executor import PrefillExecutor
 from runtime.loop import EngineLoop
@@ -83,7 +83,7 @@ class Components:
             _collect_kv_garbage(settings, kv_store, retriever)
             reserve = _take_reserve(settings, kv_store)
             executor = PrefillExecutor(engine, kv_store, settings.blend, settings.store.planner_profile_tokens,
-                                       settings.scheduler.prefill_chunk_tokens)
+                                       settings.scheduler.prefill_chunk_tokens, prefix_cache=kv_store.prompts)
             loop = EngineLoop(engine, executor, settings.scheduler, metrics,
                               kv_bytes_per_token=kv_bytes_per_token(engine))
             locks = PrecomputeLocks(settings.store.redis_url, settings.store.lock_ttl_s)
@@ -99,7 +99,7 @@ class Components:
                               settings.retrieval.chunk_overlap)
             pipeline = RagPipeline(settings, engine, retriever, kv_store, loop)
             model_id = settings.server.model_id or _model_id(engine.model_name)
-            follower = _start_follower(settings, retriever)
+            follower = _start_follower(settings, retriever, kv_store)
             scopes = Scopes(retriever.store)
             documents = DocumentService(settings, engine, retriever, kv_store, chunker, loop, writes, backfill,
                                         single_flight, reserve)
@@ -143,13 +143,18 @@ def _shared_store(settings: Settings) -> DocumentStore | None:
     return PostgresDocumentStore(database.url, database.max_connections, database.timeout_s)
 
 
-def _start_follower(settings: Settings, retriever: Retriever) -> IndexFollower | None:
-    """With a shared store, a thread that makes the index follow the other replicas' commits."""
+def _start_follower(settings: Settings, retriever: Retriever, kv_store: KVStore) -> IndexFollower | None:
+    """With a shared store, a thread that makes the index follow the other replicas' commits, and the
+    prefix cache drop the prompts holding a chunk they replaced or deleted (each replica keeps its own)."""
     if not retriever.store.is_shared or settings.database.url is None:
         return None
     from retrieval.follower import IndexFollower
 
-    return IndexFollower(retriever, settings.database.url, settings.database.poll_s).start()
+    def forget_prompts(result: CatchUp) -> None:
+        if result.num_removed or result.is_reconciled:
+            kv_store.prompts.retain_live(retriever.store.is_kv_key_used)
+
+    return IndexFollower(retriever, settings.database.url, settings.database.poll_s, forget_prompts).start()
 
 
 def _collect_kv_garbage(settings: Settings, kv_store: KVStore, retriever: Retriever) -> None:

@@ -35,7 +35,9 @@ from part to part and round to round, after `--settle-s` of rest:
   default `--clients`): TTFT p50 and p95 over the round's requests, and the round's wall time.
 
 Answers are greedy, `--max-tokens` long (`ignore_eos`, so decode weighs the same tokens on both builds;
-`--no-ignore-eos` for revisions whose API predates the field), in `--mode` (default: each server's).
+`--no-ignore-eos` for revisions whose API predates the field), in `--mode` (default: each server's), the
+prefix cache off (`prefix_cache: false`, so a question asked again prefills again; `--prefix-cache server`
+for revisions whose API predates the field).
 
 **Out**: per measure and build, the median over rounds with its min-max and IQR; the ratio current/REV
 per round (the two builds' figures of one round, measured back to back) with its median, min-max and IQR.
@@ -104,6 +106,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--first-question", type=int, default=0, help="skip this many of the data set's questions")
     parser.add_argument("--passages", type=int, default=5, help="passages per question (5: a ~3k-token prompt)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per answer")
+    parser.add_argument("--prefix-cache", choices=["off", "server"], default="off",
+                        help="off: every request says prefix_cache false, so a question asked again (and the "
+                             "warmed pool) prefills again on both builds; server: as each server is configured "
+                             "(for revisions whose API predates the field, issue 42)")
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="every answer --max-tokens long (the request's ignore_eos; --no-ignore-eos for "
                              "revisions whose API has no such field)")
@@ -287,7 +293,8 @@ def summarize(args: argparse.Namespace, builds: dict[Side, Build], servers: dict
         }
     return {"bench": "compare", "rev": args.rev, "rounds": args.rounds, "clients": args.clients,
             "questions": args.questions, "first_question": args.first_question, "passages": args.passages,
-            "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "mode": args.mode, "settle_s": args.settle_s,
+            "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "prefix_cache": args.prefix_cache,
+            "mode": args.mode, "settle_s": args.settle_s,
             "builds": build_info, "measures": compare_measures(measured["values"], args.clients),
             "idle": idle_summary(measured["schedule"]), "schedule": measured["schedule"],
             "num_errors": sum(len(e) for e in measured["errors"].values())}

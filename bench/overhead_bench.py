@@ -75,8 +75,10 @@ def _engine_turn(engine: BlendEngine, question: Question, variant: Variant, cach
 
 
 async def _server_turn(client: httpx.AsyncClient, qi: int, question: Question, max_tokens: int) -> dict[str, Any]:
+    # the prefix cache off: every round asks the same prompts again, and each must prefill as the engine's do
     answer = await stream_query(client, {"question": question.question, "chunk_ids": chunk_ids(qi, question),
-                                         "mode": "blend", "max_tokens": max_tokens, "ignore_eos": True})
+                                         "mode": "blend", "max_tokens": max_tokens, "ignore_eos": True,
+                                         "prefix_cache": False})
     timings, usage = answer.timings, answer.usage
     row: dict[str, Any] = {
         "ttft_ms": answer.ttft_ms, "server_ttft_ms": timings["ttft_ms"], "prefill_ms": timings["prefill_ms"],

@@ -81,6 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "default and least: the largest client count")
     parser.add_argument("--passages", type=int, default=5, help="passages per question (5: a ~3k-token prompt)")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prefix-cache", choices=["off", "server"], default="off",
+                        help="off: every request says prefix_cache false (the rounds ask the same questions "
+                             "again; each answer then prefills); server: as the server is configured "
+                             "(revisions before the prefix cache refuse the field: give server for them)")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="every answer max_tokens long (the server's ignore_eos): decoding then weighs what "
                         "the answers' length says, not where the model happens to stop")
@@ -112,8 +116,9 @@ class Target:
 
 def request_body(question: Question, qi: int, args: argparse.Namespace) -> dict[str, Any]:
     body: dict[str, Any] = {"question": question.question, "chunk_ids": chunk_ids(qi, question),
-                            "max_tokens": args.max_tokens, "temperature": 0.0,
-                            "ignore_eos": args.ignore_eos}
+                            "max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": args.ignore_eos}
+    if args.prefix_cache == "off":  # every round asks the same questions again: each answer prefills
+        body["prefix_cache"] = False
     if args.mode:
         body["mode"] = args.mode
     return body

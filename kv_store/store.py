@@ -31,6 +31,7 @@ from kv_store.keys import KVScope, chunk_key, is_valid_key
 from kv_store.loader import StoredChunk, StoreLayerSource
 from kv_store.memory import MemoryBackend
 from kv_store.planner import LoadPlan, LoadPlanner, PlanRequest
+from kv_store.prefix_cache import PrefixCache
 from kv_store.stats import StoreStats
 from kv_store.streaming import RecomputeFn, StoreStreaming
 from kv_store.throttle import ThrottledBackend
@@ -76,6 +77,8 @@ class KVStore:
         self.admission = self._admission(config) if self._budgeted is not None else None
         self._backends = [self._throttled(b) for b in self._backends]
         self.planner = LoadPlanner(config.min_recompute_ratio, config.max_recompute_ratio)
+        # finished prompts' KV (the executor the server builds keeps them here; the writers invalidate)
+        self.prompts: PrefixCache = PrefixCache(config.prefix_cache_bytes)
         # a chunk recomputed mid-request is put back under its own key (its salt read from its header)
         self._streaming = StoreStreaming(self._backends, config, lambda key, kv: self.put(key, kv, kv.salt), self.get,
                                          self.backend, engine_device_type)
@@ -289,9 +292,11 @@ class KVStore:
             tiers=tiers,
             num_recovered=self._streaming.num_recovered,
             budget=self.budget_stats(),
+            prefix=self.prompts.stats(),
         )
 
     def close(self) -> None:
+        self.prompts.clear()
         if self._prefetcher is not None:
             self._prefetcher.close()
         for b in self._backends:

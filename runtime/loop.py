@@ -307,18 +307,26 @@ class EngineLoop:
             _abandon_prefill(generation)  # it ended: nothing to clean up, its frames freed now
             generation.outcome = outcome
             stats = outcome.result.stats
-            generation.usage = Usage(stats.num_prompt_tokens, stats.num_reused_tokens, stats.num_recomputed_tokens)
+            generation.usage = Usage(stats.num_prompt_tokens, stats.num_reused_tokens, stats.num_recomputed_tokens,
+                                     prefix_cached_tokens=stats.num_prefix_cached_tokens)
             generation.timings.kv_load_ms, generation.timings.prefill_ms = stats.kv_load_ms, stats.prefill_ms
             generation.sequence, first = self.engine.start_sequence(outcome.result, generation.request.sampling)
         except Exception as exc:  # the request's own failure goes back to it
             return self._failed([generation], exc)[generation]
         status = self._deliver(generation, first, time.perf_counter())
+        self._keep(generation.outcome)  # its prompt's KV kept for later prompts, once the first token is out
         if status is Status.RUNNING:
             try:  # its decode cache now, after the first token is out: not inside a shared decode step
                 generation.sequence.prepare()
             except Exception as exc:
                 return self._failed([generation], exc)[generation]
         return status
+
+    def _keep(self, outcome: PrefillOutcome) -> None:
+        try:  # by reference: no copy (runtime/executor.py)
+            self.executor.keep(outcome)
+        except Exception:  # the answer goes on without it
+            logger.exception("keeping a prompt in the prefix cache failed")
 
     def _decode(self, batch: list[Generation]) -> dict[Generation, Status]:
         """One batched decode step: the sequences it ended, with how."""

@@ -30,6 +30,11 @@ class PrefillRequest:
     recompute_ratio: RecomputeRatio = None  # None: the configured ratio
     selection: SelectionKind | None = None  # None: the configured selection
     history: tuple[dict[str, str], ...] = ()  # earlier chat messages
+    namespace: str = ""  # the request's isolation key: the prefix cache never serves one namespace another's prompts
+    is_prefix_cache_used: bool = True  # False: the prefix cache is neither read nor filled (benchmarks of prefills)
+    # the prefix cache's epoch when the chunks were chosen (None: when its prefill begins): a prompt whose
+    # document changes after it is not kept
+    prefix_cache_epoch: int | None = None
 
 
 @dataclass
@@ -38,6 +43,7 @@ class Usage:
     reused_tokens: int = 0
     recomputed_tokens: int = 0
     completion_tokens: int = 0
+    prefix_cached_tokens: int = 0  # prompt tokens served from the prefix cache (neither reused chunk KV nor recomputed)
 
 
 @dataclass

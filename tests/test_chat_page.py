@@ -223,3 +223,23 @@ def test_a_server_that_is_not_ready_says_so(browser, tmp_path):
         page.wait_for_selector("#error:not([hidden])")
         assert "Server not ready (503)" in page.inner_text("#error")
         context.close()
+
+
+def test_a_follow_up_shows_the_tokens_served_from_the_turn_before(page):
+    """A new conversation (the page reloaded), a question, then the same question as a follow-up (the
+    page sends the conversation): its passages are the same, so the prefix cache serves the whole turn
+    before it, and the reuse figure counts those tokens apart."""
+    page.reload()
+    wait_until(page, "document.querySelector('#server-status').textContent.startsWith('ready')")
+    page.fill("#max-tokens", "12")
+    for num_answers in (1, 2):
+        page.fill("#question", "What is the secret code of the green vault?")
+        page.press("#question", "Enter")
+        wait_until(page, f"document.querySelectorAll('.msg.assistant .stats').length === {num_answers}",
+                   timeout=120_000)
+    first, second = page.locator(".msg.assistant .stats").all_inner_texts()
+    assert "from an earlier prompt" not in first
+    match = re.search(r"reused (\d+) \((\d+) from an earlier prompt\) / recomputed (\d+) of (\d+) prompt tokens", second)
+    assert match, second
+    reused, cached, recomputed, prompt = map(int, match.groups())
+    assert 0 < cached <= reused and reused + recomputed == prompt

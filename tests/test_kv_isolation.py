@@ -61,8 +61,10 @@ def ingest(http: httpx.Client, collection: str, texts: dict[str, str], precomput
 def ask(http: httpx.Client, collection: str, chunk_id: str) -> tuple[dict, float]:
     """The answer's usage, and its latency as a client measures it."""
     start = time.perf_counter()
+    # the prefix cache off: these ask one prompt again and again to see (and time) the chunk KV beneath it
     response = http.post("/v1/query", json={"question": "How many crates?", "collection": collection,
-                                            "chunk_ids": [chunk_id], "mode": "blend", "max_tokens": 1})
+                                            "chunk_ids": [chunk_id], "mode": "blend", "max_tokens": 1,
+                                            "prefix_cache": False})
     elapsed = time.perf_counter() - start
     assert response.status_code == 200, response.text
     return response.json()["usage"], elapsed
@@ -151,3 +153,26 @@ def test_a_collection_budget_holds_its_own_entries_and_evicts_only_its_own(serve
         assert http.get("/v1/collections/capped").json()["kv_bytes"] <= budget
         assert http.get("/v1/collections/neighbour").json()["kv_bytes"] == neighbour  # never the neighbour's
         assert http.patch("/v1/collections/capped", json={"kv_budget_bytes": None}).json()["kv_budget_bytes"] is None
+
+
+def test_a_prompt_kept_for_one_collection_is_never_served_to_another(server):
+    """The prefix cache's namespace is the request's collections' salts: the same prompt asked in another
+    collection (the same text held by both) computes its own; asked again in its own, it is served."""
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        create(http, "kept-a")
+        create(http, "kept-b")
+        a = ingest(http, "kept-a", {"same": OTHERS[3]})["same"]
+        b = ingest(http, "kept-b", {"same": OTHERS[3]})["same"]
+
+        def ask_kept(collection: str, chunk_id: str) -> dict:
+            response = http.post("/v1/query", json={"question": "How many barrels?", "collection": collection,
+                                                    "chunk_ids": [chunk_id], "mode": "blend", "max_tokens": 1})
+            assert response.status_code == 200, response.text
+            return response.json()["usage"]
+
+        first = ask_kept("kept-a", a)
+        assert first["prefix_cached_tokens"] == 0
+        other = ask_kept("kept-b", b)  # the same prompt, token for token, in another collection
+        assert other["prefix_cached_tokens"] == 0 and other["prompt_tokens"] == first["prompt_tokens"]
+        again = ask_kept("kept-a", a)
+        assert again["prefix_cached_tokens"] == again["prompt_tokens"]

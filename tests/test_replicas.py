@@ -95,6 +95,27 @@ def test_a_replace_and_a_delete_through_b_are_followed_by_a(cluster):
     assert httpx.get(f"{a}/v1/documents/ships", headers=HEADERS).status_code == 404
 
 
+def test_a_delete_through_a_drops_the_prompts_b_keeps_with_its_chunks(cluster):
+    """Each replica keeps its own prefix cache; B's index follower drops B's kept prompts holding a
+    chunk of a document deleted through A (the same text sent again is not served from them)."""
+    a, b, _, _ = cluster
+    text = "The amber lighthouse of Vigo flashes twice every ten seconds from its granite tower."
+    ingest(a, "amber", text)
+    assert until(lambda: "amber" in listed(b), FOLLOW_S) < FOLLOW_S
+    ids = [c["id"] for c in httpx.get(f"{b}/v1/documents/amber", headers=HEADERS).json()["chunks"]]
+    question = "How does the amber lighthouse flash?"
+    ask(b, question, chunk_ids=ids)
+    kept = ask(b, question, chunk_ids=ids)["usage"]
+    assert kept["prefix_cached_tokens"] == kept["prompt_tokens"]
+    assert ask(a, question, chunk_ids=ids)["usage"]["prefix_cached_tokens"] == 0  # A's cache is its own
+    before = metric(b, "ragblend_prefix_cache_invalidations_total")
+    assert httpx.delete(f"{a}/v1/documents/amber", headers=HEADERS, timeout=60).status_code == 200
+    assert until(lambda: metric(b, "ragblend_prefix_cache_invalidations_total") > before, FOLLOW_S) < FOLLOW_S
+    ingest(a, "amber", text)
+    assert until(lambda: "amber" in listed(b), FOLLOW_S) < FOLLOW_S
+    assert ask(b, question, chunk_ids=ids)["usage"]["prefix_cached_tokens"] < kept["prompt_tokens"]
+
+
 def test_the_same_document_through_both_at_once_is_one_version_and_one_precompute(cluster):
     a, b, database_url, _ = cluster
     text = " ".join(f"Paragraph {i} of the twin report says the river rose {i} metres in spring." for i in range(12))

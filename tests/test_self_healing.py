@@ -27,7 +27,8 @@ def server(tmp_path_factory):
     settings = load_settings(
         data_dir=tmp_path_factory.mktemp("healing"),
         model={"name": "random:tiny-llama", "device": "cpu"},
-        store={"max_memory_bytes": 0},  # disk only: damage there is not hidden by a memory copy
+        # disk only: damage there is not hidden by a memory copy, nor by the prefix cache's copy of the prompt
+        store={"max_memory_bytes": 0, "prefix_cache_bytes": 0},
     )
     with LiveServer(settings) as live:
         yield live

@@ -241,6 +241,7 @@ def test_server_modes_throughput_alternates_full_and_blend_and_divides_their_rou
 
     body = server_bench.request_body(Question("q?", (), ("p",)), 0, round_args("blend", 5))
     assert body["ignore_eos"] is True and body["mode"] == "blend" and body["max_tokens"] == 5
+    assert body["prefix_cache"] is False  # each round's answers prefill: the same questions come again
     # more clients than questions: refused (each client asks its own)
     assert main(["bench", "server-modes", "--url", server.url, "--data", data, "--questions", "2",
                  "--concurrency", "3"]) == 2

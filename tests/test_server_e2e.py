@@ -27,6 +27,9 @@ DOCUMENTS = [
 
 
 def make_settings(data_dir, **overrides):
+    # the prefix cache off: these tests ask the same questions again and check the chunks' KV path
+    # (tests/test_prefix_server.py tests the prefix cache)
+    overrides.setdefault("store", {}).setdefault("prefix_cache_bytes", 0)
     return load_settings(data_dir=data_dir, limits={"max_tokens": 8192}, **overrides)
 
 

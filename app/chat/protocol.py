@@ -68,12 +68,18 @@ class Choice(BaseModel):
     finish_reason: str | None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # OpenAI's name for prompt tokens served from a prefix cache
+
+
 class ChatUsage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     reused_tokens: int
     recomputed_tokens: int
+    prefix_cached_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails(cached_tokens=0)
 
 
 class ChatCompletionResponse(BaseModel):

@@ -9,7 +9,7 @@ from typing import AsyncIterator
 
 from app.chat.protocol import (
     AssistantMessage, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatUsage, Choice,
-    ChunkChoice, DeltaMessage,
+    ChunkChoice, DeltaMessage, PromptTokensDetails,
 )
 from app.auth.principal import Principal
 from app.collections.scope import Scopes
@@ -114,4 +114,5 @@ def chat_usage(done: DoneEvent) -> ChatUsage:
     u = done.usage
     return ChatUsage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                      total_tokens=u.prompt_tokens + u.completion_tokens, reused_tokens=u.reused_tokens,
-                     recomputed_tokens=u.recomputed_tokens)
+                     recomputed_tokens=u.recomputed_tokens, prefix_cached_tokens=u.prefix_cached_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=u.prefix_cached_tokens))

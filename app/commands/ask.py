@@ -70,8 +70,10 @@ def run(args: argparse.Namespace) -> int:
                 print(data["text"], end="", flush=True)
             elif event == "done":
                 usage, timings = data["usage"], data["timings"]
+                cached = usage.get("prefix_cached_tokens", 0)
                 print(f"\n\n[{data['mode']}] ttft {timings['ttft_ms']:.0f} ms, total {timings['total_ms']:.0f} ms, "
-                      f"{usage['reused_tokens']} reused / {usage['recomputed_tokens']} recomputed prompt tokens")
+                      f"{usage['reused_tokens']} reused / {usage['recomputed_tokens']} recomputed prompt tokens"
+                      + (f", {cached} from the prefix cache" if cached else ""))
             elif event == "error":
                 print(f"\nerror: {data['error']['message']}", file=sys.stderr)
                 return ExitCode.FAILED

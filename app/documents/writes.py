@@ -6,9 +6,10 @@ document is written in this order:
    has free room (the rest is computed when first used, kv_store/admission.py); content-addressed
    entries: if the process dies here they are orphans, deleted by the start-up garbage collection;
 2. commit: one store transaction replaces the document and its chunks (atomic per document);
-3. follow: the vector index drops the replaced chunks' ids and adds the new ones (saved at the end
-   of the request; start-up reconciles it with the store by id sets), and the KV of replaced
-   chunks no other chunk shares is deleted (orphans again if the process dies first).
+3. follow: the prefix cache drops every kept prompt holding a replaced chunk, the vector index drops
+   the replaced chunks' ids and adds the new ones (saved at the end of the request; start-up
+   reconciles it with the store by id sets), and the KV of replaced chunks no other chunk shares is
+   deleted (orphans again if the process dies first).
 Every step can be redone, so re-sending a request is safe; a document whose content hash is
 already stored is left as it is ('unchanged').
 """
@@ -84,6 +85,7 @@ class DocumentWriter:
         if result.is_unchanged:  # another replica committed the same content meanwhile: one version
             return WrittenDocument(doc_id, DocumentStatus.UNCHANGED, result.document.chunks)
         stored, replaced = result.document, result.replaced
+        self.forget_prompts(replaced)
         self.retriever.follow(replaced, stored.chunks, [n.embedding for n in new_chunks])
         self.release_kv(replaced)
         status = DocumentStatus.REPLACED if replaced else DocumentStatus.CREATED
@@ -95,6 +97,7 @@ class DocumentWriter:
         chunks = self.retriever.store.delete_document(doc_id, collection)  # the commit point
         if chunks is None:
             return None
+        self.forget_prompts(chunks)
         self.retriever.follow(chunks, [], [])
         (save_index or self.retriever.index.save)()
         self.release_kv(chunks)
@@ -142,6 +145,10 @@ class DocumentWriter:
                 continue
             self._flight.ensure(key, lambda ids=token_ids: compute(list(ids), context_ids), PrecomputeReason.INGEST,
                                 Admission.PRECOMPUTE, scope)
+
+    def forget_prompts(self, chunks: Sequence[StoredChunk]) -> int:
+        """Drop the prompts the prefix cache keeps that hold one of these (replaced or deleted) chunks."""
+        return self.kv_store.prompts.invalidate_chunks(c.kv_key for c in chunks if c.kv_key)
 
     def release_kv(self, chunks: Sequence[StoredChunk]) -> None:
         """Delete the KV of chunks that are gone, unless another chunk shares the same content."""

@@ -48,6 +48,10 @@ class GenerationOptions(BaseModel):
         False, description="Generate max_tokens tokens, past the model's end of sequence (as vLLM's "
         "ignore_eos: for benchmarks that need answers of one length).",
     )
+    prefix_cache: StrictBool = Field(
+        True, description="Reuse the longest prefix of this prompt kept from earlier answers (store.prefix_cache_bytes) "
+        "and keep this one; false: neither (benchmarks that measure a prefill).",
+    )
     stream: StrictBool = False
 
     @property
@@ -97,6 +101,8 @@ class UsageOut(BaseModel):
     reused_tokens: int
     recomputed_tokens: int
     completion_tokens: int
+    prefix_cached_tokens: int = Field(0, description="Prompt tokens whose KV the prefix cache served as it was "
+                                      "(a prompt seen before): neither reused chunk KV nor recomputed.")
 
 
 class TimingsOut(BaseModel):
@@ -113,7 +119,7 @@ class TimingsOut(BaseModel):
 class PlanOut(BaseModel):
     """The loading planner's choice for this answer (mode 'auto' or recompute_ratio 'auto'), in ms."""
 
-    plan: Literal["full", "blend", "mixed", "split"]
+    plan: Literal["full", "blend", "mixed", "split", "prefix_cache"]
     recompute_ratio: float | None
     num_chunks_recomputed: int = Field(description="Stored chunks computed as fresh tokens (mixed and split plans).")
     predicted_load_ms: float

@@ -56,6 +56,7 @@ def build_rag_request(
         question=question, mode=options.mode or settings.blend.mode, sampling=sampling, top_k=top_k,
         chunk_ids=tuple(options.chunk_ids) if options.chunk_ids is not None else None,
         recompute_ratio=ratio, selection=options.selection, history=tuple(history), collections=tuple(collections),
+        is_prefix_cache_used=options.prefix_cache,
     )
 
 

@@ -35,12 +35,20 @@ class RagPipeline:
 
     async def retrieve(self, request: RagRequest) -> RagContext:
         start = time.perf_counter()
+        epoch = self.kv_store.prompts.epoch  # before the chunks are read: a change from now on is seen
         scored = await anyio.to_thread.run_sync(self._scored_chunks, request)
         sources = [_source(s) for s in scored]
         kept, dropped, num_tokens = await anyio.to_thread.run_sync(self._fit_context, request, sources)
         if request.mode is not RequestMode.FULL:  # start moving their KV up while the request queues
             await anyio.to_thread.run_sync(self.kv_store.prefetch, [s.kv_key for s in kept if s.kv_key])
-        return RagContext(kept, dropped, (time.perf_counter() - start) * 1000, num_tokens)
+        namespace = await anyio.to_thread.run_sync(self._namespace, request)
+        return RagContext(kept, dropped, (time.perf_counter() - start) * 1000, num_tokens, epoch, namespace)
+
+    def _namespace(self, request: RagRequest) -> str:
+        """The request's collections' KV salts: its prompt is kept for, and served to, that set alone
+        (collections sharing KV have one salt, so they share kept prompts too)."""
+        rows = (self.retriever.store.get_collection(name) for name in request.collections)
+        return "|".join(sorted({row.kv_salt for row in rows if row is not None}))
 
     def _scored_chunks(self, request: RagRequest) -> list[ScoredChunk]:
         pin_one_thread()  # the query's embedding runs torch on this worker thread: one thread, no pool
@@ -84,16 +92,21 @@ class RagPipeline:
 
     def start(self, request: RagRequest, context: RagContext, t_start: float) -> JobStream[GenerationEvent]:
         """Queue the generation on the engine loop (QueueFull when full): TokenEvents, then one DoneEvent."""
-        return self.loop.generate(prefill_request(request, context.sources), t_start, context.retrieval_ms,
+        return self.loop.generate(prefill_request(request, context.sources, context.prefix_cache_epoch,
+                                                  context.namespace), t_start,
+                                  context.retrieval_ms,
                                   context.num_prompt_tokens or None)
 
 
-def prefill_request(request: RagRequest, sources: Sequence[Source]) -> PrefillRequest:
-    """What the engine prefills for `request` over `sources`."""
+def prefill_request(request: RagRequest, sources: Sequence[Source],
+                    prefix_cache_epoch: int | None = None, namespace: str = "") -> PrefillRequest:
+    """What the engine prefills for `request` over `sources` (chosen at the prefix cache's epoch given;
+    `namespace`: the prefix cache's, see RagContext)."""
     return PrefillRequest(
         question=request.question, chunks=tuple(PromptChunk(s.token_ids, s.kv_key) for s in sources),
         mode=request.mode, sampling=request.sampling, recompute_ratio=request.recompute_ratio,
-        selection=request.selection, history=request.history,
+        selection=request.selection, history=request.history, is_prefix_cache_used=request.is_prefix_cache_used,
+        prefix_cache_epoch=prefix_cache_epoch, namespace=namespace,
     )
 
 

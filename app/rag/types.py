@@ -24,6 +24,7 @@ class RagRequest:
     selection: SelectionKind | None = None  # None: the configured selection
     history: tuple[dict[str, str], ...] = ()  # earlier chat messages
     collections: tuple[str, ...] = (DEFAULT_COLLECTION,)  # searched, and the only ones chunk_ids may name
+    is_prefix_cache_used: bool = True  # read and fill the prefix cache
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,9 @@ class RagContext:
     dropped_chunk_ids: list[str]
     retrieval_ms: float
     num_prompt_tokens: int = 0  # the prompt's length with these sources (counted when fitting it)
+    prefix_cache_epoch: int | None = None  # the prefix cache's epoch before the chunks were chosen
+    namespace: str = ""  # the prefix cache's: the request's collections' KV salts (a prompt kept for one set of
+    # collections serves that set only, as their chunks' KV is theirs)
 
     @property
     def warnings(self) -> list[str]:

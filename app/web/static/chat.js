@@ -101,9 +101,12 @@ function renderStats(box, firstTokenMs, totalMs, last) {
   if (!last) return;
   const u = last.usage, t = last.timings || {};
   const ratio = last.recompute_ratio === null || last.recompute_ratio === undefined ? "–" : last.recompute_ratio.toFixed(2);
+  // tokens served from the prefix cache (an earlier turn's prompt) are reused too, shown apart
+  const cached = u.prefix_cached_tokens || 0;
   const parts = [
     `TTFT ${Math.round(firstTokenMs ?? totalMs)} ms (server ${Math.round(t.ttft_ms || 0)} ms)`,
-    `reused ${u.reused_tokens} / recomputed ${u.recomputed_tokens} of ${u.prompt_tokens} prompt tokens`,
+    `reused ${u.reused_tokens + cached}${cached ? ` (${cached} from an earlier prompt)` : ""} / ` +
+      `recomputed ${u.recomputed_tokens} of ${u.prompt_tokens} prompt tokens`,
     `mode ${last.mode || document.getElementById("mode").value || "default"}`,
     `ratio ${ratio}${last.quality_guarded ? " (guarded)" : ""}`,
     `${u.completion_tokens} tokens in ${(totalMs / 1000).toFixed(1)} s`,
