@@ -53,6 +53,10 @@ class ModelConfig:
         description="What decode attends over: auto (int8 with quantized weights on CPU, else model) | "
         "model (the prefill's cache, exact) | bf16 (a bf16 copy) | int8 (keys and values int8 with a scale "
         "per token and head; CPU).")] = DecodeCache.AUTO
+    prefill_graphs: Annotated[bool, Field(
+        description="CUDA: a prefill's layers past blend's last check layer (every layer in reuse, prefix and full "
+        "modes) run their linear parts as CUDA graphs captured per token-count bucket, the K/V writes and the "
+        "attention eagerly (docs/benchmarks/gpu.md); false: every layer eagerly. No effect on CPU.")] = True
     cache_dir: Annotated[Path, Field(
         description="Where a GGUF model's converted copy (safetensors + tokenizer) is kept for warm starts.")] = (
         Path("~/.cache/ragblend/models"))
