@@ -3,7 +3,9 @@
 Ingests the MuSiQue dev passages (one passage, one chunk, KV precomputed), then asks each question
 with `chunk_ids` set to its passages in each mode, streaming: end-to-end TTFT (request sent to first
 token received), decode tokens/s, answer agreement with `full`, token F1 vs the gold answers; then
-throughput (requests/s) under concurrent clients. Prints a table, then one JSON object as the last line.
+throughput (requests/s) under concurrent clients, per mode at each client count (`--concurrency 8,16`:
+blend's against full's, the measure of docs/benchmarks/gpu.md). Prints a table, then one JSON object as
+the last line.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import httpx
 from bench.metrics import best_f1, normalize_answer, token_f1
 from bench.musique import Question, load_questions
 from bench.output import emit_summary
+from bench.server_bench import concurrency_levels
 from bench.server_client import chunk_ids, ingest, stream_query
 
 
@@ -28,10 +31,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--data", type=Path, default=Path("../shared/data/musique_dev.json"))
     parser.add_argument("--questions", type=int, default=10)
+    parser.add_argument("--latency-questions", type=int, default=None,
+                        help="ask only the first N questions in every mode (default: all); the throughput phase "
+                             "uses all of them")
     parser.add_argument("--passages", type=int, default=5)
     parser.add_argument("--modes", default="full,blend,reuse", help="comma-separated; full first (the reference)")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--concurrency", type=int, default=4, help="clients of the throughput phase")
+    parser.add_argument("--concurrency", type=concurrency_levels, default=concurrency_levels("4"),
+                        help="clients of the throughput phase, or several counts (e.g. 8,16): a phase each")
     parser.add_argument("--throughput-modes", default="full,blend")
     parser.add_argument("--out", type=Path, help="also write the JSON summary here")
 
@@ -97,8 +104,11 @@ async def throughput_phase(client, questions: list[Question], mode: str, concurr
     return len(questions) / (time.perf_counter() - start)
 
 
-def summarize(runs: dict[str, ModeRuns], throughput: dict[str, float], args, ingest_s: float, model: str) -> dict:
+def summarize(runs: dict[str, ModeRuns], throughput: dict[str, dict[int, float]], args, ingest_s: float,
+              model: str) -> dict:
+    """`throughput`: mode -> clients -> requests/s."""
     rows = {}
+    largest = max(args.concurrency)
     for mode, run in runs.items():
         rates = [r for r in (s.tokens_per_s for s in run.samples) if r is not None]
         rows[mode] = {
@@ -110,29 +120,38 @@ def summarize(runs: dict[str, ModeRuns], throughput: dict[str, float], args, ing
             "answer_agreement_vs_full": mean(run.agrees),
             "f1_vs_full": mean(run.f1_full),
             "f1_vs_gold": mean(run.f1_gold),
-            "throughput_rps": throughput.get(mode),
+            "throughput_rps": throughput.get(mode, {}).get(largest),  # at the largest client count
+            "throughput_rps_by_clients": throughput.get(mode),
         }
     full, blend = rows.get("full"), rows.get("blend")
     speedup = full["median_e2e_ttft_ms"] / blend["median_e2e_ttft_ms"] if full and blend else None
+    # blend's requests/s over full's at each client count (both measured)
+    rps_ratio = {n: throughput["blend"][n] / throughput["full"][n] for n in args.concurrency
+                 if n in throughput.get("blend", {}) and throughput.get("full", {}).get(n)}
     return {"bench": "server-modes", "url": args.url, "model": model, "questions": args.questions,
             "passages": args.passages, "max_tokens": args.max_tokens, "concurrency": args.concurrency,
             "ingest_s": ingest_s, "blend_ttft_speedup_vs_full": speedup, "target_speedup": 4.0,
-            "is_target_met": speedup is not None and speedup >= 4.0, "results": rows}
+            "is_target_met": speedup is not None and speedup >= 4.0,
+            "blend_throughput_vs_full_by_clients": rps_ratio, "results": rows}
 
 
 def print_table(summary: dict) -> None:
     print(f"\nserver bench: {summary['model']}, {summary['questions']} questions x {summary['passages']} passages, "
           f"max_tokens {summary['max_tokens']}, ingest {summary['ingest_s']:.1f} s")
+    levels = summary["concurrency"]
     print(f"{'mode':<7}{'e2e TTFT ms':>12}{'server TTFT':>12}{'tok/s':>8}{'prompt':>8}{'reused':>8}"
-          f"{'agree':>7}{'F1 full':>8}{'F1 gold':>8}{'req/s@' + str(summary['concurrency']):>10}")
+          f"{'agree':>7}{'F1 full':>8}{'F1 gold':>8}" + "".join(f"{'req/s@' + str(n):>10}" for n in levels))
     for mode, r in summary["results"].items():
-        rps = f"{r['throughput_rps']:.3f}" if r["throughput_rps"] else "-"
+        by_clients = r["throughput_rps_by_clients"] or {}
+        rps = "".join(f"{by_clients[n]:>10.3f}" if by_clients.get(n) else f"{'-':>10}" for n in levels)
         tps = f"{r['median_tokens_per_s']:.1f}" if r["median_tokens_per_s"] else "-"
         print(f"{mode:<7}{r['median_e2e_ttft_ms']:>12.0f}{r['median_server_ttft_ms']:>12.0f}{tps:>8}"
               f"{r['median_prompt_tokens']:>8.0f}{r['median_reused_tokens']:>8.0f}{r['answer_agreement_vs_full']:>7.2f}"
-              f"{r['f1_vs_full']:>8.2f}{r['f1_vs_gold']:>8.2f}{rps:>10}")
+              f"{r['f1_vs_full']:>8.2f}{r['f1_vs_gold']:>8.2f}{rps}")
     if summary["blend_ttft_speedup_vs_full"]:
         print(f"blend e2e TTFT speed-up vs full: {summary['blend_ttft_speedup_vs_full']:.2f}x (target 4x)")
+    for n, ratio in summary["blend_throughput_vs_full_by_clients"].items():
+        print(f"{n} clients: blend {ratio:.2f}x full's requests/s")
 
 
 async def bench(args: argparse.Namespace, questions: list[Question], headers: dict) -> dict:
@@ -142,10 +161,12 @@ async def bench(args: argparse.Namespace, questions: list[Question], headers: di
         model = client.get("/v1/models").json()["data"][0]["id"]
         ingest_s = ingest(client, questions)
     async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=600) as client:
-        runs = await latency_phase(client, questions, modes, args.max_tokens)
-        throughput = {}
-        for mode in [m.strip() for m in args.throughput_modes.split(",") if m.strip()]:
-            throughput[mode] = await throughput_phase(client, questions, mode, args.concurrency, args.max_tokens)
+        runs = await latency_phase(client, questions[: args.latency_questions], modes, args.max_tokens)
+        throughput: dict[str, dict[int, float]] = {}
+        for clients in args.concurrency:  # the modes side by side at each count
+            for mode in [m.strip() for m in args.throughput_modes.split(",") if m.strip()]:
+                throughput.setdefault(mode, {})[clients] = await throughput_phase(client, questions, mode, clients,
+                                                                                  args.max_tokens)
     return summarize(runs, throughput, args, ingest_s, model)
 
 
