@@ -12,7 +12,7 @@
 #   engine7b   ragblend bench engine at Llama-2-7B shape on the data set's prompts: TTFT per mode, decode
 #   decode8b   the batched decode step at 3k-token caches, Llama-3-8B shape (eager and CUDA-graphed buckets)
 #   server     ragblend serve on a random Llama-3-8B, ingest, ragblend bench server (1, 8, 16 clients) and
-#              bench server-modes (blend's requests/s against full's at 8 and 16 clients)
+#              bench server-modes (TTFT per mode; blend's requests/s against full's at 8 and 16 clients)
 #   (and, not by default, the first GPU run's: decode7b, decode7b512, shapes, packing)
 #
 # Prepare it here, once: `python -m bench.device_pack pack` writes .device/ (the tokenizer, the embedder's
@@ -44,7 +44,7 @@ fi
 if [ $DRY_RUN = 1 ]; then
   DEVICE=cpu M7=random:tiny-llama M8=random:tiny-llama SERVER_MODEL=random:tiny-llama
   ROUNDS=1 CHUNK=40 PASSAGES=2 QUESTIONS=1 DECODE_TOKENS=4 CONTEXT=64 BATCHES=1,2 DECODE_STEPS=2
-  SERVER_SIZES="--questions 2 --latency-questions 1 --passages 2 --max-tokens 4 --concurrency 1,2 --modes-concurrency 2 --max-running 2"
+  SERVER_SIZES="--questions 2 --passages 2 --max-tokens 4 --concurrency 1,2 --modes-clients 1 --throughput-clients 2 --rounds 1 --max-running 2"
   TESTS=${TESTS:-tests/test_prefill_graph.py -k bucket_rows}
   DATA=${DATA:-../shared/data/musique_dev.json}
   if [ ! -d "$PACK/tokenizer" ]; then
@@ -56,7 +56,7 @@ if [ $DRY_RUN = 1 ]; then
 else
   DEVICE=cuda M7=random:llama-7b M8=random:llama-3-8b SERVER_MODEL=random:llama-3-8b
   ROUNDS=5 CHUNK=600 PASSAGES=5 QUESTIONS=3 DECODE_TOKENS=64 CONTEXT=3000 BATCHES=1,2,4,8,16 DECODE_STEPS=8
-  SERVER_SIZES="--questions 32 --latency-questions 8 --passages 5 --max-tokens 32 --concurrency 1,8,16 --modes-concurrency 8,16"
+  SERVER_SIZES="--questions 16 --passages 5 --max-tokens 32 --concurrency 1,8,16 --modes-clients 8 --throughput-clients 16 --rounds 2"
   TESTS=${TESTS:-tests/test_prefill_graph.py tests/test_decode_buckets.py}
   DATA=${DATA:-$PACK/data/musique_dev.json}
   SUMMARY_FLAGS=

@@ -1,9 +1,10 @@
 """The server end to end on a lent GPU (a step of bench/device_check.sh): one `ragblend serve` over a
 random-weight model of a real architecture, read through the packed tokenizer, with the packed
 embedder (bench/device_pack.py), started here on a free loopback port; then, against it,
-`ragblend bench server` (streaming clients at each count: TTFT, inter-token latency, tok/s) and
-`ragblend bench server-modes` (TTFT per mode, then blend's requests/s against full's at each client
-count), and the KV store's counters per tier from /metrics after that request stream.
+`ragblend bench server` (streaming clients at each count: TTFT, inter-token latency, tok/s),
+`ragblend bench server-modes` twice (TTFT per mode one request at a time and full's and blend's
+requests/s with 8 clients at once; then requests/s with 16), and the KV store's counters per tier from
+/metrics after that request stream.
 
 The model defaults to Llama-3-8B's shape: with GQA, 16 answers' caches of ~3.3k tokens and the
 decode bucket's pool take ~15 GB; at Llama-2-7B's (no GQA) they would take ~56 GB beside its 13.5 GB
@@ -35,9 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pack", type=Path, default=REPO_ROOT / ".device", help="bench/device_pack.py's output")
     parser.add_argument("--data", type=Path, default=None, help="default: the pack's data/musique_dev.json")
     parser.add_argument("--concurrency", default="1,8,16", help="`bench server`'s client counts")
-    parser.add_argument("--modes-concurrency", default="8,16", help="`bench server-modes`' throughput client counts")
-    parser.add_argument("--questions", type=int, default=32, help="questions (5 passages each) ingested and asked")
-    parser.add_argument("--latency-questions", type=int, default=8, help="questions asked in every mode, one at a time")
+    parser.add_argument("--modes-clients", type=int, default=8,
+                        help="`bench server-modes`' clients at once after its TTFT per mode (as many questions)")
+    parser.add_argument("--throughput-clients", type=int, default=16,
+                        help="then `bench server-modes`' clients at once, full's and blend's requests/s alone")
+    parser.add_argument("--rounds", type=int, default=2, help="`bench server-modes`' throughput rounds")
+    parser.add_argument("--questions", type=int, default=16, help="questions (5 passages each) `bench server` asks")
     parser.add_argument("--passages", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-running", type=int, default=16, help="scheduler.max_running")
@@ -89,10 +93,13 @@ def run(args: argparse.Namespace) -> int:
         try:
             status |= cli(["bench", "server", *common, "--concurrency", args.concurrency, "--ignore-eos",
                            "--questions", str(args.questions), "--settle-s", "1", "--out", str(out / "server.json")])
-            status |= cli(["bench", "server-modes", *common, "--concurrency", args.modes_concurrency,
-                           "--questions", str(args.questions), "--latency-questions", str(args.latency_questions),
-                           "--modes", "full,blend,reuse", "--throughput-modes", "full,blend",
+            modes = ["--throughput-modes", "full,blend", "--throughput-rounds", str(args.rounds)]
+            status |= cli(["bench", "server-modes", *common, *modes, "--modes", "full,blend,reuse",
+                           "--questions", str(args.modes_clients), "--concurrency", str(args.modes_clients),
                            "--out", str(out / "server_modes.json")])
+            status |= cli(["bench", "server-modes", *common, *modes, "--modes", "",
+                           "--questions", str(args.throughput_clients), "--concurrency", str(args.throughput_clients),
+                           "--out", str(out / "server_throughput.json")])
             (out / "server_kv.json").write_text(json.dumps(kv_counters(server.url), indent=1) + "\n")
         finally:
             (out / "server_process.log").write_text(server.log_tail())

@@ -35,6 +35,9 @@ class ChunkKV:
     context_ids: tuple[int, ...]  # the attention-sink prefix it was computed behind
     keys: torch.Tensor  # [num_layers, num_kv_heads, num_tokens, head_dim], pre-RoPE
     values: torch.Tensor  # [num_layers, num_kv_heads, num_tokens, head_dim]
+    # The KV store's namespace it is stored under (a collection's salt, part of its key: kv_store/keys.py),
+    # carried so a stored copy records it; the engine never reads it.
+    salt: str = ""
 
     def __post_init__(self) -> None:
         if self.keys.shape != self.values.shape or self.keys.dim() != 4:
@@ -59,7 +62,8 @@ class ChunkKV:
         return self.keys.nbytes + self.values.nbytes
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> ChunkKV:
-        return ChunkKV(self.token_ids, self.context_ids, self.keys.to(device, dtype), self.values.to(device, dtype))
+        return ChunkKV(self.token_ids, self.context_ids, self.keys.to(device, dtype), self.values.to(device, dtype),
+                       self.salt)
 
 
 class CachedChunk(Protocol):

@@ -17,7 +17,7 @@ _EXPORTS = {
     "CorruptEntryError": "kv_store.errors", "EntryLostError": "kv_store.errors", "KVStoreError": "kv_store.errors",
     "SourceStats": "kv_store.loader", "StoredChunk": "kv_store.loader", "StoreLayerSource": "kv_store.loader",
     "StoreStats": "kv_store.stats", "TierStats": "kv_store.stats",
-    "KVStore": "kv_store.store",
+    "KVStore": "kv_store.store", "KVScope": "kv_store.keys",
 }
 __all__ = sorted(_EXPORTS)
 
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from kv_store.backend import Backend, LayerReader
     from kv_store.config import StoreConfig
     from kv_store.errors import CorruptEntryError, EntryLostError, KVStoreError
+    from kv_store.keys import KVScope
     from kv_store.loader import SourceStats, StoredChunk, StoreLayerSource
     from kv_store.planner import CostModel, LoadPlan, LoadPlanner, PlanKind, PlanRequest, PrefillShape
     from kv_store.stats import StoreStats, TierStats

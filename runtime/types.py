@@ -3,7 +3,7 @@ generation emits (text pieces, then one DoneEvent with its usage and timings).""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from blend_engine.types import FinishReason, PrefillMode, SamplingParams, SelectionKind
@@ -64,7 +64,6 @@ class DoneEvent:
     mode: PrefillMode
     recompute_ratio: float | None = None
     is_guarded: bool = False  # the quality guard raised the ratio
-    kv_tiers: dict[str, int] = field(default_factory=dict)
     plan: PlanReport | None = None  # the loading planner's choice (mode 'auto' or ratio 'auto')
 
 

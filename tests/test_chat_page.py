@@ -19,7 +19,7 @@ import pytest
 
 from app.testing import LiveServer
 from configs.settings import load_settings
-from tests.browser import launch, wait_until
+from tests.browser import launched, wait_until
 from tests.docgen import make_pdf
 
 pytestmark = pytest.mark.smollm2
@@ -44,13 +44,8 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser():
-    with playwright_api.sync_playwright() as playwright:
-        browser, reason = launch(playwright)
-        if browser is None:
-            print(f"\nSKIP browser tests: {reason}")
-            pytest.skip(reason)
+    with launched() as browser:
         yield browser
-        browser.close()
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from bench.device_summary import TARGETS
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STEPS = ["tests", "prefill7b", "prefill8b", "engine7b", "decode8b", "server"]
 TABLES = ["## Targets", "## Prefill, ", "## Engine bench, ", "## Batched decode, ", "## Server, random",
-          "## Server, per mode", "## KV store after the request stream"]
+          "## Server, per mode", "## Server, requests/s per mode", "## KV store after the request stream"]
 WORDS = ("harbour lantern orchard basalt meridian copper violet glacier thistle ember quarry saffron "
          "lagoon falcon marble juniper").split()
 
@@ -51,13 +51,16 @@ def test_the_device_check_runs_dry_on_cpu_and_brings_back_its_tables(tmp_path):
     assert summary["dry_run"] is True
     assert [s["step"] for s in figures["steps"]] == STEPS and all(s["exit"] == 0 for s in figures["steps"])
     assert "passed" in figures["tests"]
-    for name in ("prefill_7b", "prefill_8b", "engine_7b", "decode_8b", "server", "server_modes", "server_kv"):
+    for name in ("prefill_7b", "prefill_8b", "engine_7b", "decode_8b", "server", "server_modes", "server_throughput",
+                 "server_kv"):
         assert name in figures, name
     prefill = figures["prefill_7b"]["prefill"]
     assert set(prefill["ms"]) == {f"{m}_{g}" for m in ("full", "reuse", "blend") for g in ("eager", "graphed")}
     assert {row["batch_size"] for row in figures["decode_8b"]["graphed"]} == {1, 2}
     assert figures["server_kv"]["hits"]  # the stored chunks were read back under the request stream
-    assert set(figures["server_modes"]["blend_throughput_vs_full_by_clients"]) == {"2"}
+    assert set(figures["server_modes"]["results"]) == {"full", "blend", "reuse"}
+    throughput = figures["server_throughput"]["throughput"]
+    assert throughput["clients"] == 2 and throughput["ratios"]["blend/full"]["requests_per_s"]["median"] > 0
     targets = {t["name"]: t for t in summary["targets"]}
     assert len(targets) == len(TARGETS)
     # measured in the dry run: all but the host-over-GPU time (no GPU) and the 16-client and batch-16

@@ -161,10 +161,10 @@ def test_a_batch_failing_part_way_names_the_documents_committed_before(server, m
     writer = server.components.documents.writer
     real_write = writer.write
 
-    def failing_write(doc, chunking, precompute):
+    def failing_write(doc, chunking, precompute, collection):
         if doc.id == "second":
             raise RuntimeError("disk on fire")
-        return real_write(doc, chunking, precompute)
+        return real_write(doc, chunking, precompute, collection)
 
     monkeypatch.setattr(writer, "write", failing_write)
     with httpx.Client(base_url=server.url, timeout=60) as http:

@@ -19,6 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int)
     parser.add_argument("--recompute-ratio", help="a number in [0, 1] or 'auto'")
     parser.add_argument("--chunk-id", action="append", dest="chunk_ids", help="use this chunk (repeatable)")
+    parser.add_argument("--collection", action="append", dest="collections",
+                        help="the knowledge base to ask (repeatable; default: `default`, a scoped key: its own)")
     add_client_arguments(parser)
 
 
@@ -27,6 +29,8 @@ def request_body(args: argparse.Namespace) -> dict:
     for name in ("mode", "top_k", "max_tokens", "chunk_ids"):
         if getattr(args, name) is not None:
             body[name] = getattr(args, name)
+    if args.collections:
+        body["collection"] = args.collections
     if args.recompute_ratio is not None:
         body["recompute_ratio"] = args.recompute_ratio if args.recompute_ratio == "auto" else float(args.recompute_ratio)
     return body

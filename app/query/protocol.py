@@ -10,16 +10,21 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, field_val
 from app.text import NUL_MESSAGE, nul_location
 from blend_engine.types import PrefillMode, SelectionKind
 from configs.enums import RequestMode
+from retrieval.store_types import COLLECTION_NAME_PATTERN
 
 Ratio = float
 # Strict numbers: JSON "3" or true is not an int (no coercion); an int is still a valid float.
 StrictInt = Annotated[int, Strict()]
 StrictFloat = Annotated[float, Strict()]
+CollectionName = Annotated[str, Field(pattern=COLLECTION_NAME_PATTERN)]
 
 
 class GenerationOptions(BaseModel):
     """Retrieval, prefill and sampling options shared by /v1/query and /v1/chat/completions."""
 
+    collection: CollectionName | list[CollectionName] | None = Field(
+        None, description="The collection(s) (knowledge bases) to retrieve from, one name or a list; default: "
+        "`default` (a scoped key: all of its own).")
     top_k: StrictInt | None = Field(None, ge=1, description="Chunks to retrieve (limit: limits.max_top_k).")
     chunk_ids: list[str] | None = Field(
         None, min_length=1, description="Skip retrieval: use exactly these chunks, in this order."
@@ -45,6 +50,20 @@ class GenerationOptions(BaseModel):
     )
     stream: StrictBool = False
 
+    @property
+    def collections(self) -> list[str] | None:
+        """The collections named, as a list (None: none named)."""
+        if self.collection is None:
+            return None
+        return [self.collection] if isinstance(self.collection, str) else list(self.collection)
+
+    @field_validator("collection")
+    @classmethod
+    def _some(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and not 1 <= len(value) <= 100:
+            raise ValueError("name 1 to 100 collections")
+        return value
+
     @field_validator("chunk_ids")
     @classmethod
     def _unique(cls, value: list[str] | None) -> list[str] | None:
@@ -66,6 +85,7 @@ class QueryRequest(GenerationOptions):
 class SourceOut(BaseModel):
     chunk_id: str
     document_id: str
+    collection: str
     title: str | None
     score: float | None
     text: str

@@ -11,7 +11,7 @@ from typing import Sequence
 import anyio
 
 from app.errors import InvalidRequestError, NotFoundError
-from app.rag.types import RagContext, RagRequest, Source
+from app.rag.types import GenerationEvent, RagContext, RagRequest, Source
 from blend_engine.engine import BlendEngine
 from blend_engine.threads import pin_one_thread
 from blend_engine.types import Segment
@@ -45,8 +45,8 @@ class RagPipeline:
     def _scored_chunks(self, request: RagRequest) -> list[ScoredChunk]:
         pin_one_thread()  # the query's embedding runs torch on this worker thread: one thread, no pool
         if request.chunk_ids is None:
-            return self.retriever.search(request.question, request.top_k)
-        found, missing = self.retriever.named(request.chunk_ids)
+            return self.retriever.search(request.question, request.top_k, request.collections)
+        found, missing = self.retriever.named(request.chunk_ids, request.collections)
         if missing:
             raise NotFoundError(f"unknown chunk id(s): {', '.join(missing[:10])}")
         return found
@@ -82,7 +82,7 @@ class RagPipeline:
         chunks = [Segment(s.token_ids) for s in sources]
         return self.engine.prompts.segments(request.question, chunks, list(request.history))
 
-    def start(self, request: RagRequest, context: RagContext, t_start: float) -> JobStream:
+    def start(self, request: RagRequest, context: RagContext, t_start: float) -> JobStream[GenerationEvent]:
         """Queue the generation on the engine loop (QueueFull when full): TokenEvents, then one DoneEvent."""
         return self.loop.generate(prefill_request(request, context.sources), t_start, context.retrieval_ms,
                                   context.num_prompt_tokens or None)
@@ -99,7 +99,7 @@ def prefill_request(request: RagRequest, sources: Sequence[Source]) -> PrefillRe
 
 def _source(scored: ScoredChunk) -> Source:
     c = scored.chunk
-    return Source(c.id, c.document_id, c.title, scored.score, c.text, c.token_ids, c.kv_key, c.pages)
+    return Source(c.id, c.document_id, c.title, scored.score, c.text, c.token_ids, c.kv_key, c.pages, c.collection)
 
 
 def _lowest_ranked(sources: list[Source]) -> int:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from blend_engine.types import SamplingParams, SelectionKind
 from configs.enums import RequestMode
 from retrieval.config import RetrievalConfig
+from retrieval.store_types import DEFAULT_COLLECTION
 from runtime.types import (  # noqa: F401 (the events are the runtime's; re-exported for app/)
     DoneEvent, GenerationEvent, PromptChunk, RecomputeRatio, Timings, TokenEvent, Usage,
 )
@@ -22,6 +23,7 @@ class RagRequest:
     recompute_ratio: RecomputeRatio = None  # None: the configured ratio
     selection: SelectionKind | None = None  # None: the configured selection
     history: tuple[dict[str, str], ...] = ()  # earlier chat messages
+    collections: tuple[str, ...] = (DEFAULT_COLLECTION,)  # searched, and the only ones chunk_ids may name
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class Source:
     token_ids: tuple[int, ...]
     kv_key: str | None
     pages: tuple[int, int] | None = None  # PDFs: first and last page
+    collection: str = DEFAULT_COLLECTION
 
 
 @dataclass(frozen=True)
