@@ -43,7 +43,8 @@ class StreamedAnswer:
     token_s: tuple[float, ...]  # each `token` event arrived
     end_s: float  # the stream ended
     answer: str
-    done: dict[str, Any]  # the `done` event: mode, usage, timings, plan
+    done: dict[str, Any]  # the `done` event: mode, finish_reason, usage, timings, plan
+    sources: tuple[dict[str, Any], ...] = ()  # the `sources` event: the chunks the prompt held, with their text
 
     @property
     def ttft_ms(self) -> float:
@@ -71,6 +72,11 @@ class StreamedAnswer:
         return (n - 1) / decode_s if n > 1 and decode_s > 0 else None
 
     @property
+    def finish_reason(self) -> str | None:
+        """'stop', 'length' (ran to max_tokens), ..., as the `done` event says."""
+        return self.done.get("finish_reason")
+
+    @property
     def timings(self) -> dict[str, float]:
         return self.done.get("timings", {})
 
@@ -84,6 +90,7 @@ async def stream_query(client: httpx.AsyncClient, body: dict[str, Any]) -> Strea
     pieces: list[str] = []
     token_s: list[float] = []
     done: dict[str, Any] = {}
+    sources: list[dict[str, Any]] = []
     sent = time.perf_counter()
     async with client.stream("POST", "/v1/query", json={**body, "stream": True}) as response:
         if response.status_code != 200:
@@ -98,10 +105,12 @@ async def stream_query(client: httpx.AsyncClient, body: dict[str, Any]) -> Strea
     for kind, data in iter_events(lines):
         if kind == "token":
             pieces.append(data["text"])
+        elif kind == "sources":
+            sources = data["sources"]
         elif kind == "done":
             done = data
         elif kind == "error":
             raise QueryFailed(data["error"]["message"])
     if not done:
         raise QueryFailed("the stream ended without a done event")
-    return StreamedAnswer(sent, tuple(token_s), end, "".join(pieces), done)
+    return StreamedAnswer(sent, tuple(token_s), end, "".join(pieces), done, tuple(sources))

@@ -1,0 +1,279 @@
+"""`ragblend bench answers`: end to end on a tiny random model (servers in this process, a 2-document
+set, a tiny MuSiQue file), the committed question set against its documents as the real extractors
+read them, and the scoring on hand-made answers where every figure is known."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+
+import pytest
+
+from app.cli import main
+from app.extract.dispatch import extract_file
+from app.extract.types import ExtractionLimits
+from bench import answers_bench, answers_settings
+from bench.answers_bench import in_turn, part_row, pick_questions, score_document_answer, score_musique_answer
+from bench.answers_set import DEFAULT_SET, collapse, contains_gold, load_set
+from bench.answers_settings import Setting, settings_named
+from bench.server_client import StreamedAnswer
+from tests.docgen import make_pdf
+
+TINY_CONFIG = 'model: {"name": "random:tiny-llama", "device": "cpu"}\n'
+ROW_KEYS = {"num_questions", "num_answers", "num_errors", "errors", "right", "num_right", "inside", "num_inside",
+            "right_when_inside", "source_top", "source_any", "num_source_scored", "ran_to_cap", "num_ran_to_cap",
+            "ttft_p50_ms", "ttft_p90_ms", "server_ttft_p50_ms", "completion_tokens_mean", "modes"}
+ANSWER_KEYS = {"part", "question", "setting", "repeat", "error", "answer", "finish_reason", "ran_to_cap", "ttft_ms",
+               "server_ttft_ms", "mode", "completion_tokens", "prompt_tokens", "sources", "chunks", "right", "inside",
+               "source_top", "source_any"}
+
+
+# ---- the committed set ---------------------------------------------------------------------------
+
+
+def extracted_texts(qset) -> dict[str, str]:
+    """Each document's text as an upload gets it (the server's own extractors)."""
+    texts = {}
+    for doc in qset.documents:
+        (extracted,) = extract_file(doc.path.name, doc.path.read_bytes(), ExtractionLimits(), doc.id)
+        assert extracted.file_format.value == doc.format, doc.id
+        texts[doc.id] = collapse(extracted.text)
+    return texts
+
+
+def test_every_question_is_stated_in_its_document_as_extracted():
+    qset = load_set(DEFAULT_SET)
+    texts = extracted_texts(qset)
+    for q in qset.questions:
+        evidence = q.evidence.search(texts[q.document])
+        assert evidence, f"{q.id}: its evidence is not in {q.document}'s extracted text"
+        assert q.pattern.search(evidence.group(0)), f"{q.id}: the evidence does not hold the answer"
+        assert q.is_right(q.answer), f"{q.id}: the short answer does not match its own pattern"
+        assert not q.is_right(q.question), f"{q.id}: echoing the question would count as right"
+
+
+def test_the_set_real_documents_several_formats_and_disjoint_halves():
+    qset = load_set(DEFAULT_SET)
+    assert len(qset.documents) >= 6 and len(qset.questions) >= 40
+    assert {"pdf", "html", "markdown", "text"} <= {d.format for d in qset.documents}
+    # kept out for an independent check: the PDF manuals Debian installs here, Redis/PostgreSQL/nginx configs
+    assert not any(re.search(r"tasn1|shared-mime|redis|postgres|nginx", f"{d.origin} {d.package}", re.I)
+                   for d in qset.documents)
+    assert all(d.path.stat().st_size < 300_000 for d in qset.documents)
+    dev, test = ({q.id for q in qset.split(s)} for s in ("dev", "test"))
+    assert dev and test and not dev & test and dev | test == {q.id for q in qset.questions}
+    assert qset.split("all") == list(qset.questions)
+    for doc_id, counts in qset.counts().items():
+        assert counts["dev"] + counts["test"] >= 6 and counts["dev"] >= 3 and counts["test"] >= 3, doc_id
+    assert abs(len(dev) - len(test)) <= 2
+
+
+def test_load_set_refuses_a_broken_set(tmp_path):
+    (tmp_path / "a.md").write_text("# A\nThe code is 4812.")
+    doc = {"id": "a.md", "file": "a.md", "format": "markdown", "origin": "here", "package": "none"}
+    question = {"id": "q", "document": "a.md", "split": "dev", "question": "Code?", "answer": "4812",
+                "pattern": "4812", "evidence": "code is 4812"}
+
+    def refused(documents, questions, match):
+        path = tmp_path / "set.json"
+        path.write_text(json.dumps({"documents": documents, "questions": questions}))
+        with pytest.raises(ValueError, match=match):
+            load_set(path)
+
+    refused([doc], [{**question, "split": "train"}], "split 'train'")
+    refused([doc], [{**question, "document": "b.md"}], "unknown documents: b.md")
+    refused([doc], [{**question, "pattern": "(4812"}], "question q: bad pattern")
+    refused([doc], [question, question], "repeated question ids: q")
+    refused([{**doc, "file": "missing.md"}], [question], "missing.md")
+    with pytest.raises(ValueError, match="not found"):
+        load_set(tmp_path / "none.json")
+
+
+# ---- scoring on known answers --------------------------------------------------------------------
+
+
+def streamed(answer: str, sources: list[tuple[str, str]], finish_reason: str = "stop") -> StreamedAnswer:
+    """An answer with sources (document id, chunk text), sent at 0 s, first token at 0.1 s."""
+    done = {"mode": "blend", "finish_reason": finish_reason, "usage": {"completion_tokens": 3, "prompt_tokens": 50},
+            "timings": {"ttft_ms": 90.0}}
+    return StreamedAnswer(0.0, (0.1,), 0.2, answer, done,
+                          tuple({"document_id": d, "chunk_id": f"{d}#{i}", "text": t} for i, (d, t) in enumerate(sources)))
+
+
+def test_document_answers_are_scored_by_pattern_evidence_and_source():
+    q = next(q for q in load_set(DEFAULT_SET).questions if q.id == "gzip-1")  # default level -6
+    assert q.pattern.pattern and q.document == "gzip.1.pdf"
+    # the fact stated across a line break and runs of spaces still counts as inside
+    chunk = "biased ... The default   compression\n level is -6 (that is"
+    right = score_document_answer(q, streamed("The default level is -6.", [("gzip.1.pdf", chunk)]))
+    assert right == {"right": True, "inside": True, "source_top": True, "source_any": True}
+    wrong = score_document_answer(q, streamed("It is 9 or 16.", [("zlib-faq.txt", "16 exabytes"), ("gzip.1.pdf", "-9 --best")]))
+    assert wrong == {"right": False, "inside": False, "source_top": False, "source_any": True}
+    assert score_document_answer(q, streamed("level 6", []))["source_any"] is False
+
+
+def test_musique_answers_are_scored_by_normalized_gold():
+    assert contains_gold("He studied at the Exeter College, Oxford.", ["Exeter College"])
+    assert contains_gold("exeter   college", ["The Exeter College"])
+    assert not contains_gold("He studied at Exeter.", ["Exeter College"])
+    assert not contains_gold("anything", [""])
+    scored = score_musique_answer(["Charles County"], {"m-1"}, streamed("charles county", [("m-0", "no"), ("m-1", "Charles County, MD")]))
+    assert scored == {"right": True, "inside": True, "source_top": False, "source_any": True}
+    # no passage holds the gold: no source can be right, so none is scored
+    assert score_musique_answer(["x y"], set(), streamed("x y", [("m-0", "z")]))["source_top"] is None
+
+
+def test_a_setting_row_on_known_records():
+    def record(right, inside, top, ttft, cap=False, error=None):
+        base = {"question": f"q{ttft}", "error": error}
+        return base if error else {**base, "right": right, "inside": inside, "source_top": top, "source_any": top,
+                                   "ran_to_cap": cap, "ttft_ms": ttft, "server_ttft_ms": ttft - 10,
+                                   "completion_tokens": 4, "mode": "blend"}
+
+    rows = [record(True, True, True, 100.0), record(False, True, None, 300.0, cap=True),
+            record(False, False, False, 200.0), record(None, None, None, 0, error="QueryFailed: queue full")]
+    row = part_row(rows)
+    assert set(row) == ROW_KEYS
+    assert row["num_questions"] == 4 and row["num_answers"] == 3 and row["num_errors"] == 1
+    assert row["right"] == pytest.approx(1 / 3) and row["inside"] == pytest.approx(2 / 3)
+    assert row["right_when_inside"] == 0.5 and row["num_source_scored"] == 2 and row["source_top"] == 0.5
+    assert row["ran_to_cap"] == pytest.approx(1 / 3) and row["ttft_p50_ms"] == 200.0
+    assert row["server_ttft_p50_ms"] == 190.0 and row["errors"] == ["QueryFailed: queue full"]
+
+
+def test_settings_take_turns_and_quick_checks_spread_over_documents():
+    a, b, c = (Setting(n) for n in "abc")
+    assert [in_turn([a, b, c], t) for t in range(4)] == [[a, b, c], [b, c, a], [c, a, b], [a, b, c]]
+    qset = load_set(DEFAULT_SET)
+    picked = pick_questions(qset, "test", 10)
+    assert len(picked) == 10 and len({q.document for q in picked}) == 8 and all(q.split == "test" for q in picked)
+    assert pick_questions(qset, "dev", None) == qset.split("dev")
+    with pytest.raises(ValueError, match="unknown settings nope"):
+        settings_named(["default", "nope"])
+    with pytest.raises(ValueError, match="named twice: full"):
+        settings_named(["full", "full"])
+    assert Setting("x", server={"b": 1, "a": {"c": 2}}).server_key == Setting("y", server={"a": {"c": 2}, "b": 1}).server_key
+    assert answers_bench.deep_merge({"model": {"name": "m", "device": "cpu"}, "x": 1},
+                                    {"model": {"device": "cuda"}}) == {"model": {"name": "m", "device": "cuda"}, "x": 1}
+
+
+# ---- end to end ----------------------------------------------------------------------------------
+
+
+WORDS = ("the river flows past an old mill near the town of harlow where people trade wool and the bridge "
+         "was painted red in the spring by a team of workers from the valley").split()
+
+
+def tiny_set(tmp_path) -> str:
+    """Two documents (Markdown, PDF; ids other than their file names) and a question on each, one per half."""
+    docs = tmp_path / "set"
+    docs.mkdir()
+    (docs / "vault.md").write_text("# Vault\n\nThe secret code of the blue vault is 4812. The vault is in Lisbon.\n")
+    (docs / "bridge.pdf").write_bytes(make_pdf([["The red bridge in Porto was painted in 1966."],
+                                                ["It is 300 metres long."]], title="Bridge"))
+    data = {
+        "documents": [{"id": "vault", "file": "vault.md", "format": "markdown", "origin": "test", "package": "none"},
+                      {"id": "bridge", "file": "bridge.pdf", "format": "pdf", "origin": "test", "package": "none"}],
+        "questions": [
+            {"id": "vault-1", "document": "vault", "split": "dev", "question": "What is the blue vault's code?",
+             "answer": "4812", "pattern": "4812", "evidence": "blue vault is 4812"},
+            {"id": "bridge-1", "document": "bridge", "split": "test", "question": "When was the red bridge painted?",
+             "answer": "1966", "pattern": "1966", "evidence": "painted in 1966"}],
+    }
+    path = docs / "questions.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def tiny_musique(tmp_path) -> str:
+    """Two MuSiQue-shaped questions, 3 passages each; the gold answer only in each question's passage 0."""
+    items = [{"question": f"where is mill number {qi}?", "answers": ["Harlow Town"],
+              "ctxs": [{"title": f"t{qi}{pi}", "text": (("harlow town " if pi == 0 else "") + " ".join(WORDS[pi:])) * 2}
+                       for pi in range(3)]} for qi in range(2)]
+    path = tmp_path / "musique.json"
+    path.write_text(json.dumps(items))
+    return str(path)
+
+
+def test_bench_answers_end_to_end_on_a_tiny_model(tmp_path, capsys, monkeypatch):
+    # a setting with a server override: its own server, retrieving one chunk
+    monkeypatch.setitem(answers_settings.SETTINGS, "top1-server", Setting("top1-server", server={"retrieval": {"top_k": 1}}))
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY_CONFIG)
+    out = tmp_path / "out" / "answers.json"
+    code = main(["bench", "answers", "--in-process", "--config", str(config), "--set", tiny_set(tmp_path),
+                 "--settings", "default,full,top1-server", "--repeats", "2", "--max-tokens", "3",
+                 "--musique", "2", "--musique-data", tiny_musique(tmp_path), "--musique-passages", "3",
+                 "--out", str(out)])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert code == 0
+    summary = json.loads(lines[-1])
+    assert json.loads(out.read_text()) == summary
+    assert summary["bench"] == "answers" and summary["model"] == "random" and summary["repeats"] == 2
+    assert [s["name"] for s in summary["settings"]] == ["default", "full", "top1-server"]
+    assert summary["questions_asked"] == {"vault": {"dev": 1, "test": 0}, "bridge": {"dev": 0, "test": 1}}
+    servers = summary["servers"]
+    assert [s["settings"] for s in servers] == [["default", "full"], ["top1-server"]]
+    assert servers[1]["overrides"] == {"retrieval": {"top_k": 1}} and servers[0]["url"] != servers[1]["url"]
+    assert servers[0]["documents"]["bridge"]["num_pages"] == 2 and servers[0]["documents"]["vault"]["num_chunks"] == 1
+    assert summary["musique"]["num_questions"] == 2
+    # every part, every setting: a row over 2 repeats of its questions
+    assert list(summary["results"]) == ["docs_test", "docs_dev", "musique"]
+    for part, rows in summary["results"].items():
+        assert list(rows) == ["default", "full", "top1-server"]
+        for row in rows.values():
+            assert set(row) == ROW_KEYS and row["num_errors"] == 0
+            assert row["num_answers"] == 2 * row["num_questions"] and row["ttft_p50_ms"] > 0
+    answers = summary["answers"]
+    assert all(set(a) >= ANSWER_KEYS for a in answers)
+    assert Counter((a["part"], a["setting"]) for a in answers) == {
+        (p, s): 2 * (2 if p == "musique" else 1) for p in ("docs_dev", "docs_test", "musique")
+        for s in ("default", "full", "top1-server")}
+    # the settings take turns: the first asked moves on by one each question, and each repeat
+    docs = [a for a in answers if a["part"] != "musique"]
+    assert [(a["question"], a["setting"]) for a in docs[:6]] == [
+        ("vault-1", "default"), ("vault-1", "full"), ("vault-1", "top1-server"),
+        ("bridge-1", "full"), ("bridge-1", "top1-server"), ("bridge-1", "default")]
+    assert docs[6]["setting"] == "full"
+    for a in answers:
+        assert a["completion_tokens"] <= 3 and a["ran_to_cap"] == (a["finish_reason"] == "length")
+        assert a["mode"] == "full" or a["setting"] != "full"  # (auto, the default, may plan a full prefill too)
+        assert len(a["sources"]) == 1 if a["setting"] == "top1-server" else len(a["sources"]) > 1
+        expected = {"vault-1": "vault", "bridge-1": "bridge"}.get(a["question"])
+        if expected:  # one small chunk per page or file: every chunk in a top-5 prompt, the fact inside
+            assert a["source_top"] == (a["sources"][0] == expected) and a["source_any"] == (expected in a["sources"])
+            if a["setting"] != "top1-server":
+                assert a["inside"] and a["source_any"]
+            assert a["right"] == bool(re.search({"vault-1": "4812", "bridge-1": "1966"}[a["question"]], a["answer"]))
+        else:  # MuSiQue: the documents were deleted first, each question's passages after it
+            mi = a["question"].split("-")[1]
+            assert all(s.startswith(f"musique-{mi}-") for s in a["sources"]) and a["num_gold_passages"] == 1
+            assert a["source_any"] == (f"musique-{mi}-0" in a["sources"]) == a["inside"]
+    table = "\n".join(lines[:-1])
+    assert "documents, test half (1 questions)" in table and "MuSiQue (2 questions)" in table
+    assert re.search(r"top1-server\s+\d/2\s+\d/2", table)
+
+
+def test_bench_answers_bad_arguments(tmp_path, capsys):
+    set_path = tiny_set(tmp_path)
+    assert main(["bench", "answers", "--set", set_path, "--settings", "default,nope", "--musique", "0"]) == 2
+    assert "unknown settings nope" in capsys.readouterr().err
+    assert main(["bench", "answers", "--set", set_path, "--musique-data", str(tmp_path / "none.json")]) == 2
+    assert "--musique 0 leaves the MuSiQue part out" in capsys.readouterr().err
+    assert main(["bench", "answers", "--set", set_path, "--repeats", "0"]) == 2
+    assert main(["bench", "answers", "--set", str(tmp_path / "none.json"), "--musique", "0"]) == 2
+    assert "question set not found" in capsys.readouterr().err
+
+
+def test_bench_answers_starts_ragblend_serve_children(tmp_path, capsys):
+    """Without --in-process: `ragblend serve` children on their own data dirs, a config merged for each."""
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY_CONFIG)
+    code = main(["bench", "answers", "--config", str(config), "--set", tiny_set(tmp_path), "--settings", "default",
+                 "--split", "test", "--max-tokens", "2", "--musique", "0"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    assert summary["model"] == "random" and list(summary["results"]) == ["docs_test"]
+    assert summary["results"]["docs_test"]["default"]["num_answers"] == 1
