@@ -20,6 +20,7 @@ from configs.enums import (
     DecodeCache,
     DeviationKind,
     HeadReduce,
+    RepetitionScope,
     RequestMode,
     ScoreCombine,
     SelectionKind,
@@ -195,3 +196,26 @@ class GenerationConfig:
     max_tokens: Annotated[int, Field(ge=1, le=4096, description="Default answer length cap in tokens.")] = 128
     temperature: Annotated[float, Field(ge=0.0, le=2.0, description="0 = greedy.")] = 0.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0, description="Nucleus sampling mass.")] = 1.0
+    # repetition control, applied to each sequence's own logits before sampling (greedy included):
+    # blend_engine/generate.py RepetitionControl; the defaults are measured (docs/decisions/0019)
+    repetition_penalty: Annotated[float, Field(
+        gt=0.0, le=2.0,
+        description="CTRL's repetition penalty (Hugging Face's repetition_penalty): a token already seen in "
+        "repetition_scope has a positive logit divided by it, a negative one multiplied (1: off; above 1 "
+        "discourages repeats). End-of-sequence tokens are never penalized.")] = 1.0
+    repetition_scope: Annotated[RepetitionScope, Field(
+        description="The tokens repetition_penalty covers: answer (the tokens generated so far) or "
+        "prompt_and_answer (the documents and question too, as Hugging Face and vLLM do).")] = (
+        RepetitionScope.ANSWER)
+    frequency_penalty: Annotated[float, Field(
+        ge=-2.0, le=2.0,
+        description="OpenAI's frequency_penalty: each token's logit is lowered by this times the number of times "
+        "it was generated so far (0: off).")] = 0.0
+    presence_penalty: Annotated[float, Field(
+        ge=-2.0, le=2.0,
+        description="OpenAI's presence_penalty: each token generated so far has its logit lowered by this, once "
+        "(0: off).")] = 0.0
+    no_repeat_ngram_size: Annotated[int, Field(
+        ge=0, le=32,
+        description="An n-gram of this many tokens is generated at most once in an answer (the answer's own "
+        "n-grams only: the documents' may be quoted; 0: off).")] = 0

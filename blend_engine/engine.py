@@ -312,7 +312,7 @@ class BlendEngine:
         room = self.max_context - result.cache.length
         if room <= 0:
             raise ValueError(f"the prompt fills the model's context of {self.max_context} tokens")
-        sampler = TokenSampler(self.tokenizer, self.eos_ids, sampling, room, result.logits.device)
+        sampler = TokenSampler(self.tokenizer, self.eos_ids, sampling, room, result.logits.device, result.token_ids)
         delta, next_token = sampler.push(result.logits)
         return DecodeSequence(result, sampler, next_token, self.decoder), delta
 

@@ -1,11 +1,92 @@
-"""The pieces of decoding from a fused cache: sampling, incremental detokenization, stop strings
-(put together per request by blend_engine/sequence.py's TokenSampler)."""
+"""The pieces of decoding from a fused cache: repetition control, sampling, incremental detokenization,
+stop strings (put together per request by blend_engine/sequence.py's TokenSampler)."""
 
 from __future__ import annotations
+
+from collections.abc import Collection, Sequence
 
 import torch
 
 from blend_engine.types import SamplingParams
+from configs.enums import RepetitionScope
+
+
+class RepetitionControl:
+    """One sequence's repetition penalties and n-gram block, applied to its own logits row before it
+    samples (greedy too: the argmax of the changed logits), so a sequence in a batch gets its own.
+
+    In the order vLLM applies them: CTRL's repetition penalty (a seen token's positive logit divided by
+    it, a negative one multiplied: Hugging Face's `RepetitionPenaltyLogitsProcessor`), over the answer's
+    tokens or the prompt's too; OpenAI's frequency and presence penalties over the answer's tokens
+    (logit - count * frequency - (count > 0) * presence); then every token that would complete an
+    n-gram the answer already holds gets -inf (Hugging Face's `NoRepeatNGramLogitsProcessor`, over the
+    answer only: blocking the prompt's n-grams would forbid quoting the documents). End-of-sequence
+    tokens keep their logit: a penalty never stops an answer from ending.
+
+    The state is kept as tokens come (counts over the vocabulary, the n-grams seen), not recomputed from
+    the whole sequence at each step."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = (), exempt_ids: Collection[int] = ()):
+        self.params = params
+        self.is_active = params.is_repetition_controlled
+        is_prompt_covered = params.repetition_scope is RepetitionScope.PROMPT_AND_ANSWER and params.repetition_penalty != 1.0
+        self._prompt_ids = tuple(prompt_ids) if is_prompt_covered else ()
+        self._exempt_ids = tuple(sorted(exempt_ids))
+        self._counts: torch.Tensor | None = None  # [vocab] float32: times each token was generated
+        self._is_seen: torch.Tensor | None = None  # [vocab] bool: the tokens the repetition penalty covers
+        self._exempt: torch.Tensor | None = None  # [E] long: end-of-sequence ids inside the vocabulary
+        self._generated: list[int] = []
+        self._ngrams: dict[tuple[int, ...], set[int]] = {}  # an n-gram's first n-1 tokens -> its last tokens
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [vocab] -> the penalized logits [vocab] (a new tensor; `logits` itself when inactive)."""
+        if not self.is_active:
+            return logits
+        if self._counts is None:
+            self._start(logits)
+        params, out = self.params, logits
+        if params.repetition_penalty != 1.0:
+            penalized = torch.where(out > 0, out / params.repetition_penalty, out * params.repetition_penalty)
+            out = torch.where(self._is_seen, penalized, out)
+        if params.frequency_penalty != 0.0:
+            out = out - self._counts * params.frequency_penalty
+        if params.presence_penalty != 0.0:
+            out = out - (self._counts > 0).to(out.dtype) * params.presence_penalty
+        blocked = self._blocked()
+        if blocked:
+            if out is logits:
+                out = logits.clone()
+            out.index_fill_(0, torch.tensor(sorted(blocked), device=out.device), float("-inf"))
+        if out is not logits and self._exempt.numel():
+            out.index_copy_(0, self._exempt, logits.index_select(0, self._exempt))
+        return out
+
+    def observe(self, token: int) -> None:
+        """The token just sampled: counted, seen, and the n-gram it ends recorded."""
+        if not self.is_active:
+            return
+        self._counts[token] += 1
+        self._is_seen[token] = True
+        self._generated.append(token)
+        n = self.params.no_repeat_ngram_size
+        if n and len(self._generated) >= n:
+            self._ngrams.setdefault(tuple(self._generated[len(self._generated) - n : -1]), set()).add(token)
+
+    def _blocked(self) -> set[int]:
+        """The tokens that would complete an n-gram generated before."""
+        n = self.params.no_repeat_ngram_size
+        if not n or len(self._generated) < n - 1:
+            return set()
+        return self._ngrams.get(tuple(self._generated[len(self._generated) - (n - 1) :]), set())
+
+    def _start(self, logits: torch.Tensor) -> None:
+        vocab, device = logits.shape[-1], logits.device
+        self._counts = torch.zeros(vocab, dtype=logits.dtype, device=device)
+        self._is_seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        prompt = [t for t in self._prompt_ids if 0 <= t < vocab]
+        if prompt:
+            self._is_seen[torch.tensor(prompt, device=device)] = True
+        self._exempt = torch.tensor([t for t in self._exempt_ids if 0 <= t < vocab], dtype=torch.long, device=device)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

@@ -1,7 +1,10 @@
-"""Chat-template-aware RAG prompts, as segments: [prefix, chunk_1, sep, chunk_2, ..., suffix].
+"""Chat-template-aware RAG prompts, as segments: [prefix, label_1, chunk_1, label_2, chunk_2, ..., suffix].
 
 The template is rendered once around a placeholder user message and split there, so any model's
-chat template works and the chunks' token ids are exactly their stored ones.
+chat template works and the chunks' token ids are exactly their stored ones. Each chunk is numbered by
+a label segment of its own before it ("[1] ", then "\n\n[2] ", ...: fresh tokens, never inside the chunk's
+stored tokens, and after the prefix the chunks' KV was computed behind), so the answer can cite the
+chunk it used as [n] (app/rag/citations.py maps each [n] back to its source).
 
 Control tokens never come from text: every message's content is replaced by a slot before the
 template is rendered, so only the template's own structure is encoded with special-token parsing on;
@@ -21,6 +24,7 @@ _SLOT = "\x00RAGBLEND_SLOT_{}\x00"
 _SLOT_PATTERN = re.compile("\x00RAGBLEND_SLOT_([0-9]+)\x00")
 DOCUMENTS_INTRO = "Documents:\n\n"
 CHUNK_SEPARATOR = "\n\n"
+CHUNK_LABEL = "[{number}] "  # chunk n's number, as the answer is asked to cite it
 QUESTION_INTRO = "\n\nQuestion: "
 ANSWER_HINT = "\nAnswer briefly."
 
@@ -84,15 +88,16 @@ class PromptBuilder:
         before, _, contents = self._template_halves(history)
         return self._encode_structure(before, contents) + self.encode(DOCUMENTS_INTRO)
 
+    def chunk_label(self, number: int) -> tuple[int, ...]:
+        """The label before chunk `number` (from 1): its number, after a separator from the chunk before."""
+        return self.encode((CHUNK_SEPARATOR if number > 1 else "") + CHUNK_LABEL.format(number=number))
+
     def segments(self, question: str, chunks: Sequence[Segment], history: Sequence[dict] = ()) -> list[Segment]:
-        """Prompt segments; the chunks keep their token ids and caches, separators and the rest are fresh."""
+        """Prompt segments; the chunks keep their token ids and caches, their labels and the rest are fresh."""
         _, after, contents = self._template_halves(history)
-        separator = self.encode(CHUNK_SEPARATOR)
         out = [Segment(self.prefix_ids(history))]
-        for i, chunk in enumerate(chunks):
-            if i:
-                out.append(Segment(separator))
-            out.append(chunk)
+        for number, chunk in enumerate(chunks, 1):
+            out += [Segment(self.chunk_label(number)), chunk]
         suffix = self.encode(QUESTION_INTRO + question + ANSWER_HINT) + self._encode_structure(after, contents)
         out.append(Segment(suffix))
         return out

@@ -54,6 +54,13 @@ class SelectionKind(str, Enum):
         return self in (SelectionKind.DEVIATION, SelectionKind.CHUNK_START, SelectionKind.QUERY_DEVIATION)
 
 
+class RepetitionScope(str, Enum):
+    """The tokens a repetition penalty (CTRL / Hugging Face's) covers."""
+
+    ANSWER = "answer"  # the tokens generated so far only: the documents' words stay free to be quoted
+    PROMPT_AND_ANSWER = "prompt_and_answer"  # the prompt's tokens too (Hugging Face's and vLLM's behaviour)
+
+
 class HeadReduce(str, Enum):
     """How query-aware selection combines the attention mass each head gives a cached token."""
 
