@@ -97,7 +97,8 @@ class PromptBuilder:
         _, after, contents = self._template_halves(history)
         out = [Segment(self.prefix_ids(history))]
         for number, chunk in enumerate(chunks, 1):
-            out += [Segment(self.chunk_label(number)), chunk]
+            label = self.chunk_label(number)
+            out += [Segment(label), chunk] if label else [chunk]
         suffix = self.encode(QUESTION_INTRO + question + ANSWER_HINT) + self._encode_structure(after, contents)
         out.append(Segment(suffix))
         return out

@@ -1,13 +1,21 @@
 """Truth in answers, on a live server with a tiny random model: a PDF chunk spanning two pages cites
 both (metadata, /v1/query and /v1/chat/completions sources, `ragblend ask`), and /readyz says ready
-only once the loading planner's start-up measurement has run (so the first question waits for nothing)."""
+only once the loading planner's start-up measurement has run (so the first question waits for nothing).
+An answer's [n] map to the prompt's n-th source, a number naming none is dropped, in every response shape."""
 
 from __future__ import annotations
+
+import json
+import re
 
 import httpx
 import pytest
 
 from app.cli import main
+from app.commands.ask import iter_events
+from app.query.serving import citations_out
+from app.rag.citations import citations
+from app.rag.types import Source
 from app.testing import LiveServer
 from configs.settings import load_settings
 from tests.docgen import make_pdf
@@ -62,3 +70,60 @@ def test_ragblend_ask_prints_the_pages(server, http, capsys):
     assert main(["ask", "harbour?", "--url", server.url, "--chunk-id", "harbour.pdf#0"]) == 0
     out = capsys.readouterr().out
     assert "harbour.pdf#0" in out and "pp. 1-3" in out, out
+
+
+def source(number: int, pages: tuple[int, int] | None = None) -> Source:
+    return Source(f"doc{number}#0", f"doc{number}", f"Doc {number}", 0.5, f"text {number}", (1, 2), None, pages)
+
+
+SOURCES = [source(1, (2, 3)), source(2), source(3)]
+
+
+@pytest.mark.parametrize(("answer", "numbers"), [
+    ("The code is 4812 [1].", [1]),
+    ("It is 5 [2][1], as [2] says.", [2, 1]),  # each once, in the order first cited
+    ("Both say so [1, 3]; see also [ 2 ].", [1, 3, 2]),
+    ("Either [3; 1].", [3, 1]),
+    ("No source [4], none [0], and [12] either.", []),  # no such source: dropped
+    ("Run argv[1] or x[2], then read [3].", [3]),  # an index in code is not a citation
+    ("Nothing cited here, [a] nor [].", []),
+])
+def test_each_cited_number_maps_to_its_source_and_no_other(answer, numbers):
+    assert [c.number for c in citations(answer, SOURCES)] == numbers
+    assert all(c.source is SOURCES[c.number - 1] for c in citations(answer, SOURCES))
+
+
+def test_the_api_citations_carry_the_chunk_document_title_and_pages():
+    assert [c.model_dump() for c in citations_out("See [1] and [2], not [7].", SOURCES)] == [
+        {"number": 1, "chunk_id": "doc1#0", "document_id": "doc1", "title": "Doc 1", "pages": [2, 3]},
+        {"number": 2, "chunk_id": "doc2#0", "document_id": "doc2", "title": "Doc 2", "pages": None},
+    ]
+
+
+def expected_citations(answer: str, sources: list[dict]) -> list[dict]:
+    """What the response should map, read here from the answer and its sources independently."""
+    numbers = dict.fromkeys(int(n) for group in re.findall(r"(?<![A-Za-z_])\[([\d,; ]+)\]", answer)
+                            for n in re.split(r"[,;]", group) if n.strip())
+    return [{"number": n, "chunk_id": sources[n - 1]["chunk_id"], "document_id": sources[n - 1]["document_id"],
+             "title": sources[n - 1]["title"], "pages": sources[n - 1]["pages"]}
+            for n in numbers if 1 <= n <= len(sources)]
+
+
+def test_every_response_shape_carries_the_answers_citations(http):
+    """/v1/query (JSON and SSE `done`) and /v1/chat/completions (the response and the last stream chunk)
+    carry `citations`: the sources the answer itself cites (a random model's answer may cite none)."""
+    body = {"chunk_ids": ["harbour.pdf#0"], "max_tokens": 24, "temperature": 1.5, "seed": 1}
+    query = http.post("/v1/query", json={"question": "harbour?", **body}).json()
+    assert query["citations"] == expected_citations(query["answer"], query["sources"])
+    with http.stream("POST", "/v1/query", json={"question": "harbour?", "stream": True, **body}) as streamed:
+        events = list(iter_events(streamed.iter_lines()))
+    answer = "".join(data["text"] for kind, data in events if kind == "token")
+    assert events[-1][0] == "done" and events[-1][1]["citations"] == expected_citations(answer, events[0][1]["sources"])
+    messages = [{"role": "user", "content": "harbour?"}]
+    chat = http.post("/v1/chat/completions", json={"messages": messages, **body}).json()
+    assert chat["citations"] == expected_citations(chat["choices"][0]["message"]["content"], chat["sources"])
+    with http.stream("POST", "/v1/chat/completions", json={"messages": messages, "stream": True, **body}) as streamed:
+        chunks = [json.loads(line[5:]) for line in streamed.iter_lines() if line.startswith("data:") and "[DONE]" not in line]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert chunks[-1]["citations"] == expected_citations(text, chunks[0]["sources"])
+    assert all("citations" not in c for c in chunks[:-1])

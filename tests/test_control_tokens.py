@@ -83,3 +83,15 @@ def test_ordinary_prompts_tokenize_as_before(tokenizer):
     ids = prompt_ids(builder, "Where is Paris?", [Segment(encode_text(tokenizer, BENIGN))])
     assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert tokenizer.decode(ids).endswith("Answer briefly.<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_chunks_are_numbered_by_label_segments_of_their_own(tokenizer):
+    """[1], [2], ... precede the chunks as fresh segments: each chunk segment is the caller's own (its
+    stored token ids and KV handle), and the prefix the chunks' KV was computed behind is unchanged."""
+    builder = PromptBuilder(tokenizer, SYSTEM)
+    chunks = [Segment(encode_text(tokenizer, BENIGN)), Segment(encode_text(tokenizer, "Rome is in Italy."))]
+    segments = builder.segments("Where is Paris?", chunks)
+    assert segments[0].token_ids == builder.prefix_ids()
+    assert segments[2] is chunks[0] and segments[4] is chunks[1]
+    assert [tokenizer.decode(s.token_ids) for s in (segments[1], segments[3])] == ["[1] ", "\n\n[2] "]
+    assert len(segments) == 6 and all(s.kv is None for s in segments)

@@ -6,7 +6,7 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.query.protocol import GenerationOptions, PlanOut, SourceOut, StrictInt, TimingsOut
+from app.query.protocol import CitationOut, GenerationOptions, PlanOut, SourceOut, StrictInt, TimingsOut
 
 
 def _is_unset(value: Any) -> bool:
@@ -24,8 +24,6 @@ UNSUPPORTED_PARAMETERS: dict[str, Callable[[Any], bool]] = {
     "top_logprobs": _is_unset,
     "logit_bias": _is_unset,
     "response_format": lambda value: value is None or value == {"type": "text"},
-    "presence_penalty": _is_unset,
-    "frequency_penalty": _is_unset,
     "audio": _is_unset,
     "modalities": lambda value: value is None or value == ["text"],
     "prediction": _is_unset,
@@ -51,7 +49,8 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(GenerationOptions):
-    """OpenAI's fields plus the RAG extras (top_k, mode, recompute_ratio, chunk_ids). Other fields
+    """OpenAI's fields (frequency_penalty and presence_penalty in OpenAI's range, [-2, 2]) plus the RAG
+    extras (top_k, mode, recompute_ratio, chunk_ids, repetition_penalty, no_repeat_ngram_size). Other fields
     (user, metadata, ...) are ignored, as OpenAI-compatible servers do, except the OpenAI parameters
     ragblend does not implement (UNSUPPORTED_PARAMETERS): asking for one is a 400 naming it."""
 
@@ -97,6 +96,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[Choice]
     usage: ChatUsage
     sources: list[SourceOut]
+    citations: list[CitationOut] = []  # the sources the answer cites as [n] (a number naming none left out)
     timings: TimingsOut
     mode: str
     recompute_ratio: float | None = None
@@ -123,6 +123,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChunkChoice]
     sources: list[SourceOut] | None = None  # on the first chunk
+    citations: list[CitationOut] | None = None  # on the last chunk: the sources the answer cites as [n]
     usage: ChatUsage | None = None  # on the last chunk
     timings: TimingsOut | None = None  # on the last chunk
     recompute_ratio: float | None = None  # on the last chunk

@@ -13,7 +13,7 @@ from app.chat.protocol import (
 )
 from app.errors import InvalidRequestError, NotFoundError, UnsupportedParameterError, stream_error_body
 from app.query.protocol import TimingsOut
-from app.query.serving import build_rag_request, plan_out, sources_out
+from app.query.serving import build_rag_request, citations_out, plan_out, sources_out
 from app.rag.collect import IsDisconnected, collect
 from app.rag.pipeline import RagPipeline
 from app.rag.types import DoneEvent, RagContext, RagRequest, TokenEvent
@@ -62,7 +62,8 @@ class ChatService:
         return ChatCompletionResponse(
             id=call.id, created=call.created, model=call.model,
             choices=[Choice(message=AssistantMessage(content=answer), finish_reason=_finish(done))],
-            usage=_usage(done), sources=sources_out(call.context.sources), timings=TimingsOut(**asdict(done.timings)),
+            usage=_usage(done), sources=sources_out(call.context.sources),
+            citations=citations_out(answer, call.context.sources), timings=TimingsOut(**asdict(done.timings)),
             mode=done.mode.value, recompute_ratio=done.recompute_ratio, quality_guarded=done.is_guarded,
             plan=plan_out(done),
             warnings=call.context.warnings,
@@ -70,7 +71,7 @@ class ChatService:
 
     async def chunks(self, call: ChatCall) -> AsyncIterator[str]:
         """OpenAI's stream: a first chunk with the role and the sources, content chunks, a last chunk
-        with finish_reason, usage and timings, then `data: [DONE]`."""
+        with finish_reason, usage, timings and the citations, then `data: [DONE]`."""
 
         def chunk(delta: DeltaMessage, **extra) -> str:
             body = ChatCompletionChunk(id=call.id, created=call.created, model=call.model,
@@ -81,11 +82,14 @@ class ChatService:
         try:
             yield chunk(DeltaMessage(role="assistant", content=""), sources=sources_out(call.context.sources),
                         warnings=call.context.warnings)
+            pieces: list[str] = []
             async for event in call.stream:
                 if isinstance(event, TokenEvent):
+                    pieces.append(event.text)
                     yield chunk(DeltaMessage(content=event.text))
                 else:
                     yield chunk(DeltaMessage(), finish=_finish(event), usage=_usage(event),
+                                citations=citations_out("".join(pieces), call.context.sources),
                                 timings=TimingsOut(**asdict(event.timings)), recompute_ratio=event.recompute_ratio,
                                 quality_guarded=event.is_guarded, mode=event.mode.value, plan=plan_out(event))
             yield sse("[DONE]")
