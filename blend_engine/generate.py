@@ -23,50 +23,57 @@ class RepetitionControl:
     answer only: blocking the prompt's n-grams would forbid quoting the documents). End-of-sequence
     tokens keep their logit: a penalty never stops an answer from ending.
 
-    The state is kept as tokens come (counts over the vocabulary, the n-grams seen), not recomputed from
-    the whole sequence at each step."""
+    The state is kept as tokens come (the distinct tokens seen, their counts, the n-grams), not
+    recomputed from the whole sequence at each step; the penalties read and write those tokens' logits
+    only (a few hundred of a vocabulary of tens of thousands)."""
 
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = (), exempt_ids: Collection[int] = ()):
         self.params = params
         self.is_active = params.is_repetition_controlled
+        self._exempt = frozenset(exempt_ids)
         is_prompt_covered = params.repetition_scope is RepetitionScope.PROMPT_AND_ANSWER and params.repetition_penalty != 1.0
-        self._prompt_ids = tuple(prompt_ids) if is_prompt_covered else ()
-        self._exempt_ids = tuple(sorted(exempt_ids))
-        self._counts: torch.Tensor | None = None  # [vocab] float32: times each token was generated
-        self._is_seen: torch.Tensor | None = None  # [vocab] bool: the tokens the repetition penalty covers
-        self._exempt: torch.Tensor | None = None  # [E] long: end-of-sequence ids inside the vocabulary
+        # the distinct tokens the repetition penalty covers, in the order first seen
+        self._covered: dict[int, None] = dict.fromkeys(t for t in prompt_ids if t not in self._exempt) \
+            if is_prompt_covered else {}
+        self._counts: dict[int, int] = {}  # generated token -> times generated (exempt ones left out)
         self._generated: list[int] = []
         self._ngrams: dict[tuple[int, ...], set[int]] = {}  # an n-gram's first n-1 tokens -> its last tokens
+        self._covered_ids: torch.Tensor | None = None  # [C] long: `_covered` on the logits' device, made anew
+        self._generated_ids: torch.Tensor | None = None  # [G] long: `_counts`' keys, likewise
+        self._is_stale = True  # a token joined since the tensors were made
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [vocab] -> the penalized logits [vocab] (a new tensor; `logits` itself when inactive)."""
         if not self.is_active:
             return logits
-        if self._counts is None:
-            self._start(logits)
-        params, out = self.params, logits
-        if params.repetition_penalty != 1.0:
-            penalized = torch.where(out > 0, out / params.repetition_penalty, out * params.repetition_penalty)
-            out = torch.where(self._is_seen, penalized, out)
-        if params.frequency_penalty != 0.0:
-            out = out - self._counts * params.frequency_penalty
-        if params.presence_penalty != 0.0:
-            out = out - (self._counts > 0).to(out.dtype) * params.presence_penalty
-        blocked = self._blocked()
+        params, out, vocab = self.params, logits, logits.shape[-1]
+        if self._is_stale:
+            self._covered_ids = _ids([t for t in self._covered if t < vocab], logits.device)
+            self._generated_ids = _ids([t for t in self._counts if t < vocab], logits.device)
+            self._is_stale = False
+        if params.repetition_penalty != 1.0 and self._covered_ids.numel():
+            seen = out.index_select(0, self._covered_ids)  # [C]
+            seen = torch.where(seen > 0, seen / params.repetition_penalty, seen * params.repetition_penalty)
+            out = out.index_copy(0, self._covered_ids, seen)
+        if (params.frequency_penalty != 0.0 or params.presence_penalty != 0.0) and self._generated_ids.numel():
+            counts = torch.tensor([self._counts[t] for t in self._counts if t < vocab], dtype=out.dtype)  # [G]
+            penalty = counts.to(out.device) * params.frequency_penalty + params.presence_penalty
+            out = out.index_add(0, self._generated_ids, penalty, alpha=-1)
+        blocked = [t for t in self._blocked() if t < vocab and t not in self._exempt]
         if blocked:
-            if out is logits:
-                out = logits.clone()
-            out.index_fill_(0, torch.tensor(sorted(blocked), device=out.device), float("-inf"))
-        if out is not logits and self._exempt.numel():
-            out.index_copy_(0, self._exempt, logits.index_select(0, self._exempt))
+            out = out.index_fill(0, _ids(blocked, out.device), float("-inf"))
         return out
 
     def observe(self, token: int) -> None:
-        """The token just sampled: counted, seen, and the n-gram it ends recorded."""
+        """The token just sampled: counted, covered, and the n-gram it ends recorded."""
         if not self.is_active:
             return
-        self._counts[token] += 1
-        self._is_seen[token] = True
+        if token not in self._exempt:
+            self._is_stale |= token not in self._counts or (
+                self.params.repetition_penalty != 1.0 and token not in self._covered)
+            self._counts[token] = self._counts.get(token, 0) + 1
+            if self.params.repetition_penalty != 1.0:
+                self._covered.setdefault(token, None)
         self._generated.append(token)
         n = self.params.no_repeat_ngram_size
         if n and len(self._generated) >= n:
@@ -79,14 +86,9 @@ class RepetitionControl:
             return set()
         return self._ngrams.get(tuple(self._generated[len(self._generated) - (n - 1) :]), set())
 
-    def _start(self, logits: torch.Tensor) -> None:
-        vocab, device = logits.shape[-1], logits.device
-        self._counts = torch.zeros(vocab, dtype=logits.dtype, device=device)
-        self._is_seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-        prompt = [t for t in self._prompt_ids if 0 <= t < vocab]
-        if prompt:
-            self._is_seen[torch.tensor(prompt, device=device)] = True
-        self._exempt = torch.tensor([t for t in self._exempt_ids if 0 <= t < vocab], dtype=torch.long, device=device)
+
+def _ids(tokens: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(tokens, dtype=torch.long, device=device)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
