@@ -196,6 +196,10 @@ class GenerationConfig:
     max_tokens: Annotated[int, Field(ge=1, le=4096, description="Default answer length cap in tokens.")] = 128
     temperature: Annotated[float, Field(ge=0.0, le=2.0, description="0 = greedy.")] = 0.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0, description="Nucleus sampling mass.")] = 1.0
+    stop: Annotated[tuple[str, ...], Field(
+        max_length=8,
+        description="Stop strings: the answer ends before the first of them (a request's own `stop` replaces "
+        "these; [] for none).")] = ()
     # repetition control, applied to each sequence's own logits before sampling (greedy included):
     # blend_engine/generate.py RepetitionControl; the defaults are measured (docs/decisions/0019)
     repetition_penalty: Annotated[float, Field(

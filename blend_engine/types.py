@@ -75,7 +75,7 @@ class SamplingParams:
     temperature: float = GenerationConfig.temperature  # 0 = greedy
     top_p: float = GenerationConfig.top_p
     seed: int | None = None
-    stop: tuple[str, ...] = ()
+    stop: tuple[str, ...] = GenerationConfig.stop
     is_eos_ignored: bool = False  # generate max_tokens whatever the model says (benchmarks: vLLM's ignore_eos)
     # repetition control (blend_engine/generate.py RepetitionControl; their meaning: GenerationConfig's)
     repetition_penalty: float = GenerationConfig.repetition_penalty  # 1: off

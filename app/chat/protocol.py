@@ -58,7 +58,6 @@ class ChatCompletionRequest(GenerationOptions):
 
     model: str | None = None
     messages: list[ChatMessage] = Field(..., min_length=1)
-    stop: str | list[str] | None = None
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     n: StrictInt = Field(1, ge=1, description="Only one choice is generated (n > 1 is a 400).")
 

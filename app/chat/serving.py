@@ -48,11 +48,10 @@ class ChatService:
             raise NotFoundError(f"model not found: {body.model!r}; this server serves {self.model_id!r}")
         if body.messages[-1].role != "user":
             raise InvalidRequestError("the last message must be the user's question")
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if body.max_tokens is None and body.max_completion_tokens is not None:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
         history = [{"role": m.role, "content": m.text} for m in body.messages[:-1]]
-        request = build_rag_request(self.settings, body.messages[-1].text, body, stop=stop, history=history)
+        request = build_rag_request(self.settings, body.messages[-1].text, body, history=history)
         context = await self.pipeline.retrieve(request)
         stream = self.pipeline.start(request, context, t_start)
         return ChatCall(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_id, request, context, stream)

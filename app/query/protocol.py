@@ -19,6 +19,11 @@ StrictFloat = Annotated[float, Strict()]
 class GenerationOptions(BaseModel):
     """Retrieval, prefill and sampling options shared by /v1/query and /v1/chat/completions."""
 
+    @property
+    def stop_strings(self) -> tuple[str, ...] | None:
+        """The request's stop strings (None: it gave none, the configured ones apply)."""
+        return (self.stop,) if isinstance(self.stop, str) else None if self.stop is None else tuple(self.stop)
+
     top_k: StrictInt | None = Field(None, ge=1, description="Chunks to retrieve (limit: limits.max_top_k).")
     chunk_ids: list[str] | None = Field(
         None, min_length=1, description="Skip retrieval: use exactly these chunks, in this order."
@@ -38,6 +43,10 @@ class GenerationOptions(BaseModel):
     temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0)
     top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
     seed: StrictInt | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = Field(
+        None, description="Stop strings: the answer ends before the first of them; default from config "
+        "(generation.stop); [] for none.",
+    )
     frequency_penalty: StrictFloat | None = Field(
         None, ge=-2.0, le=2.0, description="OpenAI's: each token's logit lowered by this times the times it was "
         "generated so far, in [-2, 2]; default from config (generation.frequency_penalty).",

@@ -25,8 +25,7 @@ T = TypeVar("T")
 
 
 def build_rag_request(
-    settings: Settings, question: str, options: GenerationOptions, stop: Sequence[str] = (),
-    history: Sequence[dict] = (),
+    settings: Settings, question: str, options: GenerationOptions, history: Sequence[dict] = (),
 ) -> RagRequest:
     """A RagRequest with defaults from config; raises InvalidRequestError for limits a user can break."""
     limits, gen = settings.limits, settings.generation
@@ -51,7 +50,7 @@ def build_rag_request(
         temperature=gen.temperature if options.temperature is None else options.temperature,
         top_p=gen.top_p if options.top_p is None else options.top_p,
         seed=options.seed,
-        stop=tuple(stop),
+        stop=_given(options.stop_strings, gen.stop),
         is_eos_ignored=options.ignore_eos,
         repetition_penalty=_given(options.repetition_penalty, gen.repetition_penalty),
         repetition_scope=_given(options.repetition_scope, gen.repetition_scope),
