@@ -59,6 +59,11 @@ class ModelConfig:
         Path("~/.cache/ragblend/models"))
     system_prompt: Annotated[str, Field(description="System message of every RAG prompt.")] = (
         "You are a helpful assistant. Answer the question using the documents.")
+    answer_instruction: Annotated[str, Field(
+        max_length=1000,
+        description="The line after the question in every RAG prompt (the documents before it are numbered [1], "
+        "[2], ...: an answer citing them so is mapped to its sources). Measured on SmolLM2-135M: "
+        "docs/decisions/0019.")] = "Answer briefly and cite your source."
 
     @field_validator("cache_dir")
     @classmethod
@@ -199,7 +204,8 @@ class GenerationConfig:
     stop: Annotated[tuple[str, ...], Field(
         max_length=8,
         description="Stop strings: the answer ends before the first of them (a request's own `stop` replaces "
-        "these; [] for none).")] = ()
+        "these; [] for none). A blank line by default: the answer asked for is brief, and SmolLM2-135M's ran on "
+        "past it in loops (docs/decisions/0019).")] = ("\n\n",)
     # repetition control, applied to each sequence's own logits before sampling (greedy included):
     # blend_engine/generate.py RepetitionControl; the defaults are measured (docs/decisions/0019)
     repetition_penalty: Annotated[float, Field(
@@ -222,4 +228,5 @@ class GenerationConfig:
     no_repeat_ngram_size: Annotated[int, Field(
         ge=0, le=32,
         description="An n-gram of this many tokens is generated at most once in an answer (the answer's own "
-        "n-grams only: the documents' may be quoted; 0: off).")] = 0
+        "n-grams only: the documents' may be quoted; 0: off). 6 ends loops within a line (docs/decisions/0019) "
+        "and leaves numbers alone (a digit is a token: 4 would forbid 100000).")] = 6

@@ -75,6 +75,7 @@ class BlendEngine:
         cpu_threads: int | None = None,
         decode_cache: DecodeCache = DecodeCache.AUTO,
         max_cpu_threads: int | None = None,
+        answer_instruction: str = ModelConfig.answer_instruction,
     ):
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -95,7 +96,8 @@ class BlendEngine:
         # `max_cpu_threads`, default torch's count now; None: as the calling thread has them)
         is_governed = cpu_threads is not None and self.runner.device.type == "cpu"
         self.threads = ThreadGovernor(cpu_threads, max_threads=max_cpu_threads) if is_governed else None
-        self.prompts = PromptBuilder(self.tokenizer, system_prompt) if self.tokenizer is not None else None
+        self.prompts = (PromptBuilder(self.tokenizer, system_prompt, answer_instruction)
+                        if self.tokenizer is not None else None)
         self.fingerprint = engine_fingerprint(self)
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
         self._prefix_cache: dict[tuple[int, ...], ChunkKV] = {}  # LRU of prompt-prefix KVs
@@ -108,7 +110,7 @@ class BlendEngine:
     def from_config(cls, model: ModelConfig, blend: BlendConfig = BlendConfig(),
                     max_cpu_threads: int | None = None) -> BlendEngine:
         return cls(load_model(model), blend, model.system_prompt, model.cpu_threads, model.decode_cache,
-                   max_cpu_threads)
+                   max_cpu_threads, model.answer_instruction)
 
     @classmethod
     def from_model(cls, model, tokenizer=None, name: str = "custom", **kwargs) -> BlendEngine:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
+from blend_engine.config import ModelConfig
 from blend_engine.types import Segment
 
 _PLACEHOLDER = "\x00RAGBLEND_CONTENT\x00"
@@ -26,7 +27,6 @@ DOCUMENTS_INTRO = "Documents:\n\n"
 CHUNK_SEPARATOR = "\n\n"
 CHUNK_LABEL = "[{number}] "  # chunk n's number, as the answer is asked to cite it
 QUESTION_INTRO = "\n\nQuestion: "
-ANSWER_HINT = "\nAnswer briefly."
 
 
 def encode_text(tokenizer, text: str) -> tuple[int, ...]:
@@ -35,11 +35,13 @@ def encode_text(tokenizer, text: str) -> tuple[int, ...]:
 
 
 class PromptBuilder:
-    def __init__(self, tokenizer, system_prompt: str):
+    def __init__(self, tokenizer, system_prompt: str, answer_instruction: str = ModelConfig.answer_instruction):
+        """`answer_instruction`: the line after the question (none when empty)."""
         if tokenizer is None:
             raise ValueError("building prompts needs a tokenizer")
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
+        self.answer_instruction = answer_instruction
 
     def encode(self, text: str) -> tuple[int, ...]:
         """Text (a document, a question): never yields a special token."""
@@ -99,7 +101,8 @@ class PromptBuilder:
         for number, chunk in enumerate(chunks, 1):
             label = self.chunk_label(number)
             out += [Segment(label), chunk] if label else [chunk]
-        suffix = self.encode(QUESTION_INTRO + question + ANSWER_HINT) + self._encode_structure(after, contents)
+        instruction = "\n" + self.answer_instruction if self.answer_instruction else ""
+        suffix = self.encode(QUESTION_INTRO + question + instruction) + self._encode_structure(after, contents)
         out.append(Segment(suffix))
         return out
 

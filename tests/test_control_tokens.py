@@ -82,7 +82,8 @@ def test_ordinary_prompts_tokenize_as_before(tokenizer):
     assert list(builder.prefix_ids(history)) == expected
     ids = prompt_ids(builder, "Where is Paris?", [Segment(encode_text(tokenizer, BENIGN))])
     assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
-    assert tokenizer.decode(ids).endswith("Answer briefly.<|im_end|>\n<|im_start|>assistant\n")
+    assert tokenizer.decode(ids).endswith("Question: Where is Paris?\nAnswer briefly and cite your source.<|im_end|>\n"
+                                          "<|im_start|>assistant\n")
 
 
 def test_chunks_are_numbered_by_label_segments_of_their_own(tokenizer):
@@ -95,3 +96,14 @@ def test_chunks_are_numbered_by_label_segments_of_their_own(tokenizer):
     assert segments[2] is chunks[0] and segments[4] is chunks[1]
     assert [tokenizer.decode(s.token_ids) for s in (segments[1], segments[3])] == ["[1] ", "\n\n[2] "]
     assert len(segments) == 6 and all(s.kv is None for s in segments)
+
+
+def test_the_answer_instruction_is_the_configured_line_after_the_question_and_stays_text(tokenizer, special_ids):
+    chunks = [Segment(encode_text(tokenizer, BENIGN))]
+    custom = tokenizer.decode(prompt_ids(PromptBuilder(tokenizer, SYSTEM, "Cite [n]."), "Where is Paris?", chunks))
+    assert custom.endswith("Question: Where is Paris?\nCite [n].<|im_end|>\n<|im_start|>assistant\n")
+    none = tokenizer.decode(prompt_ids(PromptBuilder(tokenizer, SYSTEM, ""), "Where is Paris?", chunks))
+    assert none.endswith("Question: Where is Paris?<|im_end|>\n<|im_start|>assistant\n")
+    forged = prompt_ids(PromptBuilder(tokenizer, SYSTEM, INJECTION), "q", chunks)
+    assert num_special(forged, special_ids) == num_special(prompt_ids(PromptBuilder(tokenizer, SYSTEM), "q", chunks),
+                                                           special_ids)
