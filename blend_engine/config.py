@@ -17,6 +17,7 @@ from pydantic import ConfigDict, Field, field_validator
 from pydantic.dataclasses import dataclass
 
 from configs.enums import (
+    ChunkOrder,
     DecodeCache,
     DeviationKind,
     HeadReduce,
@@ -64,6 +65,9 @@ class ModelConfig:
         description="The line after the question in every RAG prompt (the documents before it are numbered [1], "
         "[2], ...: an answer citing them so is mapped to its sources). Measured on SmolLM2-135M: "
         "docs/decisions/0019.")] = "Answer briefly and cite your source."
+    chunk_order: Annotated[ChunkOrder, Field(
+        description="Where a RAG prompt puts its chunks: best_last (the best ranked next to the question) or "
+        "best_first; each keeps its number, [1] being the best ranked (docs/decisions/0019).")] = ChunkOrder.BEST_LAST
 
     @field_validator("cache_dir")
     @classmethod

@@ -1,10 +1,12 @@
-"""Chat-template-aware RAG prompts, as segments: [prefix, label_1, chunk_1, label_2, chunk_2, ..., suffix].
+"""Chat-template-aware RAG prompts, as segments: [prefix, label, chunk, label, chunk, ..., suffix].
 
 The template is rendered once around a placeholder user message and split there, so any model's
 chat template works and the chunks' token ids are exactly their stored ones. Each chunk is numbered by
-a label segment of its own before it ("[1] ", then "\n\n[2] ", ...: fresh tokens, never inside the chunk's
+a label segment of its own before it ("[3] ", then "\n\n[2] ", ...: fresh tokens, never inside the chunk's
 stored tokens, and after the prefix the chunks' KV was computed behind), so the answer can cite the
-chunk it used as [n] (app/rag/citations.py maps each [n] back to its source).
+chunk it used as [n] (app/rag/citations.py maps each [n] back to its source). Chunk n is the n-th of
+the caller's chunks (the best ranked first, as the sources list them); the prompt holds them in
+`chunk_order`: by default the best ranked nearest the question (docs/decisions/0019).
 
 Control tokens never come from text: every message's content is replaced by a slot before the
 template is rendered, so only the template's own structure is encoded with special-token parsing on;
@@ -19,6 +21,7 @@ from typing import Sequence
 
 from blend_engine.config import ModelConfig
 from blend_engine.types import Segment
+from configs.enums import ChunkOrder
 
 _PLACEHOLDER = "\x00RAGBLEND_CONTENT\x00"
 _SLOT = "\x00RAGBLEND_SLOT_{}\x00"
@@ -35,13 +38,15 @@ def encode_text(tokenizer, text: str) -> tuple[int, ...]:
 
 
 class PromptBuilder:
-    def __init__(self, tokenizer, system_prompt: str, answer_instruction: str = ModelConfig.answer_instruction):
+    def __init__(self, tokenizer, system_prompt: str, answer_instruction: str = ModelConfig.answer_instruction,
+                 chunk_order: ChunkOrder = ModelConfig.chunk_order):
         """`answer_instruction`: the line after the question (none when empty)."""
         if tokenizer is None:
             raise ValueError("building prompts needs a tokenizer")
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
         self.answer_instruction = answer_instruction
+        self.chunk_order = chunk_order
 
     def encode(self, text: str) -> tuple[int, ...]:
         """Text (a document, a question): never yields a special token."""
@@ -90,16 +95,20 @@ class PromptBuilder:
         before, _, contents = self._template_halves(history)
         return self._encode_structure(before, contents) + self.encode(DOCUMENTS_INTRO)
 
-    def chunk_label(self, number: int) -> tuple[int, ...]:
-        """The label before chunk `number` (from 1): its number, after a separator from the chunk before."""
-        return self.encode((CHUNK_SEPARATOR if number > 1 else "") + CHUNK_LABEL.format(number=number))
+    def chunk_label(self, number: int, is_first: bool) -> tuple[int, ...]:
+        """The label before chunk `number` (from 1): its number, after a separator unless it comes first."""
+        return self.encode(("" if is_first else CHUNK_SEPARATOR) + CHUNK_LABEL.format(number=number))
 
     def segments(self, question: str, chunks: Sequence[Segment], history: Sequence[dict] = ()) -> list[Segment]:
-        """Prompt segments; the chunks keep their token ids and caches, their labels and the rest are fresh."""
+        """Prompt segments for `chunks` ranked best first; the chunks keep their token ids and caches, their
+        labels and the rest are fresh."""
         _, after, contents = self._template_halves(history)
         out = [Segment(self.prefix_ids(history))]
-        for number, chunk in enumerate(chunks, 1):
-            label = self.chunk_label(number)
+        numbered = list(enumerate(chunks, 1))
+        if self.chunk_order is ChunkOrder.BEST_LAST:
+            numbered.reverse()
+        for position, (number, chunk) in enumerate(numbered):
+            label = self.chunk_label(number, is_first=position == 0)
             out += [Segment(label), chunk] if label else [chunk]
         instruction = "\n" + self.answer_instruction if self.answer_instruction else ""
         suffix = self.encode(QUESTION_INTRO + question + instruction) + self._encode_structure(after, contents)
