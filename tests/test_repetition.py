@@ -21,6 +21,7 @@ from test_engine_blend import rag_prompt
 from configs.enums import DecodeCache, WeightFormat
 
 CPU = torch.device("cpu")
+OFF = dict(no_repeat_ngram_size=0, stop=())  # the server's defaults (an n-gram block, a stop string) off
 
 
 @pytest.fixture(autouse=True)
@@ -121,28 +122,33 @@ def test_ngram_blocking_on_a_model_never_repeats_an_ngram(family):
         for extra in ({}, {"temperature": 1.5, "seed": 3}):
             tokens = decode(engine, SamplingParams(max_tokens=40, no_repeat_ngram_size=n, **extra))
             assert len(tokens) == 40 and max(ngrams(tokens, n).values()) == 1, (n, extra, tokens)
-    assert max(ngrams(decode(engine, SamplingParams(max_tokens=40)), 3).values()) > 1  # without it, a loop
+    assert max(ngrams(decode(engine, SamplingParams(max_tokens=40, **OFF)), 3).values()) > 1  # without it, a loop
 
 
-@pytest.mark.parametrize("params", [SamplingParams(max_tokens=30, repetition_penalty=2.0),
-                                    SamplingParams(max_tokens=30, presence_penalty=0.5),
-                                    SamplingParams(max_tokens=30, frequency_penalty=0.3)],
-                         ids=["repetition", "presence", "frequency"])
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=30, repetition_penalty=2.0, **OFF),
+                                    SamplingParams(max_tokens=30, presence_penalty=0.5, **OFF),
+                                    SamplingParams(max_tokens=30, frequency_penalty=0.3, **OFF),
+                                    SamplingParams(max_tokens=30)],  # the server's default: the n-gram block
+                         ids=["repetition", "presence", "frequency", "default"])
 def test_a_greedy_answer_that_repeats_a_token_stops_repeating_it(params):
-    """The tiny Llama's greedy answer is one token 29 times over; each penalty breaks the loop."""
+    """The tiny Llama's greedy answer is one token 29 times over; each penalty breaks the loop, and so does
+    the default n-gram block."""
     engine = build_engine("llama-gqa")
-    plain = decode(engine, SamplingParams(max_tokens=30))
+    plain = decode(engine, SamplingParams(max_tokens=30, **OFF))
     token, count = Counter(plain).most_common(1)[0]
     assert count >= 25  # the loop the penalties are for
     penalized = decode(engine, params)
     assert penalized[:2] == plain[:2]  # the same answer until the repeat
-    assert Counter(penalized)[token] <= 2 and max(Counter(penalized).values()) <= 2
+    if params.no_repeat_ngram_size:  # the token comes back, but never six times in a row again
+        assert Counter(penalized)[token] < 15 and max(ngrams(penalized, params.no_repeat_ngram_size).values()) == 1
+    else:
+        assert Counter(penalized)[token] <= 2 and max(Counter(penalized).values()) <= 2
 
 
 BATCH_PARAMS = [
-    SamplingParams(max_tokens=6, repetition_penalty=1.8, repetition_scope=RepetitionScope.PROMPT_AND_ANSWER),
-    SamplingParams(max_tokens=11, frequency_penalty=0.6, presence_penalty=-0.2),
-    SamplingParams(max_tokens=17),
+    SamplingParams(max_tokens=6, repetition_penalty=1.8, repetition_scope=RepetitionScope.PROMPT_AND_ANSWER, **OFF),
+    SamplingParams(max_tokens=11, frequency_penalty=0.6, presence_penalty=-0.2, **OFF),
+    SamplingParams(max_tokens=17, **OFF),
     SamplingParams(max_tokens=40, no_repeat_ngram_size=2, presence_penalty=0.3, temperature=0.8, seed=5),
 ]
 
@@ -156,7 +162,8 @@ def test_each_sequence_of_a_batch_gets_its_own_penalties(family):
     alone = [decode_alone(engine, r, p) for r, p in zip(prefills(engine), BATCH_PARAMS)]
     sequences, _ = run_batch(engine, prefills(engine), BATCH_PARAMS)
     assert [s.token_ids for s in sequences] == alone
-    plain = [decode_alone(engine, r, SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, seed=p.seed))
+    plain = [decode_alone(engine, r, SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, seed=p.seed,
+                                                    **OFF))
              for r, p in zip(prefills(engine), BATCH_PARAMS)]
     assert alone[2] == plain[2]
     assert sum(a != p for a, p in zip(alone, plain)) >= 2  # the penalties did something
