@@ -39,6 +39,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("neither", request={"stop": [], "no_repeat_ngram_size": 0}),  # the sampling shipped before 0019
     Setting("repetition=1.2", request={"repetition_penalty": 1.2}),  # CTRL's penalty over the answer
     Setting("best-first", server={"model": {"chunk_order": "best_first"}}),  # [1] first in the prompt, as before 0019
+    Setting("answer-briefly", server={"model": {"answer_instruction": "Answer briefly."}}),  # no ask to cite
 )}
 
 
