@@ -35,6 +35,9 @@ def test_left_out_fields_are_the_configured_ones_and_given_ones_win(kind):
             given.no_repeat_ngram_size, given.stop) == (1.05, RepetitionScope.ANSWER, -1.5, 2.0, 0, ("Q:",))
     assert build_rag_request(settings, "q", both(stop=[])[index]).sampling.stop == ()  # none at all
     assert build_rag_request(settings, "q", both(stop="###")[index]).sampling.stop == ("###",)
+    # ignore_eos promises max_tokens tokens: the configured stops left out, a request's own kept
+    assert build_rag_request(settings, "q", both(ignore_eos=True)[index]).sampling.stop == ()
+    assert build_rag_request(settings, "q", both(ignore_eos=True, stop=["Q:"])[index]).sampling.stop == ("Q:",)
 
 
 def test_the_shipped_defaults_are_the_generation_sections():

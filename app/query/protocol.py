@@ -68,7 +68,8 @@ class GenerationOptions(BaseModel):
     )
     ignore_eos: StrictBool = Field(
         False, description="Generate max_tokens tokens, past the model's end of sequence (as vLLM's "
-        "ignore_eos: for benchmarks that need answers of one length).",
+        "ignore_eos: for benchmarks that need answers of one length); the configured stop strings are left out "
+        "too (a request's own stop still applies).",
     )
     stream: StrictBool = False
 

@@ -50,7 +50,8 @@ def build_rag_request(
         temperature=gen.temperature if options.temperature is None else options.temperature,
         top_p=gen.top_p if options.top_p is None else options.top_p,
         seed=options.seed,
-        stop=_given(options.stop_strings, gen.stop),
+        # ignore_eos promises max_tokens tokens: the configured stop strings do not apply (a request's own do)
+        stop=_given(options.stop_strings, () if options.ignore_eos else gen.stop),
         is_eos_ignored=options.ignore_eos,
         repetition_penalty=_given(options.repetition_penalty, gen.repetition_penalty),
         repetition_scope=_given(options.repetition_scope, gen.repetition_scope),
