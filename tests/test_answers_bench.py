@@ -12,6 +12,7 @@ import pytest
 
 from app.cli import main
 from app.extract.dispatch import extract_file
+from app.config import LimitsConfig
 from app.extract.types import ExtractionLimits
 from bench import answers_bench, answers_settings
 from bench.answers_bench import in_turn, part_row, pick_questions, score_document_answer, score_musique_answer
@@ -36,7 +37,10 @@ def extracted_texts(qset) -> dict[str, str]:
     """Each document's text as an upload gets it (the server's own extractors)."""
     texts = {}
     for doc in qset.documents:
-        (extracted,) = extract_file(doc.path.name, doc.path.read_bytes(), ExtractionLimits(), doc.id)
+        limits = LimitsConfig()  # the server's defaults, as an upload gets them (app/uploads/serving.py)
+        extraction = ExtractionLimits(limits.max_document_chars, limits.max_unzipped_bytes,
+                                      limits.max_documents_per_request)
+        (extracted,) = extract_file(doc.path.name, doc.path.read_bytes(), extraction, doc.id)
         assert extracted.file_format.value == doc.format, doc.id
         texts[doc.id] = collapse(extracted.text)
     return texts
