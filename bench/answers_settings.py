@@ -33,6 +33,13 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("full", request={"mode": "full"}),  # a full prefill: reads every retrieved chunk again
     Setting("top_k=2", request={"top_k": 2}),
     Setting("top_k=10", request={"top_k": 10}),
+    # repetition control and the stop (docs/decisions/0021): each of today's defaults taken away, and a penalty
+    Setting("no-stop", request={"stop": []}),  # answers not ended at a blank line (generation.stop)
+    Setting("no-ngram-block", request={"no_repeat_ngram_size": 0}),
+    Setting("neither", request={"stop": [], "no_repeat_ngram_size": 0}),  # the sampling shipped before 0021
+    Setting("repetition=1.2", request={"repetition_penalty": 1.2}),  # CTRL's penalty over the answer
+    Setting("best-first", server={"model": {"chunk_order": "best_first"}}),  # [1] first in the prompt, as before 0021
+    Setting("answer-briefly", server={"model": {"answer_instruction": "Answer briefly."}}),  # no ask to cite
 )}
 
 

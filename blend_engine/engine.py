@@ -26,7 +26,7 @@ from blend_engine.types import BlendConfig, Delta, PrefillMode, PrefillResult, S
 from blend_engine.weights import weight_format
 from blend_engine.weights_id import engine_fingerprint
 from blend_engine.config import ModelConfig
-from configs.enums import DecodeCache, SinkMode, WeightFormat
+from configs.enums import ChunkOrder, DecodeCache, SinkMode, WeightFormat
 
 _Job = TypeVar("_Job", bound=Callable)
 MAX_CACHED_PREFIXES = 16
@@ -77,6 +77,8 @@ class BlendEngine:
         decode_cache: DecodeCache = DecodeCache.AUTO,
         max_cpu_threads: int | None = None,
         prefill_graphs: bool = ModelConfig.prefill_graphs,
+        answer_instruction: str = ModelConfig.answer_instruction,
+        chunk_order: ChunkOrder = ModelConfig.chunk_order,
     ):
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -101,7 +103,8 @@ class BlendEngine:
         # `max_cpu_threads`, default torch's count now; None: as the calling thread has them)
         is_governed = cpu_threads is not None and self.runner.device.type == "cpu"
         self.threads = ThreadGovernor(cpu_threads, max_threads=max_cpu_threads) if is_governed else None
-        self.prompts = PromptBuilder(self.tokenizer, system_prompt) if self.tokenizer is not None else None
+        self.prompts = (PromptBuilder(self.tokenizer, system_prompt, answer_instruction, chunk_order)
+                        if self.tokenizer is not None else None)
         self.fingerprint = engine_fingerprint(self)
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
         self._prefix_cache: dict[tuple[int, ...], ChunkKV] = {}  # LRU of prompt-prefix KVs
@@ -114,7 +117,7 @@ class BlendEngine:
     def from_config(cls, model: ModelConfig, blend: BlendConfig = BlendConfig(),
                     max_cpu_threads: int | None = None) -> BlendEngine:
         return cls(load_model(model), blend, model.system_prompt, model.cpu_threads, model.decode_cache,
-                   max_cpu_threads, model.prefill_graphs)
+                   max_cpu_threads, model.prefill_graphs, model.answer_instruction, model.chunk_order)
 
     @classmethod
     def from_model(cls, model, tokenizer=None, name: str = "custom", **kwargs) -> BlendEngine:
@@ -324,7 +327,7 @@ class BlendEngine:
         room = self.max_context - result.cache.length
         if room <= 0:
             raise ValueError(f"the prompt fills the model's context of {self.max_context} tokens")
-        sampler = TokenSampler(self.tokenizer, self.eos_ids, sampling, room, result.logits.device)
+        sampler = TokenSampler(self.tokenizer, self.eos_ids, sampling, room, result.logits.device, result.token_ids)
         delta, next_token = sampler.push(result.logits)
         return DecodeSequence(result, sampler, next_token, self.decoder), delta
 

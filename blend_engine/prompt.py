@@ -1,11 +1,16 @@
-"""Chat-template-aware RAG prompts, as segments: [prefix, chunk_1, sep, chunk_2, ..., suffix].
+"""Chat-template-aware RAG prompts, as segments: [prefix, label, chunk, label, chunk, ..., suffix].
 
 The template is rendered once around a placeholder and split there, so any model's chat template
-works and the chunks' token ids are exactly their stored ones.
+works and the chunks' token ids are exactly their stored ones. Each chunk is numbered by a label segment
+of its own before it ("[3] ", then "\n\n[2] ", ...: fresh tokens, never inside the chunk's stored tokens,
+and after the prefix the chunks' KV was computed behind), so the answer can cite the chunk it used as [n]
+(app/rag/citations.py maps each [n] back to its source). Chunk n is the n-th of the caller's chunks (the
+best ranked first, as the sources list them); the prompt holds them in `chunk_order`: by default the best
+ranked nearest the question (docs/decisions/0021).
 
 Layout: the documents open the conversation's first user message (its question after them), the
 earlier turns follow, then the new question. Every user message reads `Question: ...` plus the
-answer hint, as it did when it was the question. So a follow-up turn over the same documents begins
+answer instruction, as it did when it was the question. So a follow-up turn over the same documents begins
 with the whole prompt of the turn before it (the earlier answer and the new question come after):
 a prefix cache serves everything up to them (runtime/executor.py). A single question's prompt is
 [system, user: documents, question]; the chunks sit behind the same tokens with or without history
@@ -22,7 +27,9 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
+from blend_engine.config import ModelConfig
 from blend_engine.types import Segment
+from configs.enums import ChunkOrder
 
 _PLACEHOLDER = "\x00RAGBLEND_CONTENT\x00"
 _SLOT = "\x00RAGBLEND_SLOT_{}\x00"
@@ -31,7 +38,7 @@ DOCUMENTS_INTRO = "Documents:\n\n"
 CHUNK_SEPARATOR = "\n\n"
 QUESTION_INTRO = "\n\nQuestion: "
 QUESTION_LABEL = "Question: "  # a user message after the first (no documents before it)
-ANSWER_HINT = "\nAnswer briefly."
+CHUNK_LABEL = "[{number}] "  # chunk n's number, as the answer is asked to cite it
 
 
 def encode_text(tokenizer, text: str) -> tuple[int, ...]:
@@ -40,11 +47,19 @@ def encode_text(tokenizer, text: str) -> tuple[int, ...]:
 
 
 class PromptBuilder:
-    def __init__(self, tokenizer, system_prompt: str):
+    def __init__(self, tokenizer, system_prompt: str, answer_instruction: str = ModelConfig.answer_instruction,
+                 chunk_order: ChunkOrder = ModelConfig.chunk_order):
+        """`answer_instruction`: the line after each question (none when empty)."""
         if tokenizer is None:
             raise ValueError("building prompts needs a tokenizer")
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
+        self.answer_instruction = answer_instruction
+        self.chunk_order = chunk_order
+
+    @property
+    def _instruction(self) -> str:
+        return "\n" + self.answer_instruction if self.answer_instruction else ""
 
     def encode(self, text: str) -> tuple[int, ...]:
         """Text (a document, a question): never yields a special token."""
@@ -90,7 +105,7 @@ class PromptBuilder:
         first_question = messages[first]["content"]
         for i in range(first + 1, len(messages)):  # every later user message as its question was asked
             if messages[i].get("role") == "user":
-                messages[i] = {**messages[i], "content": QUESTION_LABEL + messages[i]["content"] + ANSWER_HINT}
+                messages[i] = {**messages[i], "content": QUESTION_LABEL + messages[i]["content"] + self._instruction}
         messages[first] = {**messages[first], "content": _PLACEHOLDER}
         text, contents = self._render(messages)
         before, _, after = text.partition(_PLACEHOLDER)
@@ -102,16 +117,23 @@ class PromptBuilder:
         before, _, contents, _ = self._template_halves("", history)
         return self._encode_structure(before, contents) + self.encode(DOCUMENTS_INTRO)
 
+    def chunk_label(self, number: int, is_first: bool) -> tuple[int, ...]:
+        """The label before chunk `number` (from 1): its number, after a separator unless it comes first."""
+        return self.encode(("" if is_first else CHUNK_SEPARATOR) + CHUNK_LABEL.format(number=number))
+
     def segments(self, question: str, chunks: Sequence[Segment], history: Sequence[dict] = ()) -> list[Segment]:
-        """Prompt segments; the chunks keep their token ids and caches, separators and the rest are fresh."""
+        """Prompt segments for `chunks` ranked best first; the chunks keep their token ids and caches, their
+        labels and the rest are fresh."""
         before, after, contents, first_question = self._template_halves(question, history)
-        separator = self.encode(CHUNK_SEPARATOR)
         out = [Segment(self._encode_structure(before, contents) + self.encode(DOCUMENTS_INTRO))]
-        for i, chunk in enumerate(chunks):
-            if i:
-                out.append(Segment(separator))
-            out.append(chunk)
-        suffix = self.encode(QUESTION_INTRO + first_question + ANSWER_HINT) + self._encode_structure(after, contents)
+        numbered = list(enumerate(chunks, 1))
+        if self.chunk_order is ChunkOrder.BEST_LAST:
+            numbered.reverse()
+        for position, (number, chunk) in enumerate(numbered):
+            label = self.chunk_label(number, is_first=position == 0)
+            out += [Segment(label), chunk] if label else [chunk]
+        suffix = (self.encode(QUESTION_INTRO + first_question + self._instruction)
+                  + self._encode_structure(after, contents))
         out.append(Segment(suffix))
         return out
 

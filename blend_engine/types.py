@@ -9,7 +9,7 @@ import torch
 
 from blend_engine.kv import CachedChunk, KVCache
 from blend_engine.config import BlendConfig, GenerationConfig
-from configs.enums import DeviationKind, HeadReduce, PrefillMode, ScoreCombine, SelectionKind
+from configs.enums import DeviationKind, HeadReduce, PrefillMode, RepetitionScope, ScoreCombine, SelectionKind
 
 __all__ = [
     "BlendConfig",
@@ -76,8 +76,14 @@ class SamplingParams:
     temperature: float = GenerationConfig.temperature  # 0 = greedy
     top_p: float = GenerationConfig.top_p
     seed: int | None = None
-    stop: tuple[str, ...] = ()
+    stop: tuple[str, ...] = GenerationConfig.stop
     is_eos_ignored: bool = False  # generate max_tokens whatever the model says (benchmarks: vLLM's ignore_eos)
+    # repetition control (blend_engine/generate.py RepetitionControl; their meaning: GenerationConfig's)
+    repetition_penalty: float = GenerationConfig.repetition_penalty  # 1: off
+    repetition_scope: RepetitionScope = GenerationConfig.repetition_scope
+    frequency_penalty: float = GenerationConfig.frequency_penalty  # 0: off
+    presence_penalty: float = GenerationConfig.presence_penalty  # 0: off
+    no_repeat_ngram_size: int = GenerationConfig.no_repeat_ngram_size  # 0: off
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -86,6 +92,16 @@ class SamplingParams:
             raise ValueError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+        if self.no_repeat_ngram_size < 0:
+            raise ValueError("no_repeat_ngram_size must be >= 0")
+
+    @property
+    def is_repetition_controlled(self) -> bool:
+        """Whether any penalty or n-gram block changes the logits (else they are sampled as they come)."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or self.no_repeat_ngram_size > 0)
 
 
 class FinishReason(str, Enum):

@@ -178,6 +178,50 @@ def test_shift_enter_is_a_new_line_and_esc_stops_a_stream(page, server):
     assert cancelled_jobs(server) >= before + 1
 
 
+def sse_body(chunks: list[dict]) -> str:
+    return "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n"
+
+
+def test_each_cited_number_links_to_its_source_and_an_unknown_one_stays_text(page, server):
+    """The answer's [n] that the last chunk's `citations` maps become links opening their source; [n]
+    naming no source ([9]) and an index in code (argv[1]) stay text. The stream is the server's shape,
+    written out here: what a model cites cannot be chosen."""
+    with api(server) as client:
+        vault = next(c for c in client.get("/v1/documents/vault.pdf").json()["chunks"] if "7391" in c["text"])
+        bridge = client.get("/v1/documents/bridges.html").json()["chunks"][0]
+    sources = [{"chunk_id": c["id"], "document_id": c["id"].split("#")[0], "title": title, "score": 0.5,
+                "text": c["text"], "pages": None} for c, title in ((vault, "Vault Report"), (bridge, "Bridges"))]
+    citations = [{"number": 1, "chunk_id": vault["id"], "document_id": "vault.pdf", "title": "Vault Report",
+                  "pages": [2, 2]},
+                 {"number": 2, "chunk_id": bridge["id"], "document_id": "bridges.html", "title": "Bridges", "pages": None}]
+    head = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    usage = {"prompt_tokens": 9, "completion_tokens": 9, "total_tokens": 18, "reused_tokens": 0, "recomputed_tokens": 9}
+    body = sse_body([
+        {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}], "sources": sources},
+        {**head, "choices": [{"index": 0, "delta": {"content": "The code is 7391 [1]. Run argv[1] "}}]},
+        {**head, "choices": [{"index": 0, "delta": {"content": "by the red bridge [2, 9], not [9]."}}]},
+        {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "usage": usage, "citations": citations,
+         "timings": {"retrieval_ms": 1, "kv_load_ms": 0, "prefill_ms": 1, "ttft_ms": 2, "total_ms": 3}, "mode": "blend"},
+    ])
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=200, headers={"Content-Type": "text/event-stream"}, body=body))
+    try:
+        page.fill("#question", "Where is the code?")
+        page.press("#question", "Enter")
+        last = page.locator(".msg.assistant").last
+        last.locator(".stats").wait_for(timeout=60_000)
+        answer = last.locator(".answer")
+        assert answer.inner_text() == "The code is 7391 [1]. Run argv[1] by the red bridge [2, 9], not [9]."
+        assert answer.locator("a.cite").all_inner_texts() == ["1", "2"]
+        assert last.locator(".citation.cited").count() == 2
+        answer.locator("a.cite", has_text="1").click()
+        page.wait_for_selector("#viewer[open]")
+        assert "7391" in page.inner_text("#viewer-chunk")
+        page.click("#viewer .close")
+    finally:
+        page.unroute("**/v1/chat/completions")
+
+
 def test_search_by_title_then_delete(page, server):
     page.fill("#doc-search", "vault")
     assert page.locator("#doc-list li .title").all_inner_texts() == ["Vault Report"]

@@ -16,7 +16,7 @@ import torch
 from blend_engine.engine import BlendEngine
 from blend_engine.kv import PromptKV
 from blend_engine.types import PrefillMode, SamplingParams, Segment, SelectionKind
-from configs.enums import DecodeCache, RequestMode
+from configs.enums import ChunkOrder, DecodeCache, RequestMode
 from configs.settings import load_settings
 from kv_store import KVStore, StoreConfig
 from kv_store.planner import PrefillShape
@@ -277,9 +277,11 @@ def test_the_engine_loop_answers_a_repeated_request_with_the_same_tokens(engine,
     assert tokens_4 == tokens_5 != tokens_3 and done_4.usage.completion_tokens == 24
 
 
-def test_a_prompt_kept_over_another_holds_its_own_chunks_only(engine, store):
+def test_a_prompt_kept_over_another_holds_its_own_chunks_only(engine, store, monkeypatch):
     """A prompt computed over a kept prefix of another (here only its first chunk in common) is dropped
-    with its own chunks' documents, not with the other's."""
+    with its own chunks' documents, not with the other's. The chunks in the best-first order: by default
+    the best ranked comes last, so prompts over different chunk lists share no more than the system part."""
+    monkeypatch.setattr(engine.prompts, "chunk_order", ChunkOrder.BEST_FIRST)
     executor = executor_for(engine, store)
     request = request_for(engine, store)
     run_and_keep(executor, request)

@@ -289,3 +289,30 @@ def test_auto_mode_falls_back_to_full_when_the_tier_is_slow(engine, tmp_path):
                                                        "max_tokens": 8}).json()
         assert chat["plan"]["plan"] == "full"
         assert 'ragblend_load_plans_total{plan="full"}' in http.get("/metrics").text
+
+
+def test_openai_client_penalties_are_accepted_and_honoured(server, client):
+    """OpenAI's frequency_penalty and presence_penalty (a 400 before) and the extras repetition_penalty and
+    no_repeat_ngram_size change a 40-token answer (ignore_eos: the same length whatever the model says,
+    the configured stop strings left out); outside OpenAI's range, a 422. (The same answer twice is not
+    compared: the CPU engine's thread count follows the load, and past the end of sequence the greedy
+    choices are near ties that a thread count can flip.)"""
+    import openai as openai_module
+
+    openai = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    model = openai.models.list().data[0].id
+
+    def answer(**penalties) -> str:
+        extra = {"top_k": 2, "mode": "blend", "ignore_eos": True}
+        extra.update({k: penalties.pop(k) for k in ("repetition_penalty", "no_repeat_ngram_size") if k in penalties})
+        completion = openai.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTION}],
+                                                    max_tokens=40, extra_body=extra, **penalties)
+        assert completion.usage.completion_tokens == 40
+        return completion.choices[0].message.content
+
+    plain = answer(no_repeat_ngram_size=0)
+    for penalty in ({"frequency_penalty": 1.0}, {"presence_penalty": 1.5}, {"repetition_penalty": 1.5},
+                    {"no_repeat_ngram_size": 2}):
+        assert answer(**{"no_repeat_ngram_size": 0, **penalty}) != plain, penalty
+    with pytest.raises(openai_module.UnprocessableEntityError, match="presence_penalty"):
+        answer(presence_penalty=2.5)

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.openai_compat import StreamOptions, check_extra_fields
-from app.query.protocol import GenerationOptions, PlanOut, SourceOut, StrictInt, TimingsOut
+from app.query.protocol import CitationOut, GenerationOptions, PlanOut, SourceOut, StrictInt, TimingsOut
 
 
 class TextPart(BaseModel):
@@ -38,17 +38,17 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(GenerationOptions):
-    """OpenAI's fields plus the RAG extras (collection, top_k, mode, recompute_ratio, chunk_ids). An OpenAI
-    parameter ragblend does not implement is a 400 naming it; the OpenAI fields real clients send that
-    change nothing here (app/openai_compat.py IGNORED_PARAMETERS) are ignored; any other field is a 422,
-    as on every route."""
+    """OpenAI's fields (frequency_penalty and presence_penalty in OpenAI's range, [-2, 2]) plus the RAG
+    extras (collection, top_k, mode, recompute_ratio, chunk_ids, repetition_penalty, no_repeat_ngram_size).
+    An OpenAI parameter ragblend does not implement is a 400 naming it; the OpenAI fields real clients
+    send that change nothing here (app/openai_compat.py IGNORED_PARAMETERS) are ignored; any other field
+    is a 422, as on every route."""
 
     model_config = ConfigDict(extra="allow")  # checked by check_fields (a 400 or a 422 naming them)
 
     model: str | None = Field(None, description="The served model, or `<model>:<collection>` to pick a knowledge "
                               "base (GET /v1/models lists them).")
     messages: list[ChatMessage] = Field(..., min_length=1)
-    stop: str | list[str] | None = None
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     n: StrictInt = Field(1, ge=1, description="Only one choice is generated (n > 1 is a 400).")
     stream_options: StreamOptions | None = None
@@ -90,6 +90,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[Choice]
     usage: ChatUsage
     sources: list[SourceOut]
+    citations: list[CitationOut] = []  # the sources the answer cites as [n] (a number naming none left out)
     timings: TimingsOut
     mode: str
     recompute_ratio: float | None = None
@@ -116,6 +117,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChunkChoice]  # empty in the usage chunk (stream_options.include_usage)
     sources: list[SourceOut] | None = None  # on the first chunk
+    citations: list[CitationOut] | None = None  # on the last chunk: the sources the answer cites as [n]
     usage: ChatUsage | None = None  # on the last chunk
     timings: TimingsOut | None = None  # on the last chunk
     recompute_ratio: float | None = None  # on the last chunk

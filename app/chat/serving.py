@@ -16,7 +16,7 @@ from app.collections.scope import Scopes
 from app.errors import InvalidRequestError, stream_error_body
 from app.openai_compat import requested_collections
 from app.query.protocol import TimingsOut
-from app.query.serving import build_rag_request, plan_out, sources_out
+from app.query.serving import build_rag_request, citations_out, plan_out, sources_out
 from app.rag.collect import IsDisconnected, collect
 from app.rag.pipeline import RagPipeline
 from app.rag.types import DoneEvent, GenerationEvent, RagContext, RagRequest, TokenEvent
@@ -49,12 +49,11 @@ class ChatService:
         requested = requested_collections(body.collections, body.model, self.model_id)
         if body.messages[-1].role != "user":
             raise InvalidRequestError("the last message must be the user's question")
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if body.max_tokens is None and body.max_completion_tokens is not None:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
         history = [{"role": m.prompt_role, "content": m.text} for m in body.messages[:-1]]
         collections = await self.scopes.readable(principal, requested)
-        request = build_rag_request(self.settings, body.messages[-1].text, body, stop=stop, history=history,
+        request = build_rag_request(self.settings, body.messages[-1].text, body, history=history,
                                     collections=[c.name for c in collections])
         context = await self.pipeline.retrieve(request)
         stream = self.pipeline.start(request, context, t_start)
@@ -67,7 +66,8 @@ class ChatService:
         return ChatCompletionResponse(
             id=call.id, created=call.created, model=call.model,
             choices=[Choice(message=AssistantMessage(content=answer), finish_reason=finish_reason(done))],
-            usage=chat_usage(done), sources=sources_out(call.context.sources), timings=TimingsOut(**asdict(done.timings)),
+            usage=chat_usage(done), sources=sources_out(call.context.sources),
+            citations=citations_out(answer, call.context.sources), timings=TimingsOut(**asdict(done.timings)),
             mode=done.mode.value, recompute_ratio=done.recompute_ratio, quality_guarded=done.is_guarded,
             plan=plan_out(done),
             warnings=call.context.warnings,
@@ -75,8 +75,8 @@ class ChatService:
 
     async def chunks(self, call: ChatCall) -> AsyncIterator[str]:
         """OpenAI's stream: a first chunk with the role and the sources, content chunks, a chunk with
-        finish_reason and timings, then `data: [DONE]`. The usage is on the finish chunk, or, with
-        stream_options.include_usage, in a last chunk of its own with empty `choices` (OpenAI's format)."""
+        finish_reason, timings and the citations, then `data: [DONE]`. The usage is on the finish chunk, or,
+        with stream_options.include_usage, in a last chunk of its own with empty `choices` (OpenAI's format)."""
 
         def chunk(delta: DeltaMessage, **extra) -> str:
             body = ChatCompletionChunk(id=call.id, created=call.created, model=call.model,
@@ -87,12 +87,15 @@ class ChatService:
         try:
             yield chunk(DeltaMessage(role="assistant", content=""), sources=sources_out(call.context.sources),
                         warnings=call.context.warnings)
+            pieces: list[str] = []
             async for event in call.stream:
                 if isinstance(event, TokenEvent):
+                    pieces.append(event.text)
                     yield chunk(DeltaMessage(content=event.text))
                 else:
                     yield chunk(DeltaMessage(), finish=finish_reason(event),
                                 usage=None if call.include_usage else chat_usage(event),
+                                citations=citations_out("".join(pieces), call.context.sources),
                                 timings=TimingsOut(**asdict(event.timings)), recompute_ratio=event.recompute_ratio,
                                 quality_guarded=event.is_guarded, mode=event.mode.value, plan=plan_out(event))
                     if call.include_usage:

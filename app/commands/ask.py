@@ -1,4 +1,5 @@
-"""`ragblend ask "question"`: stream an answer from a running server, then print its sources."""
+"""`ragblend ask "question"`: stream an answer from a running server, then print its sources (those the
+answer cites as [n] marked)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ def page_label(pages: list[int] | None) -> str:
 
 def run(args: argparse.Namespace) -> int:
     sources: list[dict] = []
+    cited: set[int] = set()
     with make_client(args) as client, client.stream("POST", "/v1/query", json=request_body(args)) as response:
         if response.status_code != 200:
             response.read()
@@ -71,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
             elif event == "done":
                 usage, timings = data["usage"], data["timings"]
                 cached = usage.get("prefix_cached_tokens", 0)
+                cited = {citation["number"] for citation in data.get("citations", [])}
                 print(f"\n\n[{data['mode']}] ttft {timings['ttft_ms']:.0f} ms, total {timings['total_ms']:.0f} ms, "
                       f"{usage['reused_tokens']} reused / {usage['recomputed_tokens']} recomputed prompt tokens"
                       + (f", {cached} from the prefix cache" if cached else ""))
@@ -81,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     for number, source in enumerate(sources, 1):
         score = "" if source["score"] is None else f" (score {source['score']:.3f})"
         title = f" {source['title']}" if source.get("title") else ""
-        print(f"  [{number}] {source['chunk_id']}{title}{page_label(source.get('pages'))}{score}: "
+        mark = " (cited)" if number in cited else ""
+        print(f"  [{number}]{mark} {source['chunk_id']}{title}{page_label(source.get('pages'))}{score}: "
               f"{source['text'][:120]!r}")
     return ExitCode.OK

@@ -35,10 +35,8 @@ class CompletionService:
         if isinstance(body.prompt, list) and len(body.prompt) != 1:
             raise InvalidRequestError(f"prompt holds {len(body.prompt)} prompts; send one (a string, or a list of one)")
         requested = requested_collections(body.collections, body.model, self.model_id)
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         collections = await self.scopes.readable(principal, requested)
-        request = build_rag_request(self.settings, body.question, body, stop=stop,
-                                    collections=[c.name for c in collections])
+        request = build_rag_request(self.settings, body.question, body, collections=[c.name for c in collections])
         context = await self.pipeline.retrieve(request)
         stream = self.pipeline.start(request, context, t_start)
         include_usage = body.stream_options is not None and body.stream_options.include_usage

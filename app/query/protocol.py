@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, field_val
 
 from app.text import NUL_MESSAGE, nul_location
 from blend_engine.types import PrefillMode, SelectionKind
-from configs.enums import RequestMode
+from configs.enums import RepetitionScope, RequestMode
 from retrieval.store_types import COLLECTION_NAME_PATTERN
 
 Ratio = float
@@ -21,6 +21,11 @@ CollectionName = Annotated[str, Field(pattern=COLLECTION_NAME_PATTERN)]
 
 class GenerationOptions(BaseModel):
     """Retrieval, prefill and sampling options shared by /v1/query and /v1/chat/completions."""
+
+    @property
+    def stop_strings(self) -> tuple[str, ...] | None:
+        """The request's stop strings (None: it gave none, the configured ones apply)."""
+        return (self.stop,) if isinstance(self.stop, str) else None if self.stop is None else tuple(self.stop)
 
     collection: CollectionName | list[CollectionName] | None = Field(
         None, description="The collection(s) (knowledge bases) to retrieve from, one name or a list; default: "
@@ -44,9 +49,33 @@ class GenerationOptions(BaseModel):
     temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0)
     top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
     seed: StrictInt | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = Field(
+        None, description="Stop strings: the answer ends before the first of them; default from config "
+        "(generation.stop); [] for none.",
+    )
+    frequency_penalty: StrictFloat | None = Field(
+        None, ge=-2.0, le=2.0, description="OpenAI's: each token's logit lowered by this times the times it was "
+        "generated so far, in [-2, 2]; default from config (generation.frequency_penalty).",
+    )
+    presence_penalty: StrictFloat | None = Field(
+        None, ge=-2.0, le=2.0, description="OpenAI's: each token generated so far has its logit lowered by this, "
+        "once, in [-2, 2]; default from config (generation.presence_penalty).",
+    )
+    repetition_penalty: StrictFloat | None = Field(
+        None, gt=0.0, le=2.0, description="CTRL's (Hugging Face's): a seen token's positive logit divided by this, "
+        "a negative one multiplied, in (0, 2] (1: off); default from config (generation.repetition_penalty).",
+    )
+    repetition_scope: RepetitionScope | None = Field(
+        None, description="The tokens repetition_penalty covers: answer or prompt_and_answer; default from config.",
+    )
+    no_repeat_ngram_size: StrictInt | None = Field(
+        None, ge=0, le=32, description="No n-gram of this many tokens twice in the answer (0: off); default from "
+        "config (generation.no_repeat_ngram_size).",
+    )
     ignore_eos: StrictBool = Field(
         False, description="Generate max_tokens tokens, past the model's end of sequence (as vLLM's "
-        "ignore_eos: for benchmarks that need answers of one length).",
+        "ignore_eos: for benchmarks that need answers of one length); the configured stop strings are left out "
+        "too (a request's own stop still applies).",
     )
     prefix_cache: StrictBool = Field(
         True, description="Reuse the longest prefix of this prompt kept from earlier answers (store.prefix_cache_bytes) "
@@ -96,6 +125,16 @@ class SourceOut(BaseModel):
     pages: list[int] | None = Field(None, description="Uploaded PDFs: [first, last] page the chunk's text is on.")
 
 
+class CitationOut(BaseModel):
+    """A [n] of the answer that names a source: the n-th chunk of the prompt (sources[n - 1])."""
+
+    number: int = Field(description="The n of [n] in the answer (1 = the first source).")
+    chunk_id: str
+    document_id: str
+    title: str | None
+    pages: list[int] | None = Field(None, description="Uploaded PDFs: [first, last] page the chunk's text is on.")
+
+
 class UsageOut(BaseModel):
     prompt_tokens: int
     reused_tokens: int
@@ -137,6 +176,9 @@ class QueryResponse(BaseModel):
     quality_guarded: bool = Field(False, description="The quality guard raised this answer's recompute ratio.")
     plan: PlanOut | None = None
     sources: list[SourceOut]
+    citations: list[CitationOut] = Field(
+        [], description="Each source the answer cites as [n], in the order first cited; a number naming no source "
+        "is left out.")
     usage: UsageOut
     timings: TimingsOut
     warnings: list[str] = []

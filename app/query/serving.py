@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Sequence, TypeVar
 
 from app.auth.principal import Principal
 from app.collections.scope import Scopes
 from app.errors import InvalidRequestError, stream_error_body
-from app.query.protocol import GenerationOptions, PlanOut, QueryRequest, QueryResponse, SourceOut, TimingsOut, UsageOut
+from app.query.protocol import (
+    CitationOut, GenerationOptions, PlanOut, QueryRequest, QueryResponse, SourceOut, TimingsOut, UsageOut,
+)
+from app.rag.citations import citations
 from app.rag.collect import IsDisconnected, collect
 from app.rag.pipeline import RagPipeline
 from app.rag.types import DoneEvent, GenerationEvent, RagContext, RagRequest, Source, TokenEvent
@@ -21,10 +24,12 @@ from configs.settings import Settings
 from retrieval.store_types import DEFAULT_COLLECTION
 from runtime.jobs import JobStream
 
+T = TypeVar("T")
+
 
 def build_rag_request(
-    settings: Settings, question: str, options: GenerationOptions, stop: Sequence[str] = (),
-    history: Sequence[dict] = (), collections: Sequence[str] = (DEFAULT_COLLECTION,),
+    settings: Settings, question: str, options: GenerationOptions, history: Sequence[dict] = (),
+    collections: Sequence[str] = (DEFAULT_COLLECTION,),
 ) -> RagRequest:
     """A RagRequest with defaults from config; raises InvalidRequestError for limits a user can break."""
     limits, gen = settings.limits, settings.generation
@@ -49,8 +54,14 @@ def build_rag_request(
         temperature=gen.temperature if options.temperature is None else options.temperature,
         top_p=gen.top_p if options.top_p is None else options.top_p,
         seed=options.seed,
-        stop=tuple(stop),
+        # ignore_eos promises max_tokens tokens: the configured stop strings do not apply (a request's own do)
+        stop=_given(options.stop_strings, () if options.ignore_eos else gen.stop),
         is_eos_ignored=options.ignore_eos,
+        repetition_penalty=_given(options.repetition_penalty, gen.repetition_penalty),
+        repetition_scope=_given(options.repetition_scope, gen.repetition_scope),
+        frequency_penalty=_given(options.frequency_penalty, gen.frequency_penalty),
+        presence_penalty=_given(options.presence_penalty, gen.presence_penalty),
+        no_repeat_ngram_size=_given(options.no_repeat_ngram_size, gen.no_repeat_ngram_size),
     )
     return RagRequest(
         question=question, mode=options.mode or settings.blend.mode, sampling=sampling, top_k=top_k,
@@ -58,6 +69,11 @@ def build_rag_request(
         recompute_ratio=ratio, selection=options.selection, history=tuple(history), collections=tuple(collections),
         is_prefix_cache_used=options.prefix_cache,
     )
+
+
+def _given(value: T | None, default: T) -> T:
+    """A request's value, or the configured default where it leaves it out."""
+    return default if value is None else value
 
 
 def _check_history(history: Sequence[dict], limits: LimitsConfig) -> None:
@@ -74,6 +90,13 @@ def _check_history(history: Sequence[dict], limits: LimitsConfig) -> None:
 
 def plan_out(done: DoneEvent) -> PlanOut | None:
     return None if done.plan is None else PlanOut(**asdict(done.plan))
+
+
+def citations_out(answer: str, sources: Sequence[Source]) -> list[CitationOut]:
+    """The sources `answer` cites as [n] (app/rag/citations.py), as the API returns them."""
+    return [CitationOut(number=c.number, chunk_id=c.source.chunk_id, document_id=c.source.document_id,
+                        title=c.source.title, pages=list(c.source.pages) if c.source.pages else None)
+            for c in citations(answer, sources)]
 
 
 def sources_out(sources: Sequence[Source]) -> list[SourceOut]:
@@ -103,15 +126,18 @@ class QueryService:
         return _response(answer, context, done)
 
     async def events(self, context: RagContext, stream: JobStream[GenerationEvent]) -> AsyncIterator[str]:
-        """SSE: `sources`, then `token` events, then `done` (usage, timings) or `error`."""
+        """SSE: `sources`, then `token` events, then `done` (usage, timings, citations) or `error`."""
         try:
             yield sse({"sources": [s.model_dump() for s in sources_out(context.sources)],
                        "warnings": context.warnings}, event="sources")
+            pieces: list[str] = []
             async for event in stream:
                 if isinstance(event, TokenEvent):
+                    pieces.append(event.text)
                     yield sse({"text": event.text}, event="token")
                 else:
-                    yield sse(_done_payload(event), event="done")
+                    cited = citations_out("".join(pieces), context.sources)
+                    yield sse({**_done_payload(event), "citations": [c.model_dump() for c in cited]}, event="done")
         except Exception as exc:  # the headers are out: report in-band
             yield sse(stream_error_body(exc), event="error")
         finally:
@@ -129,6 +155,6 @@ def _response(answer: str, context: RagContext, done: DoneEvent) -> QueryRespons
     return QueryResponse(
         answer=answer, mode=done.mode, finish_reason=done.finish_reason.value if done.finish_reason else None,
         recompute_ratio=done.recompute_ratio, quality_guarded=done.is_guarded, plan=plan_out(done),
-        sources=sources_out(context.sources),
+        sources=sources_out(context.sources), citations=citations_out(answer, context.sources),
         usage=UsageOut(**asdict(done.usage)), timings=TimingsOut(**asdict(done.timings)), warnings=context.warnings,
     )
