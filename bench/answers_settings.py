@@ -28,11 +28,27 @@ class Setting:
         return {"name": self.name, "request": dict(self.request), "server": dict(self.server)}
 
 
+S192_FLOOR = {"retrieval": {"chunking": "structure", "chunk_tokens": 192, "min_score": 0.35, "score_margin": 0.15}}
+T192_FLOOR = {"retrieval": {"chunking": "tokens", "chunk_tokens": 192, "min_score": 0.35, "score_margin": 0.15}}
+# the model told to refuse when the documents do not hold the answer (instead of, or beside, the floor)
+REFUSE_PROMPT = ("You are a helpful assistant. Answer the question using the documents. If the documents do not "
+                 "contain the answer, reply: I could not find this in the documents.")
+S192_PROMPT = {"retrieval": {"chunking": "structure", "chunk_tokens": 192, "min_score": 0.35, "score_margin": 0.15},
+               "model": {"system_prompt": REFUSE_PROMPT}}
+
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("default"),  # today's defaults: nothing added to the request, the server as shipped
     Setting("full", request={"mode": "full"}),  # a full prefill: reads every retrieved chunk again
     Setting("top_k=2", request={"top_k": 2}),
     Setting("top_k=10", request={"top_k": 10}),
+    # issue 36 item 2 (context that holds the answer): chunking, ranking, relevance floor (docs/decisions/0019)
+    Setting("s192-hybrid-k3", request={"retrieval": "hybrid", "top_k": 3}, server=S192_FLOOR),
+    Setting("s192-hybrid-k2", request={"retrieval": "hybrid", "top_k": 2}, server=S192_FLOOR),
+    Setting("s192-hybrid-k4", request={"retrieval": "hybrid", "top_k": 4}, server=S192_FLOOR),
+    Setting("s192-dense-k3", request={"retrieval": "dense", "top_k": 3}, server=S192_FLOOR),
+    Setting("s192-lexical-k3", request={"retrieval": "lexical", "top_k": 3}, server=S192_FLOOR),
+    Setting("t192-hybrid-k3", request={"retrieval": "hybrid", "top_k": 3}, server=T192_FLOOR),
+    Setting("s192-prompt-k3", request={"retrieval": "hybrid", "top_k": 3}, server=S192_PROMPT),
 )}
 
 

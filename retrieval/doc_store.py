@@ -4,6 +4,7 @@ token ids, KV key, embedding). The interface and row types: retrieval/store_type
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import threading
 import time
@@ -12,10 +13,13 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from retrieval.lexical import fts5_query, query_terms
 from retrieval.store_types import (
     Changes, DocumentStore, DocumentSummaryRow, ExportedDocument, NewChunk, PutResult, StoredChunk, StoredDocument,
     chunk_pages,
 )
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Changes", "DocumentStore", "DocumentSummaryRow", "ExportedDocument", "NewChunk", "PutResult",
            "SqliteDocumentStore", "StoredChunk", "StoredDocument"]
@@ -43,6 +47,18 @@ CREATE INDEX IF NOT EXISTS chunks_by_document ON chunks(document_id, position);
 """
 
 
+def add_lexical_index(conn: sqlite3.Connection) -> int:
+    """The chunks' full-text index (FTS5, rowid = the chunk's row id; Porter stemming over Unicode
+    words), created if missing, then made to hold exactly the chunks' rows: a store made before it is
+    backfilled in place, and a row whose chunk is gone is dropped. Idempotent; returns the rows added.
+    Written in the same transaction as the chunks by every write (put_document, delete_document)."""
+    conn.execute("CREATE VIRTUAL TABLE IF NOT EXISTS chunks_fts USING fts5(text, "
+                 "tokenize = 'porter unicode61 remove_diacritics 2')")
+    conn.execute("DELETE FROM chunks_fts WHERE rowid NOT IN (SELECT row_id FROM chunks)")
+    return conn.execute("INSERT INTO chunks_fts (rowid, text) SELECT row_id, text FROM chunks"
+                        " WHERE row_id NOT IN (SELECT rowid FROM chunks_fts)").rowcount
+
+
 class SqliteDocumentStore(DocumentStore):
     """Thread-safe (one connection behind a lock); every write is one transaction."""
 
@@ -60,6 +76,10 @@ class SqliteDocumentStore(DocumentStore):
         columns = {r["name"] for r in self._conn.execute("PRAGMA table_info(documents)")}
         if "content_hash" not in columns:  # a store made before content hashes
             self._conn.execute("ALTER TABLE documents ADD COLUMN content_hash TEXT")
+        with self._transaction():
+            num_backfilled = add_lexical_index(self._conn)
+        if num_backfilled:
+            logger.info("lexical index: %d chunks indexed (a store made before it)", num_backfilled)
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -79,6 +99,7 @@ class SqliteDocumentStore(DocumentStore):
                 if row is not None and row["content_hash"] == content_hash:
                     return PutResult(_document(row, self._chunks_where("c.document_id = ?", (doc_id,))), [], True)
             replaced = self._chunks_where("c.document_id = ?", (doc_id,))
+            self._delete_lexical(replaced)
             self._conn.execute("DELETE FROM documents WHERE id = ?", (doc_id,))
             now = time.time()
             self._conn.execute(
@@ -94,6 +115,8 @@ class SqliteDocumentStore(DocumentStore):
                      chunk.kv_key, np.asarray(chunk.embedding, dtype=np.float32).tobytes()),
                 )
             stored = self._chunks_where("c.document_id = ?", (doc_id,))
+            self._conn.executemany("INSERT INTO chunks_fts (rowid, text) VALUES (?, ?)",
+                                   [(c.row_id, c.text) for c in stored])
         return PutResult(StoredDocument(doc_id, title, metadata, num_chars, now, stored), replaced)
 
     def delete_document(self, doc_id: str) -> list[StoredChunk] | None:
@@ -102,8 +125,23 @@ class SqliteDocumentStore(DocumentStore):
             if self._conn.execute("SELECT 1 FROM documents WHERE id = ?", (doc_id,)).fetchone() is None:
                 return None
             chunks = self._chunks_where("c.document_id = ?", (doc_id,))
+            self._delete_lexical(chunks)
             self._conn.execute("DELETE FROM documents WHERE id = ?", (doc_id,))
         return chunks
+
+    def _delete_lexical(self, chunks: Sequence[StoredChunk]) -> None:
+        self._conn.executemany("DELETE FROM chunks_fts WHERE rowid = ?", [(c.row_id,) for c in chunks])
+
+    def lexical_search(self, question: str, limit: int) -> list[tuple[int, float]]:
+        """(row id, BM25 score: higher is better) of the chunks holding any of the question's words
+        (stemmed, stop words left out), best first."""
+        terms = query_terms(question)
+        if not terms:
+            return []
+        with self._lock:
+            rows = self._conn.execute("SELECT rowid, rank FROM chunks_fts WHERE chunks_fts MATCH ? ORDER BY rank LIMIT ?",
+                                      (fts5_query(terms), limit)).fetchall()
+        return [(int(r[0]), -float(r[1])) for r in rows]  # FTS5's rank (its bm25) is negated
 
     def get_document(self, doc_id: str) -> StoredDocument | None:
         with self._lock:

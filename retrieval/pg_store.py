@@ -27,11 +27,17 @@ from retrieval.store_types import (
 logger = logging.getLogger(__name__)
 
 CHANNEL = "ragblend_changes"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 # Advisory lock ids (any constants unique to ragblend): schema creation, and the change sequence.
 _SCHEMA_LOCK, _CHANGE_LOCK = 0x7261_6762_0001, 0x7261_6762_0002
 _CHANGE_RETENTION_S = 86400.0  # change rows older than this are pruned; a replica further behind reconciles
 _PRUNE_EVERY = 1000  # commits
+
+LEXICAL_INDEX_SQL = """
+ALTER TABLE chunks ADD COLUMN IF NOT EXISTS text_tsv tsvector
+    GENERATED ALWAYS AS (to_tsvector('english', text)) STORED;
+CREATE INDEX IF NOT EXISTS chunks_text_tsv ON chunks USING GIN (text_tsv);
+"""
 
 _MIGRATIONS: dict[int, str] = {
     1: """
@@ -62,6 +68,10 @@ _MIGRATIONS: dict[int, str] = {
         committed_at DOUBLE PRECISION NOT NULL
     );
     """,
+    # The chunks' full-text index: a stored generated column (so every write fills it in the chunk's own
+    # row, in the chunk's transaction, and ALTER TABLE backfills the rows already there) and its GIN
+    # index. English stemming and stop words, as the SQLite store's FTS5 (Porter) and query.
+    2: LEXICAL_INDEX_SQL,
 }
 
 # an uploaded PDF's pages per chunk (metadata.chunk_pages / chunk_last_pages, by position)
@@ -217,6 +227,16 @@ class PostgresDocumentStore(DocumentStore):
         with self._connection() as conn:
             chunks = self._chunks_where(conn, "c.id = ANY(%s)", (list(chunk_ids),))
         return {c.id: c for c in chunks}
+
+    def lexical_search(self, question: str, limit: int) -> list[tuple[int, float]]:
+        """(row id, ts_rank_cd score: higher is better) of the chunks holding any of the question's words
+        (stemmed, English stop words left out: plainto_tsquery's terms joined by OR), best first."""
+        with self._connection() as conn:
+            rows = conn.execute(
+                "SELECT c.row_id, ts_rank_cd(c.text_tsv, q.query) AS score FROM chunks c,"
+                " (SELECT replace(plainto_tsquery('english', %s)::text, ' & ', ' | ')::tsquery AS query) q"
+                " WHERE c.text_tsv @@ q.query ORDER BY score DESC, c.row_id LIMIT %s", (question, limit)).fetchall()
+        return [(int(r[0]), float(r[1])) for r in rows]
 
     def set_kv_key(self, chunk_id: str, kv_key: str | None) -> None:
         with self._connection() as conn:

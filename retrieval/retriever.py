@@ -10,11 +10,13 @@ from typing import Sequence
 
 import numpy as np
 
+from configs.enums import RetrievalMode
 from retrieval.config import RetrievalConfig
 from retrieval.doc_store import SqliteDocumentStore
 from retrieval.store_types import DocumentStore, StoredChunk
 from retrieval.embedder import Embedder
 from retrieval.index import VectorIndex
+from retrieval.lexical import reciprocal_rank_fusion
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +37,26 @@ class Reconciliation:
 @dataclass(frozen=True)
 class ScoredChunk:
     chunk: StoredChunk
-    score: float | None  # cosine similarity; None when the chunk was named, not retrieved
+    score: float | None  # cosine similarity to the question; None when the chunk was named, not retrieved
+    rank_score: float | None = None  # what ranked it: the cosine (dense), BM25 / ts_rank_cd (lexical), RRF (hybrid)
+
+
+@dataclass(frozen=True)
+class RelevanceFloor:
+    """Which retrieved chunks count as relevant, by their cosine similarity to the question: none when
+    the best is below `min_score` (the question is about nothing stored), else those within `margin`
+    of the best."""
+
+    min_score: float
+    margin: float
+
+    def apply(self, scored: Sequence[ScoredChunk]) -> list[ScoredChunk]:
+        """The relevant chunks, in their order."""
+        scores = [s.score for s in scored if s.score is not None]
+        if not scores or max(scores) < self.min_score:
+            return []
+        floor = max(self.min_score, max(scores) - self.margin)
+        return [s for s in scored if s.score is not None and s.score >= floor]
 
 
 @dataclass(frozen=True)
@@ -104,11 +125,31 @@ class Retriever:
         self.index.save()
         return result
 
-    def search(self, question: str, top_k: int) -> list[ScoredChunk]:
+    def search(self, question: str, top_k: int, mode: RetrievalMode = RetrievalMode.DENSE,
+               num_candidates: int = 0, rrf_k: int = 60) -> list[ScoredChunk]:
+        """The `top_k` best chunks for `question`, best first, each with its cosine similarity to it.
+        Hybrid fuses the dense and the lexical rankings, each `num_candidates` deep (at least top_k),
+        by reciprocal rank with constant `rrf_k`."""
         vector = self.embedder.encode([question])[0]
-        hits = self.index.search(vector, top_k)
-        chunks = self.store.chunks_by_row_ids([h.row_id for h in hits])
-        return [ScoredChunk(chunks[h.row_id], h.score) for h in hits if h.row_id in chunks]
+        depth = max(top_k, num_candidates) if mode is RetrievalMode.HYBRID else top_k
+        dense: list[tuple[int, float]] = []
+        lexical: list[tuple[int, float]] = []
+        if mode is not RetrievalMode.LEXICAL:
+            dense = [(h.row_id, h.score) for h in self.index.search(vector, depth)]
+        if mode is not RetrievalMode.DENSE:
+            lexical = self.store.lexical_search(question, depth)
+        if mode is RetrievalMode.HYBRID:
+            ranked = reciprocal_rank_fusion([[i for i, _ in dense], [i for i, _ in lexical]], rrf_k)[:top_k]
+        else:
+            ranked = (dense or lexical)[:top_k]
+        row_ids = [row_id for row_id, _ in ranked]
+        chunks = self.store.chunks_by_row_ids(row_ids)
+        cosines = dict(dense)
+        unscored = [i for i in row_ids if i not in cosines]
+        if unscored:  # lexical hits the dense ranking did not reach: their cosine from the stored embedding
+            ids, vectors = self.store.embeddings_of(unscored)
+            cosines.update(zip(ids.tolist(), (vectors @ vector).tolist() if len(ids) else []))
+        return [ScoredChunk(chunks[i], cosines.get(i), rank_score) for i, rank_score in ranked if i in chunks]
 
     def named(self, chunk_ids: Sequence[str]) -> tuple[list[ScoredChunk], list[str]]:
         """The chunks with these ids in this order, and the ids that do not exist."""

@@ -126,6 +126,12 @@ class DocumentStore(Protocol):
 
     def chunks_by_ids(self, chunk_ids: Sequence[str]) -> dict[str, StoredChunk]: ...
 
+    def lexical_search(self, question: str, limit: int) -> list[tuple[int, float]]:
+        """(row id, score: higher is better) of up to `limit` chunks holding the question's words, best
+        first: the store's full-text index (SQLite FTS5, Postgres tsvector), written in the same
+        transaction as the chunks."""
+        ...
+
     def set_kv_key(self, chunk_id: str, kv_key: str | None) -> None: ...
 
     def is_kv_key_used(self, kv_key: str) -> bool:

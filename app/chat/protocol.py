@@ -51,7 +51,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(GenerationOptions):
-    """OpenAI's fields plus the RAG extras (top_k, mode, recompute_ratio, chunk_ids). Other fields
+    """OpenAI's fields plus the RAG extras (top_k, retrieval, mode, recompute_ratio, chunk_ids). Other fields
     (user, metadata, ...) are ignored, as OpenAI-compatible servers do, except the OpenAI parameters
     ragblend does not implement (UNSUPPORTED_PARAMETERS): asking for one is a 400 naming it."""
 
@@ -98,7 +98,7 @@ class ChatCompletionResponse(BaseModel):
     usage: ChatUsage
     sources: list[SourceOut]
     timings: TimingsOut
-    mode: str
+    mode: str | None = Field(description="The prefill mode that ran; null: none (nothing relevant was retrieved).")
     recompute_ratio: float | None = None
     quality_guarded: bool = False  # the quality guard raised the recompute ratio
     plan: PlanOut | None = None  # the loading planner's choice (mode 'auto')

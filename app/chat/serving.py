@@ -16,10 +16,9 @@ from app.query.protocol import TimingsOut
 from app.query.serving import build_rag_request, plan_out, sources_out
 from app.rag.collect import IsDisconnected, collect
 from app.rag.pipeline import RagPipeline
-from app.rag.types import DoneEvent, RagContext, RagRequest, TokenEvent
+from app.rag.types import AnswerStream, DoneEvent, RagContext, RagRequest, TokenEvent
 from app.sse import sse
 from configs.settings import Settings
-from runtime.jobs import JobStream
 
 
 @dataclass(frozen=True)
@@ -29,7 +28,7 @@ class ChatCall:
     model: str
     request: RagRequest
     context: RagContext
-    stream: JobStream
+    stream: AnswerStream
 
 
 @dataclass
@@ -63,7 +62,7 @@ class ChatService:
             id=call.id, created=call.created, model=call.model,
             choices=[Choice(message=AssistantMessage(content=answer), finish_reason=_finish(done))],
             usage=_usage(done), sources=sources_out(call.context.sources), timings=TimingsOut(**asdict(done.timings)),
-            mode=done.mode.value, recompute_ratio=done.recompute_ratio, quality_guarded=done.is_guarded,
+            mode=done.mode.value if done.mode else None, recompute_ratio=done.recompute_ratio, quality_guarded=done.is_guarded,
             plan=plan_out(done),
             warnings=call.context.warnings,
         )
@@ -87,7 +86,7 @@ class ChatService:
                 else:
                     yield chunk(DeltaMessage(), finish=_finish(event), usage=_usage(event),
                                 timings=TimingsOut(**asdict(event.timings)), recompute_ratio=event.recompute_ratio,
-                                quality_guarded=event.is_guarded, mode=event.mode.value, plan=plan_out(event))
+                                quality_guarded=event.is_guarded, mode=event.mode.value if event.mode else None, plan=plan_out(event))
             yield sse("[DONE]")
         except Exception as exc:  # the headers are out: report in-band, as OpenAI does
             yield sse(stream_error_body(exc))

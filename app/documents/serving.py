@@ -27,10 +27,12 @@ from blend_engine.kv import ChunkKV
 from blend_engine.threads import pin_one_thread
 from runtime.jobs import JobCancelled
 from runtime.loop import EngineLoop
+from app.extract.language import language_warning
 from configs.enums import ChunkingMode
 from configs.settings import Settings
 from kv_store.single_flight import SingleFlight
 from retrieval.chunker import Chunker
+from retrieval.embedder import PACKAGED_MINILM
 from retrieval.store_types import StoredChunk
 from retrieval.retriever import Retriever
 
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
     from kv_store import KVStore
 
 logger = logging.getLogger(__name__)
+ENGLISH_ONLY_EMBEDDERS = frozenset({PACKAGED_MINILM})  # a document in another language gets a warning
 
 
 @dataclass
@@ -106,7 +109,8 @@ class DocumentService:
                     raise IngestInterruptedError([w.id for w in written], doc.id or content_id(doc), error) from exc
         finally:
             self._save_index()
-        return IngestResponse(documents=[self._document_out(w, self._is_backfilled(d, request.precompute))
+        return IngestResponse(documents=[self._document_out(w, self._is_backfilled(d, request.precompute),
+                                                            self._warnings(d))
                                          for w, d in zip(written, request.documents)])
 
     def _disk_full(self, exc: Exception, doc: DocumentIn, precompute: bool) -> InsufficientStorageError:
@@ -138,12 +142,19 @@ class DocumentService:
             self.backfill.schedule(written.chunks)
         return written
 
-    def _document_out(self, written: WrittenDocument, is_backfilled: bool = False) -> DocumentOut:
+    def _document_out(self, written: WrittenDocument, is_backfilled: bool = False,
+                      warnings: Sequence[str] = ()) -> DocumentOut:
         cached = self._cached(written.chunks)
         chunks = [ChunkOut(id=c.id, num_tokens=c.num_tokens, kv_cached=is_cached)
                   for c, is_cached in zip(written.chunks, cached)]
         return DocumentOut(id=written.id, status=written.status, chunks=chunks,
-                           kv_pending=is_backfilled and not all(cached))
+                           kv_pending=is_backfilled and not all(cached), warnings=list(warnings))
+
+    def _warnings(self, doc: DocumentIn) -> list[str]:
+        """What may keep questions from finding the document's content: its language, for an English-only
+        embedder."""
+        warning = language_warning(doc.text, self.settings.retrieval.embedder, ENGLISH_ONLY_EMBEDDERS)
+        return [warning] if warning else []
 
     def _cached(self, chunks: Sequence[StoredChunk]) -> list[bool]:
         """Whether each chunk has a sound KV entry now (batched: one header check or round trip each tier)."""

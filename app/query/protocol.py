@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, field_val
 
 from app.text import NUL_MESSAGE, nul_location
 from blend_engine.types import PrefillMode, SelectionKind
-from configs.enums import RequestMode
+from configs.enums import RequestMode, RetrievalMode
 
 Ratio = float
 # Strict numbers: JSON "3" or true is not an int (no coercion); an int is still a valid float.
@@ -21,6 +21,10 @@ class GenerationOptions(BaseModel):
     """Retrieval, prefill and sampling options shared by /v1/query and /v1/chat/completions."""
 
     top_k: StrictInt | None = Field(None, ge=1, description="Chunks to retrieve (limit: limits.max_top_k).")
+    retrieval: RetrievalMode | None = Field(
+        None, description="How chunks are ranked: dense (embeddings), lexical (full-text index) or hybrid (both, "
+        "fused by reciprocal rank); default from config (retrieval.mode).",
+    )
     chunk_ids: list[str] | None = Field(
         None, min_length=1, description="Skip retrieval: use exactly these chunks, in this order."
     )
@@ -67,7 +71,8 @@ class SourceOut(BaseModel):
     chunk_id: str
     document_id: str
     title: str | None
-    score: float | None
+    score: float | None = Field(description="Cosine similarity of the chunk to the question (whatever ranked it); "
+                                "null for a chunk named in chunk_ids.")
     text: str
     pages: list[int] | None = Field(None, description="Uploaded PDFs: [first, last] page the chunk's text is on.")
 
@@ -105,7 +110,8 @@ class PlanOut(BaseModel):
 
 class QueryResponse(BaseModel):
     answer: str
-    mode: PrefillMode
+    mode: PrefillMode | None = Field(description="The prefill mode that ran; null: none ran (nothing relevant was "
+                                     "retrieved: the answer is retrieval.not_found_answer, with no sources).")
     finish_reason: str | None
     recompute_ratio: float | None = None
     quality_guarded: bool = Field(False, description="The quality guard raised this answer's recompute ratio.")
