@@ -22,6 +22,7 @@ from typing import Any, Sequence
 from app.commands.exit_codes import ExitCode
 from bench.answers_set import DEFAULT_SET, QuestionSet, SetQuestion, load_set
 from bench.output import emit_summary
+from bench.retrieval_bench import empty_database
 from configs.enums import ChunkingMode, RetrievalMode
 
 
@@ -141,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     for chunking in chunkings:
         with tempfile.TemporaryDirectory(prefix="ragblend-retrieval-quality-") as tmp:
             if args.database_url:  # one configuration at a time in the database: start empty
-                _empty(args.database_url)
+                empty_database(args.database_url)
             retriever = build_retriever(qset, chunking, args.overlap, Path(tmp), args.database_url)
             try:
                 num_chunks = retriever.store.num_chunks()
@@ -160,10 +161,3 @@ def run(args: argparse.Namespace) -> int:
                   "num_candidates": args.num_candidates, "rrf_k": args.rrf_k, "overlap": args.overlap,
                   "store": "postgres" if args.database_url else "sqlite", "results": results}, args.out, indent=2)
     return ExitCode.OK
-
-
-def _empty(url: str) -> None:
-    import psycopg
-
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("DROP TABLE IF EXISTS changes, chunks, documents, ragblend_schema CASCADE")

@@ -4,9 +4,10 @@ Two ways (`retrieval.chunking`):
 - `tokens`: greedy packing of sentences, cut at paragraph or sentence boundaries, with overlap;
 - `structure`: the document's own blocks, packed whole while they fit. A page break (form feed, which
   PDF extraction puts between pages) is never crossed, so a PDF chunk's page is exact; a heading (a
-  Markdown `#` line, or a man page's ALL-CAPS section line in text) starts a chunk; blank lines separate
-  blocks (a paragraph, or a configuration file's comment with its settings), which stay whole when
-  they fit; only a block longer than a chunk is cut, by sentences (with overlap), then by tokens.
+  Markdown `#` line, or a man page's ALL-CAPS section line in text) starts a chunk unless the chunk
+  before it is still under a quarter full; blank lines separate blocks (a paragraph, or a configuration
+  file's comment with its settings), which stay whole when they fit; only a block longer than a chunk
+  is cut, by sentences (with overlap), then by tokens. Every chunk is a slice of the document's text.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class _Block:
 
     start: int
     end: int
-    heading_level: int | None  # a heading: 1 (highest) to 6; None: body text
+    heading_level: int | None  # a heading: 1 (highest) to 6 (a man page's section line: 1); None: body text
 
 
 class Chunker:
@@ -127,9 +128,9 @@ class Chunker:
 
     def _pack_blocks(self, text: str, blocks: list[_Block]) -> list[str]:
         """`text`'s blocks packed whole, in order, each chunk the slice of `text` from its first block to
-        its last: a chunk ends before a block that does not fit, and before a heading of its own level or
-        higher once it holds a quarter of a chunk (a subsection joins its section's chunk while it fits).
-        A heading never ends a chunk: it moves on with what follows it."""
+        its last: a chunk ends before a block that does not fit, and before a heading once it holds a
+        quarter of a chunk (smaller sections share a chunk with what follows). A heading never ends a
+        chunk: it moves on with what follows it."""
         groups: list[str] = []
         current: list[tuple[_Block, int]] = []  # (block, its tokens with the blank line after it)
 
@@ -149,9 +150,7 @@ class Chunker:
             num_tokens = len(self._tokenize(text[block.start : block.end] + "\n\n"))
             used = sum(n for _, n in current)
             has_body = any(b.heading_level is None for b, _ in current)
-            level = current[0][0].heading_level if current else None  # the heading that started the chunk
-            if block.heading_level is not None and has_body and used * _MIN_FILL >= self.max_tokens \
-                    and (level is None or block.heading_level <= level):
+            if block.heading_level is not None and has_body and used * _MIN_FILL >= self.max_tokens:
                 current = flush()
                 used = sum(n for _, n in current)
             if num_tokens > self.max_tokens:  # cut by sentences, its headings leading the first part

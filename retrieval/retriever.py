@@ -126,11 +126,11 @@ class Retriever:
         return result
 
     def search(self, question: str, top_k: int, mode: RetrievalMode = RetrievalMode.DENSE,
-               num_candidates: int = 0, rrf_k: int = 60) -> list[ScoredChunk]:
+               num_candidates: int = 0, rrf_k: int = 60, vector: np.ndarray | None = None) -> list[ScoredChunk]:
         """The `top_k` best chunks for `question`, best first, each with its cosine similarity to it.
         Hybrid fuses the dense and the lexical rankings, each `num_candidates` deep (at least top_k),
-        by reciprocal rank with constant `rrf_k`."""
-        vector = self.embedder.encode([question])[0]
+        by reciprocal rank with constant `rrf_k`. `vector`: the question's embedding, if already made."""
+        vector = self.embedder.encode([question])[0] if vector is None else vector
         depth = max(top_k, num_candidates) if mode is RetrievalMode.HYBRID else top_k
         dense: list[tuple[int, float]] = []
         lexical: list[tuple[int, float]] = []

@@ -24,7 +24,8 @@ from tests.docgen import make_pdf
 TINY_CONFIG = 'model: {"name": "random:tiny-llama", "device": "cpu"}\n'
 ROW_KEYS = {"num_questions", "num_answers", "num_errors", "errors", "right", "num_right", "inside", "num_inside",
             "right_when_inside", "source_top", "source_any", "num_source_scored", "ran_to_cap", "num_ran_to_cap",
-            "ttft_p50_ms", "ttft_p90_ms", "server_ttft_p50_ms", "completion_tokens_mean", "modes"}
+            "ttft_p50_ms", "ttft_p90_ms", "server_ttft_p50_ms", "completion_tokens_mean", "modes", "refused",
+            "num_refused", "num_out_of_scope", "oos_refused", "num_oos_refused", "prompt_tokens_mean"}
 ANSWER_KEYS = {"part", "question", "setting", "repeat", "error", "answer", "finish_reason", "ran_to_cap", "ttft_ms",
                "server_ttft_ms", "mode", "completion_tokens", "prompt_tokens", "sources", "chunks", "right", "inside",
                "source_top", "source_any"}
@@ -47,6 +48,9 @@ def test_every_question_is_stated_in_its_document_as_extracted():
     qset = load_set(DEFAULT_SET)
     texts = extracted_texts(qset)
     for q in qset.questions:
+        if q.is_out_of_scope:  # nothing states it: the right answer is a refusal, never a fact from a document
+            assert q.is_right("I could not find this in the documents.") and not q.is_right(q.question), q.id
+            continue
         evidence = q.evidence.search(texts[q.document])
         assert evidence, f"{q.id}: its evidence is not in {q.document}'s extracted text"
         assert q.pattern.search(evidence.group(0)), f"{q.id}: the evidence does not hold the answer"
@@ -68,6 +72,9 @@ def test_the_set_real_documents_several_formats_and_disjoint_halves():
     for doc_id, counts in qset.counts().items():
         assert counts["dev"] + counts["test"] >= 6 and counts["dev"] >= 3 and counts["test"] >= 3, doc_id
     assert abs(len(dev) - len(test)) <= 2
+    out_of_scope = [q for q in qset.questions if q.is_out_of_scope]
+    assert len(out_of_scope) >= 8 and {q.split for q in out_of_scope} == {"dev", "test"}
+    assert all(q.evidence is None for q in out_of_scope)
 
 
 def test_load_set_refuses_a_broken_set(tmp_path):
@@ -87,6 +94,7 @@ def test_load_set_refuses_a_broken_set(tmp_path):
     refused([doc], [{**question, "pattern": "(4812"}], "question q: bad pattern")
     refused([doc], [question, question], "repeated question ids: q")
     refused([{**doc, "file": "missing.md"}], [question], "missing.md")
+    refused([doc], [{**question, "out_of_scope": True}], "out-of-scope question has no document")
     with pytest.raises(ValueError, match="not found"):
         load_set(tmp_path / "none.json")
 
@@ -108,10 +116,25 @@ def test_document_answers_are_scored_by_pattern_evidence_and_source():
     # the fact stated across a line break and runs of spaces still counts as inside
     chunk = "biased ... The default   compression\n level is -6 (that is"
     right = score_document_answer(q, streamed("The default level is -6.", [("gzip.1.pdf", chunk)]))
-    assert right == {"right": True, "inside": True, "source_top": True, "source_any": True}
+    assert right == {"right": True, "inside": True, "source_top": True, "source_any": True, "refused": False,
+                     "out_of_scope": False}
     wrong = score_document_answer(q, streamed("It is 9 or 16.", [("zlib-faq.txt", "16 exabytes"), ("gzip.1.pdf", "-9 --best")]))
-    assert wrong == {"right": False, "inside": False, "source_top": False, "source_any": True}
+    assert wrong == {"right": False, "inside": False, "source_top": False, "source_any": True, "refused": False,
+                     "out_of_scope": False}
     assert score_document_answer(q, streamed("level 6", []))["source_any"] is False
+    assert score_document_answer(q, streamed("I could not find this in the documents.", []))["refused"] is True
+
+
+def test_out_of_scope_answers_are_right_only_when_they_refuse():
+    q = next(q for q in load_set(DEFAULT_SET).questions if q.id == "oos-1")  # bzip2's level: no document says
+    assert q.is_out_of_scope and q.document is None
+    refusal = score_document_answer(q, streamed("I could not find this in the documents.", []))
+    assert refusal == {"right": True, "inside": None, "source_top": None, "source_any": None, "refused": True,
+                       "out_of_scope": True}
+    for answer in ("The documents don't mention bzip2.", "The text does not say.", "I don't know."):
+        assert score_document_answer(q, streamed(answer, [("gzip.1.pdf", "x")]))["right"], answer
+    fabricated = score_document_answer(q, streamed("The default compression level of bzip2 is 9.", [("gzip.1.pdf", "-9")]))
+    assert fabricated["right"] is False and fabricated["refused"] is False
 
 
 def test_musique_answers_are_scored_by_normalized_gold():
@@ -132,11 +155,17 @@ def test_a_setting_row_on_known_records():
                                    "ran_to_cap": cap, "ttft_ms": ttft, "server_ttft_ms": ttft - 10,
                                    "completion_tokens": 4, "mode": "blend"}
 
+    oos = [{**record(True, None, None, 5.0), "out_of_scope": True, "refused": True},
+           {**record(False, None, None, 900.0), "out_of_scope": True, "refused": False}]
     rows = [record(True, True, True, 100.0), record(False, True, None, 300.0, cap=True),
-            record(False, False, False, 200.0), record(None, None, None, 0, error="QueryFailed: queue full")]
+            {**record(False, False, False, 200.0), "refused": True},
+            record(None, None, None, 0, error="QueryFailed: queue full"), *oos]
     row = part_row(rows)
     assert set(row) == ROW_KEYS
-    assert row["num_questions"] == 4 and row["num_answers"] == 3 and row["num_errors"] == 1
+    assert row["num_questions"] == 6 and row["num_answers"] == 3 and row["num_errors"] == 1
+    # out-of-scope answers count apart: one refused of two; no in-scope rate or TTFT includes them
+    assert row["num_out_of_scope"] == 2 and row["num_oos_refused"] == 1 and row["oos_refused"] == 0.5
+    assert row["num_refused"] == 1 and row["refused"] == pytest.approx(1 / 3)
     assert row["right"] == pytest.approx(1 / 3) and row["inside"] == pytest.approx(2 / 3)
     assert row["right_when_inside"] == 0.5 and row["num_source_scored"] == 2 and row["source_top"] == 0.5
     assert row["ran_to_cap"] == pytest.approx(1 / 3) and row["ttft_p50_ms"] == 200.0
@@ -147,8 +176,9 @@ def test_settings_take_turns_and_quick_checks_spread_over_documents():
     a, b, c = (Setting(n) for n in "abc")
     assert [in_turn([a, b, c], t) for t in range(4)] == [[a, b, c], [b, c, a], [c, a, b], [a, b, c]]
     qset = load_set(DEFAULT_SET)
-    picked = pick_questions(qset, "test", 10)
-    assert len(picked) == 10 and len({q.document for q in picked}) == 8 and all(q.split == "test" for q in picked)
+    picked = pick_questions(qset, "test", 10)  # the out-of-scope questions take turns as a ninth "document"
+    assert len(picked) == 10 and len({q.document for q in picked}) == 9 and all(q.split == "test" for q in picked)
+    assert None in {q.document for q in picked}
     assert pick_questions(qset, "dev", None) == qset.split("dev")
     with pytest.raises(ValueError, match="unknown settings nope"):
         settings_named(["default", "nope"])
