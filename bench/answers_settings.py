@@ -36,8 +36,18 @@ REFUSE_PROMPT = ("You are a helpful assistant. Answer the question using the doc
 S192_PROMPT = {"retrieval": {"chunking": "structure", "chunk_tokens": 192, "min_score": 0.35, "score_margin": 0.15},
                "model": {"system_prompt": REFUSE_PROMPT}}
 
+# The retrieval defaults before issue 36's item 2 (main at 27ff4d7): sentence chunks of 384 tokens, dense, top 5,
+# no relevance floor
+BEFORE = {"retrieval": {"chunking": "tokens", "chunk_tokens": 384, "mode": "dense", "top_k": 5, "min_score": -1.0,
+                        "score_margin": 2.0}}
+
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("default"),  # today's defaults: nothing added to the request, the server as shipped
+    Setting("before", server=BEFORE),  # the defaults before docs/decisions/0020
+    Setting("before-k3", request={"top_k": 3}, server=BEFORE),
+    Setting("default-k5", request={"top_k": 5}),
+    Setting("dense", request={"retrieval": "dense"}),
+    Setting("lexical", request={"retrieval": "lexical"}),
     Setting("full", request={"mode": "full"}),  # a full prefill: reads every retrieved chunk again
     Setting("top_k=2", request={"top_k": 2}),
     Setting("top_k=10", request={"top_k": 10}),
