@@ -221,6 +221,7 @@ def score_musique_answer(golds: Sequence[str], expected: set[str], streamed: Str
     docs = [s["document_id"] for s in streamed.sources]
     return {"right": contains_gold(streamed.answer, golds),
             "inside": any(contains_gold(s["text"], golds) for s in streamed.sources),
+            "refused": REFUSAL.search(collapse(streamed.answer)) is not None,
             "source_top": (bool(docs) and docs[0] in expected) if expected else None,
             "source_any": bool(expected & set(docs)) if expected else None}
 

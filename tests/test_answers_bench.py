@@ -28,7 +28,7 @@ ROW_KEYS = {"num_questions", "num_answers", "num_errors", "errors", "right", "nu
             "num_refused", "num_out_of_scope", "oos_refused", "num_oos_refused", "prompt_tokens_mean"}
 ANSWER_KEYS = {"part", "question", "setting", "repeat", "error", "answer", "finish_reason", "ran_to_cap", "ttft_ms",
                "server_ttft_ms", "mode", "completion_tokens", "prompt_tokens", "sources", "chunks", "right", "inside",
-               "source_top", "source_any"}
+               "source_top", "source_any", "refused"}
 
 
 # ---- the committed set ---------------------------------------------------------------------------
@@ -143,7 +143,7 @@ def test_musique_answers_are_scored_by_normalized_gold():
     assert not contains_gold("He studied at Exeter.", ["Exeter College"])
     assert not contains_gold("anything", [""])
     scored = score_musique_answer(["Charles County"], {"m-1"}, streamed("charles county", [("m-0", "no"), ("m-1", "Charles County, MD")]))
-    assert scored == {"right": True, "inside": True, "source_top": False, "source_any": True}
+    assert scored == {"right": True, "inside": True, "source_top": False, "source_any": True, "refused": False}
     # no passage holds the gold: no source can be right, so none is scored
     assert score_musique_answer(["x y"], set(), streamed("x y", [("m-0", "z")]))["source_top"] is None
 
@@ -197,7 +197,8 @@ WORDS = ("the river flows past an old mill near the town of harlow where people 
 
 
 def tiny_set(tmp_path) -> str:
-    """Two documents (Markdown, PDF; ids other than their file names) and a question on each, one per half."""
+    """Two documents (Markdown, PDF; ids other than their file names) and a question on each, one per half;
+    and an out-of-scope question (test half)."""
     docs = tmp_path / "set"
     docs.mkdir()
     (docs / "vault.md").write_text("# Vault\n\nThe secret code of the blue vault is 4812. The vault is in Lisbon.\n")
@@ -210,7 +211,9 @@ def tiny_set(tmp_path) -> str:
             {"id": "vault-1", "document": "vault", "split": "dev", "question": "What is the blue vault's code?",
              "answer": "4812", "pattern": "4812", "evidence": "blue vault is 4812"},
             {"id": "bridge-1", "document": "bridge", "split": "test", "question": "When was the red bridge painted?",
-             "answer": "1966", "pattern": "1966", "evidence": "painted in 1966"}],
+             "answer": "1966", "pattern": "1966", "evidence": "painted in 1966"},
+            {"id": "oos-1", "document": None, "split": "test", "out_of_scope": True,
+             "question": "What is the boiling point of ethanol?", "answer": "a refusal"}],
     }
     path = docs / "questions.json"
     path.write_text(json.dumps(data))
@@ -255,24 +258,32 @@ def test_bench_answers_end_to_end_on_a_tiny_model(tmp_path, capsys, monkeypatch)
         assert list(rows) == ["default", "full", "top1-server"]
         for row in rows.values():
             assert set(row) == ROW_KEYS and row["num_errors"] == 0
-            assert row["num_answers"] == 2 * row["num_questions"] and row["ttft_p50_ms"] > 0
+            assert row["num_answers"] + row["num_out_of_scope"] == 2 * row["num_questions"] and row["ttft_p50_ms"] > 0
+            # the server's relevance floor refuses the out-of-scope question, in every setting
+            assert row["num_out_of_scope"] == (2 if part == "docs_test" else 0)
+            assert row["num_oos_refused"] == row["num_out_of_scope"]
+            assert row["num_refused"] == 0 or part == "musique"  # (the tiny MuSiQue passages are word salad)
     answers = summary["answers"]
     assert all(set(a) >= ANSWER_KEYS for a in answers)
     assert Counter((a["part"], a["setting"]) for a in answers) == {
-        (p, s): 2 * (2 if p == "musique" else 1) for p in ("docs_dev", "docs_test", "musique")
+        (p, s): 2 * (1 if p == "docs_dev" else 2) for p in ("docs_dev", "docs_test", "musique")
         for s in ("default", "full", "top1-server")}
     # the settings take turns: the first asked moves on by one each question, and each repeat
     docs = [a for a in answers if a["part"] != "musique"]
     assert [(a["question"], a["setting"]) for a in docs[:6]] == [
         ("vault-1", "default"), ("vault-1", "full"), ("vault-1", "top1-server"),
         ("bridge-1", "full"), ("bridge-1", "top1-server"), ("bridge-1", "default")]
-    assert docs[6]["setting"] == "full"
+    assert docs[6]["setting"] == "top1-server" and docs[9]["setting"] == "full"  # oos-1 third; the repeat's turn
     for a in answers:
         assert a["completion_tokens"] <= 3 and a["ran_to_cap"] == (a["finish_reason"] == "length")
-        assert a["mode"] == "full" or a["setting"] != "full"  # (auto, the default, may plan a full prefill too)
-        assert len(a["sources"]) == 1 if a["setting"] == "top1-server" else len(a["sources"]) > 1
+        if a["question"] == "oos-1":  # refused by the server: no sources, no model
+            assert a["right"] and a["refused"] and a["sources"] == [] and a["mode"] is None
+            continue
+        # (auto, the default, may plan a full prefill too; a question the floor refuses runs no prefill)
+        assert a["mode"] == "full" or a["setting"] != "full" or (a["refused"] and a["mode"] is None)
+        assert len(a["sources"]) <= 1 if a["setting"] == "top1-server" else len(a["sources"]) <= 3
         expected = {"vault-1": "vault", "bridge-1": "bridge"}.get(a["question"])
-        if expected:  # one small chunk per page or file: every chunk in a top-5 prompt, the fact inside
+        if expected:  # one small chunk per page or file: the fact's chunk in a top-3 prompt
             assert a["source_top"] == (a["sources"][0] == expected) and a["source_any"] == (expected in a["sources"])
             if a["setting"] != "top1-server":
                 assert a["inside"] and a["source_any"]
@@ -282,7 +293,7 @@ def test_bench_answers_end_to_end_on_a_tiny_model(tmp_path, capsys, monkeypatch)
             assert all(s.startswith(f"musique-{mi}-") for s in a["sources"]) and a["num_gold_passages"] == 1
             assert a["source_any"] == (f"musique-{mi}-0" in a["sources"]) == a["inside"]
     table = "\n".join(lines[:-1])
-    assert "documents, test half (1 questions)" in table and "MuSiQue (2 questions)" in table
+    assert "documents, test half (2 questions)" in table and "MuSiQue (2 questions)" in table
     assert re.search(r"top1-server\s+\d/2\s+\d/2", table)
 
 

@@ -36,7 +36,7 @@ def _server(tmp_path_factory, name: str, **retrieval):
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
     """No relevance floor."""
-    with _server(tmp_path_factory, "plain") as live, httpx.Client(base_url=live.url, timeout=120) as http:
+    with _server(tmp_path_factory, "plain", min_score=-1.0, score_margin=2.0) as live, httpx.Client(base_url=live.url, timeout=120) as http:
         assert http.post("/v1/documents", json={"documents": DOCUMENTS}).status_code == 201
         yield http
 

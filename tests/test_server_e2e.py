@@ -27,7 +27,10 @@ DOCUMENTS = [
 
 
 def make_settings(data_dir, **overrides):
-    return load_settings(data_dir=data_dir, limits={"max_tokens": 8192}, **overrides)
+    # no relevance floor: these tests count on every retrieved chunk reaching the prompt (top_k, context
+    # fitting, KV loads), the floor's own tests are tests/test_retrieval_api.py
+    retrieval = {"min_score": -1.0, "score_margin": 2.0, **overrides.pop("retrieval", {})}
+    return load_settings(data_dir=data_dir, limits={"max_tokens": 8192}, retrieval=retrieval, **overrides)
 
 
 @pytest.fixture(scope="module")
