@@ -47,9 +47,10 @@ def server(tmp_path_factory):
 
 
 def rag_request(question: str, mode: RequestMode, max_tokens: int, top_k: int = 3, **sampling) -> RagRequest:
-    """Dense retrieval: the prompts these tests were measured with (a first answer alone reads its chunks'
-    KV from another tier than the batched one after it, and with hybrid's prompts one random-model token
-    flipped between the two: tier precision, not batching)."""
+    """Dense retrieval: the prompts these tests were written with. With hybrid's prompts one token of the
+    random model's answer differed between alone and batched in this module's first test, and not when the
+    same requests ran after their retrievals had warmed the KV tiers: not understood yet, left to the
+    engine's tests (reported with issue 36's retrieval change)."""
     return RagRequest(question=question, mode=mode, sampling=SamplingParams(max_tokens=max_tokens, **sampling),
                       top_k=top_k, retrieval=RetrievalMode.DENSE)
 
