@@ -185,7 +185,7 @@ def in_turn(settings: Sequence[Setting], turn: int) -> list[Setting]:
 
 
 def request_body(setting: Setting, question: str, args: argparse.Namespace) -> dict[str, Any]:
-    body: dict[str, Any] = {"question": question}
+    body: dict[str, Any] = {"question": question, "prefix_cache": False}  # the warm-up asks it first: prefill again
     if args.max_tokens is not None:
         body["max_tokens"] = args.max_tokens
     return {**body, **setting.request}

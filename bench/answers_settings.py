@@ -43,7 +43,7 @@ BEFORE = {"retrieval": {"chunking": "tokens", "chunk_tokens": 384, "mode": "dens
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("default"),  # today's defaults: nothing added to the request, the server as shipped
-    Setting("before", server=BEFORE),  # the defaults before docs/decisions/0020
+    Setting("before", server=BEFORE),  # the defaults before docs/decisions/0021
     Setting("before-k3", request={"top_k": 3}, server=BEFORE),
     Setting("default-k5", request={"top_k": 5}),
     Setting("dense", request={"retrieval": "dense"}),

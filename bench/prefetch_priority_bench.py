@@ -10,6 +10,10 @@ the chunks; the order alternates by round). Each figure is a median over rounds,
 of ratios within one round.
 
     python -m bench.prefetch_priority_bench --out docs/results/prefetch_priority_cpu.json
+
+Why it is twice the size of what it measures (kv_store/prefetch.py): a prefill beside a prefetch needs
+two stores holding the same chunks on disk, a prefill whose chunks sit in memory, and rounds that
+alternate which priority goes first; it is kept because decision 0017's figures are reproduced by it.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from configs.enums import RetrievalMode
 
 ROOT = Path(__file__).resolve().parent.parent
 CHUNKS_PER_DOCUMENT = 10
+ALL = ("default",)  # the one collection the chunks go into (retrieval.store_types.DEFAULT_COLLECTION)
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n\s*\n")
 
 
@@ -90,7 +91,7 @@ def fill(retriever, texts: Sequence[str], random_vectors: bool, rng: random.Rand
             vectors = retriever.embedder.encode(part)
         result = retriever.store.put_document(f"doc-{first // CHUNKS_PER_DOCUMENT}", None, {}, sum(map(len, part)),
                                               [NewChunk(t, (1,), v) for t, v in zip(part, vectors)])
-        retriever.follow([], [c.row_id for c in result.document.chunks], list(vectors))
+        retriever.follow([], result.document.chunks, list(vectors))
     retriever.index.save()
     return time.perf_counter() - start
 
@@ -118,14 +119,14 @@ def measure(retriever, asked: Sequence[str], modes: Sequence[RetrievalMode], top
         is_warm = number >= 20
         vector = retriever.embedder.encode([question])[0]
         for mode in modes[number % len(modes):] + modes[: number % len(modes)]:
-            took = timed(lambda: retriever.search(question, top_k, mode, num_candidates))
-            given = timed(lambda: retriever.search(question, top_k, mode, num_candidates, vector=vector))
+            took = timed(lambda: retriever.search(question, top_k, ALL, mode, num_candidates))
+            given = timed(lambda: retriever.search(question, top_k, ALL, mode, num_candidates, vector=vector))
             if is_warm:
                 samples[mode.value].append(took)
                 after_embedding[mode.value].append(given)
         embed = timed(lambda: retriever.embedder.encode([question]))
-        dense = timed(lambda: retriever.index.search(vector, max(top_k, num_candidates)))
-        lexical = timed(lambda: retriever.store.lexical_search(question, max(top_k, num_candidates)))
+        dense = timed(lambda: retriever.index.search(vector, max(top_k, num_candidates), ALL))
+        lexical = timed(lambda: retriever.store.lexical_search(question, max(top_k, num_candidates), ALL))
         if is_warm:
             parts["embed"].append(embed)
             parts["dense_index"].append(dense)
@@ -190,4 +191,5 @@ def empty_database(url: str) -> None:
     import psycopg
 
     with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("DROP TABLE IF EXISTS changes, chunks, documents, ragblend_schema CASCADE")
+        conn.execute("DROP TABLE IF EXISTS changes, chunks, documents, collections, key_collections, api_keys,"
+                     " ragblend_schema CASCADE")

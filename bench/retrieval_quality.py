@@ -90,13 +90,14 @@ def build_retriever(qset: QuestionSet, chunking: Chunking, overlap: int, data_di
         vectors = retriever.embedder.encode([c.text for c in chunks])
         result = retriever.store.put_document(doc.id, extracted.title, extracted.metadata, len(extracted.text),
                                               [NewChunk(c.text, c.token_ids, v) for c, v in zip(chunks, vectors)])
-        retriever.follow(result.replaced, [c.row_id for c in result.document.chunks], list(np.asarray(vectors)))
+        retriever.follow(result.replaced, result.document.chunks, list(np.asarray(vectors)))
     return retriever
 
 
 def evaluate(retriever, questions: Sequence[SetQuestion], modes: Sequence[RetrievalMode], top_ks: Sequence[int],
              floors: Sequence[tuple[float, float]], num_candidates: int, rrf_k: int) -> list[dict[str, Any]]:
     from retrieval.retriever import RelevanceFloor
+    from retrieval.store_types import DEFAULT_COLLECTION
 
     rows = []
     for mode in modes:
@@ -107,7 +108,7 @@ def evaluate(retriever, questions: Sequence[SetQuestion], modes: Sequence[Retrie
                 in_scope = [q for q in questions if not q.is_out_of_scope]
                 oos = [q for q in questions if q.is_out_of_scope]
                 for q in questions:
-                    scored = retriever.search(q.question, top_k, mode, num_candidates, rrf_k)
+                    scored = retriever.search(q.question, top_k, (DEFAULT_COLLECTION,), mode, num_candidates, rrf_k)
                     best_scores.append((q.is_out_of_scope, max((s.score for s in scored), default=-1.0)))
                     if floor is not None:
                         scored = RelevanceFloor(*floor).apply(scored)

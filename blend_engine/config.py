@@ -53,16 +53,30 @@ class ModelConfig:
         description="What decode attends over: auto (int8 with quantized weights on CPU, else model) | "
         "model (the prefill's cache, exact) | bf16 (a bf16 copy) | int8 (keys and values int8 with a scale "
         "per token and head; CPU).")] = DecodeCache.AUTO
+    prefill_graphs: Annotated[bool, Field(
+        description="CUDA: a prefill's layers past blend's last check layer (every layer in reuse, prefix and full "
+        "modes) run their linear parts as CUDA graphs captured per token-count bucket, the K/V writes and the "
+        "attention eagerly (docs/benchmarks/gpu.md); false: every layer eagerly. No effect on CPU.")] = True
     cache_dir: Annotated[Path, Field(
         description="Where a GGUF model's converted copy (safetensors + tokenizer) is kept for warm starts.")] = (
         Path("~/.cache/ragblend/models"))
     system_prompt: Annotated[str, Field(description="System message of every RAG prompt.")] = (
         "You are a helpful assistant. Answer the question using the documents.")
+    tokenizer: Annotated[Path | None, Field(
+        description="random:<shape> models only: a local tokenizer directory (tokenizer.json, tokenizer_config.json, "
+        "a chat template) the model reads its prompts with, its vocabulary grown to cover it (e.g. on a GPU host "
+        "without the embedded model's package: docs/benchmarks/gpu.md). Null: the embedded SmolLM2's where its "
+        "package is installed, else none (callers feed token ids).")] = None
 
-    @field_validator("cache_dir")
+    @field_validator("cache_dir", "tokenizer")
     @classmethod
-    def _expand(cls, value: Path) -> Path:
-        return value.expanduser()
+    def _expand(cls, value: Path | None) -> Path | None:
+        return None if value is None else value.expanduser()
+
+    def __post_init__(self) -> None:
+        if self.tokenizer is not None and not self.name.startswith("random:"):
+            raise ValueError("model.tokenizer is for random:<shape> models: a model directory or GGUF file carries its "
+                             "own tokenizer")
 
 
 @dataclass(frozen=True, config=CONFIG)

@@ -17,6 +17,7 @@ from blend_engine.kv import ChunkKV, KVShape, LayerKVSource, MemoryKVSource, Mer
 from blend_engine.loader import LoadedModel, load_model
 from blend_engine.plan import plan_prefill
 from blend_engine.prefill import last_part, prefill_steps
+from blend_engine.prefill_graph import PrefillGraphs
 from blend_engine.prompt import PromptBuilder, encode_text
 from blend_engine.runner import ModelRunner, apply_rope
 from blend_engine.sequence import DecodeSequence, TokenSampler
@@ -75,6 +76,7 @@ class BlendEngine:
         cpu_threads: int | None = None,
         decode_cache: DecodeCache = DecodeCache.AUTO,
         max_cpu_threads: int | None = None,
+        prefill_graphs: bool = ModelConfig.prefill_graphs,
     ):
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -88,6 +90,10 @@ class BlendEngine:
             avoid_cudnn_attention()  # a plan per prompt length: see there
         self.is_decode_graphed = self.runner.device.type == "cuda"  # CUDA-graph the decode step
         self.is_bulk_layout = self.runner.device.type == "cuda"  # reused KV laid out for all layers at once
+        # a prefill's layers past blend's last check as CUDA graphs per token-count bucket (on CPU, tests
+        # set it to run the same static functions eagerly)
+        self.is_prefill_graphed = prefill_graphs and self.runner.device.type == "cuda"
+        self.prefill_graphs = PrefillGraphs(self.runner)
         # what decode attends over: fp32 engines decode exactly over the prefill's cache
         self.decode_cache = resolve_decode_cache(
             decode_cache, self.runner.device, self.weights != WeightFormat.FP32, self.runner.head_dim)
@@ -108,7 +114,7 @@ class BlendEngine:
     def from_config(cls, model: ModelConfig, blend: BlendConfig = BlendConfig(),
                     max_cpu_threads: int | None = None) -> BlendEngine:
         return cls(load_model(model), blend, model.system_prompt, model.cpu_threads, model.decode_cache,
-                   max_cpu_threads)
+                   max_cpu_threads, model.prefill_graphs)
 
     @classmethod
     def from_model(cls, model, tokenizer=None, name: str = "custom", **kwargs) -> BlendEngine:
@@ -246,7 +252,8 @@ class BlendEngine:
         else:
             source = MergedKVSource(caches, kv_source, self.device, self.dtype)
         parts = prefill_steps(self.runner, plan, blend, source, max_new_tokens, self.attention_backend, is_profiled,
-                              self.is_bulk_layout, max_step_token_layers)
+                              self.is_bulk_layout, max_step_token_layers,
+                              self.prefill_graphs if self.is_prefill_graphed else None)
         try:
             for part in parts:
                 if part is not None:

@@ -1,7 +1,15 @@
 """Chat-template-aware RAG prompts, as segments: [prefix, chunk_1, sep, chunk_2, ..., suffix].
 
-The template is rendered once around a placeholder user message and split there, so any model's
-chat template works and the chunks' token ids are exactly their stored ones.
+The template is rendered once around a placeholder and split there, so any model's chat template
+works and the chunks' token ids are exactly their stored ones.
+
+Layout: the documents open the conversation's first user message (its question after them), the
+earlier turns follow, then the new question. Every user message reads `Question: ...` plus the
+answer hint, as it did when it was the question. So a follow-up turn over the same documents begins
+with the whole prompt of the turn before it (the earlier answer and the new question come after):
+a prefix cache serves everything up to them (runtime/executor.py). A single question's prompt is
+[system, user: documents, question]; the chunks sit behind the same tokens with or without history
+(the `prefix` sink they are precomputed behind, when the history begins with the user).
 
 Control tokens never come from text: every message's content is replaced by a slot before the
 template is rendered, so only the template's own structure is encoded with special-token parsing on;
@@ -22,6 +30,7 @@ _SLOT_PATTERN = re.compile("\x00RAGBLEND_SLOT_([0-9]+)\x00")
 DOCUMENTS_INTRO = "Documents:\n\n"
 CHUNK_SEPARATOR = "\n\n"
 QUESTION_INTRO = "\n\nQuestion: "
+QUESTION_LABEL = "Question: "  # a user message after the first (no documents before it)
 ANSWER_HINT = "\nAnswer briefly."
 
 
@@ -69,31 +78,40 @@ class PromptBuilder:
             text = "".join(f"{m['role']}: {m['content']}\n" for m in slotted) + "assistant: "
         return text, contents
 
-    def _template_halves(self, history: Sequence[dict]) -> tuple[str, str, list[str]]:
+    def _template_halves(self, question: str, history: Sequence[dict]) -> tuple[str, str, list[str], str]:
+        """The template split at the documents: the text before and after them, the contents of the
+        slots, and the question that follows the documents in the first user message."""
         messages = []
         if self.system_prompt and not (history and history[0].get("role") == "system"):
             messages.append({"role": "system", "content": self.system_prompt})
         messages += [dict(m) for m in history]
-        messages.append({"role": "user", "content": _PLACEHOLDER})
+        messages.append({"role": "user", "content": question})
+        first = next(i for i, m in enumerate(messages) if m.get("role") == "user")
+        first_question = messages[first]["content"]
+        for i in range(first + 1, len(messages)):  # every later user message as its question was asked
+            if messages[i].get("role") == "user":
+                messages[i] = {**messages[i], "content": QUESTION_LABEL + messages[i]["content"] + ANSWER_HINT}
+        messages[first] = {**messages[first], "content": _PLACEHOLDER}
         text, contents = self._render(messages)
         before, _, after = text.partition(_PLACEHOLDER)
-        return before, after, contents
+        return before, after, contents, first_question
 
     def prefix_ids(self, history: Sequence[dict] = ()) -> tuple[int, ...]:
-        """The tokens before the first chunk (chat header, system prompt, history, documents intro)."""
-        before, _, contents = self._template_halves(history)
+        """The tokens before the first chunk (chat header, system prompt, any turn before the first user
+        message, documents intro): the same with or without history when it begins with the user."""
+        before, _, contents, _ = self._template_halves("", history)
         return self._encode_structure(before, contents) + self.encode(DOCUMENTS_INTRO)
 
     def segments(self, question: str, chunks: Sequence[Segment], history: Sequence[dict] = ()) -> list[Segment]:
         """Prompt segments; the chunks keep their token ids and caches, separators and the rest are fresh."""
-        _, after, contents = self._template_halves(history)
+        before, after, contents, first_question = self._template_halves(question, history)
         separator = self.encode(CHUNK_SEPARATOR)
-        out = [Segment(self.prefix_ids(history))]
+        out = [Segment(self._encode_structure(before, contents) + self.encode(DOCUMENTS_INTRO))]
         for i, chunk in enumerate(chunks):
             if i:
                 out.append(Segment(separator))
             out.append(chunk)
-        suffix = self.encode(QUESTION_INTRO + question + ANSWER_HINT) + self._encode_structure(after, contents)
+        suffix = self.encode(QUESTION_INTRO + first_question + ANSWER_HINT) + self._encode_structure(after, contents)
         out.append(Segment(suffix))
         return out
 

@@ -112,8 +112,3 @@ class DecodeSequence:
         if self.next_token is None:
             self.decoder = None
         return delta
-
-    def cancel(self) -> None:
-        """End the sequence now (a client gone, a shutdown): it leaves the batch and lets go of its cache."""
-        self.next_token, self.decoder, self._result = None, None, None
-        self.sampler.is_finished = True

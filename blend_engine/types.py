@@ -46,6 +46,7 @@ class PrefillStats:
     num_cached_tokens: int = 0  # tokens that came with a reusable KV
     num_reused_tokens: int = 0  # cached tokens whose reused KV was kept (not recomputed)
     num_recomputed_tokens: int = 0  # tokens computed fresh through every layer
+    num_prefix_cached_tokens: int = 0  # the prompt's first tokens whose KV a prefix cache served as it was
     kv_load_ms: float = 0.0  # time spent waiting on the KV source
     rope_ms: float = 0.0  # re-positioning reused keys
     select_ms: float = 0.0  # deviation + top-k at the check layers

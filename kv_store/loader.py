@@ -50,6 +50,7 @@ class StoredChunk:
     # The entry opened by `handle` (or the prefetch): its reader and the layers read so far, so the
     # request never opens or reads the entry again. None on the memory tier (reads are views).
     entry: OpenEntry | None = field(default=None, compare=False, repr=False)
+    salt: str = ""  # the collection's KV salt its key was made with (kv_store/keys.py)
 
     @property
     def num_tokens(self) -> int:

@@ -19,7 +19,7 @@ class RetrievalConfig:
         description="'all-minilm-l6-v2' (packaged) or a local model dir.")] = "all-minilm-l6-v2"
     chunking: Annotated[ChunkingMode, Field(description="Default chunking of ingested documents: structure (the document's blocks, "
         "headings and pages), tokens (sentences) or none (one passage, one chunk).")] = ChunkingMode.STRUCTURE
-    chunk_tokens: Annotated[int, Field(ge=16, le=4096, description="Target chunk size in LLM tokens (docs/decisions/0020).")] = 192
+    chunk_tokens: Annotated[int, Field(ge=16, le=4096, description="Target chunk size in LLM tokens (docs/decisions/0021).")] = 192
     chunk_overlap: Annotated[int, Field(ge=0, le=1024, description="Tokens shared by consecutive chunks.")] = 32
     index: Annotated[IndexKind, Field(description="flat (exact) or hnsw (approximate).")] = IndexKind.FLAT
     hnsw_m: Annotated[int, Field(ge=4, le=128, description="HNSW graph degree.")] = 32

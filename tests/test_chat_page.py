@@ -19,7 +19,7 @@ import pytest
 
 from app.testing import LiveServer
 from configs.settings import load_settings
-from tests.browser import launch, wait_until
+from tests.browser import launched, wait_until
 from tests.docgen import make_pdf
 
 pytestmark = pytest.mark.smollm2
@@ -36,7 +36,9 @@ HTML = b"<html><head><title>Bridges</title></head><body><h1>Bridges</h1><p>The r
 def server(tmp_path_factory):
     settings = load_settings(
         data_dir=tmp_path_factory.mktemp("page"), server={"api_key": API_KEY},
-        retrieval={"chunk_tokens": 64, "chunk_overlap": 8}, limits={"max_upload_bytes": 1_000_000},
+        # no relevance floor: the follow-up test asks about the vault after an earlier test deleted it, and
+        # needs the model to answer (the not-found answer would run no prefill to count)
+        retrieval={"chunk_tokens": 64, "chunk_overlap": 8, "min_score": -1.0}, limits={"max_upload_bytes": 1_000_000},
     )
     with LiveServer(settings) as live:
         yield live
@@ -44,13 +46,8 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser():
-    with playwright_api.sync_playwright() as playwright:
-        browser, reason = launch(playwright)
-        if browser is None:
-            print(f"\nSKIP browser tests: {reason}")
-            pytest.skip(reason)
+    with launched() as browser:
         yield browser
-        browser.close()
 
 
 @pytest.fixture(scope="module")
@@ -228,3 +225,23 @@ def test_a_server_that_is_not_ready_says_so(browser, tmp_path):
         page.wait_for_selector("#error:not([hidden])")
         assert "Server not ready (503)" in page.inner_text("#error")
         context.close()
+
+
+def test_a_follow_up_shows_the_tokens_served_from_the_turn_before(page):
+    """A new conversation (the page reloaded), a question, then the same question as a follow-up (the
+    page sends the conversation): its passages are the same, so the prefix cache serves the whole turn
+    before it, and the reuse figure counts those tokens apart."""
+    page.reload()
+    wait_until(page, "document.querySelector('#server-status').textContent.startsWith('ready')")
+    page.fill("#max-tokens", "12")
+    for num_answers in (1, 2):
+        page.fill("#question", "What is the secret code of the green vault?")
+        page.press("#question", "Enter")
+        wait_until(page, f"document.querySelectorAll('.msg.assistant .stats').length === {num_answers}",
+                   timeout=120_000)
+    first, second = page.locator(".msg.assistant .stats").all_inner_texts()
+    assert "from an earlier prompt" not in first
+    match = re.search(r"reused (\d+) \((\d+) from an earlier prompt\) / recomputed (\d+) of (\d+) prompt tokens", second)
+    assert match, second
+    reused, cached, recomputed, prompt = map(int, match.groups())
+    assert 0 < cached <= reused and reused + recomputed == prompt

@@ -76,10 +76,33 @@ def test_ordinary_prompts_tokenize_as_before(tokenizer):
     """The template's markup is still special tokens, and plain text tokenizes as one whole render would."""
     builder = PromptBuilder(tokenizer, SYSTEM)
     history = [{"role": "user", "content": "Hi there."}, {"role": "assistant", "content": "Hello! How can I help?"}]
-    messages = [{"role": "system", "content": SYSTEM}, *history, {"role": "user", "content": "Documents:\n\n"}]
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Documents:\n\n"}]
     whole = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     expected = tokenizer.encode(whole.partition("Documents:\n\n")[0] + "Documents:\n\n", add_special_tokens=False)
-    assert list(builder.prefix_ids(history)) == expected
+    # the documents open the first user message: the same tokens before them with or without history
+    assert list(builder.prefix_ids(history)) == list(builder.prefix_ids()) == expected
     ids = prompt_ids(builder, "Where is Paris?", [Segment(encode_text(tokenizer, BENIGN))])
     assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert tokenizer.decode(ids).endswith("Answer briefly.<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_follow_up_prompt_begins_with_the_whole_prompt_before_it(tokenizer):
+    """Documents, first question, then the turns: each turn's prompt is the next one's prefix (what the
+    prefix cache reuses), every question reads as it was asked, and the text renders as the template
+    would render those messages."""
+    builder = PromptBuilder(tokenizer, SYSTEM)
+    chunks = [Segment(encode_text(tokenizer, BENIGN)), Segment(encode_text(tokenizer, "Rome is in Italy."))]
+    first = prompt_ids(builder, "Where is Paris?", chunks)
+    history = [{"role": "user", "content": "Where is Paris?"}, {"role": "assistant", "content": "In France."}]
+    second = prompt_ids(builder, "And Rome?", chunks, history)
+    history += [{"role": "user", "content": "And Rome?"}, {"role": "assistant", "content": "In Italy."}]
+    third = prompt_ids(builder, "Why?", chunks, history)
+    assert second[:len(first)] == first and third[:len(second)] == second
+    documents = f"Documents:\n\n{BENIGN}\n\nRome is in Italy.\n\nQuestion: Where is Paris?\nAnswer briefly."
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": documents},
+                {"role": "assistant", "content": "In France."},
+                {"role": "user", "content": "Question: And Rome?\nAnswer briefly."},
+                {"role": "assistant", "content": "In Italy."},
+                {"role": "user", "content": "Question: Why?\nAnswer briefly."}]
+    assert tokenizer.decode(third) == tokenizer.apply_chat_template(messages, tokenize=False,
+                                                                    add_generation_prompt=True)

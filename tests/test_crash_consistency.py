@@ -1,4 +1,5 @@
-"""Crash consistency: the real server SIGKILLed at random moments of ingest / replace / delete, restarted
+"""Crash consistency: the real server SIGKILLed at random moments of ingest / replace / delete in two
+collections and of a whole collection's deletion, restarted
 and checked (index == store by ids, the lexical index == the store's chunks as the kill left the file, no
 torn or lost acknowledged document, no orphan KV, every cached chunk's entry readable, every document
 retrievable).
@@ -50,7 +51,8 @@ def test_random_kills_during_writes_leave_every_invariant_intact(tmp_path):
         num_mid_op += bool(model.pending)
     seconds = time.monotonic() - start
     op_ms = sorted(1000 * s for s in model.op_seconds) or [0.0]
-    print(f"crash harness: {num_points} kills ({num_mid_op} mid-request), {model.num_ops_acked} ops acknowledged, "
+    print(f"crash harness: {num_points} kills ({num_mid_op} mid-request), {model.num_ops_acked} ops acknowledged "
+          f"({model.num_drops_acked} of them a collection's deletion), "
           f"(median {op_ms[len(op_ms) // 2]:.0f} ms), {len(violations)} violations, {seconds:.0f} s, seed {seed}")
     assert not errors, errors
     assert not violations, f"seed {seed}: " + "\n".join(violations[:20])

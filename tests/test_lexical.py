@@ -1,7 +1,8 @@
 """Lexical and hybrid retrieval: the stores' full-text indexes (SQLite FTS5, Postgres tsvector + GIN)
 with real MiniLM beside them, reciprocal rank fusion against a hand computation, the index written in
 the chunks' own transaction (a process killed between the two writes leaves nothing half-written), removed
-with its document, and backfilled in place in a store made before it (both stores)."""
+with its document, kept to the request's collections, and filled by the schema migration of a store made
+before it (both stores)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ from retrieval.doc_store import SqliteDocumentStore
 from retrieval.lexical import fts5_query, query_terms, reciprocal_rank_fusion
 from retrieval.pg_store import SCHEMA_VERSION, PostgresDocumentStore
 from retrieval.retriever import RelevanceFloor, Retriever, ScoredChunk
-from retrieval.store_types import DocumentStore, NewChunk, StoredChunk
+from retrieval.store_types import DEFAULT_COLLECTION, CollectionRow, DocumentStore, NewChunk, StoredChunk
 
 ROOT = Path(__file__).resolve().parent.parent
+ALL = (DEFAULT_COLLECTION,)  # the collections searched
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -59,7 +61,7 @@ def _put(retriever: Retriever, doc_id: str, texts: list[str]):
     vectors = retriever.embedder.encode(texts)
     result = retriever.store.put_document(doc_id, None, {}, sum(map(len, texts)),
                                           [NewChunk(t, (i + 1,), v) for i, (t, v) in enumerate(zip(texts, vectors))])
-    retriever.follow(result.replaced, [c.row_id for c in result.document.chunks], list(vectors))
+    retriever.follow(result.replaced, result.document.chunks, list(vectors))
     return result
 
 
@@ -76,9 +78,9 @@ def test_a_rare_word_ranks_its_chunk_first_in_lexical_and_hybrid(open_store, tmp
     retriever = Retriever.open(tmp_path, RetrievalConfig(), open_store())
     _put(retriever, "coast", COAST)
     _put(retriever, "town", [RARE, "The village school closes for the summer in July."])
-    dense = retriever.search(LIGHTHOUSE, 3, RetrievalMode.DENSE)
-    lexical = retriever.search(LIGHTHOUSE, 3, RetrievalMode.LEXICAL)
-    hybrid = retriever.search(LIGHTHOUSE, 3, RetrievalMode.HYBRID, num_candidates=10)
+    dense = retriever.search(LIGHTHOUSE, 3, ALL, RetrievalMode.DENSE)
+    lexical = retriever.search(LIGHTHOUSE, 3, ALL, RetrievalMode.LEXICAL)
+    hybrid = retriever.search(LIGHTHOUSE, 3, ALL, RetrievalMode.HYBRID, num_candidates=10)
     assert dense[0].chunk.text != RARE  # the embeddings prefer the coast: only the words find it
     assert [s.chunk.text for s in lexical] == [RARE]  # the only chunk holding one of the question's words
     assert hybrid[0].chunk.text == RARE and len(hybrid) == 3
@@ -92,7 +94,7 @@ def test_a_rare_word_ranks_its_chunk_first_in_lexical_and_hybrid(open_store, tmp
 
 def _rank(dense: list[ScoredChunk], retriever: Retriever, question: str) -> int:
     """The rare chunk's 1-based rank in the dense ranking over every chunk."""
-    ranking = retriever.search(question, 10, RetrievalMode.DENSE)
+    ranking = retriever.search(question, 10, ALL, RetrievalMode.DENSE)
     return next(i for i, s in enumerate(ranking, 1) if s.chunk.text == RARE)
 
 
@@ -100,10 +102,26 @@ def test_lexical_matches_stemmed_words_and_ignores_question_words(open_store, tm
     store = open_store()
     retriever = Retriever.open(tmp_path, RetrievalConfig(), store)
     _put(retriever, "a", ["The daemon compresses files with gzip.", "What is the colour of the sky?"])
-    hits = store.lexical_search("Which tool compressed the files?", 5)  # compressed ~ compresses, files
+    hits = store.lexical_search("Which tool compressed the files?", 5, ALL)  # compressed ~ compresses, files
     assert [retriever.store.chunks_by_row_ids([i])[i].text for i, _ in hits] == ["The daemon compresses files with gzip."]
-    assert store.lexical_search("What is it?", 5) == []  # only question words: nothing to match on (both stores)
-    assert store.lexical_search('"OR NEAR( * -', 5) == []  # no FTS syntax reaches the index: no error
+    assert store.lexical_search("What is it?", 5, ALL) == []  # only question words: nothing to match on (both stores)
+    assert store.lexical_search('"OR NEAR( * -', 5, ALL) == []  # no FTS syntax reaches the index: no error
+    retriever.close()
+
+
+def test_lexical_and_hybrid_search_only_the_requested_collections(open_store, tmp_path):
+    store = open_store()
+    store.create_collection(CollectionRow("other", "", 0.0, "salt-other"))
+    retriever = Retriever.open(tmp_path, RetrievalConfig(), store)
+    _put(retriever, "coast", COAST)
+    vectors = retriever.embedder.encode([RARE])
+    result = store.put_document("town", None, {}, len(RARE), [NewChunk(RARE, (1,), vectors[0])], collection="other")
+    retriever.follow([], result.document.chunks, list(vectors))
+    assert store.lexical_search("Zanthorpe", 5, ALL) == []  # another collection's word: not found here
+    assert len(store.lexical_search("Zanthorpe", 5, ("other",))) == 1
+    for mode in RetrievalMode:
+        assert all(s.chunk.collection == DEFAULT_COLLECTION for s in retriever.search(LIGHTHOUSE, 5, ALL, mode))
+        assert [s.chunk.text for s in retriever.search(LIGHTHOUSE, 1, ("other",), mode)] == [RARE]
     retriever.close()
 
 
@@ -132,14 +150,14 @@ def test_the_lexical_index_follows_replaces_and_deletes(open_store, store_kind, 
     store = open_store()
     retriever = Retriever.open(tmp_path, RetrievalConfig(), store)
     _put(retriever, "doc", ["The albatross glides over the ocean.", "Penguins cannot fly."])
-    assert len(store.lexical_search("albatross", 5)) == 1
+    assert len(store.lexical_search("albatross", 5, ALL)) == 1
     _put(retriever, "doc", ["The condor soars above the Andes."])  # replaced: the old words are gone
-    assert store.lexical_search("albatross penguins", 5) == []
-    (hit,) = store.lexical_search("condor", 5)
+    assert store.lexical_search("albatross penguins", 5, ALL) == []
+    (hit,) = store.lexical_search("condor", 5, ALL)
     assert hit[0] in store.row_ids()
     assert _lexical_rows(store, store_kind) == {c.row_id: c.text for c in store.get_document("doc").chunks}
     retriever.follow(store.delete_document("doc"), [], [])
-    assert store.lexical_search("condor", 5) == [] and _lexical_rows(store, store_kind) == {}
+    assert store.lexical_search("condor", 5, ALL) == [] and _lexical_rows(store, store_kind) == {}
     retriever.close()
 
 
@@ -167,9 +185,9 @@ CREATE INDEX chunks_by_document ON chunks(document_id, position);
 OLD_TEXTS = ["The pelican stores fish in its pouch.", "Herons stand still in shallow water."]
 
 
-def test_a_sqlite_store_made_before_the_lexical_index_is_backfilled_at_open(tmp_path):
+def test_a_sqlite_store_made_before_the_lexical_index_is_migrated_and_backfilled(tmp_path):
     path = tmp_path / "documents.sqlite3"
-    with sqlite3.connect(path) as conn:  # today's schema on main, rows written as its store wrote them
+    with sqlite3.connect(path) as conn:  # the schema before collections and the lexical index, as written then
         conn.executescript(OLD_SQLITE_SCHEMA)
         conn.execute("INSERT INTO documents VALUES ('birds', NULL, '{}', 70, 0.0, NULL)")
         for position, text in enumerate(OLD_TEXTS):
@@ -179,7 +197,7 @@ def test_a_sqlite_store_made_before_the_lexical_index_is_backfilled_at_open(tmp_
     store = SqliteDocumentStore(path)
     try:
         assert _lexical_rows(store, "sqlite") == {1: OLD_TEXTS[0], 2: OLD_TEXTS[1]}
-        assert [i for i, _ in store.lexical_search("Where does the pelican keep fish?", 5)] == [1]
+        assert [i for i, _ in store.lexical_search("Where does the pelican keep fish?", 5, ALL)] == [1]
     finally:
         store.close()
     reopened = SqliteDocumentStore(path)  # a second open has nothing to add
@@ -188,6 +206,7 @@ def test_a_sqlite_store_made_before_the_lexical_index_is_backfilled_at_open(tmp_
 
 
 def test_a_postgres_store_at_schema_1_is_migrated_and_backfilled(postgres):
+    """Through the collections' migration (2), then the lexical index's (3)."""
     from retrieval.pg_store import _MIGRATIONS
 
     url = postgres.new_database()
@@ -206,7 +225,7 @@ def test_a_postgres_store_at_schema_1_is_migrated_and_backfilled(postgres):
             assert conn.execute("SELECT version FROM ragblend_schema").fetchone() == (SCHEMA_VERSION,)
             assert conn.execute("SELECT count(*) FROM pg_indexes WHERE indexname = 'chunks_text_tsv'").fetchone() == (1,)
         assert _lexical_rows(store, "postgres") == {1: OLD_TEXTS[0], 2: OLD_TEXTS[1]}
-        assert [i for i, _ in store.lexical_search("Where does the pelican keep fish?", 5)] == [1]
+        assert [i for i, _ in store.lexical_search("Where does the pelican keep fish?", 5, ALL)] == [1]
     finally:
         store.close()
 
@@ -285,7 +304,7 @@ def test_a_process_killed_between_the_chunks_and_the_lexical_index_leaves_nothin
     child = subprocess.run([sys.executable, "-c", CHILD, store_kind, where, target, step], env=env,
                            capture_output=True, text=True, timeout=120)
     assert child.returncode == -signal.SIGKILL, child.stdout + child.stderr
-    if store_kind == "sqlite":  # what the file holds, before any repair at open could hide a torn write
+    if store_kind == "sqlite":  # what the file holds, before the store opens it again
         with sqlite3.connect(target) as conn:
             chunks = dict(conn.execute("SELECT row_id, text FROM chunks").fetchall())
             indexed = dict(conn.execute("SELECT rowid, text FROM chunks_fts").fetchall())
@@ -295,7 +314,7 @@ def test_a_process_killed_between_the_chunks_and_the_lexical_index_leaves_nothin
         document = store.get_document("doc")
         assert [c.text for c in document.chunks] == ["The albatross glides over the ocean."]
         assert _lexical_rows(store, store_kind) == {c.row_id: c.text for c in document.chunks}
-        assert store.lexical_search("condor kestrel", 5) == [] and len(store.lexical_search("albatross", 5)) == 1
+        assert store.lexical_search("condor kestrel", 5, ALL) == [] and len(store.lexical_search("albatross", 5, ALL)) == 1
     finally:
         store.close()
 

@@ -38,6 +38,9 @@ def server(tmp_path_factory):
         retrieval=NO_FLOOR,
         # 0: a decode step after every step, so that running answers decode between another's parts
         scheduler={"max_running": 8, "prefill_chunk_tokens": 64, "max_decode_stall_ms": 0},
+        # the prefix cache off: these tests ask the same requests again (alone, then in a batch) and count
+        # their prefills' parts (tests/test_prefix_executor.py: a kept prompt beside a running answer)
+        store={"prefix_cache_bytes": 0},
     )
     docs = [{"id": t, "text": " ".join(f"Fact {i} about {t}: the {t} number {i} is remarkable." for i in range(6))}
             for t in TOPICS]

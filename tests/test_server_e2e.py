@@ -27,8 +27,10 @@ DOCUMENTS = [
 
 
 def make_settings(data_dir, **overrides):
-    # no relevance floor: these tests count on every retrieved chunk reaching the prompt (top_k, context
-    # fitting, KV loads), the floor's own tests are tests/test_retrieval_api.py
+    # the prefix cache off: these tests ask the same questions again and check the chunks' KV path
+    # (tests/test_prefix_server.py tests the prefix cache); no relevance floor: they count on every retrieved
+    # chunk reaching the prompt (top_k, context fitting, KV loads; the floor's tests: tests/test_retrieval_api.py)
+    overrides.setdefault("store", {}).setdefault("prefix_cache_bytes", 0)
     retrieval = {"min_score": -1.0, "score_margin": 2.0, **overrides.pop("retrieval", {})}
     return load_settings(data_dir=data_dir, limits={"max_tokens": 8192}, retrieval=retrieval, **overrides)
 
@@ -227,12 +229,15 @@ def test_server_modes_bench_reports_every_mode_and_ends_with_json(server, tmp_pa
                                                                 {"title": "Bridge", "text": DOCUMENTS[1]["text"]}]}
     (tmp_path / "mini.json").write_text(json.dumps([item]))
     assert main(["bench", "server-modes", "--url", server.url, "--data", str(tmp_path / "mini.json"),
-                 "--questions", "1", "--passages", "2", "--max-tokens", "6", "--concurrency", "2",
-                 "--out", str(tmp_path / "b.json")]) == 0
+                 "--questions", "1", "--passages", "2", "--max-tokens", "6", "--concurrency", "1",
+                 "--throughput-rounds", "2", "--out", str(tmp_path / "b.json")]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(summary["results"]) == {"full", "blend", "reuse"} and summary["blend_ttft_speedup_vs_full"] > 0
     assert summary["results"]["full"]["f1_vs_full"] == 1.0 and summary["results"]["blend"]["throughput_rps"] > 0
     assert summary["results"]["blend"]["median_reused_tokens"] > 0 and summary["results"]["full"]["median_reused_tokens"] == 0
+    assert summary["results"]["full"]["throughput_rps"] == summary["throughput"]["modes"]["full"]["requests_per_s"]
+    assert summary["results"]["reuse"]["throughput_rps"] is None  # not a throughput mode
+    assert summary["throughput"]["ratios"]["blend/full"]["requests_per_s"]["median"] > 0
     assert json.loads((tmp_path / "b.json").read_text()) == summary
 
 

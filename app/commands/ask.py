@@ -20,6 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int)
     parser.add_argument("--recompute-ratio", help="a number in [0, 1] or 'auto'")
     parser.add_argument("--chunk-id", action="append", dest="chunk_ids", help="use this chunk (repeatable)")
+    parser.add_argument("--collection", action="append", dest="collections",
+                        help="the knowledge base to ask (repeatable; default: `default`, a scoped key: its own)")
     add_client_arguments(parser)
 
 
@@ -28,6 +30,8 @@ def request_body(args: argparse.Namespace) -> dict:
     for name in ("mode", "top_k", "retrieval", "max_tokens", "chunk_ids"):
         if getattr(args, name) is not None:
             body[name] = getattr(args, name)
+    if args.collections:
+        body["collection"] = args.collections
     if args.recompute_ratio is not None:
         body["recompute_ratio"] = args.recompute_ratio if args.recompute_ratio == "auto" else float(args.recompute_ratio)
     return body
@@ -67,8 +71,10 @@ def run(args: argparse.Namespace) -> int:
                 print(data["text"], end="", flush=True)
             elif event == "done":
                 usage, timings = data["usage"], data["timings"]
+                cached = usage.get("prefix_cached_tokens", 0)
                 print(f"\n\n[{data['mode'] or 'no prefill'}] ttft {timings['ttft_ms']:.0f} ms, total {timings['total_ms']:.0f} ms, "
-                      f"{usage['reused_tokens']} reused / {usage['recomputed_tokens']} recomputed prompt tokens")
+                      f"{usage['reused_tokens']} reused / {usage['recomputed_tokens']} recomputed prompt tokens"
+                      + (f", {cached} from the prefix cache" if cached else ""))
             elif event == "error":
                 print(f"\nerror: {data['error']['message']}", file=sys.stderr)
                 return ExitCode.FAILED

@@ -10,16 +10,21 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, field_val
 from app.text import NUL_MESSAGE, nul_location
 from blend_engine.types import PrefillMode, SelectionKind
 from configs.enums import RequestMode, RetrievalMode
+from retrieval.store_types import COLLECTION_NAME_PATTERN
 
 Ratio = float
 # Strict numbers: JSON "3" or true is not an int (no coercion); an int is still a valid float.
 StrictInt = Annotated[int, Strict()]
 StrictFloat = Annotated[float, Strict()]
+CollectionName = Annotated[str, Field(pattern=COLLECTION_NAME_PATTERN)]
 
 
 class GenerationOptions(BaseModel):
     """Retrieval, prefill and sampling options shared by /v1/query and /v1/chat/completions."""
 
+    collection: CollectionName | list[CollectionName] | None = Field(
+        None, description="The collection(s) (knowledge bases) to retrieve from, one name or a list; default: "
+        "`default` (a scoped key: all of its own).")
     top_k: StrictInt | None = Field(None, ge=1, description="Chunks to retrieve (limit: limits.max_top_k).")
     retrieval: RetrievalMode | None = Field(
         None, description="How chunks are ranked: dense (embeddings), lexical (full-text index) or hybrid (both, "
@@ -47,7 +52,25 @@ class GenerationOptions(BaseModel):
         False, description="Generate max_tokens tokens, past the model's end of sequence (as vLLM's "
         "ignore_eos: for benchmarks that need answers of one length).",
     )
+    prefix_cache: StrictBool = Field(
+        True, description="Reuse the longest prefix of this prompt kept from earlier answers (store.prefix_cache_bytes) "
+        "and keep this one; false: neither (benchmarks that measure a prefill).",
+    )
     stream: StrictBool = False
+
+    @property
+    def collections(self) -> list[str] | None:
+        """The collections named, as a list (None: none named)."""
+        if self.collection is None:
+            return None
+        return [self.collection] if isinstance(self.collection, str) else list(self.collection)
+
+    @field_validator("collection")
+    @classmethod
+    def _some(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and not 1 <= len(value) <= 100:
+            raise ValueError("name 1 to 100 collections")
+        return value
 
     @field_validator("chunk_ids")
     @classmethod
@@ -70,6 +93,7 @@ class QueryRequest(GenerationOptions):
 class SourceOut(BaseModel):
     chunk_id: str
     document_id: str
+    collection: str
     title: str | None
     score: float | None = Field(description="Cosine similarity of the chunk to the question (whatever ranked it); "
                                 "null for a chunk named in chunk_ids.")
@@ -82,6 +106,8 @@ class UsageOut(BaseModel):
     reused_tokens: int
     recomputed_tokens: int
     completion_tokens: int
+    prefix_cached_tokens: int = Field(0, description="Prompt tokens whose KV the prefix cache served as it was "
+                                      "(a prompt seen before): neither reused chunk KV nor recomputed.")
 
 
 class TimingsOut(BaseModel):
@@ -98,7 +124,7 @@ class TimingsOut(BaseModel):
 class PlanOut(BaseModel):
     """The loading planner's choice for this answer (mode 'auto' or recompute_ratio 'auto'), in ms."""
 
-    plan: Literal["full", "blend", "mixed", "split"]
+    plan: Literal["full", "blend", "mixed", "split", "prefix_cache"]
     recompute_ratio: float | None
     num_chunks_recomputed: int = Field(description="Stored chunks computed as fresh tokens (mixed and split plans).")
     predicted_load_ms: float

@@ -6,6 +6,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import AsyncIterator, Sequence
 
+from app.auth.principal import Principal
+from app.collections.scope import Scopes
 from app.errors import InvalidRequestError, stream_error_body
 from app.query.protocol import GenerationOptions, PlanOut, QueryRequest, QueryResponse, SourceOut, TimingsOut, UsageOut
 from app.rag.collect import IsDisconnected, collect
@@ -16,11 +18,12 @@ from app.text import is_blank
 from blend_engine.types import SamplingParams
 from app.config import LimitsConfig
 from configs.settings import Settings
+from retrieval.store_types import DEFAULT_COLLECTION
 
 
 def build_rag_request(
     settings: Settings, question: str, options: GenerationOptions, stop: Sequence[str] = (),
-    history: Sequence[dict] = (),
+    history: Sequence[dict] = (), collections: Sequence[str] = (DEFAULT_COLLECTION,),
 ) -> RagRequest:
     """A RagRequest with defaults from config; raises InvalidRequestError for limits a user can break."""
     limits, gen = settings.limits, settings.generation
@@ -52,7 +55,8 @@ def build_rag_request(
         question=question, mode=options.mode or settings.blend.mode, sampling=sampling, top_k=top_k,
         retrieval=options.retrieval or settings.retrieval.mode,
         chunk_ids=tuple(options.chunk_ids) if options.chunk_ids is not None else None,
-        recompute_ratio=ratio, selection=options.selection, history=tuple(history),
+        recompute_ratio=ratio, selection=options.selection, history=tuple(history), collections=tuple(collections),
+        is_prefix_cache_used=options.prefix_cache,
     )
 
 
@@ -73,8 +77,8 @@ def plan_out(done: DoneEvent) -> PlanOut | None:
 
 
 def sources_out(sources: Sequence[Source]) -> list[SourceOut]:
-    return [SourceOut(chunk_id=s.chunk_id, document_id=s.document_id, title=s.title, score=s.score, text=s.text,
-                      pages=list(s.pages) if s.pages else None)
+    return [SourceOut(chunk_id=s.chunk_id, document_id=s.document_id, collection=s.collection, title=s.title,
+                      score=s.score, text=s.text, pages=list(s.pages) if s.pages else None)
             for s in sources]
 
 
@@ -82,15 +86,19 @@ def sources_out(sources: Sequence[Source]) -> list[SourceOut]:
 class QueryService:
     settings: Settings
     pipeline: RagPipeline
+    scopes: Scopes
 
-    async def prepare(self, body: QueryRequest) -> tuple[RagRequest, RagContext, AnswerStream, float]:
+    async def prepare(self, body: QueryRequest,
+                      principal: Principal) -> tuple[RagRequest, RagContext, AnswerStream, float]:
         """Everything that can fail with a 4xx/503 happens here, before a stream's headers go out."""
         t_start = time.perf_counter()
-        request = build_rag_request(self.settings, body.question, body)
+        collections = await self.scopes.readable(principal, body.collections)
+        request = build_rag_request(self.settings, body.question, body, collections=[c.name for c in collections])
         context = await self.pipeline.retrieve(request)
         return request, context, self.pipeline.start(request, context, t_start), t_start
 
-    async def answer(self, context: RagContext, stream: AnswerStream, is_disconnected: IsDisconnected) -> QueryResponse:
+    async def answer(self, context: RagContext, stream: AnswerStream,
+                     is_disconnected: IsDisconnected) -> QueryResponse:
         answer, done = await collect(stream, is_disconnected)
         return _response(answer, context, done)
 

@@ -33,12 +33,21 @@ class RagPipeline:
 
     async def retrieve(self, request: RagRequest) -> RagContext:
         start = time.perf_counter()
+        epoch = self.kv_store.prompts.epoch  # before the chunks are read: a change from now on is seen
         scored, is_nothing_relevant = await anyio.to_thread.run_sync(self._scored_chunks, request)
         sources = self._within_budget([_source(s) for s in scored])
         kept, dropped, num_tokens = await anyio.to_thread.run_sync(self._fit_context, request, sources)
         if request.mode is not RequestMode.FULL:  # start moving their KV up while the request queues
             await anyio.to_thread.run_sync(self.kv_store.prefetch, [s.kv_key for s in kept if s.kv_key])
-        return RagContext(kept, dropped, (time.perf_counter() - start) * 1000, num_tokens, is_nothing_relevant)
+        namespace = await anyio.to_thread.run_sync(self._namespace, request)
+        return RagContext(kept, dropped, (time.perf_counter() - start) * 1000, num_tokens, epoch, namespace,
+                          is_nothing_relevant)
+
+    def _namespace(self, request: RagRequest) -> str:
+        """The request's collections' KV salts: its prompt is kept for, and served to, that set alone
+        (collections sharing KV have one salt, so they share kept prompts too)."""
+        rows = (self.retriever.store.get_collection(name) for name in request.collections)
+        return "|".join(sorted({row.kv_salt for row in rows if row is not None}))
 
     def _scored_chunks(self, request: RagRequest) -> tuple[list[ScoredChunk], bool]:
         """The chunks for the prompt, and whether retrieval found nothing relevant (the relevance floor
@@ -46,12 +55,12 @@ class RagPipeline:
         pin_one_thread()  # the query's embedding runs torch on this worker thread: one thread, no pool
         if request.chunk_ids is None:
             config = self.settings.retrieval
-            scored = self.retriever.search(request.question, request.top_k, request.retrieval,
+            scored = self.retriever.search(request.question, request.top_k, request.collections, request.retrieval,
                                            config.num_candidates, config.rrf_k)
             relevant = RelevanceFloor(config.min_score, config.score_margin).apply(scored)
             # with min_score off (-1) nothing is refused: a store with no chunks is answered as before
             return relevant, not relevant and config.min_score > -1.0
-        found, missing = self.retriever.named(request.chunk_ids)
+        found, missing = self.retriever.named(request.chunk_ids, request.collections)
         if missing:
             raise NotFoundError(f"unknown chunk id(s): {', '.join(missing[:10])}")
         return found, False
@@ -104,20 +113,25 @@ class RagPipeline:
         Nothing relevant retrieved: the fixed not-found answer, without the model."""
         if context.is_nothing_relevant:
             return FixedAnswer(self.settings.retrieval.not_found_answer, context.retrieval_ms, t_start)
-        return self.loop.generate(prefill_request(request, context.sources), t_start, context.retrieval_ms,
+        return self.loop.generate(prefill_request(request, context.sources, context.prefix_cache_epoch,
+                                                  context.namespace), t_start,
+                                  context.retrieval_ms,
                                   context.num_prompt_tokens or None)
 
 
-def prefill_request(request: RagRequest, sources: Sequence[Source]) -> PrefillRequest:
-    """What the engine prefills for `request` over `sources`."""
+def prefill_request(request: RagRequest, sources: Sequence[Source],
+                    prefix_cache_epoch: int | None = None, namespace: str = "") -> PrefillRequest:
+    """What the engine prefills for `request` over `sources` (chosen at the prefix cache's epoch given;
+    `namespace`: the prefix cache's, see RagContext)."""
     return PrefillRequest(
         question=request.question, chunks=tuple(PromptChunk(s.token_ids, s.kv_key) for s in sources),
         mode=request.mode, sampling=request.sampling, recompute_ratio=request.recompute_ratio,
-        selection=request.selection, history=request.history,
+        selection=request.selection, history=request.history, is_prefix_cache_used=request.is_prefix_cache_used,
+        prefix_cache_epoch=prefix_cache_epoch, namespace=namespace,
     )
 
 
 def _source(scored: ScoredChunk) -> Source:
     c = scored.chunk
-    return Source(c.id, c.document_id, c.title, scored.score, c.text, c.token_ids, c.kv_key, c.pages)
+    return Source(c.id, c.document_id, c.title, scored.score, c.text, c.token_ids, c.kv_key, c.pages, c.collection)
 

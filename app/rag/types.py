@@ -9,6 +9,7 @@ from typing import AsyncIterator, Protocol
 from blend_engine.types import FinishReason, SamplingParams, SelectionKind
 from configs.enums import RequestMode, RetrievalMode
 from retrieval.config import RetrievalConfig
+from retrieval.store_types import DEFAULT_COLLECTION
 from runtime.types import (  # noqa: F401 (the events are the runtime's; re-exported for app/)
     DoneEvent, GenerationEvent, PromptChunk, RecomputeRatio, Timings, TokenEvent, Usage,
 )
@@ -25,6 +26,8 @@ class RagRequest:
     recompute_ratio: RecomputeRatio = None  # None: the configured ratio
     selection: SelectionKind | None = None  # None: the configured selection
     history: tuple[dict[str, str], ...] = ()  # earlier chat messages
+    collections: tuple[str, ...] = (DEFAULT_COLLECTION,)  # searched, and the only ones chunk_ids may name
+    is_prefix_cache_used: bool = True  # read and fill the prefix cache
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class Source:
     token_ids: tuple[int, ...]
     kv_key: str | None
     pages: tuple[int, int] | None = None  # PDFs: first and last page
+    collection: str = DEFAULT_COLLECTION
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,9 @@ class RagContext:
     dropped_chunk_ids: list[str]
     retrieval_ms: float
     num_prompt_tokens: int = 0  # the prompt's length with these sources (counted when fitting it)
+    prefix_cache_epoch: int | None = None  # the prefix cache's epoch before the chunks were chosen
+    namespace: str = ""  # the prefix cache's: the request's collections' KV salts (a prompt kept for one set of
+    # collections serves that set only, as their chunks' KV is theirs)
     is_nothing_relevant: bool = False  # retrieval ran and no chunk passed the relevance floor: no prompt
 
     @property

@@ -11,6 +11,7 @@ class UploadedDocument(BaseModel):
     id: str = Field(
         description="From the file name (a JSONL line's own id, else <file>:<line>); re-uploading replaces."
     )
+    collection: str
     title: str | None
     source: str = Field(description="The uploaded file's name.")
     format: str = Field(description="pdf, html, docx, markdown, text or jsonl.")

@@ -22,6 +22,7 @@ from app.uploads.protocol import UploadedDocument, UploadResponse
 from configs.enums import ChunkingMode
 from configs.settings import Settings
 from retrieval.chunker import Chunker
+from retrieval.store_types import CollectionRow
 
 
 @dataclass
@@ -35,7 +36,7 @@ class UploadService:
 
     async def upload(
         self, files: Sequence[UploadFile], chunking: ChunkingMode | None, precompute: bool,
-        ids: Sequence[str] | None = None,
+        ids: Sequence[str] | None, collection: CollectionRow,
     ) -> UploadResponse:
         ids = _check_ids(ids, len(files))
         extracted = [doc for file, doc_id in zip(files, ids) for doc in await self._extract(file, doc_id)]
@@ -47,9 +48,9 @@ class UploadService:
         kv_budget = KVBudget.of(self.settings, self.documents.engine)
         if kv_budget is not None:  # as the JSON route: KV that cannot fit the store's bound is a 413
             await kv_budget.check_request(request)
-        ingested = await self.documents.ingest(request)
+        ingested = await self.documents.ingest(request, collection)
         return UploadResponse(documents=[
-            UploadedDocument(id=doc.id, title=doc.title, source=doc.metadata["source"], format=doc.file_format.value,
+            UploadedDocument(id=doc.id, collection=collection.name, title=doc.title, source=doc.metadata["source"], format=doc.file_format.value,
                              num_pages=doc.metadata.get("num_pages"), status=out.status,
                              chunks=out.chunks, warnings=[*doc.warnings, *out.warnings])
             for doc, out in zip(extracted, ingested.documents)

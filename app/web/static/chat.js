@@ -19,6 +19,7 @@ function options() {
   const body = { top_k: number("top-k"), max_tokens: number("max-tokens"), temperature: number("temperature") };
   const mode = document.getElementById("mode").value;
   if (mode) body.mode = mode;
+  if (kb.current()) body.collection = kb.current();
   const kind = document.getElementById("ratio-kind").value;
   if (kind === "number") body.recompute_ratio = number("ratio");
   else if (kind) body.recompute_ratio = kind;
@@ -86,9 +87,10 @@ async function renderCitations(box, sources) {
   box.append(row);
   for (const [i, source] of sources.entries()) {
     const chip = el("button", { type: "button", className: "citation", textContent: `[${i + 1}] ${source.title || source.document_id}`,
-      title: source.text.slice(0, 300), onclick: () => docs.open(source.document_id, source.chunk_id, source.text) });
+      title: source.text.slice(0, 300),
+      onclick: () => docs.open(source.document_id, source.chunk_id, source.text, source.collection) });
     row.append(chip);
-    docs.detail(source.document_id).then((detail) => {
+    docs.detail(source.document_id, source.collection).then((detail) => {
       const page = docs.pageOf(detail, source.chunk_id);
       if (page) chip.textContent += `, p. ${page}`;
     }).catch(() => {});
@@ -99,9 +101,12 @@ function renderStats(box, firstTokenMs, totalMs, last) {
   if (!last) return;
   const u = last.usage, t = last.timings || {};
   const ratio = last.recompute_ratio === null || last.recompute_ratio === undefined ? "–" : last.recompute_ratio.toFixed(2);
+  // tokens served from the prefix cache (an earlier turn's prompt) are reused too, shown apart
+  const cached = u.prefix_cached_tokens || 0;
   const parts = [
     `TTFT ${Math.round(firstTokenMs ?? totalMs)} ms (server ${Math.round(t.ttft_ms || 0)} ms)`,
-    `reused ${u.reused_tokens} / recomputed ${u.recomputed_tokens} of ${u.prompt_tokens} prompt tokens`,
+    `reused ${u.reused_tokens + cached}${cached ? ` (${cached} from an earlier prompt)` : ""} / ` +
+      `recomputed ${u.recomputed_tokens} of ${u.prompt_tokens} prompt tokens`,
     `mode ${last.mode || document.getElementById("mode").value || "default"}`,
     `ratio ${ratio}${last.quality_guarded ? " (guarded)" : ""}`,
     `${u.completion_tokens} tokens in ${(totalMs / 1000).toFixed(1)} s`,
@@ -135,6 +140,7 @@ async function checkServer() {
     const models = await api.json("/v1/models");
     status.textContent = `ready · ${models.data[0].id}`;
     status.classList.remove("bad");
+    await kb.refresh();
     await docs.refresh();
   } catch (err) { showError(err); }
 }
@@ -175,6 +181,7 @@ function install() {
     clearError();
     checkServer();
   });
+  kb.install();
   docs.install();
   checkServer();
 }
