@@ -109,7 +109,7 @@ def test_lexical_matches_stemmed_words_and_ignores_question_words(open_store, tm
     retriever.close()
 
 
-def test_lexical_and_hybrid_search_only_the_requested_collections(open_store, tmp_path):
+def test_lexical_and_hybrid_search_only_the_requested_collections(open_store, store_kind, tmp_path):
     store = open_store()
     store.create_collection(CollectionRow("other", "", 0.0, "salt-other"))
     retriever = Retriever.open(tmp_path, RetrievalConfig(), store)
@@ -122,6 +122,8 @@ def test_lexical_and_hybrid_search_only_the_requested_collections(open_store, tm
     for mode in RetrievalMode:
         assert all(s.chunk.collection == DEFAULT_COLLECTION for s in retriever.search(LIGHTHOUSE, 5, ALL, mode))
         assert [s.chunk.text for s in retriever.search(LIGHTHOUSE, 1, ("other",), mode)] == [RARE]
+    retriever.follow(store.delete_collection("other"), [], [])  # a whole collection: its lexical rows go too
+    assert _lexical_rows(store, store_kind) == {c.row_id: c.text for c in store.get_document("coast").chunks}
     retriever.close()
 
 
