@@ -43,6 +43,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "replicas"): ("bench.replicas_bench", "Postgres vs SQLite store: query TTFT, ingest, change propagation"),
     ("bench", "answers"): ("bench.answers_bench", "answer quality of the whole pipeline on real documents and MuSiQue, "
                            "settings side by side: right, inside the retrieved text, source, ran to the cap, TTFT"),
+    ("bench", "retrieval"): ("bench.retrieval_bench", "retrieval latency per ranking mode (dense, lexical, hybrid) "
+                             "and store (SQLite, Postgres) at a given number of chunks: p50/p99"),
+    ("bench", "retrieval-quality"): ("bench.retrieval_quality", "retrieval alone on the answers set (no LLM): inside, "
+                                     "source, prompt tokens per chunking, mode, top_k and relevance floor"),
     ("bench", "kv-codec"): ("bench.kv_codec_bench", "KV entry formats: bytes per token, decode speed, fidelity"),
     ("bench", "corpus"): ("bench.corpus_bench", "KV budget at corpus scale: hit rate and TTFT per budget, Zipf stream"),
     ("bench", "collections"): ("bench.collections_bench", "retrieval scoped to collections: one filtered index vs an "

@@ -116,8 +116,17 @@ class IndexKind(str, Enum):
     HNSW = "hnsw"
 
 
+class RetrievalMode(str, Enum):
+    """How chunks are ranked for a question (retrieval/retriever.py)."""
+
+    DENSE = "dense"  # the embedder's cosine similarity (FAISS)
+    LEXICAL = "lexical"  # the store's full-text index (SQLite FTS5 BM25, Postgres ts_rank_cd)
+    HYBRID = "hybrid"  # both, fused by reciprocal rank
+
+
 class ChunkingMode(str, Enum):
     TOKENS = "tokens"  # split by the LLM's tokens at sentence/paragraph boundaries
+    STRUCTURE = "structure"  # the document's blocks kept whole, headings start chunks, never across pages
     NONE = "none"  # one passage = one chunk
 
 

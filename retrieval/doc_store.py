@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from retrieval.lexical import fts5_query, query_terms
 from retrieval.store_types import (
     DEFAULT_COLLECTION, Changes, CollectionCounts, CollectionExistsError, CollectionNotFoundError, CollectionRow,
     DocumentStore, DocumentSummaryRow, EmbeddingBatch, ExportedDocument, KeyRow, NewChunk, PutResult, StoredChunk,
@@ -129,8 +130,15 @@ def _migrate_2(conn: sqlite3.Connection) -> None:
         raise RuntimeError(f"migration 2 left {len(problems)} rows whose references do not hold: {problems[:3]}")
 
 
+def _migrate_3(conn: sqlite3.Connection) -> None:
+    """The chunks' full-text index (add_lexical_index), backfilled for the chunks already stored."""
+    num_backfilled = add_lexical_index(conn)
+    if num_backfilled:
+        logger.info("lexical index: %d chunks indexed (a store made before it)", num_backfilled)
+
+
 # Index i holds the step from version i to i + 1. Append new steps; never edit a released one.
-_MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_migrate_1, _migrate_2)
+_MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_migrate_1, _migrate_2, _migrate_3)
 SCHEMA_VERSION = len(_MIGRATIONS)
 
 _CHUNK_COLUMNS = (
@@ -140,6 +148,19 @@ _CHUNK_COLUMNS = (
     " json_extract(d.metadata, '$.chunk_last_pages[' || c.position || ']') AS last_page, c.collection"
 )
 _DOCUMENT_COLUMNS = "collection, id, title, metadata, num_chars, created_at, content_hash"
+
+
+def add_lexical_index(conn: sqlite3.Connection) -> int:
+    """The chunks' full-text index (FTS5, rowid = the chunk's row id; Porter stemming over Unicode
+    words), created if missing, then made to hold exactly the chunks' rows: a store made before it is
+    backfilled in place, and a row whose chunk is gone is dropped. Idempotent; returns the rows added.
+    Schema migration 3; from then on every write (put_document, delete_document) writes it in the same
+    transaction as the chunks."""
+    conn.execute("CREATE VIRTUAL TABLE IF NOT EXISTS chunks_fts USING fts5(text, "
+                 "tokenize = 'porter unicode61 remove_diacritics 2')")
+    conn.execute("DELETE FROM chunks_fts WHERE rowid NOT IN (SELECT row_id FROM chunks)")
+    return conn.execute("INSERT INTO chunks_fts (rowid, text) SELECT row_id, text FROM chunks"
+                        " WHERE row_id NOT IN (SELECT rowid FROM chunks_fts)").rowcount
 
 
 class SqliteDocumentStore(DocumentStore):
@@ -199,6 +220,7 @@ class SqliteDocumentStore(DocumentStore):
                 if row is not None and row["content_hash"] == content_hash:
                     return PutResult(_document(row, self._chunks_where(*where)), [], True)
             replaced = self._chunks_where(*where)
+            self._delete_lexical(replaced)
             self._conn.execute("DELETE FROM documents WHERE collection = ? AND id = ?", (collection, doc_id))
             now = time.time()
             self._conn.execute(
@@ -214,6 +236,8 @@ class SqliteDocumentStore(DocumentStore):
                      np.asarray(chunk.embedding, dtype=np.float32).tobytes()),
                 )
             stored = self._chunks_where(*where)
+            self._conn.executemany("INSERT INTO chunks_fts (rowid, text) VALUES (?, ?)",
+                                   [(c.row_id, c.text) for c in stored])
         return PutResult(StoredDocument(doc_id, title, metadata, num_chars, now, stored, collection), replaced)
 
     def delete_document(self, doc_id: str, collection: str = DEFAULT_COLLECTION) -> list[StoredChunk] | None:
@@ -222,8 +246,26 @@ class SqliteDocumentStore(DocumentStore):
             if self._document_row(collection, doc_id) is None:
                 return None
             chunks = self._chunks_where("c.collection = ? AND c.document_id = ?", (collection, doc_id))
+            self._delete_lexical(chunks)
             self._conn.execute("DELETE FROM documents WHERE collection = ? AND id = ?", (collection, doc_id))
         return chunks
+
+    def _delete_lexical(self, chunks: Sequence[StoredChunk]) -> None:
+        self._conn.executemany("DELETE FROM chunks_fts WHERE rowid = ?", [(c.row_id,) for c in chunks])
+
+    def lexical_search(self, question: str, limit: int, collections: Sequence[str]) -> list[tuple[int, float]]:
+        """(row id, BM25 score: higher is better) of `collections`' chunks holding any of the question's
+        words (stemmed, stop words left out), best first."""
+        terms = query_terms(question)
+        if not terms or not collections:
+            return []
+        marks = ",".join("?" * len(collections))
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT f.rowid, f.rank FROM chunks_fts f JOIN chunks c ON c.row_id = f.rowid"
+                f" WHERE chunks_fts MATCH ? AND c.collection IN ({marks}) ORDER BY f.rank LIMIT ?",
+                (fts5_query(terms), *collections, limit)).fetchall()
+        return [(int(r[0]), -float(r[1])) for r in rows]  # FTS5's rank (its bm25) is negated
 
     def get_document(self, doc_id: str, collection: str = DEFAULT_COLLECTION) -> StoredDocument | None:
         with self._lock:
@@ -404,7 +446,9 @@ class SqliteDocumentStore(DocumentStore):
             if self._conn.execute("SELECT 1 FROM collections WHERE name = ?", (name,)).fetchone() is None:
                 return None
             chunks = self._chunks_where("c.collection = ?", (name,))
-            # documents, chunks and key grants go with it (ON DELETE CASCADE), in this transaction
+            # documents, chunks and key grants go with it (ON DELETE CASCADE), in this transaction;
+            # the full-text table is virtual and takes no foreign key, so its rows go by hand
+            self._delete_lexical(chunks)
             self._conn.execute("DELETE FROM collections WHERE name = ?", (name,))
         return chunks
 

@@ -38,6 +38,12 @@ _SCHEMA_LOCK, _CHANGE_LOCK = 0x7261_6762_0001, 0x7261_6762_0002
 _CHANGE_RETENTION_S = 86400.0  # change rows older than this are pruned; a replica further behind reconciles
 _PRUNE_EVERY = 1000  # commits
 
+LEXICAL_INDEX_SQL = """
+ALTER TABLE chunks ADD COLUMN IF NOT EXISTS text_tsv tsvector
+    GENERATED ALWAYS AS (to_tsvector('english', text)) STORED;
+CREATE INDEX IF NOT EXISTS chunks_text_tsv ON chunks USING GIN (text_tsv);
+"""
+
 _MIGRATIONS: dict[int, str] = {
     1: """
     CREATE TABLE documents (
@@ -106,8 +112,34 @@ _MIGRATIONS: dict[int, str] = {
         PRIMARY KEY (key_id, collection)
     );
     """,
+    # The chunks' full-text index: a stored generated column (so every write fills it in the chunk's own
+    # row, in the chunk's transaction, and ALTER TABLE backfills the rows already there) and its GIN
+    # index. English stemming and stop words, as the SQLite store's FTS5 (Porter) and query.
+    3: LEXICAL_INDEX_SQL,
 }
 SCHEMA_VERSION = max(_MIGRATIONS)
+
+COMMON_TERM_SHARE = 0.05  # a question word in more chunks than this share is matched only if nothing else is left
+_LEXICAL_SEARCH = """
+WITH stats AS (
+    SELECT most_common_elems::text::text[] AS elems, most_common_elem_freqs AS freqs
+    FROM pg_stats WHERE schemaname = current_schema() AND tablename = 'chunks' AND attname = 'text_tsv'),
+common AS (
+    SELECT e.elem FROM stats, unnest(stats.elems, stats.freqs[1:array_length(stats.elems, 1)]) AS e(elem, freq)
+    WHERE e.freq > %(common)s),
+asked AS (SELECT DISTINCT unnest(tsvector_to_array(to_tsvector('english', %(question)s))) AS term),
+rare AS (SELECT term FROM asked WHERE term NOT IN (SELECT elem FROM common)),
+terms AS (SELECT term FROM rare UNION ALL SELECT term FROM asked WHERE NOT EXISTS (SELECT 1 FROM rare)),
+hits AS MATERIALIZED (
+    SELECT t.term, c.row_id FROM terms t JOIN chunks c ON c.text_tsv @@ quote_literal(t.term)::tsquery
+    WHERE c.collection = ANY(%(collections)s)),
+df AS (SELECT term, count(*)::float8 AS n FROM hits GROUP BY term),
+total AS (SELECT GREATEST((SELECT reltuples::float8 FROM pg_class WHERE oid = 'chunks'::regclass),
+                          (SELECT max(n) FROM df)) AS n)
+SELECT h.row_id, sum(ln((total.n - df.n + 0.5) / (df.n + 0.5) + 1.0)) AS score
+FROM hits h JOIN df USING (term), total
+GROUP BY h.row_id ORDER BY score DESC, h.row_id LIMIT %(limit)s
+"""
 
 # an uploaded PDF's pages per chunk (metadata.chunk_pages / chunk_last_pages, by position)
 _CHUNK_COLUMNS = ("c.row_id, c.id, c.document_id, c.position, c.text, c.token_ids, c.kv_key, d.title,"
@@ -281,6 +313,19 @@ class PostgresDocumentStore(DocumentStore):
         with self._connection() as conn:
             chunks = self._chunks_where(conn, where, params)
         return {c.id: c for c in chunks}
+
+    def lexical_search(self, question: str, limit: int, collections: Sequence[str]) -> list[tuple[int, float]]:
+        """(row id, score: higher is better) of `collections`' chunks holding any of the question's words
+        (English stems, stop words left out), best first. Postgres's own rankings (ts_rank, ts_rank_cd) weigh a
+        word by its count in the chunk, not by its rarity, and cost a pass over every matching chunk's
+        tsvector: so each chunk scores the sum of its matched words' inverse document frequencies (BM25's
+        idf, from the matches themselves), and words in over COMMON_TERM_SHARE of the chunks (by the
+        column's statistics) are left out of the match unless nothing else is left (they weigh little and
+        would match thousands of chunks: docs/design/retrieval.md#lexical)."""
+        with self._connection() as conn:
+            rows = conn.execute(_LEXICAL_SEARCH, {"question": question, "common": COMMON_TERM_SHARE,
+                                                  "limit": limit, "collections": list(collections)}).fetchall()
+        return [(int(r[0]), float(r[1])) for r in rows]
 
     def set_kv_key(self, chunk_id: str, kv_key: str | None) -> None:
         with self._connection() as conn:

@@ -10,11 +10,13 @@ from typing import Sequence
 
 import numpy as np
 
+from configs.enums import RetrievalMode
 from retrieval.config import RetrievalConfig
 from retrieval.doc_store import SqliteDocumentStore
 from retrieval.store_types import DocumentStore, StoredChunk
 from retrieval.embedder import Embedder
 from retrieval.index import CollectionIndexes
+from retrieval.lexical import reciprocal_rank_fusion
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +37,26 @@ class Reconciliation:
 @dataclass(frozen=True)
 class ScoredChunk:
     chunk: StoredChunk
-    score: float | None  # cosine similarity; None when the chunk was named, not retrieved
+    score: float | None  # cosine similarity to the question; None when the chunk was named, not retrieved
+    rank_score: float | None = None  # what ranked it: the cosine (dense), BM25 / ts_rank_cd (lexical), RRF (hybrid)
+
+
+@dataclass(frozen=True)
+class RelevanceFloor:
+    """Which retrieved chunks count as relevant, by their cosine similarity to the question: none when
+    the best is below `min_score` (the question is about nothing stored), else those within `margin`
+    of the best."""
+
+    min_score: float
+    margin: float
+
+    def apply(self, scored: Sequence[ScoredChunk]) -> list[ScoredChunk]:
+        """The relevant chunks, in their order."""
+        scores = [s.score for s in scored if s.score is not None]
+        if not scores or max(scores) < self.min_score:
+            return []
+        floor = max(self.min_score, max(scores) - self.margin)
+        return [s for s in scored if s.score is not None and s.score >= floor]
 
 
 @dataclass(frozen=True)
@@ -106,14 +127,34 @@ class Retriever:
         self.index.save()
         return result
 
-    def search(self, question: str, top_k: int, collections: Sequence[str]) -> list[ScoredChunk]:
-        """The `top_k` chunks of `collections` nearest the question, best first."""
-        vector = self.embedder.encode([question])[0]
-        hits = self.index.search(vector, top_k, collections)
-        chunks = self.store.chunks_by_row_ids([h.row_id for h in hits])
+    def search(self, question: str, top_k: int, collections: Sequence[str], mode: RetrievalMode = RetrievalMode.DENSE,
+               num_candidates: int = 0, rrf_k: int = 60, vector: np.ndarray | None = None) -> list[ScoredChunk]:
+        """The `top_k` best chunks of `collections` for `question`, best first, each with its cosine
+        similarity to it. Hybrid fuses the dense and the lexical rankings, each `num_candidates` deep (at
+        least top_k), by reciprocal rank with constant `rrf_k`. `vector`: the question's embedding, if
+        already made."""
+        vector = self.embedder.encode([question])[0] if vector is None else vector
+        depth = max(top_k, num_candidates) if mode is RetrievalMode.HYBRID else top_k
+        dense: list[tuple[int, float]] = []
+        lexical: list[tuple[int, float]] = []
+        if mode is not RetrievalMode.LEXICAL:
+            dense = [(h.row_id, h.score) for h in self.index.search(vector, depth, collections)]
+        if mode is not RetrievalMode.DENSE:
+            lexical = self.store.lexical_search(question, depth, collections)
+        if mode is RetrievalMode.HYBRID:
+            ranked = reciprocal_rank_fusion([[i for i, _ in dense], [i for i, _ in lexical]], rrf_k)[:top_k]
+        else:
+            ranked = (dense or lexical)[:top_k]
+        row_ids = [row_id for row_id, _ in ranked]
+        chunks = self.store.chunks_by_row_ids(row_ids)
+        cosines = dict(dense)
+        unscored = [i for i in row_ids if i not in cosines]
+        if unscored:  # lexical hits the dense ranking did not reach: their cosine from the stored embedding
+            batch = self.store.embeddings_of(unscored)
+            cosines.update(zip(batch.row_ids.tolist(), (batch.vectors @ vector).tolist() if len(batch.row_ids) else []))
         allowed = set(collections)  # the store's word, not the index's, on where a chunk lives
-        return [ScoredChunk(chunks[h.row_id], h.score) for h in hits
-                if h.row_id in chunks and chunks[h.row_id].collection in allowed]
+        return [ScoredChunk(chunks[i], cosines.get(i), rank_score) for i, rank_score in ranked
+                if i in chunks and chunks[i].collection in allowed]
 
     def named(self, chunk_ids: Sequence[str], collections: Sequence[str]) -> tuple[list[ScoredChunk], list[str]]:
         """The chunks of `collections` with these ids in this order, and the ids that are not there

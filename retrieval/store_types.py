@@ -202,6 +202,12 @@ class DocumentStore(Protocol):
         """The chunks with these ids, in `collections` only (None: in any)."""
         ...
 
+    def lexical_search(self, question: str, limit: int, collections: Sequence[str]) -> list[tuple[int, float]]:
+        """(row id, score: higher is better) of up to `limit` chunks of `collections` holding the question's
+        words, best first: the store's full-text index (SQLite FTS5, Postgres tsvector), written in the
+        same transaction as the chunks."""
+        ...
+
     def set_kv_key(self, chunk_id: str, kv_key: str | None) -> None: ...
 
     def is_kv_key_used(self, kv_key: str) -> bool:

@@ -67,7 +67,7 @@ class DoneEvent:
     usage: Usage
     timings: Timings
     finish_reason: FinishReason
-    mode: PrefillMode
+    mode: PrefillMode | None  # None: nothing was prefilled (a fixed answer: nothing relevant was retrieved)
     recompute_ratio: float | None = None
     is_guarded: bool = False  # the quality guard raised the ratio
     plan: PlanReport | None = None  # the loading planner's choice (mode 'auto' or ratio 'auto')

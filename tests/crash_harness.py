@@ -235,6 +235,27 @@ def _check_documents(model: Model, docs: dict[str, dict]) -> tuple[list[str], di
     return violations, observed
 
 
+def check_lexical_index(data_dir: Path) -> list[str]:
+    """The full-text index holds exactly the store's chunks (row ids and texts), as the file is after a
+    kill, read before a restart (a store opened again reads the same)."""
+    path = data_dir / "documents.sqlite3"
+    if not path.exists():
+        return []
+    conn = sqlite3.connect(path)  # read-write only to replay the WAL's committed transactions
+    try:
+        if conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'chunks_fts'").fetchone() is None:
+            return []  # killed before the first start made it
+        chunks = dict(conn.execute("SELECT row_id, text FROM chunks").fetchall())
+        indexed = dict(conn.execute("SELECT rowid, text FROM chunks_fts").fetchall())
+    finally:
+        conn.close()
+    if indexed == chunks:
+        return []
+    missing, dead = set(chunks) - set(indexed), set(indexed) - set(chunks)
+    stale = {i for i in set(chunks) & set(indexed) if chunks[i] != indexed[i]}
+    return [f"lexical index/store differ: {len(missing)} chunks unindexed, {len(dead)} dead rows, {len(stale)} stale texts"]
+
+
 def _check_files(data_dir: Path, docs: dict[str, dict]) -> list[str]:
     """The index holds exactly the store's chunks; every KV file is live; every cached chunk's
     entry reads back whole (every layer's checksum)."""

@@ -36,7 +36,9 @@ HTML = b"<html><head><title>Bridges</title></head><body><h1>Bridges</h1><p>The r
 def server(tmp_path_factory):
     settings = load_settings(
         data_dir=tmp_path_factory.mktemp("page"), server={"api_key": API_KEY},
-        retrieval={"chunk_tokens": 64, "chunk_overlap": 8}, limits={"max_upload_bytes": 1_000_000},
+        # no relevance floor: the follow-up test asks about the vault after an earlier test deleted it, and
+        # needs the model to answer (the not-found answer would run no prefill to count)
+        retrieval={"chunk_tokens": 64, "chunk_overlap": 8, "min_score": -1.0}, limits={"max_upload_bytes": 1_000_000},
     )
     with LiveServer(settings) as live:
         yield live

@@ -1,7 +1,8 @@
-"""Truth in answers, on a live server with a tiny random model: a PDF chunk spanning two pages cites
-both (metadata, /v1/query and /v1/chat/completions sources, `ragblend ask`), and /readyz says ready
-only once the loading planner's start-up measurement has run (so the first question waits for nothing).
-An answer's [n] map to the prompt's n-th source, a number naming none is dropped, in every response shape."""
+"""Truth in answers, on a live server with a tiny random model: a PDF chunk spanning two pages (`tokens`
+chunking; `structure` never spans pages: tests/test_retrieval_api.py) cites both (metadata, /v1/query and
+/v1/chat/completions sources, `ragblend ask`), and /readyz says ready only once the loading planner's
+start-up measurement has run (so the first question waits for nothing). An answer's [n] map to the
+prompt's n-th source, a number naming none is dropped, in every response shape."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ PAGE_THREE = ["Page three stands alone."]
 def server(tmp_path_factory):
     settings = load_settings(data_dir=tmp_path_factory.mktemp("citations"),
                              model={"name": "random:tiny-llama", "device": "cpu"},
-                             retrieval={"chunk_tokens": 400, "chunk_overlap": 0}, generation={"max_tokens": 2})
+                             retrieval={"chunking": "tokens", "chunk_tokens": 400, "chunk_overlap": 0},
+                             generation={"max_tokens": 2})  # tokens: one chunk packs every page
     with LiveServer(settings) as live:
         # ready means the engine is free: the start-up measurement ran before, not after, /readyz said so
         assert live.components.kv_store.planner.is_ready

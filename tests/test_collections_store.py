@@ -180,7 +180,7 @@ def test_a_sqlite_store_made_before_collections_is_migrated_in_place(tmp_path):
     finally:
         store.close()
     with sqlite3.connect(path) as check:
-        assert check.execute("PRAGMA user_version").fetchone()[0] == SQLITE_VERSION == 2
+        assert check.execute("PRAGMA user_version").fetchone()[0] == SQLITE_VERSION == 3  # 3: the lexical index
         assert not check.execute("PRAGMA foreign_key_check").fetchall()
     SqliteDocumentStore(path).close()  # a second open: nothing left to do
     with sqlite3.connect(path) as check:  # a newer version is refused, naming it
@@ -217,5 +217,5 @@ def test_a_postgres_store_made_before_collections_is_migrated_in_place(postgres)
     finally:
         store.close()
     with psycopg.connect(url) as conn:
-        assert conn.execute("SELECT version FROM ragblend_schema").fetchall() == [(PG_VERSION,)] and PG_VERSION == 2
+        assert conn.execute("SELECT version FROM ragblend_schema").fetchall() == [(PG_VERSION,)] and PG_VERSION == 3
     PostgresDocumentStore(url).close()

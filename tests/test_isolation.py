@@ -29,7 +29,10 @@ def server(request, tmp_path_factory):
     database = {"url": request.getfixturevalue("postgres").new_database()} if request.param == "postgres" else {}
     settings = load_settings(
         data_dir=tmp_path_factory.mktemp(f"isolation-{request.param}"), model={"name": "random:tiny-llama", "device": "cpu"},
-        server={"api_key": "the-server-key"}, retrieval={"chunking": "none"}, generation={"max_tokens": 1},
+        server={"api_key": "the-server-key"}, generation={"max_tokens": 1},
+        # no relevance floor: a question about another collection's text still gets the key's own chunks
+        # (what is checked here is whose chunks a key can see, not their relevance)
+        retrieval={"chunking": "none", "min_score": -1.0, "score_margin": 2.0},
         database=database)
     with LiveServer(settings) as live, httpx.Client(base_url=live.url, headers=ADMIN, timeout=120) as admin:
         live.keys = {}

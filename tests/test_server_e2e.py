@@ -28,9 +28,11 @@ DOCUMENTS = [
 
 def make_settings(data_dir, **overrides):
     # the prefix cache off: these tests ask the same questions again and check the chunks' KV path
-    # (tests/test_prefix_server.py tests the prefix cache)
+    # (tests/test_prefix_server.py tests the prefix cache); no relevance floor: they count on every retrieved
+    # chunk reaching the prompt (top_k, context fitting, KV loads; the floor's tests: tests/test_retrieval_api.py)
     overrides.setdefault("store", {}).setdefault("prefix_cache_bytes", 0)
-    return load_settings(data_dir=data_dir, limits={"max_tokens": 8192}, **overrides)
+    retrieval = {"min_score": -1.0, "score_margin": 2.0, **overrides.pop("retrieval", {})}
+    return load_settings(data_dir=data_dir, limits={"max_tokens": 8192}, retrieval=retrieval, **overrides)
 
 
 @pytest.fixture(scope="module")

@@ -39,10 +39,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(GenerationOptions):
     """OpenAI's fields (frequency_penalty and presence_penalty in OpenAI's range, [-2, 2]) plus the RAG
-    extras (collection, top_k, mode, recompute_ratio, chunk_ids, repetition_penalty, no_repeat_ngram_size).
-    An OpenAI parameter ragblend does not implement is a 400 naming it; the OpenAI fields real clients
-    send that change nothing here (app/openai_compat.py IGNORED_PARAMETERS) are ignored; any other field
-    is a 422, as on every route."""
+    extras (collection, top_k, retrieval, mode, recompute_ratio, chunk_ids, repetition_penalty,
+    no_repeat_ngram_size). An OpenAI parameter ragblend does not implement is a 400 naming it; the OpenAI
+    fields real clients send that change nothing here (app/openai_compat.py IGNORED_PARAMETERS) are
+    ignored; any other field is a 422, as on every route."""
 
     model_config = ConfigDict(extra="allow")  # checked by check_fields (a 400 or a 422 naming them)
 
@@ -92,7 +92,7 @@ class ChatCompletionResponse(BaseModel):
     sources: list[SourceOut]
     citations: list[CitationOut] = []  # the sources the answer cites as [n] (a number naming none left out)
     timings: TimingsOut
-    mode: str
+    mode: str | None = Field(description="The prefill mode that ran; null: none (nothing relevant was retrieved).")
     recompute_ratio: float | None = None
     quality_guarded: bool = False  # the quality guard raised the recompute ratio
     plan: PlanOut | None = None  # the loading planner's choice (mode 'auto')

@@ -19,10 +19,9 @@ from app.query.protocol import TimingsOut
 from app.query.serving import build_rag_request, citations_out, plan_out, sources_out
 from app.rag.collect import IsDisconnected, collect
 from app.rag.pipeline import RagPipeline
-from app.rag.types import DoneEvent, GenerationEvent, RagContext, RagRequest, TokenEvent
+from app.rag.types import AnswerStream, DoneEvent, RagContext, RagRequest, TokenEvent
 from app.sse import sse
 from configs.settings import Settings
-from runtime.jobs import JobStream
 
 
 @dataclass(frozen=True)
@@ -32,7 +31,7 @@ class ChatCall:
     model: str
     request: RagRequest
     context: RagContext
-    stream: JobStream[GenerationEvent]
+    stream: AnswerStream
     include_usage: bool = False  # stream_options.include_usage: usage in a last chunk with empty choices
 
 
@@ -68,7 +67,8 @@ class ChatService:
             choices=[Choice(message=AssistantMessage(content=answer), finish_reason=finish_reason(done))],
             usage=chat_usage(done), sources=sources_out(call.context.sources),
             citations=citations_out(answer, call.context.sources), timings=TimingsOut(**asdict(done.timings)),
-            mode=done.mode.value, recompute_ratio=done.recompute_ratio, quality_guarded=done.is_guarded,
+            mode=done.mode.value if done.mode else None, recompute_ratio=done.recompute_ratio,
+            quality_guarded=done.is_guarded,
             plan=plan_out(done),
             warnings=call.context.warnings,
         )
@@ -97,7 +97,7 @@ class ChatService:
                                 usage=None if call.include_usage else chat_usage(event),
                                 citations=citations_out("".join(pieces), call.context.sources),
                                 timings=TimingsOut(**asdict(event.timings)), recompute_ratio=event.recompute_ratio,
-                                quality_guarded=event.is_guarded, mode=event.mode.value, plan=plan_out(event))
+                                quality_guarded=event.is_guarded, mode=event.mode.value if event.mode else None, plan=plan_out(event))
                     if call.include_usage:
                         usage = ChatCompletionChunk(id=call.id, created=call.created, model=call.model, choices=[],
                                                     usage=chat_usage(event))

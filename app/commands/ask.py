@@ -17,6 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("question")
     parser.add_argument("--mode", choices=["blend", "full", "prefix", "reuse"])
     parser.add_argument("--top-k", type=int)
+    parser.add_argument("--retrieval", choices=["dense", "lexical", "hybrid"], help="default from the server's config")
     parser.add_argument("--max-tokens", type=int)
     parser.add_argument("--recompute-ratio", help="a number in [0, 1] or 'auto'")
     parser.add_argument("--chunk-id", action="append", dest="chunk_ids", help="use this chunk (repeatable)")
@@ -27,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def request_body(args: argparse.Namespace) -> dict:
     body: dict = {"question": args.question, "stream": True}
-    for name in ("mode", "top_k", "max_tokens", "chunk_ids"):
+    for name in ("mode", "top_k", "retrieval", "max_tokens", "chunk_ids"):
         if getattr(args, name) is not None:
             body[name] = getattr(args, name)
     if args.collections:
@@ -74,13 +75,13 @@ def run(args: argparse.Namespace) -> int:
                 usage, timings = data["usage"], data["timings"]
                 cached = usage.get("prefix_cached_tokens", 0)
                 cited = {citation["number"] for citation in data.get("citations", [])}
-                print(f"\n\n[{data['mode']}] ttft {timings['ttft_ms']:.0f} ms, total {timings['total_ms']:.0f} ms, "
+                print(f"\n\n[{data['mode'] or 'no prefill'}] ttft {timings['ttft_ms']:.0f} ms, total {timings['total_ms']:.0f} ms, "
                       f"{usage['reused_tokens']} reused / {usage['recomputed_tokens']} recomputed prompt tokens"
                       + (f", {cached} from the prefix cache" if cached else ""))
             elif event == "error":
                 print(f"\nerror: {data['error']['message']}", file=sys.stderr)
                 return ExitCode.FAILED
-    print("\nSources:")
+    print("\nSources:" if sources else "\nSources: none")
     for number, source in enumerate(sources, 1):
         score = "" if source["score"] is None else f" (score {source['score']:.3f})"
         title = f" {source['title']}" if source.get("title") else ""

@@ -21,7 +21,7 @@ from app.commands.upload import UploadFailed, upload_files
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("paths", nargs="+", type=Path,
                         help=f"files or directories (searched for {', '.join(sorted(READERS))})")
-    parser.add_argument("--chunking", choices=["tokens", "none"], help="default from the server's config")
+    parser.add_argument("--chunking", choices=["tokens", "structure", "none"], help="default from the server's config")
     parser.add_argument("--no-precompute", action="store_true", help="do not precompute chunk KV at ingestion")
     parser.add_argument("--batch-size", type=int, default=8, help="documents per request")
     parser.add_argument("--collection", help="the knowledge base they go into (default: `default`; a key bound to "

@@ -49,7 +49,7 @@ class CompletionService:
             id=call.id, created=call.created, model=call.model,
             choices=[CompletionChoice(text=answer, finish_reason=finish_reason(done))], usage=chat_usage(done),
             sources=sources_out(call.context.sources), timings=TimingsOut(**asdict(done.timings)),
-            mode=done.mode.value, recompute_ratio=done.recompute_ratio, plan=plan_out(done),
+            mode=done.mode.value if done.mode else None, recompute_ratio=done.recompute_ratio, plan=plan_out(done),
             warnings=call.context.warnings,
         )
 
@@ -70,7 +70,7 @@ class CompletionService:
                     yield chunk(event.text)
                 else:
                     yield chunk("", finish_reason(event), usage=None if call.include_usage else chat_usage(event),
-                                timings=TimingsOut(**asdict(event.timings)), mode=event.mode.value,
+                                timings=TimingsOut(**asdict(event.timings)), mode=event.mode.value if event.mode else None,
                                 recompute_ratio=event.recompute_ratio, plan=plan_out(event))
                     if call.include_usage:
                         usage = CompletionResponse(id=call.id, created=call.created, model=call.model, choices=[],

@@ -53,7 +53,9 @@ class IngestRequest(BaseModel):
     documents: list[DocumentIn] = Field(..., min_length=1)
     collection: str | None = Field(None, pattern=COLLECTION_NAME_PATTERN, description="The collection (knowledge "
                                    "base) they go into; default: `default` (a key bound to one collection: that one).")
-    chunking: ChunkingMode | None = Field(None, description="tokens (default) or none: one passage, one chunk.")
+    chunking: ChunkingMode | None = Field(
+        None, description="structure (the document's blocks, headings and pages), tokens (sentences) or none (one "
+        "passage, one chunk); default: retrieval.chunking.")
     precompute: StrictBool = Field(True, description="Precompute every chunk's KV into the store.")
 
 
@@ -85,6 +87,9 @@ class DocumentOut(BaseModel):
         False, description="Its chunks' KV is being computed in the background (a large document): kv_cached "
         "fills in, see GET /v1/documents/{id}; meanwhile questions recompute those chunks.",
     )
+    warnings: list[str] = Field(
+        [], description="What may keep questions from finding its content (stored all the same): text in another "
+        "language than the embedder's; an upload's blank or unreadable PDF pages.")
 
 
 class IngestResponse(BaseModel):

@@ -28,10 +28,12 @@ from blend_engine.kv import ChunkKV
 from blend_engine.threads import pin_one_thread
 from runtime.jobs import JobCancelled
 from runtime.loop import EngineLoop
+from app.extract.language import language_warning
 from configs.enums import ChunkingMode
 from configs.settings import Settings
 from kv_store.single_flight import SingleFlight
 from retrieval.chunker import Chunker
+from retrieval.embedder import PACKAGED_MINILM
 from retrieval.store_types import CollectionNotFoundError, CollectionRow, StoredChunk
 from retrieval.retriever import Retriever
 
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
     from kv_store import KVStore
 
 logger = logging.getLogger(__name__)
+ENGLISH_ONLY_EMBEDDERS = frozenset({PACKAGED_MINILM})  # a document in another language gets a warning
 
 
 @dataclass
@@ -112,7 +115,7 @@ class DocumentService:
         finally:
             self._save_index()
         return IngestResponse(documents=[self._document_out(w, collection.name,
-                                                            self._is_backfilled(d, request.precompute))
+                                                            self._is_backfilled(d, request.precompute), self._warnings(d))
                                          for w, d in zip(written, request.documents)])
 
     def _disk_full(self, exc: Exception, doc: DocumentIn, precompute: bool) -> InsufficientStorageError:
@@ -145,12 +148,19 @@ class DocumentService:
             self.backfill.schedule(written.chunks, kv_scope(collection))
         return written
 
-    def _document_out(self, written: WrittenDocument, collection: str, is_backfilled: bool = False) -> DocumentOut:
+    def _document_out(self, written: WrittenDocument, collection: str, is_backfilled: bool = False,
+                      warnings: Sequence[str] = ()) -> DocumentOut:
         cached = self._cached(written.chunks)
         chunks = [ChunkOut(id=c.id, num_tokens=c.num_tokens, kv_cached=is_cached)
                   for c, is_cached in zip(written.chunks, cached)]
         return DocumentOut(id=written.id, collection=collection, status=written.status, chunks=chunks,
-                           kv_pending=is_backfilled and not all(cached))
+                           kv_pending=is_backfilled and not all(cached), warnings=list(warnings))
+
+    def _warnings(self, doc: DocumentIn) -> list[str]:
+        """What may keep questions from finding the document's content: its language, for an English-only
+        embedder."""
+        warning = language_warning(doc.text, self.settings.retrieval.embedder, ENGLISH_ONLY_EMBEDDERS)
+        return [warning] if warning else []
 
     def _cached(self, chunks: Sequence[StoredChunk]) -> list[bool]:
         """Whether each chunk has a sound KV entry now (batched: one header check or round trip each tier)."""

@@ -78,7 +78,8 @@ class DocumentWriter:
                 if precompute:
                     self._fill_kv(stored.chunks, context_ids, scope)
                 return WrittenDocument(doc_id, DocumentStatus.UNCHANGED, stored.chunks)
-        new_chunks = self._prepare(self.chunker.split(doc.text, chunking), context_ids, precompute, scope)
+        new_chunks = self._prepare(self.chunker.split(doc.text, chunking, is_markdown=is_markdown(doc)), context_ids,
+                                   precompute, scope)
         result = store.put_document(  # the commit point
             doc_id, doc.title, doc.metadata or {}, len(doc.text), new_chunks, content_hash, name
         )
@@ -167,6 +168,17 @@ class DocumentWriter:
             "kv": self.kv_store.key_for((), context_ids, scope.salt),
         }
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+# Formats whose extracted text marks headings with Markdown's `#` (DOCX and html2text's output do); in
+# others (configuration files, scripts, plain text) a `#` line is a comment.
+MARKDOWN_FORMATS = frozenset({"markdown", "docx", "html"})
+
+
+def is_markdown(doc: DocumentIn) -> bool:
+    """Whether `structure` chunking reads `#` lines as headings: by `metadata.format` (set by uploads;
+    a JSON document may set it too)."""
+    return (doc.metadata or {}).get("format") in MARKDOWN_FORMATS
 
 
 def content_id(doc: DocumentIn) -> str:

@@ -15,6 +15,7 @@ from app.extract.pdf import extract_pdf
 from app.extract.text import decode_text, first_line_title, markdown_title, parse_jsonl
 from app.extract.types import SUFFIX_FORMATS, ExtractedDocument, ExtractionLimits, FileFormat, FileRejected
 from app.text import without_nul
+from retrieval.chunker import PAGE_BREAK
 
 _ZIP_MAGIC, _PDF_MAGIC = b"PK\x03\x04", b"%PDF-"
 MAX_TITLE_CHARS = 512  # DocumentIn.title's limit
@@ -78,10 +79,10 @@ def _check_magic(name: str, data: bytes, fmt: FileFormat) -> None:
 def _extract(name: str, data: bytes, fmt: FileFormat, limits: ExtractionLimits, doc_id: str) -> list[ExtractedDocument]:
     base = {"source": without_nul(PurePath(name).name), "format": fmt.value}
     if fmt is FileFormat.PDF:
-        title, pages = extract_pdf(name, data)
+        title, pages, warnings = extract_pdf(name, data)
         text, starts = join_pages(pages)
         return [ExtractedDocument(doc_id, title or first_line_title(text), text, fmt,
-                                  {**base, "num_pages": len(pages)}, starts)]
+                                  {**base, "num_pages": len(pages)}, starts, tuple(warnings))]
     if fmt is FileFormat.DOCX:
         title, text = extract_docx(name, unzip_bounded(name, data, limits.max_unzipped_bytes))
         return [ExtractedDocument(doc_id, title or first_line_title(text), text, fmt, base)]
@@ -107,11 +108,12 @@ def _jsonl_document(row: dict, file_id: str, number: int, base: dict) -> Extract
 
 
 def join_pages(pages: Sequence[str]) -> tuple[str, tuple[int, ...]]:
-    """The pages' text joined by blank lines, and the offset where each page starts in it."""
+    """The pages' text joined by page breaks (a form feed on a line of its own: `structure` chunking never
+    crosses one), and the offset where each page starts in it."""
     text, starts = "", []
     for page in pages:
         starts.append(len(text))
-        text += page + "\n\n"
+        text += page + "\n" + PAGE_BREAK + "\n"
     return text.rstrip(), tuple(starts)
 
 

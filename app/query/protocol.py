@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, field_val
 
 from app.text import NUL_MESSAGE, nul_location
 from blend_engine.types import PrefillMode, SelectionKind
-from configs.enums import RepetitionScope, RequestMode
+from configs.enums import RepetitionScope, RequestMode, RetrievalMode
 from retrieval.store_types import COLLECTION_NAME_PATTERN
 
 Ratio = float
@@ -31,6 +31,10 @@ class GenerationOptions(BaseModel):
         None, description="The collection(s) (knowledge bases) to retrieve from, one name or a list; default: "
         "`default` (a scoped key: all of its own).")
     top_k: StrictInt | None = Field(None, ge=1, description="Chunks to retrieve (limit: limits.max_top_k).")
+    retrieval: RetrievalMode | None = Field(
+        None, description="How chunks are ranked: dense (embeddings), lexical (full-text index) or hybrid (both, "
+        "fused by reciprocal rank); default from config (retrieval.mode).",
+    )
     chunk_ids: list[str] | None = Field(
         None, min_length=1, description="Skip retrieval: use exactly these chunks, in this order."
     )
@@ -120,7 +124,8 @@ class SourceOut(BaseModel):
     document_id: str
     collection: str
     title: str | None
-    score: float | None
+    score: float | None = Field(description="Cosine similarity of the chunk to the question (whatever ranked it); "
+                                "null for a chunk named in chunk_ids.")
     text: str
     pages: list[int] | None = Field(None, description="Uploaded PDFs: [first, last] page the chunk's text is on.")
 
@@ -170,7 +175,8 @@ class PlanOut(BaseModel):
 
 class QueryResponse(BaseModel):
     answer: str
-    mode: PrefillMode
+    mode: PrefillMode | None = Field(description="The prefill mode that ran; null: none ran (nothing relevant was "
+                                     "retrieved: the answer is retrieval.not_found_answer, with no sources).")
     finish_reason: str | None
     recompute_ratio: float | None = None
     quality_guarded: bool = Field(False, description="The quality guard raised this answer's recompute ratio.")

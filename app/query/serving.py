@@ -15,14 +15,13 @@ from app.query.protocol import (
 from app.rag.citations import citations
 from app.rag.collect import IsDisconnected, collect
 from app.rag.pipeline import RagPipeline
-from app.rag.types import DoneEvent, GenerationEvent, RagContext, RagRequest, Source, TokenEvent
+from app.rag.types import AnswerStream, DoneEvent, RagContext, RagRequest, Source, TokenEvent
 from app.sse import sse
 from app.text import is_blank
 from blend_engine.types import SamplingParams
 from app.config import LimitsConfig
 from configs.settings import Settings
 from retrieval.store_types import DEFAULT_COLLECTION
-from runtime.jobs import JobStream
 
 T = TypeVar("T")
 
@@ -65,6 +64,7 @@ def build_rag_request(
     )
     return RagRequest(
         question=question, mode=options.mode or settings.blend.mode, sampling=sampling, top_k=top_k,
+        retrieval=options.retrieval or settings.retrieval.mode,
         chunk_ids=tuple(options.chunk_ids) if options.chunk_ids is not None else None,
         recompute_ratio=ratio, selection=options.selection, history=tuple(history), collections=tuple(collections),
         is_prefix_cache_used=options.prefix_cache,
@@ -112,7 +112,7 @@ class QueryService:
     scopes: Scopes
 
     async def prepare(self, body: QueryRequest,
-                      principal: Principal) -> tuple[RagRequest, RagContext, JobStream[GenerationEvent], float]:
+                      principal: Principal) -> tuple[RagRequest, RagContext, AnswerStream, float]:
         """Everything that can fail with a 4xx/503 happens here, before a stream's headers go out."""
         t_start = time.perf_counter()
         collections = await self.scopes.readable(principal, body.collections)
@@ -120,12 +120,12 @@ class QueryService:
         context = await self.pipeline.retrieve(request)
         return request, context, self.pipeline.start(request, context, t_start), t_start
 
-    async def answer(self, context: RagContext, stream: JobStream[GenerationEvent],
+    async def answer(self, context: RagContext, stream: AnswerStream,
                      is_disconnected: IsDisconnected) -> QueryResponse:
         answer, done = await collect(stream, is_disconnected)
         return _response(answer, context, done)
 
-    async def events(self, context: RagContext, stream: JobStream[GenerationEvent]) -> AsyncIterator[str]:
+    async def events(self, context: RagContext, stream: AnswerStream) -> AsyncIterator[str]:
         """SSE: `sources`, then `token` events, then `done` (usage, timings, citations) or `error`."""
         try:
             yield sse({"sources": [s.model_dump() for s in sources_out(context.sources)],
@@ -145,7 +145,7 @@ class QueryService:
 
 
 def _done_payload(done: DoneEvent) -> dict:
-    return {"mode": done.mode.value, "finish_reason": done.finish_reason.value if done.finish_reason else None,
+    return {"mode": done.mode.value if done.mode else None, "finish_reason": done.finish_reason.value if done.finish_reason else None,
             "recompute_ratio": done.recompute_ratio, "quality_guarded": done.is_guarded,
             "plan": asdict(done.plan) if done.plan else None,
             "usage": asdict(done.usage), "timings": asdict(done.timings)}

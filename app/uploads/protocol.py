@@ -19,6 +19,9 @@ class UploadedDocument(BaseModel):
                                  "metadata.chunk_last_pages[i] its last.")
     status: DocumentStatus = Field(description="created, replaced, or unchanged (the same content was already stored).")
     chunks: list[ChunkOut]
+    warnings: list[str] = Field(
+        [], description="What of the file questions cannot find (stored all the same): PDF pages with no text "
+        "(blank or scanned: no OCR) or that could not be read; text in another language than the embedder's.")
 
 
 class UploadResponse(BaseModel):
