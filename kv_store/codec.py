@@ -399,6 +399,11 @@ def decode_layer_encoded(header: EntryHeader, layer_idx: int, buffers: list) -> 
             kv = lowbit.decode_layer(_as_bytes(buffers[0]), *shape[1:], spec, dtype if is_pinned else _LOWBIT_READ_DTYPE)
         except ValueError as exc:  # checksum passed yet undecodable: written by a broken encoder
             raise CorruptEntryError(f"layer {layer_idx} of {header.key[:16]}: {exc}") from exc
+        if not is_pinned and dtype != kv.dtype:
+            # rounded to the storage dtype, in place: the same values a promoted copy of this layer holds in
+            # the memory tier (stored in `dtype`), so an answer does not change with the tier its KV came
+            # from (tests/test_server_batching.py). ~0.6 ms a layer of 3k tokens (SmolLM2), on the reader.
+            kv.copy_(kv.to(dtype))
         return StackedLayer(kv.pin_memory() if is_pinned else kv)
     if header.fmt.quantization is KVQuantization.INT8:
         q = _as_tensor(buffers[0], torch.int8).view(shape)

@@ -42,7 +42,7 @@ from blend_engine.kv import PromptKV
 from blend_engine.types import BlendConfig, PrefillMode, PrefillResult, PrefillStats, Segment
 from configs.enums import RequestMode
 from kv_store import KVStore
-from kv_store.loader import StoredChunk, StoreLayerSource
+from kv_store.loader import StoredChunk, StoreLayerSource, handles_in
 from kv_store.planner import LoadPlan, PlanKind, PlanRequest, PrefillShape
 from kv_store.prefix_cache import PrefixCache, PrefixMatch
 from runtime.config import SchedulerConfig
@@ -109,7 +109,7 @@ class PrefillExecutor:
             return
         is_full = request.mode is RequestMode.FULL
         segments = self._segments(request, with_kv=not is_full)
-        handles = [s.kv for s in segments if isinstance(s.kv, StoredChunk)]
+        handles = handles_in(segments)
         blend = self.request_config(request)  # its check layer decides where stored KV is read from
         num_cached = 0 if match is None else min(match.num_tokens, len(token_ids) - 1)  # the last is computed
         mode, plan = self._plan(request, segments, handles, blend.first_check_layer, num_cached)
@@ -246,7 +246,7 @@ class PrefillExecutor:
         """The engine's prefill cut by layers (`max_step_token_layers` a step), then the outcome."""
         if plan is not None:
             segments = planned_segments(segments, plan)
-        used = [s.kv for s in segments if isinstance(s.kv, StoredChunk)]
+        used = handles_in(segments)
         source = self._layer_source(used, mode, blend.first_check_layer) if used else None
         try:
             parts = self.engine.prefill_steps(

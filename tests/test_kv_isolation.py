@@ -118,11 +118,12 @@ def test_collections_that_share_kv_cache_a_text_once(server):
         chunk = ingest(http, "shared-b", text)["manual"]  # precomputed: it would write its own if isolated
         saved = 2 * one_shared - (disk_bytes(server) - start)
         assert saved == one_shared > 0  # cached once for both
+        sizes = {c["name"]: c["kv_bytes"] for c in http.get("/v1/collections").json()["collections"]}
+        assert sizes["shared-a"] == sizes["shared-b"] == one_shared and sizes["own-a"] == sizes["own-b"] == one
+        # (sizes first: asking about the note below has its missing KV computed and stored in the background)
         alone = ingest(http, "own-b", {"note": "A note nobody precomputed, about the red crane."}, False)["note"]
         usage, _ = ask(http, "shared-b", chunk)
         assert usage["reused_tokens"] > ask(http, "own-b", alone)[0]["reused_tokens"]  # shared-a's KV, reused
-        sizes = {c["name"]: c["kv_bytes"] for c in http.get("/v1/collections").json()["collections"]}
-        assert sizes["shared-a"] == sizes["shared-b"] == one_shared and sizes["own-a"] == sizes["own-b"] == one
         assert http.patch("/v1/collections/own-a", json={"shares_kv": True}).status_code == 422
 
 

@@ -107,7 +107,9 @@ def test_a_delete_through_a_drops_the_prompts_b_keeps_with_its_chunks(cluster):
     ask(b, question, chunk_ids=ids)
     kept = ask(b, question, chunk_ids=ids)["usage"]
     assert kept["prefix_cached_tokens"] == kept["prompt_tokens"]
-    assert ask(a, question, chunk_ids=ids)["usage"]["prefix_cached_tokens"] == 0  # A's cache is its own
+    # A's cache is its own: B's kept prompt would cover it all; an earlier question on A shares at most
+    # the template's head before the first chunk (system prompt, documents intro, the first label)
+    assert ask(a, question, chunk_ids=ids)["usage"]["prefix_cached_tokens"] < kept["prompt_tokens"] // 2
     before = metric(b, "ragblend_prefix_cache_invalidations_total")
     assert httpx.delete(f"{a}/v1/documents/amber", headers=HEADERS, timeout=60).status_code == 200
     assert until(lambda: metric(b, "ragblend_prefix_cache_invalidations_total") > before, FOLLOW_S) < FOLLOW_S
