@@ -32,20 +32,34 @@ for _name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
 # subcommand path -> (module, help). The module defines add_arguments(parser) and run(args) -> int.
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("serve",): ("app.commands.serve", "run the RAG server"),
-    ("ingest",): ("app.commands.ingest", "ingest txt/md/jsonl files into a running server"),
+    ("ingest",): ("app.commands.ingest", "ingest files into a running server (--collection: into a knowledge base)"),
     ("ask",): ("app.commands.ask", "ask a running server a question, streaming the answer"),
     ("store", "copy"): ("app.commands.store_copy", "copy a data directory's SQLite documents into Postgres"),
+    ("collections",): ("app.commands.collections", "create, list or delete knowledge bases on a running server"),
+    ("keys",): ("app.commands.keys", "create, list or revoke scoped API keys on a running server"),
     ("bench", "engine"): ("bench.engine_bench", "engine benchmark: TTFT and fidelity per prefill mode"),
     ("bench", "kv"): ("bench.kv_bench", "KV store benchmark: blend TTFT per tier, pipelined or not"),
     ("bench", "server"): ("bench.server_bench", "concurrent streaming clients against servers, side by side with a "
                           "one-sequence-at-a-time baseline: TTFT, inter-token latency, aggregate tok/s"),
+    ("bench", "compare"): ("bench.compare_bench", "this checkout's server against a git revision's, side by side: "
+                           "TTFT asked again and first ask, decode tok/s, concurrent clients; ratios"),
+    ("bench", "overhead"): ("bench.overhead_bench", "the server's blend TTFT and decode against the bare engine's, "
+                            "same prompts, in turn: ratios and where the server's time goes"),
     ("bench", "server-modes"): ("bench.server_modes_bench", "end-to-end TTFT and fidelity per prefill mode against a "
                                 "running server"),
+    ("bench", "prefix"): ("bench.prefix_bench", "the prefix cache against a running server: a fresh blend, the same "
+                          "prompt again, a follow-up turn and no match, side by side"),
     ("bench", "replicas"): ("bench.replicas_bench", "Postgres vs SQLite store: query TTFT, ingest, change propagation"),
     ("bench", "answers"): ("bench.answers_bench", "answer quality of the whole pipeline on real documents and MuSiQue, "
                            "settings side by side: right, inside the retrieved text, source, ran to the cap, TTFT"),
+    ("bench", "retrieval"): ("bench.retrieval_bench", "retrieval latency per ranking mode (dense, lexical, hybrid) "
+                             "and store (SQLite, Postgres) at a given number of chunks: p50/p99"),
+    ("bench", "retrieval-quality"): ("bench.retrieval_quality", "retrieval alone on the answers set (no LLM): inside, "
+                                     "source, prompt tokens per chunking, mode, top_k and relevance floor"),
     ("bench", "kv-codec"): ("bench.kv_codec_bench", "KV entry formats: bytes per token, decode speed, fidelity"),
     ("bench", "corpus"): ("bench.corpus_bench", "KV budget at corpus scale: hit rate and TTFT per budget, Zipf stream"),
+    ("bench", "collections"): ("bench.collections_bench", "retrieval scoped to collections: one filtered index vs an "
+                               "index per collection, search p50/p99"),
     ("bench", "plot"): ("bench.plot", "plot an engine bench's KL-vs-speed frontier (PNG)"),
     ("bench", "memory"): ("bench.memory_bench", "where a server's memory goes: RSS stage by stage through start-up, "
                           "and a live server's, idle after start-up and after a run of questions"),

@@ -5,9 +5,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from app.chat.serving import ChatService
+from app.collections.scope import Scopes
+from app.collections.serving import CollectionService
+from app.completions.serving import CompletionService
+from app.keys.serving import KeyService
 from app.documents.limits import check_document_limit
 from app.documents.storage import DiskReserve, check_free_space
 from app.documents.serving import DocumentService
@@ -15,12 +19,14 @@ from app.metrics import Metrics
 from app.query.serving import QueryService
 from app.documents.backfill import KVBackfill
 from app.documents.write_queue import WriteQueue
+from app.documents.writes import kv_scope
 from app.rag.pipeline import RagPipeline
 from app.rag.repair import KVRepairer
 from configs.settings import Settings
+from kv_store.keys import KVScope
 from kv_store.single_flight import PrecomputeLocks, SingleFlight
 from retrieval.chunker import Chunker
-from retrieval.retriever import Retriever
+from retrieval.retriever import CatchUp, Retriever
 from retrieval.store_types import DocumentStore
 from runtime.executor import PrefillExecutor
 from runtime.loop import EngineLoop
@@ -48,6 +54,10 @@ class Components:
     documents: DocumentService
     query: QueryService
     chat: ChatService
+    completions: CompletionService
+    scopes: Scopes
+    collections: CollectionService
+    keys: KeyService
     pipeline: RagPipeline
     model_id: str
     started_at: float
@@ -73,12 +83,13 @@ class Components:
             _collect_kv_garbage(settings, kv_store, retriever)
             reserve = _take_reserve(settings, kv_store)
             executor = PrefillExecutor(engine, kv_store, settings.blend, settings.store.planner_profile_tokens,
-                                       settings.scheduler.prefill_chunk_tokens)
+                                       settings.scheduler.prefill_chunk_tokens, prefix_cache=kv_store.prompts)
             loop = EngineLoop(engine, executor, settings.scheduler, metrics,
                               kv_bytes_per_token=kv_bytes_per_token(engine))
             locks = PrecomputeLocks(settings.store.redis_url, settings.store.lock_ttl_s)
             single_flight = SingleFlight(kv_store, locks, metrics.observe_precompute)
-            executor.repairer = KVRepairer(engine, kv_store, loop, retriever.store.is_kv_key_used, single_flight)
+            scope_of = _kv_scope_of(retriever.store)
+            executor.repairer = KVRepairer(engine, kv_store, loop, scope_of, single_flight)
             backfill = KVBackfill(engine, kv_store, loop, retriever.store.is_kv_key_used,
                                   engine.sink_ids(settings.blend.sink), single_flight)
             metrics.watch_store(kv_store.stats, executor.repairer.stats)
@@ -88,13 +99,16 @@ class Components:
                               settings.retrieval.chunk_overlap)
             pipeline = RagPipeline(settings, engine, retriever, kv_store, loop)
             model_id = settings.server.model_id or _model_id(engine.model_name)
-            follower = _start_follower(settings, retriever)
+            follower = _start_follower(settings, retriever, kv_store)
+            scopes = Scopes(retriever.store)
+            documents = DocumentService(settings, engine, retriever, kv_store, chunker, loop, writes, backfill,
+                                        single_flight, reserve)
             return cls(
                 settings=settings, engine=engine, retriever=retriever, kv_store=kv_store, loop=loop,
-                executor=executor,
-                documents=DocumentService(settings, engine, retriever, kv_store, chunker, loop, writes, backfill,
-                                          single_flight, reserve),
-                query=QueryService(settings, pipeline), chat=ChatService(settings, pipeline, model_id),
+                executor=executor, documents=documents,
+                query=QueryService(settings, pipeline, scopes), chat=ChatService(settings, pipeline, model_id, scopes),
+                completions=CompletionService(settings, pipeline, model_id, scopes), scopes=scopes,
+                collections=CollectionService(documents, scopes), keys=KeyService(retriever.store),
                 pipeline=pipeline, model_id=model_id, started_at=time.time(), follower=follower,
                 locks=locks,
             )
@@ -129,24 +143,47 @@ def _shared_store(settings: Settings) -> DocumentStore | None:
     return PostgresDocumentStore(database.url, database.max_connections, database.timeout_s)
 
 
-def _start_follower(settings: Settings, retriever: Retriever) -> IndexFollower | None:
-    """With a shared store, a thread that makes the index follow the other replicas' commits."""
+def _start_follower(settings: Settings, retriever: Retriever, kv_store: KVStore) -> IndexFollower | None:
+    """With a shared store, a thread that makes the index follow the other replicas' commits, and the
+    prefix cache drop the prompts holding a chunk they replaced or deleted (each replica keeps its own)."""
     if not retriever.store.is_shared or settings.database.url is None:
         return None
     from retrieval.follower import IndexFollower
 
-    return IndexFollower(retriever, settings.database.url, settings.database.poll_s).start()
+    def forget_prompts(result: CatchUp) -> None:
+        if result.num_removed or result.is_reconciled:
+            kv_store.prompts.retain_live(retriever.store.is_kv_key_used)
+
+    return IndexFollower(retriever, settings.database.url, settings.database.poll_s, forget_prompts).start()
 
 
 def _collect_kv_garbage(settings: Settings, kv_store: KVStore, retriever: Retriever) -> None:
-    """Delete the KV entries no chunk points at (e.g. of an ingest killed before its commit). Only
-    when this server owns the disk tier: a `store.disk_dir` set by hand may be shared."""
+    """Delete the KV entries no chunk points at (e.g. of an ingest killed before its commit, or of a
+    collection deleted by a server killed before it deleted their KV). Only when this server owns the
+    disk tier: a `store.disk_dir` set by hand may be shared. Then account the entries left to their
+    collections (each collection's share of the KV budget)."""
     if settings.store.disk_enabled and settings.store.disk_dir is not None:
         logger.info("store.disk_dir is set: it may be shared, so orphan KV entries are not collected")
-        return
-    num_orphans = kv_store.collect_garbage(retriever.store.kv_keys())
-    if num_orphans:
-        logger.warning("deleted %d KV entries no chunk points at", num_orphans)
+    else:
+        num_orphans = kv_store.collect_garbage(retriever.store.kv_keys())
+        if num_orphans:
+            logger.warning("deleted %d KV entries no chunk points at", num_orphans)
+    if kv_store.admission is not None:
+        store = retriever.store
+        kv_store.admission.note_owners({key: row.name for row in store.list_collections()
+                                        for key in store.kv_keys([row.name])})
+
+
+def _kv_scope_of(store: DocumentStore) -> Callable[[str], KVScope | None]:
+    """`scope_of(key)` for the KV repairs: the KV scope of a collection whose chunk points at `key`
+    (None: no chunk does any more)."""
+
+    def scope_of(key: str) -> KVScope | None:
+        name = store.collection_of_kv_key(key)
+        row = store.get_collection(name) if name is not None else None
+        return kv_scope(row) if row is not None else None
+
+    return scope_of
 
 
 def _take_reserve(settings: Settings, kv_store: KVStore) -> DiskReserve:

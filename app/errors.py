@@ -24,6 +24,7 @@ class ErrorType(str, Enum):
     AUTHENTICATION = "authentication_error"
     PERMISSION = "permission_error"
     NOT_FOUND = "not_found_error"
+    CONFLICT = "conflict_error"
     PAYLOAD_TOO_LARGE = "payload_too_large"
     OVERLOADED = "overloaded_error"
     NOT_READY = "not_ready"
@@ -57,6 +58,19 @@ class UnsupportedParameterError(ApiError):
 class NotFoundError(ApiError):
     status_code = 404
     error_type = ErrorType.NOT_FOUND
+
+
+class PermissionDeniedError(ApiError):
+    """A known key whose role or scope does not allow this (only where it already sees the resource:
+    what lies outside its collections reads as not found, 404)."""
+
+    status_code = 403
+    error_type = ErrorType.PERMISSION
+
+
+class ConflictError(ApiError):
+    status_code = 409
+    error_type = ErrorType.CONFLICT
 
 
 class AuthenticationError(ApiError):
@@ -228,5 +242,5 @@ class ErrorResponse(BaseModel):
 
 # Documented on every router, so the OpenAPI schema (and schemathesis) knows the error shapes.
 ERROR_RESPONSES: dict[int | str, dict] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 413, 422, 503, 507)
+    code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 409, 413, 422, 503, 507)
 }

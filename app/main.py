@@ -13,11 +13,14 @@ from fastapi import Depends, FastAPI
 
 from app.apidocs.api_router import router as apidocs_router
 from app.chat.api_router import router as chat_router
+from app.collections.api_router import router as collections_router
+from app.completions.api_router import router as completions_router
 from app.components import Components
-from app.deps import require_api_key
+from app.deps import require_api_key, require_server_key
 from app.documents.api_router import router as documents_router
 from app.errors import install_error_handlers
 from app.health.api_router import metrics_router, router as health_router
+from app.keys.api_router import router as keys_router
 from app.metrics import Metrics
 from app.middleware import BodyGuardMiddleware, MetricsMiddleware
 from app.origin_guard import OriginGuardMiddleware
@@ -86,9 +89,11 @@ def create_app(settings: Settings, engine: BlendEngine | None = None) -> FastAPI
     app.add_middleware(OriginGuardMiddleware, server=settings.server)  # refused before anything runs
     app.add_middleware(SecurityHeadersMiddleware)  # outermost: on every response, refusals included
     app.include_router(health_router)
-    app.include_router(metrics_router, dependencies=[Depends(require_api_key)])
+    # /metrics counts over every collection: the server's key only (a scoped key learns nothing of others)
+    app.include_router(metrics_router, dependencies=[Depends(require_server_key)])
     protected = [Depends(require_api_key)]
-    for router in (uploads_router, documents_router, query_router, chat_router, models_router, apidocs_router):
+    for router in (uploads_router, documents_router, collections_router, keys_router, query_router, chat_router,
+                   completions_router, models_router, apidocs_router):
         app.include_router(router, dependencies=protected)
     install_web(app)  # the chat page at /: no key needed to load it; it asks for the key
     return app

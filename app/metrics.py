@@ -1,5 +1,6 @@
 """Prometheus metrics on a per-app registry (no module-level globals): requests, latencies,
-TTFT per mode, tokens reused / recomputed, and the KV store's per-tier hits and misses."""
+TTFT per mode, tokens reused / recomputed / served from the prefix cache, the KV store's per-tier hits
+and misses, and the prefix cache's."""
 
 from __future__ import annotations
 
@@ -56,6 +57,32 @@ class _StoreCollector(Collector):
             repairs.add_metric(["background_dropped"], float(repair_stats.num_dropped))
         yield repairs
         yield from _budget_families(getattr(stats, "budget", None))
+        yield from _prefix_families(getattr(stats, "prefix", None))
+
+
+def _prefix_families(prefix) -> Iterator:
+    """The prefix cache (kv_store.PrefixCacheStats): lookups by what they reused, evictions, entries
+    dropped with their documents, and bytes held against the bound."""
+    if prefix is None:
+        return
+    lookups = CounterMetricFamily("ragblend_prefix_cache_lookups", "Prefix cache lookups by what they reused: hit "
+                                  "(the whole prompt), partial (a prefix, the rest computed), miss (nothing)",
+                                  labels=["result"])
+    for result, value in (("hit", prefix.hits), ("partial", prefix.partial_hits), ("miss", prefix.misses)):
+        lookups.add_metric([result], float(value))
+    yield lookups
+    yield CounterMetricFamily("ragblend_prefix_cache_tokens", "Prompt tokens served from the prefix cache",
+                              value=float(prefix.tokens_served))
+    yield CounterMetricFamily("ragblend_prefix_cache_evictions", "Kept prompts evicted for room (LRU)",
+                              value=float(prefix.evictions))
+    yield CounterMetricFamily("ragblend_prefix_cache_invalidations",
+                              "Kept prompts dropped because a document they hold changed or was deleted",
+                              value=float(prefix.invalidations))
+    yield GaugeMetricFamily("ragblend_prefix_cache_entries", "Prompts the prefix cache holds",
+                            value=float(prefix.num_entries))
+    yield GaugeMetricFamily("ragblend_prefix_cache_bytes", "Bytes the prefix cache holds", value=float(prefix.bytes_used))
+    yield GaugeMetricFamily("ragblend_prefix_cache_max_bytes", "The prefix cache's bound (store.prefix_cache_bytes)",
+                            value=float(prefix.max_bytes))
 
 
 def _budget_families(budget) -> Iterator:
@@ -142,13 +169,16 @@ class Metrics:
         if event.plan is not None:
             self.observe_plan(event.plan.plan, event.plan.predicted_ttft_ms, event.plan.actual_prefill_ms)
         self.observe_generation(event.mode.value, event.timings.ttft_ms / 1000, event.usage.reused_tokens,
-                                event.usage.recomputed_tokens, event.usage.completion_tokens)
+                                event.usage.recomputed_tokens, event.usage.completion_tokens,
+                                event.usage.prefix_cached_tokens)
         self.queue_wait.observe(event.timings.queue_ms / 1000)
 
-    def observe_generation(self, mode: str, ttft_s: float, reused: int, recomputed: int, completion: int) -> None:
+    def observe_generation(self, mode: str, ttft_s: float, reused: int, recomputed: int, completion: int,
+                           prefix_cached: int = 0) -> None:
         self.ttft.labels(mode=mode).observe(ttft_s)
         self.tokens.labels(kind="reused").inc(reused)
         self.tokens.labels(kind="recomputed").inc(recomputed)
+        self.tokens.labels(kind="prefix_cached").inc(prefix_cached)
         self.completion_tokens.inc(completion)
 
     def observe_precompute(self, reason: Enum, outcome: Enum) -> None:

@@ -34,7 +34,7 @@ import yaml
 
 from app.commands.client import error_message
 from app.commands.exit_codes import ExitCode
-from bench.answers_set import DEFAULT_SET, QuestionSet, SetQuestion, contains_gold, load_set
+from bench.answers_set import REFUSAL, DEFAULT_SET, QuestionSet, SetQuestion, collapse, contains_gold, load_set
 from bench.answers_settings import SETTINGS, Setting, settings_named
 from bench.metrics import safe_median
 from bench.musique import Question, load_questions
@@ -185,7 +185,7 @@ def in_turn(settings: Sequence[Setting], turn: int) -> list[Setting]:
 
 
 def request_body(setting: Setting, question: str, args: argparse.Namespace) -> dict[str, Any]:
-    body: dict[str, Any] = {"question": question}
+    body: dict[str, Any] = {"question": question, "prefix_cache": False}  # the warm-up asks it first: prefill again
     if args.max_tokens is not None:
         body["max_tokens"] = args.max_tokens
     return {**body, **setting.request}
@@ -202,10 +202,17 @@ def answer_record(streamed: StreamedAnswer) -> dict[str, Any]:
 
 
 def score_document_answer(question: SetQuestion, streamed: StreamedAnswer) -> dict[str, Any]:
+    """In scope: right, inside, the right source; out of scope (no document states it): right when the
+    answer refuses, and no inside or source score (None)."""
     docs = [s["document_id"] for s in streamed.sources]
+    is_refusal = REFUSAL.search(collapse(streamed.answer)) is not None
+    if question.is_out_of_scope:
+        return {"right": question.is_right(streamed.answer), "inside": None, "source_top": None, "source_any": None,
+                "refused": is_refusal, "out_of_scope": True}
     return {"right": question.is_right(streamed.answer),
             "inside": question.is_inside(s["text"] for s in streamed.sources),
-            "source_top": bool(docs) and docs[0] == question.document, "source_any": question.document in docs}
+            "source_top": bool(docs) and docs[0] == question.document, "source_any": question.document in docs,
+            "refused": is_refusal, "out_of_scope": False}
 
 
 def score_musique_answer(golds: Sequence[str], expected: set[str], streamed: StreamedAnswer) -> dict[str, Any]:
@@ -214,6 +221,7 @@ def score_musique_answer(golds: Sequence[str], expected: set[str], streamed: Str
     docs = [s["document_id"] for s in streamed.sources]
     return {"right": contains_gold(streamed.answer, golds),
             "inside": any(contains_gold(s["text"], golds) for s in streamed.sources),
+            "refused": REFUSAL.search(collapse(streamed.answer)) is not None,
             "source_top": (bool(docs) and docs[0] in expected) if expected else None,
             "source_any": bool(expected & set(docs)) if expected else None}
 
@@ -289,23 +297,31 @@ def share(flags: Sequence[bool | None]) -> float | None:
 
 
 def part_row(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """One setting's figures over one part's answers (failed requests counted apart, in no rate)."""
-    ok = [r for r in records if r["error"] is None]
+    """One setting's figures over one part's answers (failed requests counted apart, in no rate). Right,
+    inside and sources are over the in-scope questions; the out-of-scope ones count apart (`oos_refused`:
+    answered with a refusal, as they should be), and `refused` is the share of in-scope ones refused."""
+    done = [r for r in records if r["error"] is None]
+    ok = [r for r in done if not r.get("out_of_scope")]
+    oos = [r for r in done if r.get("out_of_scope")]
     ttfts = sorted(r["ttft_ms"] for r in ok)
     inside = [r for r in ok if r["inside"]]
     return {
         "num_questions": len({r["question"] for r in records}), "num_answers": len(ok),
-        "num_errors": len(records) - len(ok), "errors": [r["error"] for r in records if r["error"] is not None][:5],
+        "num_errors": len(records) - len(done), "errors": [r["error"] for r in records if r["error"] is not None][:5],
         "right": share([r["right"] for r in ok]), "num_right": sum(r["right"] for r in ok),
         "inside": share([r["inside"] for r in ok]), "num_inside": len(inside),
         "right_when_inside": share([r["right"] for r in inside]),
         "source_top": share([r["source_top"] for r in ok]), "source_any": share([r["source_any"] for r in ok]),
         "num_source_scored": sum(r["source_top"] is not None for r in ok),
         "ran_to_cap": share([r["ran_to_cap"] for r in ok]), "num_ran_to_cap": sum(r["ran_to_cap"] for r in ok),
+        "refused": share([r.get("refused", False) for r in ok]), "num_refused": sum(r.get("refused", False) for r in ok),
+        "num_out_of_scope": len(oos), "oos_refused": share([r["right"] for r in oos]),
+        "num_oos_refused": sum(r["right"] for r in oos),
         "ttft_p50_ms": safe_median(ttfts),
         "ttft_p90_ms": statistics.quantiles(ttfts, n=10, method="inclusive")[-1] if len(ttfts) > 1 else safe_median(ttfts),
         "server_ttft_p50_ms": safe_median(r["server_ttft_ms"] for r in ok if r["server_ttft_ms"] is not None),
         "completion_tokens_mean": share([r["completion_tokens"] for r in ok]),
+        "prompt_tokens_mean": share([r["prompt_tokens"] for r in ok if r.get("prompt_tokens") is not None]),
         "modes": dict(Counter(r["mode"] for r in ok)),
     }
 
@@ -331,16 +347,18 @@ def print_tables(summary: dict[str, Any]) -> None:
         first = next(iter(rows.values()))
         print(f"\n{PARTS[part]} ({first['num_questions']} questions)")
         print(f"{'setting':<16}{'right':>8}{'inside':>8}{'right|in':>9}{'top src':>9}{'any src':>9}{'to cap':>8}"
-              f"{'TTFT p50':>10}{'errors':>8}")
+              f"{'refused':>9}{'oos ok':>8}{'prompt':>8}{'TTFT p50':>10}{'errors':>8}")
         for name, row in rows.items():
             top = round((row["source_top"] or 0) * row["num_source_scored"])
             any_ = round((row["source_any"] or 0) * row["num_source_scored"])
             when_in = round((row["right_when_inside"] or 0) * row["num_inside"])
             ttft = f"{row['ttft_p50_ms']:.0f} ms" if row["ttft_p50_ms"] is not None else "-"
+            prompt = f"{row['prompt_tokens_mean']:.0f}" if row["prompt_tokens_mean"] is not None else "-"
             print(f"{name:<16}{_count(row['num_right'], row):>8}{_count(row['num_inside'], row):>8}"
                   f"{_count(when_in, row, 'num_inside'):>9}{_count(top, row, 'num_source_scored'):>9}"
-                  f"{_count(any_, row, 'num_source_scored'):>9}{_count(row['num_ran_to_cap'], row):>8}{ttft:>10}"
-                  f"{row['num_errors']:>8}")
+                  f"{_count(any_, row, 'num_source_scored'):>9}{_count(row['num_ran_to_cap'], row):>8}"
+                  f"{_count(row['num_refused'], row):>9}{_count(row['num_oos_refused'], row, 'num_out_of_scope'):>8}"
+                  f"{prompt:>8}{ttft:>10}{row['num_errors']:>8}")
 
 
 # ---- the command ---------------------------------------------------------------------------------

@@ -5,6 +5,9 @@ factual questions about them, each with a `pattern` for a right answer, an `evid
 passage stating the fact, its document and a fixed split (dev: tune on it; test: report it). Patterns
 are case-insensitive regular expressions matched against text whose white space is collapsed to single
 spaces (man pages justify with runs of spaces; a chunk may cut a line anywhere).
+
+Out-of-scope questions (`"out_of_scope": true`, no document, no evidence) ask what no document states:
+their right answer is a refusal (REFUSAL, unless the question brings its own pattern), never a fact.
 """
 
 from __future__ import annotations
@@ -18,6 +21,13 @@ from typing import Iterable, Literal, Sequence
 from bench.metrics import normalize_answer
 
 DEFAULT_SET = Path(__file__).resolve().parent / "data" / "answers" / "questions.json"
+# An answer saying the documents do not hold it: the server's fixed not-found answer, or a model's own.
+REFUSAL = re.compile(
+    r"could ?n[o']t find|can ?n[o']t find|cannot find|unable to (?:find|answer)|can ?n[o']t answer|cannot answer"
+    r"|not (?:found|mentioned|stated|given|provided|specified|covered|included|available) in"
+    r"|no (?:information|mention|answer) (?:about|on|of|to|in|for)"
+    r"|(?:documents?|text|context) (?:does|do) ?n[o']t (?:say|mention|contain|state|provide|specify|include)"
+    r"|do ?n[o']t know", re.IGNORECASE)
 SPLITS = ("dev", "test")
 Split = Literal["dev", "test"]
 
@@ -34,18 +44,24 @@ class SetDocument:
 @dataclass(frozen=True)
 class SetQuestion:
     id: str
-    document: str
+    document: str | None  # None: out of scope (no document states it)
     split: Split
     question: str
     answer: str  # the short answer, for people reading the results
     pattern: re.Pattern[str]  # matches a right answer
-    evidence: re.Pattern[str]  # matches the passage that states it
+    evidence: re.Pattern[str] | None  # matches the passage that states it (None: out of scope)
+
+    @property
+    def is_out_of_scope(self) -> bool:
+        return self.document is None
 
     def is_right(self, answer: str) -> bool:
         return self.pattern.search(collapse(answer)) is not None
 
-    def is_inside(self, texts: Iterable[str]) -> bool:
-        """Whether one of the retrieved chunks' texts states the answer."""
+    def is_inside(self, texts: Iterable[str]) -> bool | None:
+        """Whether one of the retrieved chunks' texts states the answer (None: out of scope, none can)."""
+        if self.evidence is None:
+            return None
         return any(self.evidence.search(collapse(text)) for text in texts)
 
 
@@ -63,7 +79,8 @@ class QuestionSet:
         """Questions per document and split."""
         out = {d.id: {s: 0 for s in SPLITS} for d in self.documents}
         for q in self.questions:
-            out[q.document][q.split] += 1
+            if q.document is not None:
+                out[q.document][q.split] += 1
         return out
 
 
@@ -87,7 +104,7 @@ def load_set(path: Path | str = DEFAULT_SET) -> QuestionSet:
         raise ValueError(f"{path}: document files missing: {', '.join(missing)}")
     questions = tuple(_question(q, path) for q in data["questions"])
     _check_unique("question ids", [q.id for q in questions])
-    unknown = sorted({q.document for q in questions} - set(doc_ids))
+    unknown = sorted({q.document for q in questions if q.document is not None} - set(doc_ids))
     if unknown:
         raise ValueError(f"{path}: questions name unknown documents: {', '.join(unknown)}")
     return QuestionSet(path, documents, questions)
@@ -96,6 +113,14 @@ def load_set(path: Path | str = DEFAULT_SET) -> QuestionSet:
 def _question(item: dict, path: Path) -> SetQuestion:
     if item["split"] not in SPLITS:
         raise ValueError(f"{path}: question {item['id']}: split {item['split']!r} is not dev or test")
+    if item.get("out_of_scope"):
+        if item.get("document") is not None or item.get("evidence") is not None:
+            raise ValueError(f"{path}: question {item['id']}: an out-of-scope question has no document or evidence")
+        try:
+            pattern = re.compile(item["pattern"], re.IGNORECASE) if item.get("pattern") else REFUSAL
+        except re.error as exc:
+            raise ValueError(f"{path}: question {item['id']}: bad pattern: {exc}") from None
+        return SetQuestion(item["id"], None, item["split"], item["question"], item["answer"], pattern, None)
     try:
         pattern, evidence = (re.compile(item[key], re.IGNORECASE) for key in ("pattern", "evidence"))
     except re.error as exc:

@@ -28,11 +28,44 @@ class Setting:
         return {"name": self.name, "request": dict(self.request), "server": dict(self.server)}
 
 
+S192_FLOOR = {"retrieval": {"chunking": "structure", "chunk_tokens": 192, "min_score": 0.35, "score_margin": 0.15}}
+T192_FLOOR = {"retrieval": {"chunking": "tokens", "chunk_tokens": 192, "min_score": 0.35, "score_margin": 0.15}}
+# the model told to refuse when the documents do not hold the answer (instead of, or beside, the floor)
+REFUSE_PROMPT = ("You are a helpful assistant. Answer the question using the documents. If the documents do not "
+                 "contain the answer, reply: I could not find this in the documents.")
+S192_PROMPT = {"retrieval": {"chunking": "structure", "chunk_tokens": 192, "min_score": 0.35, "score_margin": 0.15},
+               "model": {"system_prompt": REFUSE_PROMPT}}
+
+# The retrieval defaults before issue 36's item 2 (main at 27ff4d7): sentence chunks of 384 tokens, dense, top 5,
+# no relevance floor
+BEFORE = {"retrieval": {"chunking": "tokens", "chunk_tokens": 384, "mode": "dense", "top_k": 5, "min_score": -1.0,
+                        "score_margin": 2.0}}
+
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("default"),  # today's defaults: nothing added to the request, the server as shipped
+    Setting("before", server=BEFORE),  # the defaults before docs/decisions/0021
+    Setting("before-k3", request={"top_k": 3}, server=BEFORE),
+    Setting("default-k5", request={"top_k": 5}),
+    Setting("dense", request={"retrieval": "dense"}),
+    Setting("lexical", request={"retrieval": "lexical"}),
     Setting("full", request={"mode": "full"}),  # a full prefill: reads every retrieved chunk again
     Setting("top_k=2", request={"top_k": 2}),
     Setting("top_k=10", request={"top_k": 10}),
+    # repetition control and the stop (docs/decisions/0021): each of today's defaults taken away, and a penalty
+    Setting("no-stop", request={"stop": []}),  # answers not ended at a blank line (generation.stop)
+    Setting("no-ngram-block", request={"no_repeat_ngram_size": 0}),
+    Setting("neither", request={"stop": [], "no_repeat_ngram_size": 0}),  # the sampling shipped before 0021
+    Setting("repetition=1.2", request={"repetition_penalty": 1.2}),  # CTRL's penalty over the answer
+    Setting("best-first", server={"model": {"chunk_order": "best_first"}}),  # [1] first in the prompt, as before 0021
+    Setting("answer-briefly", server={"model": {"answer_instruction": "Answer briefly."}}),  # no ask to cite
+    # issue 36 item 2 (context that holds the answer): chunking, ranking, relevance floor (docs/decisions/0022)
+    Setting("s192-hybrid-k3", request={"retrieval": "hybrid", "top_k": 3}, server=S192_FLOOR),
+    Setting("s192-hybrid-k2", request={"retrieval": "hybrid", "top_k": 2}, server=S192_FLOOR),
+    Setting("s192-hybrid-k4", request={"retrieval": "hybrid", "top_k": 4}, server=S192_FLOOR),
+    Setting("s192-dense-k3", request={"retrieval": "dense", "top_k": 3}, server=S192_FLOOR),
+    Setting("s192-lexical-k3", request={"retrieval": "lexical", "top_k": 3}, server=S192_FLOOR),
+    Setting("t192-hybrid-k3", request={"retrieval": "hybrid", "top_k": 3}, server=T192_FLOOR),
+    Setting("s192-prompt-k3", request={"retrieval": "hybrid", "top_k": 3}, server=S192_PROMPT),
 )}
 
 

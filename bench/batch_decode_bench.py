@@ -38,7 +38,7 @@ from blend_engine.sequence import DecodeSequence, TokenSampler  # noqa: E402
 from blend_engine.threads import governed  # noqa: E402
 from blend_engine.types import PrefillMode, PrefillResult, SamplingParams, Segment  # noqa: E402
 from configs.settings import load_settings  # noqa: E402
-from configs.enums import DecodeCache  # noqa: E402
+from configs.enums import DecodeCache, WeightFormat  # noqa: E402
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,10 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--single-tokens", type=int, default=64, help="tokens per round of the B = 1 check (each way)")
     parser.add_argument("--parts", default="single,batch,overhead",
                         help="single: the B = 1 check; batch: the B sweep; overhead: the API's own cost at B = 1; "
-                             "graphed: the B sweep of the CUDA-graphed bucket step (CUDA only)")
+                             "graphed: the B sweep of the CUDA-graphed bucket step (on CPU run eagerly)")
     parser.add_argument("--model", default=None, help="model.name (default: the configured one), e.g. random:llama-7b")
     parser.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"])
     parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--weights", default=None, choices=[w.value for w in WeightFormat],
+                        help="model.weights (the graphed part needs the prefill's own caches: fp32 on CPU)")
     parser.add_argument("--out", type=Path, default=None, help="write the figures here as JSON")
 
 
@@ -205,12 +207,11 @@ def _batch_sweep(engine: BlendEngine, results: list[PrefillResult], batch_sizes:
 
 
 def _graphed_sweep(engine: BlendEngine, results: list[PrefillResult], batch_sizes: list[int], args) -> list[dict]:
-    """Per B, on CUDA: `StaticBatch`'s step for a bucket of B rows, captured once (the caches have room
-    for every timed step, so no capture is timed) and replayed; the same figures as `_batch_sweep`.
-    One B after the other (each bucket's KV pool freed before the next: at 7B shape they would not
-    fit together), rounds within each."""
-    if engine.device.type != "cuda":
-        raise ValueError("the graphed sweep needs --device cuda")
+    """Per B: `StaticBatch`'s step for a bucket of B rows, on CUDA captured once (the caches have room
+    for every timed step, so no capture is timed) and replayed, on CPU its static step run eagerly (a
+    dry run of the code: the figures mean nothing there); the same figures as `_batch_sweep`. One B
+    after the other (each bucket's KV pool freed before the next: at 7B shape they would not fit
+    together), rounds within each."""
     decoders = [engine.decoder(r, is_graphed=False) for r in results[: max(batch_sizes)]]
     timings: dict[int, list[float]] = {b: [] for b in batch_sizes}
     for b in batch_sizes:

@@ -28,6 +28,7 @@ from configs.enums import KVQuantization, LoaderPriority, StorageDtype
 from configs.settings import load_settings
 from bench.kv_plan import fit_planners, planned_prefill
 from bench.output import emit_summary
+from kv_store.loader import handles_in
 from kv_store import KVStore, StoreConfig, Tier
 
 @dataclasses.dataclass(frozen=True)
@@ -160,10 +161,11 @@ def run_question(engine, stores, item, args, blend, sink) -> dict:
                 result, plan = planned_prefill(engine, store, handles, prompt, blend, start_layer, spec.is_pipelined)
                 plans[spec.name], source_wait_ms[spec.name] = plan.kind.value, result.stats.kv_load_ms
                 return result
-            source = store.layer_source(handles, engine.device, engine.dtype, spec.is_pipelined, start_layer,
-                                        engine.precompute, spec.loader_priority)
+            segments = prompt(handles)
+            source = store.layer_source(handles_in(segments), engine.device, engine.dtype, spec.is_pipelined,
+                                        start_layer, engine.precompute, spec.loader_priority)
             try:
-                return engine.prefill(prompt(handles), blend=blend, kv_source=source)
+                return engine.prefill(segments, blend=blend, kv_source=source)
             finally:
                 source.close()
                 source_wait_ms[spec.name] = source.stats.wait_seconds * 1000

@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 from runtime.planning import measure_engine
 from blend_engine.types import BlendConfig, PrefillMode, PrefillResult, Segment
 from kv_store import KVStore
-from kv_store.loader import StoredChunk
+from kv_store.loader import StoredChunk, handles_in
 from kv_store.planner import LoadPlan, PlanKind, PlanRequest
 
 PromptFn = Callable[[Sequence[object]], list[Segment]]  # per-chunk caches (or None) -> prompt segments
@@ -33,9 +33,10 @@ def planned_prefill(engine, store: KVStore, handles: list[StoredChunk], prompt: 
     if plan.kind is PlanKind.FULL:
         return engine.prefill(prompt([None] * len(handles)), mode=PrefillMode.FULL), plan
     used = [h if is_reused else None for h, is_reused in zip(handles, plan.reused_mask(handles))]
-    source = store.layer_source([h for h in used if h is not None], engine.device, engine.dtype, is_pipelined,
+    segments = prompt(used)
+    source = store.layer_source(handles_in(segments), engine.device, engine.dtype, is_pipelined,
                                 start_layer, engine.precompute)
     try:
-        return engine.prefill(prompt(used), blend=replace(blend, recompute_ratio=plan.ratio), kv_source=source), plan
+        return engine.prefill(segments, blend=replace(blend, recompute_ratio=plan.ratio), kv_source=source), plan
     finally:
         source.close()

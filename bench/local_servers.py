@@ -1,5 +1,6 @@
-"""`ragblend bench server --serve`: `ragblend serve` started here, as a user would start it, each on a
-free loopback port over its own temporary data dir, its output in a log file there."""
+"""`ragblend bench server --serve` and `ragblend bench compare`: `ragblend serve` started here, as a user
+would start it, each on a free loopback port over its own temporary data dir, its output in a log file
+there; by default this checkout's code under this interpreter, or another checkout's under its own."""
 
 from __future__ import annotations
 
@@ -22,11 +23,14 @@ LOG_TAIL_CHARS = 3000
 
 @dataclass
 class LocalServer:
-    """One `ragblend serve` child process; `env` is layered over this process's environment."""
+    """One `ragblend serve` child process; `env` is layered over this process's environment. `root` is
+    the checkout whose code it runs and `python` the interpreter (one with that checkout's dependencies)."""
 
     name: str
     env: Mapping[str, str] = field(default_factory=dict)
     config: Path | None = None
+    python: Path = Path(sys.executable)
+    root: Path = REPO_ROOT
     port: int = 0
     process: subprocess.Popen | None = None
     _dir: tempfile.TemporaryDirectory | None = None
@@ -45,14 +49,16 @@ class LocalServer:
     def start(self) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix=f"ragblend-bench-{self.name}-")
         self.port = free_port()
-        argv = [sys.executable, "-m", "app.cli", "serve", "--port", str(self.port), "--data-dir",
+        argv = [str(self.python), "-m", "app.cli", "serve", "--port", str(self.port), "--data-dir",
                 str(Path(self._dir.name) / "data"), "--log-level", "warning"]
         if self.config is not None:
             argv += ["--config", str(self.config)]
-        pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+        # Another checkout gets its own root alone: a module it lacks must not be found in this one's.
+        inherited = os.environ.get("PYTHONPATH") if self.root == REPO_ROOT else None
+        pythonpath = os.pathsep.join(p for p in (str(self.root), inherited) if p)
         env = {**os.environ, **self.env, "PYTHONPATH": pythonpath}
         self._log = self.log_path.open("wb")
-        self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+        self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=self.root)
 
     def wait_ready(self, timeout_s: float) -> None:
         try:
@@ -70,6 +76,13 @@ class LocalServer:
         text = self.log_path.read_text(errors="replace") if self._dir is not None else ""
         return f"--- last of {self.log_path} ---\n{text[-LOG_TAIL_CHARS:]}"
 
+    def cpu_s(self) -> float | None:
+        """CPU seconds (user + system) the server's process and its children have used so far; None when it
+        is not running or the platform has no /proc."""
+        if self.process is None or self.process.poll() is not None:
+            return None
+        return process_tree_cpu_s(self.process.pid)
+
     def stop(self) -> None:
         """SIGTERM (uvicorn's graceful shutdown), SIGKILL if it is not over in a minute; then the data dir goes."""
         if self.process is not None and self.process.poll() is None:
@@ -83,6 +96,27 @@ class LocalServer:
             self._log.close()
         if self._dir is not None:
             self._dir.cleanup()
+
+
+def process_tree_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of process `pid` (all its threads) and its live descendants, from Linux's
+    /proc; None where `pid` cannot be read there."""
+    ticks = 0
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            stat = Path(f"/proc/{current}/stat").read_text()
+        except OSError:  # gone (a child that just exited), or no /proc
+            if current == pid:
+                return None
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # from field 3 (state) on: the name may hold spaces
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15
+        with contextlib.suppress(OSError):  # children lists need CONFIG_PROC_CHILDREN
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending += [int(child) for child in (task / "children").read_text().split()]
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager

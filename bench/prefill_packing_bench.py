@@ -10,6 +10,9 @@ less than twice M.
 
 Interleaved rounds (the machine is shared and noisy); each ratio is the median of ratios taken within
 one round.
+
+Why it measures code that does not exist: it is the feasibility probe for packing prefills (issue 23;
+docs/benchmarks/server.md), kept so that a GPU run (bench/device_check.sh) answers the same question.
 """
 
 from __future__ import annotations

@@ -81,8 +81,9 @@ def _ingest(http: httpx.Client, qi: int, question: Question) -> tuple[float, lis
 
 
 def _ask(http: httpx.Client, question: str, args: argparse.Namespace) -> tuple[float, float]:
+    # the prefix cache off: a question asked again (the warm-up's) would be served from it
     body = {"question": question, "top_k": args.top_k, "mode": args.mode, "max_tokens": args.max_tokens,
-            "stream": True}
+            "stream": True, "prefix_cache": False}
     sent, first, lines = time.perf_counter(), None, []
     with http.stream("POST", "/v1/query", json=body) as response:
         response.raise_for_status()

@@ -26,7 +26,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, TypeVar
 
 import httpx
 
@@ -44,6 +44,7 @@ from configs.enums import RequestMode
 # same `ragblend serve` command line starts both servers.
 BASELINE_ENV = {"RAGBLEND_SCHEDULER__MAX_RUNNING": "1"}
 WARMUP_TOKENS = 4
+T = TypeVar("T")
 ONE_CHUNK_CHARS = 1000  # well under one chunk (retrieval.chunk_tokens, 384 tokens by default)
 
 
@@ -80,6 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "default and least: the largest client count")
     parser.add_argument("--passages", type=int, default=5, help="passages per question (5: a ~3k-token prompt)")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prefix-cache", choices=["off", "server"], default="off",
+                        help="off: every request says prefix_cache false (the rounds ask the same questions "
+                             "again; each answer then prefills); server: as the server is configured "
+                             "(revisions before the prefix cache refuse the field: give server for them)")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="every answer max_tokens long (the server's ignore_eos): decoding then weighs what "
                         "the answers' length says, not where the model happens to stop")
@@ -111,8 +116,9 @@ class Target:
 
 def request_body(question: Question, qi: int, args: argparse.Namespace) -> dict[str, Any]:
     body: dict[str, Any] = {"question": question.question, "chunk_ids": chunk_ids(qi, question),
-                            "max_tokens": args.max_tokens, "temperature": 0.0,
-                            "ignore_eos": args.ignore_eos}
+                            "max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": args.ignore_eos}
+    if args.prefix_cache == "off":  # every round asks the same questions again: each answer prefills
+        body["prefix_cache"] = False
     if args.mode:
         body["mode"] = args.mode
     return body
@@ -165,7 +171,7 @@ def round_questions(num_clients: int, repeat: int, num_questions: int) -> list[i
     return [(repeat * num_clients + j) % num_questions for j in range(num_clients)]
 
 
-def in_turn(targets: Sequence[Target], turn: int) -> Sequence[Target]:
+def in_turn(targets: Sequence[T], turn: int) -> Sequence[T]:
     """Alternate which server goes first, so neither always runs right after the other's round."""
     return targets if turn % 2 == 0 else targets[::-1]
 
@@ -201,20 +207,20 @@ class UploadTexts:
                 for i in range(num_files)]
 
 
-async def prepare(target: Target, questions: Sequence[Question], args: argparse.Namespace,
+async def prepare(url: str, questions: Sequence[Question], args: argparse.Namespace,
                   headers: dict[str, str]) -> dict[str, Any]:
-    """Readiness, model id, the questions' passages ingested, one warm-up answer (a server's first
-    request waits for its loading planner's start-up measurement)."""
+    """Readiness, model id, the questions' passages ingested, one warm-up answer to question 0 (a server's
+    first request waits for its loading planner's start-up measurement)."""
     def sync_part() -> dict[str, Any]:
-        with httpx.Client(base_url=target.url, headers=headers, timeout=args.timeout) as client:
+        with httpx.Client(base_url=url, headers=headers, timeout=args.timeout) as client:
             ready = client.get("/readyz")
             if ready.status_code != 200:
-                raise QueryFailed(f"{target.url} is not ready: {ready.text[:300]}")
+                raise QueryFailed(f"{url} is not ready: {ready.text[:300]}")
             model = client.get("/v1/models").json()["data"][0]["id"]
-            return {"url": target.url, "model": model, "ingest_s": ingest(client, questions)}
+            return {"url": url, "model": model, "ingest_s": ingest(client, questions)}
 
     info = await asyncio.to_thread(sync_part)
-    async with httpx.AsyncClient(base_url=target.url, headers=headers, timeout=args.timeout) as client:
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=args.timeout) as client:
         await stream_query(client, {**request_body(questions[0], 0, args), "max_tokens": WARMUP_TOKENS})
     return info
 
@@ -267,7 +273,7 @@ async def measure(targets: Sequence[Target], questions: Sequence[Question], fill
                   args: argparse.Namespace, headers: dict[str, str],
                   prepared: dict[Role, dict[str, Any]] | None = None) -> dict[str, Any]:
     """`prepared`: the servers' `prepare` results where that ran already."""
-    servers = prepared or {t.role: await prepare(t, questions, args, headers) for t in targets}
+    servers = prepared or {t.role: await prepare(t.url, questions, args, headers) for t in targets}
     clients = {t.role: httpx.AsyncClient(base_url=t.url, headers=headers, timeout=args.timeout,
                                          limits=httpx.Limits(max_connections=None)) for t in targets}
     schedule: list[dict[str, Any]] = []  # what ran, in order
@@ -364,7 +370,7 @@ def serve_and_bench(args: argparse.Namespace, questions: Sequence[Question], fil
         prepared = {}
         for role, server in local.items():
             stack.enter_context(started(server, args.ready_timeout))
-            prepared[role] = asyncio.run(prepare(Target(role, server.url), questions, args, headers))
+            prepared[role] = asyncio.run(prepare(server.url, questions, args, headers))
         targets = [Target(role, server.url) for role, server in local.items()]
         summary = asyncio.run(bench(args, targets, questions, filler, headers, prepared))
     summary["servers"][Role.BASELINE.value].update(env=baseline_env)

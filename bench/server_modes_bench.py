@@ -1,26 +1,39 @@
-"""`ragblend bench server-modes`: end-to-end TTFT and fidelity per prefill mode against a running server.
+"""`ragblend bench server-modes`: end-to-end TTFT and fidelity per prefill mode against a running server,
+then throughput per mode under concurrent clients (the CacheBlend paper's claim: blend serves more
+requests a second than full prefill).
 
 Ingests the MuSiQue dev passages (one passage, one chunk, KV precomputed), then asks each question
 with `chunk_ids` set to its passages in each mode, streaming: end-to-end TTFT (request sent to first
-token received), decode tokens/s, answer agreement with `full`, token F1 vs the gold answers; then
-throughput (requests/s) under concurrent clients. Prints a table, then one JSON object as the last line.
+token received), decode tokens/s, answer agreement with `full`, token F1 vs the gold answers.
+
+Throughput: `--throughput-rounds` rounds; in each, every `--throughput-modes` mode in turn (who goes
+first alternating from round to round) gets `--concurrency` streaming clients started at once, each its
+own question (the same questions for every mode of a round), every answer `--max-tokens` long
+(`ignore_eos`: each mode does the same decode work, so requests/s weighs the prefills). Per mode:
+requests/s (a round's answers over its wall time; median over rounds) and TTFT p50/p95 under that load;
+per round, each mode's requests/s over the first mode's (full by default), with its spread.
+`--modes ""` skips the first part (the throughput modes are then warmed up first: each question asked once
+per mode); `--throughput-modes ""` skips the second. Prints tables, then one JSON object as the last line.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import time
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean, median
 
 import httpx
 
+from app.commands.exit_codes import ExitCode
 from bench.metrics import best_f1, normalize_answer, token_f1
 from bench.musique import Question, load_questions
 from bench.output import emit_summary
+from bench.server_bench import WARMUP_TOKENS, in_turn, round_questions, run_round
 from bench.server_client import chunk_ids, ingest, stream_query
+from bench.server_report import Round, level_stats, ratio, spread
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,8 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--passages", type=int, default=5)
     parser.add_argument("--modes", default="full,blend,reuse", help="comma-separated; full first (the reference)")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--concurrency", type=int, default=4, help="clients of the throughput phase")
-    parser.add_argument("--throughput-modes", default="full,blend")
+    parser.add_argument("--concurrency", type=int, default=8,
+                        help="clients at once in a throughput round, each its own question (at most --questions)")
+    parser.add_argument("--throughput-modes", default="full,blend",
+                        help="comma-separated, alternated round by round; the ratios are over the first")
+    parser.add_argument("--throughput-rounds", type=int, default=3, help="rounds of the throughput phase")
     parser.add_argument("--out", type=Path, help="also write the JSON summary here")
 
 
@@ -61,7 +77,8 @@ class ModeRuns:
 
 
 async def ask(client: httpx.AsyncClient, question: str, ids: list[str], mode: str, max_tokens: int) -> Sample:
-    body = {"question": question, "chunk_ids": ids, "mode": mode, "max_tokens": max_tokens}
+    # the prefix cache off: each mode's prefill is measured, and every mode asks the same prompt
+    body = {"question": question, "chunk_ids": ids, "mode": mode, "max_tokens": max_tokens, "prefix_cache": False}
     answer = await stream_query(client, body)
     usage = answer.usage
     return Sample(answer.ttft_ms, answer.total_ms, answer.num_completion_tokens, answer.answer,
@@ -84,20 +101,55 @@ async def latency_phase(client, questions: list[Question], modes: list[str], max
     return runs
 
 
-async def throughput_phase(client, questions: list[Question], mode: str, concurrency: int, max_tokens: int) -> float:
-    pending = list(enumerate(questions))
-
-    async def worker():
-        while pending:
-            qi, question = pending.pop()
-            await ask(client, question.question, chunk_ids(qi, question), mode, max_tokens)
-
-    start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return len(questions) / (time.perf_counter() - start)
+def round_args(mode: str, max_tokens: int) -> argparse.Namespace:
+    """What server_bench.run_round reads: every answer `max_tokens` long in `mode`, the chats at once, the
+    prefix cache off (the rounds ask the same questions again, and every mode asks them)."""
+    return argparse.Namespace(max_tokens=max_tokens, ignore_eos=True, mode=mode, stagger_ms=0.0, upload_lead=0.0,
+                              prefix_cache="off")
 
 
-def summarize(runs: dict[str, ModeRuns], throughput: dict[str, float], args, ingest_s: float, model: str) -> dict:
+async def throughput_phase(client: httpx.AsyncClient, questions: list[Question], modes: list[str],
+                           args: argparse.Namespace, is_warming_up: bool) -> tuple[dict[str, list[Round]], list[dict]]:
+    """The throughput rounds, the modes in turn, and the order they ran in; `is_warming_up`: each question
+    asked once per mode first (short answers, `--concurrency` at a time), as the latency phase would have."""
+    if is_warming_up:
+        for mode in modes:
+            for start in range(0, len(questions), args.concurrency):
+                indices = list(range(start, min(start + args.concurrency, len(questions))))
+                await run_round(client, questions, indices, round_args(mode, WARMUP_TOKENS))
+    rounds: dict[str, list[Round]] = {mode: [] for mode in modes}
+    schedule = []
+    for round_index in range(args.throughput_rounds):
+        indices = round_questions(args.concurrency, round_index, len(questions))
+        for mode in in_turn(modes, round_index):
+            rounds[mode].append(await run_round(client, questions, indices, round_args(mode, args.max_tokens)))
+            schedule.append({"round": round_index, "mode": mode, "questions": indices})
+    return rounds, schedule
+
+
+def round_requests_per_s(rounds: list[Round]) -> list[float]:
+    return [sum(c.answer is not None for c in r.chats) / r.wall_s for r in rounds]
+
+
+def throughput_summary(rounds: dict[str, list[Round]], schedule: list[dict], args: argparse.Namespace) -> dict | None:
+    """Per mode its rounds' statistics (server_report.level_stats); per other mode, its requests/s over the
+    first mode's round by round, and its TTFT p50/p95 over the first mode's."""
+    if not rounds:
+        return None
+    rows = {mode: {**level_stats(mode_rounds), "requests_per_s_rounds": round_requests_per_s(mode_rounds)}
+            for mode, mode_rounds in rounds.items()}
+    first, *others = rows
+    vs_first = {}
+    for mode in others:
+        per_round = [ratio(a, b) for a, b in zip(rows[mode]["requests_per_s_rounds"], rows[first]["requests_per_s_rounds"])]
+        vs_first[f"{mode}/{first}"] = {"requests_per_s": spread(per_round),
+                                       "ttft_p50": ratio(rows[mode]["ttft_p50_ms"], rows[first]["ttft_p50_ms"]),
+                                       "ttft_p95": ratio(rows[mode]["ttft_p95_ms"], rows[first]["ttft_p95_ms"])}
+    return {"clients": args.concurrency, "rounds": args.throughput_rounds, "max_tokens": args.max_tokens,
+            "ignore_eos": True, "modes": rows, "ratios": vs_first, "schedule": schedule}
+
+
+def summarize(runs: dict[str, ModeRuns], throughput: dict | None, args, ingest_s: float, model: str) -> dict:
     rows = {}
     for mode, run in runs.items():
         rates = [r for r in (s.tokens_per_s for s in run.samples) if r is not None]
@@ -110,21 +162,23 @@ def summarize(runs: dict[str, ModeRuns], throughput: dict[str, float], args, ing
             "answer_agreement_vs_full": mean(run.agrees),
             "f1_vs_full": mean(run.f1_full),
             "f1_vs_gold": mean(run.f1_gold),
-            "throughput_rps": throughput.get(mode),
+            "throughput_rps": throughput["modes"][mode]["requests_per_s"]
+            if throughput and mode in throughput["modes"] else None,
         }
     full, blend = rows.get("full"), rows.get("blend")
     speedup = full["median_e2e_ttft_ms"] / blend["median_e2e_ttft_ms"] if full and blend else None
     return {"bench": "server-modes", "url": args.url, "model": model, "questions": args.questions,
             "passages": args.passages, "max_tokens": args.max_tokens, "concurrency": args.concurrency,
             "ingest_s": ingest_s, "blend_ttft_speedup_vs_full": speedup, "target_speedup": 4.0,
-            "is_target_met": speedup is not None and speedup >= 4.0, "results": rows}
+            "is_target_met": speedup is not None and speedup >= 4.0, "results": rows, "throughput": throughput}
 
 
 def print_table(summary: dict) -> None:
     print(f"\nserver bench: {summary['model']}, {summary['questions']} questions x {summary['passages']} passages, "
           f"max_tokens {summary['max_tokens']}, ingest {summary['ingest_s']:.1f} s")
-    print(f"{'mode':<7}{'e2e TTFT ms':>12}{'server TTFT':>12}{'tok/s':>8}{'prompt':>8}{'reused':>8}"
-          f"{'agree':>7}{'F1 full':>8}{'F1 gold':>8}{'req/s@' + str(summary['concurrency']):>10}")
+    if summary["results"]:
+        print(f"{'mode':<7}{'e2e TTFT ms':>12}{'server TTFT':>12}{'tok/s':>8}{'prompt':>8}{'reused':>8}"
+              f"{'agree':>7}{'F1 full':>8}{'F1 gold':>8}{'req/s@' + str(summary['concurrency']):>10}")
     for mode, r in summary["results"].items():
         rps = f"{r['throughput_rps']:.3f}" if r["throughput_rps"] else "-"
         tps = f"{r['median_tokens_per_s']:.1f}" if r["median_tokens_per_s"] else "-"
@@ -133,26 +187,59 @@ def print_table(summary: dict) -> None:
               f"{r['f1_vs_full']:>8.2f}{r['f1_vs_gold']:>8.2f}{rps:>10}")
     if summary["blend_ttft_speedup_vs_full"]:
         print(f"blend e2e TTFT speed-up vs full: {summary['blend_ttft_speedup_vs_full']:.2f}x (target 4x)")
+    if summary["throughput"]:
+        print_throughput(summary["throughput"])
+
+
+def print_throughput(throughput: dict) -> None:
+    print(f"\nthroughput: {throughput['clients']} clients at once, each its own question, {throughput['max_tokens']} "
+          f"tokens each; {throughput['rounds']} rounds, the modes alternated")
+    print(f"{'mode':<7}{'req/s':>8}{'[min-max]':>16}{'TTFT p50 ms':>13}{'TTFT p95 ms':>13}{'errors':>8}")
+    for mode, row in throughput["modes"].items():
+        rounds = row["requests_per_s_rounds"]
+        p50 = "-" if row["ttft_p50_ms"] is None else f"{row['ttft_p50_ms']:.0f}"
+        p95 = "-" if row["ttft_p95_ms"] is None else f"{row['ttft_p95_ms']:.0f}"
+        print(f"{mode:<7}{row['requests_per_s']:>8.3f}{f'[{min(rounds):.3f}-{max(rounds):.3f}]':>16}"
+              f"{p50:>13}{p95:>13}{row['num_errors']:>8}")
+    for name, r in throughput["ratios"].items():
+        rps = r["requests_per_s"]
+        cells = [f"req/s {rps['median']:.2f}x [{rps['min']:.2f}-{rps['max']:.2f}] (per round)" if rps["median"] else "req/s -"]
+        cells += [f"TTFT {q} {r['ttft_' + q]:.2f}x" for q in ("p50", "p95") if r["ttft_" + q] is not None]
+        print(f"{name}: " + ", ".join(cells))
+
+
+def split_modes(text: str) -> list[str]:
+    return [m.strip() for m in text.split(",") if m.strip()]
 
 
 async def bench(args: argparse.Namespace, questions: list[Question], headers: dict) -> dict:
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes, throughput_modes = split_modes(args.modes), split_modes(args.throughput_modes)
     with httpx.Client(base_url=args.url, headers=headers, timeout=600) as client:
         client.get("/readyz").raise_for_status()
         model = client.get("/v1/models").json()["data"][0]["id"]
         ingest_s = ingest(client, questions)
-    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=600) as client:
-        runs = await latency_phase(client, questions, modes, args.max_tokens)
-        throughput = {}
-        for mode in [m.strip() for m in args.throughput_modes.split(",") if m.strip()]:
-            throughput[mode] = await throughput_phase(client, questions, mode, args.concurrency, args.max_tokens)
-    return summarize(runs, throughput, args, ingest_s, model)
+    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=600,
+                                 limits=httpx.Limits(max_connections=None)) as client:
+        runs = await latency_phase(client, questions, modes, args.max_tokens) if modes else {}
+        rounds, schedule = await throughput_phase(client, questions, throughput_modes, args, is_warming_up=not modes) \
+            if throughput_modes else ({}, [])
+    return summarize(runs, throughput_summary(rounds, schedule, args), args, ingest_s, model)
 
 
 def run(args: argparse.Namespace) -> int:
+    if split_modes(args.throughput_modes) and (args.concurrency < 1 or args.throughput_rounds < 1
+                                               or args.concurrency > args.questions):
+        print(f"ragblend bench server-modes: --concurrency {args.concurrency} must be 1 to --questions "
+              f"({args.questions}: each client asks its own), --throughput-rounds >= 1", file=sys.stderr)
+        return ExitCode.USAGE
     questions = load_questions(args.data, args.questions, args.passages)
+    if len(questions) < args.questions:
+        print(f"ragblend bench server-modes: {args.data} has {len(questions)} questions, {args.questions} asked for",
+              file=sys.stderr)
+        return ExitCode.USAGE
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     summary = asyncio.run(bench(args, questions, headers))
     print_table(summary)
     emit_summary(summary, args.out, indent=2)
-    return 0
+    errors = sum(row["num_errors"] for row in (summary["throughput"] or {"modes": {}})["modes"].values())
+    return ExitCode.FAILED if errors else ExitCode.OK

@@ -62,6 +62,14 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator if numerator is not None and denominator else None
 
 
+def spread(values: Sequence[float | None]) -> dict[str, Any]:
+    """Per-round values (None where a round had none) with their median, min-max and IQR."""
+    known = [v for v in values if v is not None]
+    return {"values": list(values), "median": median(known) if known else None,
+            "min": min(known, default=None), "max": max(known, default=None),
+            "p25": percentile(known, 25), "p75": percentile(known, 75)}
+
+
 def level_stats(rounds: Sequence[Round]) -> dict[str, Any]:
     """One level's row over its rounds: latencies pooled over every request; rates per round, median."""
     answers = [c.answer for r in rounds for c in r.chats if c.answer is not None]

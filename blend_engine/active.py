@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -18,7 +19,7 @@ from blend_engine.attention import (AttentionBackend, AttentionMeta, additive_ca
                                     subset_meta)
 from blend_engine.kv import KVCache
 from blend_engine.plan import PrefillPlan
-from blend_engine.runner import apply_rope
+from blend_engine.runner import apply_rope, signed_sin
 from blend_engine.selector import combine_scores, query_mass, select_top, token_deviation
 from blend_engine.types import BlendConfig, DeviationKind
 
@@ -28,6 +29,11 @@ class RopeTable:
     cos: torch.Tensor  # [N, D] for positions 0..N-1
     sin: torch.Tensor  # [N, D]
 
+    @cached_property  # the prefill's: made once per request
+    def signed_sin(self) -> torch.Tensor:
+        """[N, D] sin with its first half negated: the table `LayerCalls.qkv` rotates by."""
+        return signed_sin(self.sin)
+
 
 @dataclass(frozen=True)
 class ActiveSet:
@@ -36,6 +42,7 @@ class ActiveSet:
     cand_rows: torch.Tensor  # [C] rows of `pos` with a cache: what the next check may drop
     cos: torch.Tensor  # [A, D] RoPE rows for `pos`
     sin: torch.Tensor  # [A, D]
+    signed_sin: torch.Tensor  # [A, D] `sin` with its first half negated (`rotate`'s table)
     attention: AttentionMeta
     slots: torch.Tensor | slice  # where the layer's fresh K/V go in the cache (a slice when all tokens)
     # From plan.first_scaled_layer on, with a reused attention scale: the column bias over every position
@@ -49,6 +56,11 @@ class ActiveSet:
 
     def bias_at(self, layer: int, first_scaled_layer: int) -> torch.Tensor | None:
         return self.bias if layer >= first_scaled_layer else None
+
+    @property
+    def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin [A, D]: what `LayerCalls.qkv` rotates q and k by, in one pass."""
+        return self.cos, self.signed_sin
 
     @property
     def num_tokens(self) -> int:
@@ -96,11 +108,12 @@ def initial_active(ctx: ActiveContext) -> ActiveSet:
     if plan.check_layers or not plan.cached_pos:
         pos = torch.arange(num_tokens, device=device)
         return ActiveSet(pos, _tensor(plan.fresh_pos, device), _tensor(plan.cached_pos, device),
-                         ctx.rope.cos, ctx.rope.sin, causal_meta(num_tokens), slice(0, num_tokens))
+                         ctx.rope.cos, ctx.rope.sin, ctx.rope.signed_sin, causal_meta(num_tokens), slice(0, num_tokens))
     pos = _tensor(plan.fresh_pos, device)
     rows = torch.arange(len(plan.fresh_pos), device=device)
     meta, biased = _metas(ctx, pos, list(plan.fresh_pos), ctx.column_bias)  # reuse: every reused token biased
-    return ActiveSet(pos, rows, rows[:0], ctx.rope.cos[pos], ctx.rope.sin[pos], meta, pos, ctx.column_bias, biased)
+    return ActiveSet(pos, rows, rows[:0], ctx.rope.cos[pos], ctx.rope.sin[pos], ctx.rope.signed_sin[pos], meta, pos,
+                     ctx.column_bias, biased)
 
 
 def candidate_deviation(ctx: ActiveContext, active: ActiveSet, layer: int, k: torch.Tensor, v: torch.Tensor,
@@ -164,7 +177,7 @@ def check_step(ctx: ActiveContext, active: ActiveSet, check_idx: int, layer: int
     host = pos.tolist() if ctx.backend == AttentionBackend.GROUPED else None  # read once for both metas
     meta, biased = _metas(ctx, pos, host, bias)
     new = ActiveSet(pos, torch.searchsorted(rows, active.fresh_rows), torch.searchsorted(rows, kept_rows),
-                    active.cos[rows], active.sin[rows], meta, pos, bias, biased)
+                    active.cos[rows], active.sin[rows], active.signed_sin[rows], meta, pos, bias, biased)
     return CheckResult(new, rows, unselected, is_guarded)
 
 

@@ -140,23 +140,29 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: Atte
     multiplies the key's attention weight by S before the softmax normalizes (reused attention
     scale, BlendConfig.reused_attention_scale)."""
     num_heads, num_queries, head_dim = q.shape
+    return attend_heads(q, keys, values, meta, scale).transpose(0, 1).reshape(num_queries, num_heads * head_dim)
+
+
+def attend_heads(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: AttentionMeta,
+                 scale: float) -> torch.Tensor:
+    """`attend` before its heads are laid side by side: q [H, A, D] -> [H, A, D] (a caller that
+    copies the output into a buffer of its own does it in one copy: blend_engine/prefill_graph.py)."""
     keys, values = keys[:, : meta.num_keys], values[:, : meta.num_keys]
     if meta.layout == AttentionLayout.SUBSET and meta.mask is not None:
-        out = _folded(q, keys, values, meta.mask, scale)
-    elif meta.layout == AttentionLayout.SUBSET:
-        out = torch.cat([
+        return _folded(q, keys, values, meta.mask, scale)
+    if meta.layout == AttentionLayout.SUBSET:
+        outs = [
             F.scaled_dot_product_attention(
                 q[None, :, g.rows], keys[None, :, : g.num_keys], values[None, :, : g.num_keys],
                 attn_mask=g.mask, scale=scale, enable_gqa=True,
             )[0]
             for g in meta.groups
-        ], dim=1)  # [H, A, D]
-    else:
-        out = F.scaled_dot_product_attention(
-            q[None], keys[None], values[None], attn_mask=meta.mask,  # LAST: the column bias, if any
-            is_causal=meta.layout == AttentionLayout.CAUSAL, scale=scale, enable_gqa=True,
-        )[0]
-    return out.transpose(0, 1).reshape(num_queries, num_heads * head_dim)
+        ]  # [H, rows, D] each
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [H, A, D]
+    return F.scaled_dot_product_attention(
+        q[None], keys[None], values[None], attn_mask=meta.mask,  # LAST: the column bias, if any
+        is_causal=meta.layout == AttentionLayout.CAUSAL, scale=scale, enable_gqa=True,
+    )[0]
 
 
 def attend_last(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,

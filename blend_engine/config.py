@@ -17,9 +17,11 @@ from pydantic import ConfigDict, Field, field_validator
 from pydantic.dataclasses import dataclass
 
 from configs.enums import (
+    ChunkOrder,
     DecodeCache,
     DeviationKind,
     HeadReduce,
+    RepetitionScope,
     RequestMode,
     ScoreCombine,
     SelectionKind,
@@ -53,16 +55,38 @@ class ModelConfig:
         description="What decode attends over: auto (int8 with quantized weights on CPU, else model) | "
         "model (the prefill's cache, exact) | bf16 (a bf16 copy) | int8 (keys and values int8 with a scale "
         "per token and head; CPU).")] = DecodeCache.AUTO
+    prefill_graphs: Annotated[bool, Field(
+        description="CUDA: a prefill's layers past blend's last check layer (every layer in reuse, prefix and full "
+        "modes) run their linear parts as CUDA graphs captured per token-count bucket, the K/V writes and the "
+        "attention eagerly (docs/benchmarks/gpu.md); false: every layer eagerly. No effect on CPU.")] = True
     cache_dir: Annotated[Path, Field(
         description="Where a GGUF model's converted copy (safetensors + tokenizer) is kept for warm starts.")] = (
         Path("~/.cache/ragblend/models"))
     system_prompt: Annotated[str, Field(description="System message of every RAG prompt.")] = (
         "You are a helpful assistant. Answer the question using the documents.")
+    tokenizer: Annotated[Path | None, Field(
+        description="random:<shape> models only: a local tokenizer directory (tokenizer.json, tokenizer_config.json, "
+        "a chat template) the model reads its prompts with, its vocabulary grown to cover it (e.g. on a GPU host "
+        "without the embedded model's package: docs/benchmarks/gpu.md). Null: the embedded SmolLM2's where its "
+        "package is installed, else none (callers feed token ids).")] = None
+    answer_instruction: Annotated[str, Field(
+        max_length=1000,
+        description="The line after the question in every RAG prompt (the documents before it are numbered [1], "
+        "[2], ...: an answer citing them so is mapped to its sources). Measured on SmolLM2-135M: "
+        "docs/decisions/0021.")] = "Answer briefly and cite your source."
+    chunk_order: Annotated[ChunkOrder, Field(
+        description="Where a RAG prompt puts its chunks: best_last (the best ranked next to the question) or "
+        "best_first; each keeps its number, [1] being the best ranked (docs/decisions/0021).")] = ChunkOrder.BEST_LAST
 
-    @field_validator("cache_dir")
+    @field_validator("cache_dir", "tokenizer")
     @classmethod
-    def _expand(cls, value: Path) -> Path:
-        return value.expanduser()
+    def _expand(cls, value: Path | None) -> Path | None:
+        return None if value is None else value.expanduser()
+
+    def __post_init__(self) -> None:
+        if self.tokenizer is not None and not self.name.startswith("random:"):
+            raise ValueError("model.tokenizer is for random:<shape> models: a model directory or GGUF file carries its "
+                             "own tokenizer")
 
 
 @dataclass(frozen=True, config=CONFIG)
@@ -195,3 +219,32 @@ class GenerationConfig:
     max_tokens: Annotated[int, Field(ge=1, le=4096, description="Default answer length cap in tokens.")] = 128
     temperature: Annotated[float, Field(ge=0.0, le=2.0, description="0 = greedy.")] = 0.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0, description="Nucleus sampling mass.")] = 1.0
+    stop: Annotated[tuple[str, ...], Field(
+        max_length=8,
+        description="Stop strings: the answer ends before the first of them (a request's own `stop` replaces "
+        "these; [] for none). A blank line by default: the answer asked for is brief, and SmolLM2-135M's ran on "
+        "past it in loops (docs/decisions/0021).")] = ("\n\n",)
+    # repetition control, applied to each sequence's own logits before sampling (greedy included):
+    # blend_engine/generate.py RepetitionControl; the defaults are measured (docs/decisions/0021)
+    repetition_penalty: Annotated[float, Field(
+        gt=0.0, le=2.0,
+        description="CTRL's repetition penalty (Hugging Face's repetition_penalty): a token already seen in "
+        "repetition_scope has a positive logit divided by it, a negative one multiplied (1: off; above 1 "
+        "discourages repeats). End-of-sequence tokens are never penalized.")] = 1.0
+    repetition_scope: Annotated[RepetitionScope, Field(
+        description="The tokens repetition_penalty covers: answer (the tokens generated so far) or "
+        "prompt_and_answer (the documents and question too, as Hugging Face and vLLM do).")] = (
+        RepetitionScope.ANSWER)
+    frequency_penalty: Annotated[float, Field(
+        ge=-2.0, le=2.0,
+        description="OpenAI's frequency_penalty: each token's logit is lowered by this times the number of times "
+        "it was generated so far (0: off).")] = 0.0
+    presence_penalty: Annotated[float, Field(
+        ge=-2.0, le=2.0,
+        description="OpenAI's presence_penalty: each token generated so far has its logit lowered by this, once "
+        "(0: off).")] = 0.0
+    no_repeat_ngram_size: Annotated[int, Field(
+        ge=0, le=32,
+        description="An n-gram of this many tokens is generated at most once in an answer (the answer's own "
+        "n-grams only: the documents' may be quoted; 0: off). 6 ends loops within a line (docs/decisions/0021) "
+        "and leaves numbers alone (a digit is a token: 4 would forbid 100000).")] = 6

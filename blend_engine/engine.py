@@ -17,6 +17,7 @@ from blend_engine.kv import ChunkKV, KVShape, LayerKVSource, MemoryKVSource, Mer
 from blend_engine.loader import LoadedModel, load_model
 from blend_engine.plan import plan_prefill
 from blend_engine.prefill import last_part, prefill_steps
+from blend_engine.prefill_graph import PrefillGraphs
 from blend_engine.prompt import PromptBuilder, encode_text
 from blend_engine.runner import ModelRunner, apply_rope
 from blend_engine.sequence import DecodeSequence, TokenSampler
@@ -25,7 +26,7 @@ from blend_engine.types import BlendConfig, Delta, PrefillMode, PrefillResult, S
 from blend_engine.weights import weight_format
 from blend_engine.weights_id import engine_fingerprint
 from blend_engine.config import ModelConfig
-from configs.enums import DecodeCache, SinkMode, WeightFormat
+from configs.enums import ChunkOrder, DecodeCache, SinkMode, WeightFormat
 
 _Job = TypeVar("_Job", bound=Callable)
 MAX_CACHED_PREFIXES = 16
@@ -75,6 +76,9 @@ class BlendEngine:
         cpu_threads: int | None = None,
         decode_cache: DecodeCache = DecodeCache.AUTO,
         max_cpu_threads: int | None = None,
+        prefill_graphs: bool = ModelConfig.prefill_graphs,
+        answer_instruction: str = ModelConfig.answer_instruction,
+        chunk_order: ChunkOrder = ModelConfig.chunk_order,
     ):
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -88,6 +92,10 @@ class BlendEngine:
             avoid_cudnn_attention()  # a plan per prompt length: see there
         self.is_decode_graphed = self.runner.device.type == "cuda"  # CUDA-graph the decode step
         self.is_bulk_layout = self.runner.device.type == "cuda"  # reused KV laid out for all layers at once
+        # a prefill's layers past blend's last check as CUDA graphs per token-count bucket (on CPU, tests
+        # set it to run the same static functions eagerly)
+        self.is_prefill_graphed = prefill_graphs and self.runner.device.type == "cuda"
+        self.prefill_graphs = PrefillGraphs(self.runner)
         # what decode attends over: fp32 engines decode exactly over the prefill's cache
         self.decode_cache = resolve_decode_cache(
             decode_cache, self.runner.device, self.weights != WeightFormat.FP32, self.runner.head_dim)
@@ -95,7 +103,8 @@ class BlendEngine:
         # `max_cpu_threads`, default torch's count now; None: as the calling thread has them)
         is_governed = cpu_threads is not None and self.runner.device.type == "cpu"
         self.threads = ThreadGovernor(cpu_threads, max_threads=max_cpu_threads) if is_governed else None
-        self.prompts = PromptBuilder(self.tokenizer, system_prompt) if self.tokenizer is not None else None
+        self.prompts = (PromptBuilder(self.tokenizer, system_prompt, answer_instruction, chunk_order)
+                        if self.tokenizer is not None else None)
         self.fingerprint = engine_fingerprint(self)
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
         self._prefix_cache: dict[tuple[int, ...], ChunkKV] = {}  # LRU of prompt-prefix KVs
@@ -108,7 +117,7 @@ class BlendEngine:
     def from_config(cls, model: ModelConfig, blend: BlendConfig = BlendConfig(),
                     max_cpu_threads: int | None = None) -> BlendEngine:
         return cls(load_model(model), blend, model.system_prompt, model.cpu_threads, model.decode_cache,
-                   max_cpu_threads)
+                   max_cpu_threads, model.prefill_graphs, model.answer_instruction, model.chunk_order)
 
     @classmethod
     def from_model(cls, model, tokenizer=None, name: str = "custom", **kwargs) -> BlendEngine:
@@ -246,7 +255,8 @@ class BlendEngine:
         else:
             source = MergedKVSource(caches, kv_source, self.device, self.dtype)
         parts = prefill_steps(self.runner, plan, blend, source, max_new_tokens, self.attention_backend, is_profiled,
-                              self.is_bulk_layout, max_step_token_layers)
+                              self.is_bulk_layout, max_step_token_layers,
+                              self.prefill_graphs if self.is_prefill_graphed else None)
         try:
             for part in parts:
                 if part is not None:
@@ -317,7 +327,7 @@ class BlendEngine:
         room = self.max_context - result.cache.length
         if room <= 0:
             raise ValueError(f"the prompt fills the model's context of {self.max_context} tokens")
-        sampler = TokenSampler(self.tokenizer, self.eos_ids, sampling, room, result.logits.device)
+        sampler = TokenSampler(self.tokenizer, self.eos_ids, sampling, room, result.logits.device, result.token_ids)
         delta, next_token = sampler.push(result.logits)
         return DecodeSequence(result, sampler, next_token, self.decoder), delta
 

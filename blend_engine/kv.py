@@ -1,5 +1,6 @@
-"""KV containers: a chunk's stored cache (`ChunkKV`), the per-request fused cache (`KVCache`),
-and the per-layer source the prefill reads reused KV from (`LayerKVSource`)."""
+"""KV containers: a chunk's stored cache (`ChunkKV`), the per-request fused cache (`KVCache`), a
+finished prompt's cache kept for later requests (`PromptKV`), and the per-layer source the prefill
+reads reused KV from (`LayerKVSource`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,9 @@ class ChunkKV:
     context_ids: tuple[int, ...]  # the attention-sink prefix it was computed behind
     keys: torch.Tensor  # [num_layers, num_kv_heads, num_tokens, head_dim], pre-RoPE
     values: torch.Tensor  # [num_layers, num_kv_heads, num_tokens, head_dim]
+    # The KV store's namespace it is stored under (a collection's salt, part of its key: kv_store/keys.py),
+    # carried so a stored copy records it; the engine never reads it.
+    salt: str = ""
 
     def __post_init__(self) -> None:
         if self.keys.shape != self.values.shape or self.keys.dim() != 4:
@@ -59,7 +64,8 @@ class ChunkKV:
         return self.keys.nbytes + self.values.nbytes
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> ChunkKV:
-        return ChunkKV(self.token_ids, self.context_ids, self.keys.to(device, dtype), self.values.to(device, dtype))
+        return ChunkKV(self.token_ids, self.context_ids, self.keys.to(device, dtype), self.values.to(device, dtype),
+                       self.salt)
 
 
 class CachedChunk(Protocol):
@@ -160,18 +166,26 @@ class SlotCache:
     keys: torch.Tensor
     length: int
     column_bias: ColumnBias | None = None  # set by a prefill with a reused attention scale
+    # >0: the slots are a kept prompt's (PromptKV.shared): the first `extend`, which every write follows,
+    # copies them into a cache of its own of at least this capacity (copy on write)
+    copy_on_write_capacity: int = 0
 
     @property
     def capacity(self) -> int:
         return self.keys.shape[2]
 
     def extend(self, num_tokens: int) -> int:
-        """Reserve the next `num_tokens` slots (growing if needed); returns the first one's position."""
-        if self.length + num_tokens > self.capacity:
-            self._grow(max(self.length + num_tokens, 2 * self.capacity))
-            if self.column_bias is not None:
-                self.column_bias = self.column_bias.grown(self.capacity)
-        start, self.length = self.length, self.length + num_tokens
+        """Reserve the next `num_tokens` slots (growing if needed, or copying shared slots first);
+        returns the first one's position."""
+        needed = self.length + num_tokens
+        if self.copy_on_write_capacity:
+            self._grow(max(needed, self.copy_on_write_capacity))
+            self.copy_on_write_capacity = 0
+        elif needed > self.capacity:
+            self._grow(max(needed, 2 * self.capacity))
+        if self.column_bias is not None and self.column_bias.values.shape[0] < self.capacity:
+            self.column_bias = self.column_bias.grown(self.capacity)
+        start, self.length = self.length, needed
         return start
 
     @property
@@ -244,6 +258,15 @@ class KVCache(SlotCache):
 
         self.keys, self.values = grown(self.keys), grown(self.values)
 
+    @classmethod
+    def over(cls, keys: torch.Tensor, values: torch.Tensor, length: int, column_bias: ColumnBias | None,
+             copy_on_write_capacity: int = 0) -> KVCache:
+        """A cache over existing tensors [L, H_kv, capacity, D] whose first `length` slots are filled."""
+        cache = cls.__new__(cls)
+        cache.keys, cache.values, cache.length, cache.column_bias = keys, values, length, column_bias
+        cache.copy_on_write_capacity = copy_on_write_capacity
+        return cache
+
     def converted(self, dtype: torch.dtype) -> KVCache:
         """A copy in `dtype` of the same capacity, holding this cache's `length` slots."""
         out = KVCache(self.keys.shape[0], self.keys.shape[1], self.keys.shape[3], self.capacity, self.keys.device, dtype)
@@ -264,3 +287,60 @@ class KVCache(SlotCache):
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's K, V [H_kv, length, D]."""
         return self.keys[layer, :, : self.length], self.values[layer, :, : self.length]
+
+
+@dataclass(frozen=True)
+class PromptKV:
+    """A finished prompt's fused KV, kept for later requests (a prefix cache's entry): slots
+    0..length-1 of `keys`/`values`, post-RoPE, with the column bias its prefill left. Those slots are
+    never written again: the request that made them may still decode into the slots after `length`
+    (its own), and every later user reads a copy-on-write view (`shared`) or a copy (`copied`)."""
+
+    keys: torch.Tensor  # [L, H_kv, capacity, D]: slots >= length belong to the request that made it
+    values: torch.Tensor  # [L, H_kv, capacity, D]
+    length: int
+    column_bias: ColumnBias | None = None  # values [capacity]
+
+    @classmethod
+    def of(cls, cache: KVCache, length: int) -> PromptKV:
+        """`cache`'s first `length` slots, by reference (no copy); a copy of them alone where the
+        cache's room past them exceeds their own size (a long answer's room is not kept)."""
+        if not 0 < length <= cache.length:
+            raise ValueError(f"cannot keep {length} slots of a cache of {cache.length}")
+        keys, values, bias = cache.keys, cache.values, cache.column_bias
+        if cache.capacity > 2 * length:
+            keys, values = keys[:, :, :length].clone(), values[:, :, :length].clone()
+            bias = None if bias is None else ColumnBias(bias.values[:length].clone(), bias.first_layer)
+        return cls(keys, values, length, bias)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        """What keeping it holds: its tensors' whole capacity."""
+        bias = self.column_bias.values.nbytes if self.column_bias is not None else 0
+        return self.keys.nbytes + self.values.nbytes + bias
+
+    def shared(self, capacity: int = 0) -> KVCache:
+        """A cache over all `length` slots, sharing their storage: its first `extend` (every write, a
+        decode step's too, comes after one) copies them into a cache of its own of at least `capacity`
+        slots (default: this one's). Nothing is copied for a request that only reads them (the first
+        token, a decode over a converted copy)."""
+        return KVCache.over(self.keys, self.values, self.length, self.column_bias, max(capacity, self.capacity))
+
+    def copied(self, length: int, capacity: int) -> KVCache:
+        """A cache of `capacity` slots holding a copy of the first `length` (the rest to be computed)."""
+        if not 0 < length <= self.length or capacity < length:
+            raise ValueError(f"cannot copy {length} of {self.length} slots into a cache of {capacity}")
+        shape = (self.keys.shape[0], self.keys.shape[1], capacity, self.keys.shape[3])
+        keys = self.keys.new_empty(shape)  # empty: every slot past `length` is written before it is read
+        values = self.values.new_empty(shape)
+        keys[:, :, :length] = self.keys[:, :, :length]
+        values[:, :, :length] = self.values[:, :, :length]
+        bias = None
+        if self.column_bias is not None:  # the tokens computed after them are fresh: no bias there
+            bias = ColumnBias(F.pad(self.column_bias.values[:length], (0, capacity - length)),
+                              self.column_bias.first_layer)
+        return KVCache.over(keys, values, length, bias)

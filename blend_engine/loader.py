@@ -133,7 +133,7 @@ def _load(settings: ModelConfig) -> LoadedModel:
     dtype = resolve_dtype(settings.dtype, device)
     name = settings.name
     if name.startswith("random:"):
-        return _load_random(name.removeprefix("random:"), settings.cache_dir, device, dtype)
+        return _load_random(name.removeprefix("random:"), settings.cache_dir, device, dtype, settings.tokenizer)
     path = embedded_gguf_path() if name == "smollm2" else Path(name).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -185,14 +185,24 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def _load_random(spec: str, cache_dir: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def _load_random(spec: str, cache_dir: Path, device: torch.device, dtype: torch.dtype,
+                 tokenizer_dir: Path | None = None) -> LoadedModel:
+    """Random weights of a real architecture (seeded: the same weights on every load), built on `device`;
+    its tokenizer `tokenizer_dir`'s where given, else the embedded one's where installed."""
     shape_name, _, layers = spec.partition(":")
     if shape_name not in RANDOM_SHAPES:
         raise ValueError(f"unknown random shape {shape_name!r}; one of {sorted(RANDOM_SHAPES)}")
     shape = dict(RANDOM_SHAPES[shape_name])
     if layers:
         shape["num_hidden_layers"] = int(layers)
-    tokenizer = _embedded_tokenizer(cache_dir)
+    identity = f"random:{spec}:seed0"
+    if tokenizer_dir is not None:
+        if not tokenizer_dir.is_dir():
+            raise FileNotFoundError(f"model.tokenizer: no directory {tokenizer_dir}")
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+        identity += f":tokenizer-{_dir_digest(tokenizer_dir)}"  # the vocabulary, so the weights, follow it
+    else:
+        tokenizer = _embedded_tokenizer(cache_dir)
     if tokenizer is not None:
         shape.update(vocab_size=max(shape["vocab_size"], len(tokenizer)), bos_token_id=tokenizer.bos_token_id,
                      eos_token_id=tokenizer.eos_token_id)
@@ -201,7 +211,7 @@ def _load_random(spec: str, cache_dir: Path, device: torch.device, dtype: torch.
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    return LoadedModel(model, tokenizer, identity=f"random:{spec}:seed0", is_random=True)
+    return LoadedModel(model, tokenizer, identity=identity, is_random=True)
 
 
 def _embedded_tokenizer(cache_dir: Path):

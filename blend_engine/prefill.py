@@ -22,10 +22,11 @@ import torch.nn.functional as F
 
 from blend_engine.active import (ActiveContext, ActiveSet, RopeTable, active_context, candidate_deviation, check_step,
                                  initial_active, last_token_shift)
-from blend_engine.attention import AttentionBackend, attend, last_meta
+from blend_engine.attention import AttentionBackend, attend, attend_heads, last_meta
 from blend_engine.kv import ColumnBias, KVCache, LayerKVSource, WholeKVSource
 from blend_engine.layout import layout_all, layout_layer
 from blend_engine.plan import PrefillPlan
+from blend_engine.prefill_graph import PrefillBucket, PrefillGraphs
 from blend_engine.probe import probe_query_mass
 from blend_engine.runner import ModelRunner, apply_rope
 from blend_engine.timing import StageTimer, host_ms
@@ -45,6 +46,11 @@ class _Loop:
     last_shift: torch.Tensor | None = None  # 0-d, from the first check: a candidate guard signal
     probe_mass: torch.Tensor | None = None  # [N] the question's attention at the probe layer (query selections)
     laid_out: set[int] = field(default_factory=set)  # layers whose reused KV is in the cache (streamed layout)
+    bucket: PrefillBucket | None = None  # past the last check, graphed: holds the hidden states instead of `hidden`
+
+    @property
+    def num_active(self) -> int:
+        return self.bucket.num_tokens if self.bucket is not None else self.hidden.shape[0]
 
 
 def last_part(parts: Generator[PrefillResult | None, None, None]) -> PrefillResult:
@@ -61,7 +67,7 @@ def last_part(parts: Generator[PrefillResult | None, None, None]) -> PrefillResu
 def prefill_steps(runner: ModelRunner, plan: PrefillPlan, blend: BlendConfig, source: LayerKVSource | None,
                   max_new_tokens: int, backend: AttentionBackend, is_profiled: bool = False,
                   is_bulk_layout: bool = False, max_step_token_layers: int | None = None,
-                  ) -> Generator[PrefillResult | None, None, None]:
+                  graphs: PrefillGraphs | None = None) -> Generator[PrefillResult | None, None, None]:
     """The prefill cut by layers: None after each group of layers, then the PrefillResult.
 
     The step budget counts token-layers: each layer adds the tokens active at its start (all of them in
@@ -74,7 +80,11 @@ def prefill_steps(runner: ModelRunner, plan: PrefillPlan, blend: BlendConfig, so
     (`_part_target`), rather than full parts and a small last one. Every op runs as in one go, in the
     same order: the result is the same. `prefill_ms` counts the parts' own time, not the pauses
     between them. The caller owns `source` and closes it, also when it abandons the generator midway
-    (`close()`)."""
+    (`close()`).
+
+    With `graphs`, the layers past the last check layer (every layer where there is none) run their
+    linear parts as a bucket's CUDA graphs (blend_engine/prefill_graph.py; off CUDA, the same static
+    functions eagerly); a pause takes the hidden states out of the bucket and gives it back."""
     if max_step_token_layers is not None and max_step_token_layers < 1:
         raise ValueError(f"max_step_token_layers must be >= 1 or None, got {max_step_token_layers}")
     t_start = time.perf_counter()
@@ -104,19 +114,26 @@ def prefill_steps(runner: ModelRunner, plan: PrefillPlan, blend: BlendConfig, so
 
     num_step_token_layers = 0  # token-layers run since the last yield
     last_check = plan.check_layers[-1] if plan.check_layers else -1
-    for layer in range(runner.num_layers):
-        num_step_token_layers += state.hidden.shape[0]  # the tokens this layer computes
-        lay_out(layer)
-        _layer_step(runner, ctx, blend, cache, layer, state, timer, lay_out)
-        if max_step_token_layers is None or layer == runner.num_layers - 1:
-            continue
-        # past the last check every later layer computes the same active tokens: the rest is known
-        rest = state.hidden.shape[0] * (runner.num_layers - 1 - layer) if layer >= last_check else None
-        if num_step_token_layers >= _part_target(max_step_token_layers, num_step_token_layers, rest):
-            t_pause = time.perf_counter()
-            yield None
-            t_start += time.perf_counter() - t_pause  # prefill_ms: the parts' own time, not the pauses
-            num_step_token_layers = 0
+    try:
+        for layer in range(runner.num_layers):
+            num_step_token_layers += state.num_active  # the tokens this layer computes
+            lay_out(layer)
+            if graphs is None or layer <= last_check or not _in_bucket(state, graphs, timer):
+                _layer_step(runner, ctx, blend, cache, layer, state, timer, lay_out)
+            else:
+                _graphed_layer_step(runner, ctx, cache, layer, state, timer, graphs)
+            if max_step_token_layers is None or layer == runner.num_layers - 1:
+                continue
+            # past the last check every later layer computes the same active tokens: the rest is known
+            rest = state.num_active * (runner.num_layers - 1 - layer) if layer >= last_check else None
+            if num_step_token_layers >= _part_target(max_step_token_layers, num_step_token_layers, rest):
+                _leave_bucket(state, graphs)  # the bucket is free for others while this prefill waits
+                t_pause = time.perf_counter()
+                yield None
+                t_start += time.perf_counter() - t_pause  # prefill_ms: the parts' own time, not the pauses
+                num_step_token_layers = 0
+    finally:
+        _leave_bucket(state, graphs)  # also where the prefill failed or was abandoned midway
     with timer.stage("compute"):
         logits = runner.logits(state.hidden[-1:])[0]  # [vocab]
     if state.active.bias is not None:  # scoring and decoding attend to the reused tokens as the prefill did
@@ -150,13 +167,57 @@ def _stream_layer(cache: KVCache, plan: PrefillPlan, layer: int, source: LayerKV
     return wait_ms
 
 
+def _in_bucket(state: _Loop, graphs: PrefillGraphs, timer: StageTimer) -> bool:
+    """Whether the active tokens are in a bucket (loaded into one here where they were not); False:
+    none to be had (too many tokens, or the bucket in use), this layer runs eagerly."""
+    if state.bucket is None:
+        state.bucket = graphs.acquire(state.num_active)
+        if state.bucket is None:
+            return False
+        with timer.stage("compute"):
+            state.bucket.load(state.hidden, state.active.cos, state.active.signed_sin)
+    return True
+
+
+def _leave_bucket(state: _Loop, graphs: PrefillGraphs | None) -> None:
+    """The hidden states out of the bucket (a copy), the bucket given back."""
+    if state.bucket is not None:
+        state.hidden = state.bucket.output().clone()
+        graphs.release(state.bucket)
+        state.bucket = None
+
+
+def _graphed_layer_step(runner: ModelRunner, ctx: ActiveContext, cache: KVCache, layer: int, state: _Loop,
+                        timer: StageTimer, graphs: PrefillGraphs) -> None:
+    """`_layer_step` past the last check, its linear parts replayed from the bucket's graphs: left eager
+    are the K/V write and the attention (the request's own shapes). At the last layer only the last
+    token goes on (as there), and the bucket is given back."""
+    plan, active, bucket = ctx.plan, state.active, state.bucket
+    with timer.stage("compute"):
+        q, k, v = bucket.qkv(layer)  # [H, A, D], [H_kv, A, D] x2; q, k rotated
+        keys, values = cache.update(layer, active.slots, k, v)
+        if layer < runner.num_layers - 1:
+            meta = active.attention_at(layer, plan.first_scaled_layer)
+            bucket.finish(layer, attend_heads(q, keys, values, meta, runner.scaling))
+            return
+        meta = last_meta(plan.num_tokens, active.bias_at(layer, plan.first_scaled_layer))
+        out = attend(q[:, -1:], keys, values, meta, runner.scaling)  # [1, H*D]
+        hidden = bucket.output()[-1:]
+        graphs.release(bucket)
+        state.bucket = None
+        state.hidden = runner.finish(layer, hidden, out)
+
+
 def _layer_step(runner: ModelRunner, ctx: ActiveContext, blend: BlendConfig, cache: KVCache, layer: int,
                 state: _Loop, timer: StageTimer, lay_out: Callable[[int], None]) -> None:
     plan, active = ctx.plan, state.active
-    with timer.stage("compute"):
-        q, k, v = runner.qkv(layer, state.hidden)  # [H, A, D], [H_kv, A, D] x2; q, k before RoPE
-        k = apply_rope(k, active.cos, active.sin)
     is_check = layer in plan.check_layers
+    with timer.stage("compute"):
+        if is_check:  # the check ranks with q before RoPE
+            q, k, v = runner.qkv(layer, state.hidden)  # [H, A, D], [H_kv, A, D] x2; q, k before RoPE
+            k = apply_rope(k, active.cos, active.sin)
+        else:
+            q, k, v = runner.qkv(layer, state.hidden, active.rope)  # q, k rotated, in one pass
     if is_check:
         with timer.stage("select"):
             deviation = candidate_deviation(ctx, active, layer, k, v, cache)  # before the reused K/V go
@@ -184,8 +245,10 @@ def _layer_step(runner: ModelRunner, ctx: ActiveContext, blend: BlendConfig, cac
         if layer == runner.num_layers - 1:  # only the last token's output matters now
             meta = last_meta(plan.num_tokens, active.bias_at(layer, plan.first_scaled_layer))
             q, hidden, cos, sin = q[:, -1:], hidden[-1:], cos[-1:], sin[-1:]
+        if is_check:
+            q = apply_rope(q, cos, sin)
         keys, values = cache.layer(layer)
-        out = attend(apply_rope(q, cos, sin), keys, values, meta, runner.scaling)
+        out = attend(q, keys, values, meta, runner.scaling)
         state.hidden = runner.finish(layer, hidden, out)
 
 

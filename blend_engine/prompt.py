@@ -1,7 +1,20 @@
-"""Chat-template-aware RAG prompts, as segments: [prefix, chunk_1, sep, chunk_2, ..., suffix].
+"""Chat-template-aware RAG prompts, as segments: [prefix, label, chunk, label, chunk, ..., suffix].
 
-The template is rendered once around a placeholder user message and split there, so any model's
-chat template works and the chunks' token ids are exactly their stored ones.
+The template is rendered once around a placeholder and split there, so any model's chat template
+works and the chunks' token ids are exactly their stored ones. Each chunk is numbered by a label segment
+of its own before it ("[3] ", then "\n\n[2] ", ...: fresh tokens, never inside the chunk's stored tokens,
+and after the prefix the chunks' KV was computed behind), so the answer can cite the chunk it used as [n]
+(app/rag/citations.py maps each [n] back to its source). Chunk n is the n-th of the caller's chunks (the
+best ranked first, as the sources list them); the prompt holds them in `chunk_order`: by default the best
+ranked nearest the question (docs/decisions/0021).
+
+Layout: the documents open the conversation's first user message (its question after them), the
+earlier turns follow, then the new question. Every user message reads `Question: ...` plus the
+answer instruction, as it did when it was the question. So a follow-up turn over the same documents begins
+with the whole prompt of the turn before it (the earlier answer and the new question come after):
+a prefix cache serves everything up to them (runtime/executor.py). A single question's prompt is
+[system, user: documents, question]; the chunks sit behind the same tokens with or without history
+(the `prefix` sink they are precomputed behind, when the history begins with the user).
 
 Control tokens never come from text: every message's content is replaced by a slot before the
 template is rendered, so only the template's own structure is encoded with special-token parsing on;
@@ -14,7 +27,9 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
+from blend_engine.config import ModelConfig
 from blend_engine.types import Segment
+from configs.enums import ChunkOrder
 
 _PLACEHOLDER = "\x00RAGBLEND_CONTENT\x00"
 _SLOT = "\x00RAGBLEND_SLOT_{}\x00"
@@ -22,7 +37,8 @@ _SLOT_PATTERN = re.compile("\x00RAGBLEND_SLOT_([0-9]+)\x00")
 DOCUMENTS_INTRO = "Documents:\n\n"
 CHUNK_SEPARATOR = "\n\n"
 QUESTION_INTRO = "\n\nQuestion: "
-ANSWER_HINT = "\nAnswer briefly."
+QUESTION_LABEL = "Question: "  # a user message after the first (no documents before it)
+CHUNK_LABEL = "[{number}] "  # chunk n's number, as the answer is asked to cite it
 
 
 def encode_text(tokenizer, text: str) -> tuple[int, ...]:
@@ -31,11 +47,19 @@ def encode_text(tokenizer, text: str) -> tuple[int, ...]:
 
 
 class PromptBuilder:
-    def __init__(self, tokenizer, system_prompt: str):
+    def __init__(self, tokenizer, system_prompt: str, answer_instruction: str = ModelConfig.answer_instruction,
+                 chunk_order: ChunkOrder = ModelConfig.chunk_order):
+        """`answer_instruction`: the line after each question (none when empty)."""
         if tokenizer is None:
             raise ValueError("building prompts needs a tokenizer")
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
+        self.answer_instruction = answer_instruction
+        self.chunk_order = chunk_order
+
+    @property
+    def _instruction(self) -> str:
+        return "\n" + self.answer_instruction if self.answer_instruction else ""
 
     def encode(self, text: str) -> tuple[int, ...]:
         """Text (a document, a question): never yields a special token."""
@@ -69,31 +93,47 @@ class PromptBuilder:
             text = "".join(f"{m['role']}: {m['content']}\n" for m in slotted) + "assistant: "
         return text, contents
 
-    def _template_halves(self, history: Sequence[dict]) -> tuple[str, str, list[str]]:
+    def _template_halves(self, question: str, history: Sequence[dict]) -> tuple[str, str, list[str], str]:
+        """The template split at the documents: the text before and after them, the contents of the
+        slots, and the question that follows the documents in the first user message."""
         messages = []
         if self.system_prompt and not (history and history[0].get("role") == "system"):
             messages.append({"role": "system", "content": self.system_prompt})
         messages += [dict(m) for m in history]
-        messages.append({"role": "user", "content": _PLACEHOLDER})
+        messages.append({"role": "user", "content": question})
+        first = next(i for i, m in enumerate(messages) if m.get("role") == "user")
+        first_question = messages[first]["content"]
+        for i in range(first + 1, len(messages)):  # every later user message as its question was asked
+            if messages[i].get("role") == "user":
+                messages[i] = {**messages[i], "content": QUESTION_LABEL + messages[i]["content"] + self._instruction}
+        messages[first] = {**messages[first], "content": _PLACEHOLDER}
         text, contents = self._render(messages)
         before, _, after = text.partition(_PLACEHOLDER)
-        return before, after, contents
+        return before, after, contents, first_question
 
     def prefix_ids(self, history: Sequence[dict] = ()) -> tuple[int, ...]:
-        """The tokens before the first chunk (chat header, system prompt, history, documents intro)."""
-        before, _, contents = self._template_halves(history)
+        """The tokens before the first chunk (chat header, system prompt, any turn before the first user
+        message, documents intro): the same with or without history when it begins with the user."""
+        before, _, contents, _ = self._template_halves("", history)
         return self._encode_structure(before, contents) + self.encode(DOCUMENTS_INTRO)
 
+    def chunk_label(self, number: int, is_first: bool) -> tuple[int, ...]:
+        """The label before chunk `number` (from 1): its number, after a separator unless it comes first."""
+        return self.encode(("" if is_first else CHUNK_SEPARATOR) + CHUNK_LABEL.format(number=number))
+
     def segments(self, question: str, chunks: Sequence[Segment], history: Sequence[dict] = ()) -> list[Segment]:
-        """Prompt segments; the chunks keep their token ids and caches, separators and the rest are fresh."""
-        _, after, contents = self._template_halves(history)
-        separator = self.encode(CHUNK_SEPARATOR)
-        out = [Segment(self.prefix_ids(history))]
-        for i, chunk in enumerate(chunks):
-            if i:
-                out.append(Segment(separator))
-            out.append(chunk)
-        suffix = self.encode(QUESTION_INTRO + question + ANSWER_HINT) + self._encode_structure(after, contents)
+        """Prompt segments for `chunks` ranked best first; the chunks keep their token ids and caches, their
+        labels and the rest are fresh."""
+        before, after, contents, first_question = self._template_halves(question, history)
+        out = [Segment(self._encode_structure(before, contents) + self.encode(DOCUMENTS_INTRO))]
+        numbered = list(enumerate(chunks, 1))
+        if self.chunk_order is ChunkOrder.BEST_LAST:
+            numbered.reverse()
+        for position, (number, chunk) in enumerate(numbered):
+            label = self.chunk_label(number, is_first=position == 0)
+            out += [Segment(label), chunk] if label else [chunk]
+        suffix = (self.encode(QUESTION_INTRO + first_question + self._instruction)
+                  + self._encode_structure(after, contents))
         out.append(Segment(suffix))
         return out
 

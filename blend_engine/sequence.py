@@ -6,24 +6,27 @@ from its own row of logits, so what it generates never depends on what else is i
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from blend_engine.decode import Decoder
-from blend_engine.generate import IncrementalDetokenizer, StopStringFilter, sample
+from blend_engine.generate import IncrementalDetokenizer, RepetitionControl, StopStringFilter, sample
 from blend_engine.types import Delta, FinishReason, PrefillResult, SamplingParams
 
 
 class TokenSampler:
-    """Sampling (greedy, or temperature + top-p from the request's own seeded generator), incremental
-    detokenizing, stop strings, max_tokens and the context's room, one token at a time."""
+    """Repetition control, sampling (greedy, or temperature + top-p from the request's own seeded
+    generator), incremental detokenizing, stop strings, max_tokens and the context's room, one token at
+    a time."""
 
     def __init__(self, tokenizer, eos_ids: frozenset[int], params: SamplingParams, max_steps: int,
-                 device: torch.device):
+                 device: torch.device, prompt_ids: Sequence[int] = ()):
         """`max_steps`: the tokens the context has room for (the limit is the smaller of it and
-        max_tokens); `tokenizer` None: token ids only, every Delta's text empty (tests' tiny models)."""
+        max_tokens); `tokenizer` None: token ids only, every Delta's text empty (tests' tiny models);
+        `prompt_ids`: the prompt (a repetition penalty over the prompt covers its tokens)."""
         self.params = params
+        self.repetition = RepetitionControl(params, prompt_ids, eos_ids)
         self.eos_ids = eos_ids
         self.max_tokens = min(params.max_tokens, max_steps)
         # a seeded request draws from its own generator: the same tokens whatever runs beside it
@@ -42,7 +45,8 @@ class TokenSampler:
         feed next, or None once finished (the Delta's finish_reason is then set)."""
         if self.is_finished:
             raise ValueError("this sequence has finished: it samples no more tokens")
-        token = sample(logits, self.params, self.generator)
+        token = sample(self.repetition.apply(logits), self.params, self.generator)
+        self.repetition.observe(token)
         self.token_ids.append(token)
         num_tokens = len(self.token_ids)
         if token in self.eos_ids and not self.params.is_eos_ignored:
@@ -112,8 +116,3 @@ class DecodeSequence:
         if self.next_token is None:
             self.decoder = None
         return delta
-
-    def cancel(self) -> None:
-        """End the sequence now (a client gone, a shutdown): it leaves the batch and lets go of its cache."""
-        self.next_token, self.decoder, self._result = None, None, None
-        self.sampler.is_finished = True

@@ -9,7 +9,7 @@ import torch
 
 from blend_engine.kv import CachedChunk, KVCache
 from blend_engine.config import BlendConfig, GenerationConfig
-from configs.enums import DeviationKind, HeadReduce, PrefillMode, ScoreCombine, SelectionKind
+from configs.enums import DeviationKind, HeadReduce, PrefillMode, RepetitionScope, ScoreCombine, SelectionKind
 
 __all__ = [
     "BlendConfig",
@@ -46,6 +46,7 @@ class PrefillStats:
     num_cached_tokens: int = 0  # tokens that came with a reusable KV
     num_reused_tokens: int = 0  # cached tokens whose reused KV was kept (not recomputed)
     num_recomputed_tokens: int = 0  # tokens computed fresh through every layer
+    num_prefix_cached_tokens: int = 0  # the prompt's first tokens whose KV a prefix cache served as it was
     kv_load_ms: float = 0.0  # time spent waiting on the KV source
     rope_ms: float = 0.0  # re-positioning reused keys
     select_ms: float = 0.0  # deviation + top-k at the check layers
@@ -75,8 +76,14 @@ class SamplingParams:
     temperature: float = GenerationConfig.temperature  # 0 = greedy
     top_p: float = GenerationConfig.top_p
     seed: int | None = None
-    stop: tuple[str, ...] = ()
+    stop: tuple[str, ...] = GenerationConfig.stop
     is_eos_ignored: bool = False  # generate max_tokens whatever the model says (benchmarks: vLLM's ignore_eos)
+    # repetition control (blend_engine/generate.py RepetitionControl; their meaning: GenerationConfig's)
+    repetition_penalty: float = GenerationConfig.repetition_penalty  # 1: off
+    repetition_scope: RepetitionScope = GenerationConfig.repetition_scope
+    frequency_penalty: float = GenerationConfig.frequency_penalty  # 0: off
+    presence_penalty: float = GenerationConfig.presence_penalty  # 0: off
+    no_repeat_ngram_size: int = GenerationConfig.no_repeat_ngram_size  # 0: off
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -85,6 +92,16 @@ class SamplingParams:
             raise ValueError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+        if self.no_repeat_ngram_size < 0:
+            raise ValueError("no_repeat_ngram_size must be >= 0")
+
+    @property
+    def is_repetition_controlled(self) -> bool:
+        """Whether any penalty or n-gram block changes the logits (else they are sampled as they come)."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or self.no_repeat_ngram_size > 0)
 
 
 class FinishReason(str, Enum):

@@ -54,6 +54,20 @@ class SelectionKind(str, Enum):
         return self in (SelectionKind.DEVIATION, SelectionKind.CHUNK_START, SelectionKind.QUERY_DEVIATION)
 
 
+class RepetitionScope(str, Enum):
+    """The tokens a repetition penalty (CTRL / Hugging Face's) covers."""
+
+    ANSWER = "answer"  # the tokens generated so far only: the documents' words stay free to be quoted
+    PROMPT_AND_ANSWER = "prompt_and_answer"  # the prompt's tokens too (Hugging Face's and vLLM's behaviour)
+
+
+class ChunkOrder(str, Enum):
+    """Where a RAG prompt puts its chunks, which keep their numbers [1] (the best ranked), [2], ... either way."""
+
+    BEST_FIRST = "best_first"  # [1] right after the prompt's prefix, the lowest ranked next to the question
+    BEST_LAST = "best_last"  # the lowest ranked first, [1] next to the question
+
+
 class HeadReduce(str, Enum):
     """How query-aware selection combines the attention mass each head gives a cached token."""
 
@@ -102,8 +116,17 @@ class IndexKind(str, Enum):
     HNSW = "hnsw"
 
 
+class RetrievalMode(str, Enum):
+    """How chunks are ranked for a question (retrieval/retriever.py)."""
+
+    DENSE = "dense"  # the embedder's cosine similarity (FAISS)
+    LEXICAL = "lexical"  # the store's full-text index (SQLite FTS5 BM25, Postgres ts_rank_cd)
+    HYBRID = "hybrid"  # both, fused by reciprocal rank
+
+
 class ChunkingMode(str, Enum):
     TOKENS = "tokens"  # split by the LLM's tokens at sentence/paragraph boundaries
+    STRUCTURE = "structure"  # the document's blocks kept whole, headings start chunks, never across pages
     NONE = "none"  # one passage = one chunk
 
 

@@ -16,8 +16,10 @@ _EXPORTS = {
     "PlanKind": "kv_store.planner", "PlanRequest": "kv_store.planner", "PrefillShape": "kv_store.planner",
     "CorruptEntryError": "kv_store.errors", "EntryLostError": "kv_store.errors", "KVStoreError": "kv_store.errors",
     "SourceStats": "kv_store.loader", "StoredChunk": "kv_store.loader", "StoreLayerSource": "kv_store.loader",
+    "CachedPrompt": "kv_store.prefix_cache", "PrefixCache": "kv_store.prefix_cache",
+    "PrefixCacheStats": "kv_store.prefix_cache", "PrefixMatch": "kv_store.prefix_cache",
     "StoreStats": "kv_store.stats", "TierStats": "kv_store.stats",
-    "KVStore": "kv_store.store",
+    "KVStore": "kv_store.store", "KVScope": "kv_store.keys",
 }
 __all__ = sorted(_EXPORTS)
 
@@ -27,8 +29,10 @@ if TYPE_CHECKING:
     from kv_store.backend import Backend, LayerReader
     from kv_store.config import StoreConfig
     from kv_store.errors import CorruptEntryError, EntryLostError, KVStoreError
+    from kv_store.keys import KVScope
     from kv_store.loader import SourceStats, StoredChunk, StoreLayerSource
     from kv_store.planner import CostModel, LoadPlan, LoadPlanner, PlanKind, PlanRequest, PrefillShape
+    from kv_store.prefix_cache import CachedPrompt, PrefixCache, PrefixCacheStats, PrefixMatch
     from kv_store.stats import StoreStats, TierStats
     from kv_store.store import KVStore
 

@@ -27,6 +27,7 @@ class ChunkInfo:
     num_layers: int
     layer_nbytes: int  # stored bytes of one layer (what a per-layer read moves)
     read_layer_nbytes: int | None = None  # host bytes of one layer once read, where not the stored bytes
+    salt: str = ""  # the collection's KV salt its key was made with (kv_store/keys.py)
 
     @property
     def num_tokens(self) -> int:
@@ -40,11 +41,12 @@ class ChunkInfo:
     @classmethod
     def from_header(cls, header: EntryHeader) -> ChunkInfo:
         return cls(header.key, header.token_ids, header.context_ids, header.num_layers, header.layer_nbytes(0),
-                   read_layer_nbytes(header))
+                   read_layer_nbytes(header), header.salt)
 
     @classmethod
     def from_kv(cls, key: str, kv: ChunkKV) -> ChunkInfo:
-        return cls(key, kv.token_ids, kv.context_ids, kv.num_layers, kv.nbytes // max(kv.num_layers, 1))
+        return cls(key, kv.token_ids, kv.context_ids, kv.num_layers, kv.nbytes // max(kv.num_layers, 1),
+                   salt=kv.salt)
 
 
 class LayerReader(abc.ABC):

@@ -67,6 +67,7 @@ class EntryHeader:
     checksums: tuple[int, ...]  # crc32 per layer over its ranges' bytes, in order
     total_bytes: int
     lowbit_spec: lowbit.LowBitSpec | None = None  # a low-bit format's parameters, as written
+    salt: str = ""  # the collection's KV salt the key was made with
 
     @property
     def num_tokens(self) -> int:
@@ -130,6 +131,7 @@ def encode(kv: ChunkKV, key: str, fingerprint: str, fmt: StorageFormat) -> bytes
         "format": [fmt.version, fmt.dtype.value, fmt.quantization.value],
         "token_ids": list(kv.token_ids),
         "context_ids": list(kv.context_ids),
+        **({"salt": kv.salt} if kv.salt else {}),  # absent when unsalted: such entries stay as they were
         "shape": [kv.num_layers, kv.keys.shape[1], kv.keys.shape[3]],
         "checksums": checksums,
     }
@@ -190,6 +192,7 @@ class _Meta(BaseModel):
     format: tuple[int, StorageDtype, KVQuantization]  # version, dtype, quantization
     token_ids: Annotated[list[_Id], Field(min_length=1)]
     context_ids: list[_Id]
+    salt: Annotated[str, Field(max_length=128)] = ""  # the collection's KV salt (keys.py), part of the key
     shape: tuple[_Size, _Size, _Size]  # num_layers, num_kv_heads, head_dim
     checksums: list[_Crc]
     lowbit: str | None = None
@@ -235,7 +238,7 @@ def parse_header(head: bytes, total_bytes: int, expected_key: str, fingerprint: 
     if meta.key != expected_key:
         raise CorruptEntryError(f"entry holds key {meta.key[:16]!r}, expected {expected_key[:16]}")
     token_ids, context_ids = tuple(meta.token_ids), tuple(meta.context_ids)
-    if chunk_key(fingerprint, stored_fmt, token_ids, context_ids) != expected_key:  # content-addressed
+    if chunk_key(fingerprint, stored_fmt, token_ids, context_ids, meta.salt) != expected_key:  # content-addressed
         raise CorruptEntryError(f"entry's {len(token_ids)} token ids and context are not those of key "
                                 f"{expected_key[:16]}")
     stored_shape = tuple(meta.shape)
@@ -258,7 +261,7 @@ def parse_header(head: bytes, total_bytes: int, expected_key: str, fingerprint: 
                          for name, dtype_name, dims in layer) for layer in expected)
     return EntryHeader(
         expected_key, fingerprint, stored_fmt, token_ids, context_ids, shape.num_layers, shape.num_kv_heads,
-        shape.head_dim, ranges, tuple(meta.checksums), total_bytes, lowbit_spec,
+        shape.head_dim, ranges, tuple(meta.checksums), total_bytes, lowbit_spec, meta.salt,
     )
 
 
@@ -396,6 +399,11 @@ def decode_layer_encoded(header: EntryHeader, layer_idx: int, buffers: list) -> 
             kv = lowbit.decode_layer(_as_bytes(buffers[0]), *shape[1:], spec, dtype if is_pinned else _LOWBIT_READ_DTYPE)
         except ValueError as exc:  # checksum passed yet undecodable: written by a broken encoder
             raise CorruptEntryError(f"layer {layer_idx} of {header.key[:16]}: {exc}") from exc
+        if not is_pinned and dtype != kv.dtype:
+            # rounded to the storage dtype, in place: the same values a promoted copy of this layer holds in
+            # the memory tier (stored in `dtype`), so an answer does not change with the tier its KV came
+            # from (tests/test_server_batching.py). ~0.6 ms a layer of 3k tokens (SmolLM2), on the reader.
+            kv.copy_(kv.to(dtype))
         return StackedLayer(kv.pin_memory() if is_pinned else kv)
     if header.fmt.quantization is KVQuantization.INT8:
         q = _as_tensor(buffers[0], torch.int8).view(shape)
@@ -426,4 +434,4 @@ def decode(header: EntryHeader, read: Callable[[int, int], object]) -> ChunkKV:
         keys.append(k)
         values.append(v)
     # [L, H, n, D] each
-    return ChunkKV(header.token_ids, header.context_ids, torch.stack(keys), torch.stack(values))
+    return ChunkKV(header.token_ids, header.context_ids, torch.stack(keys), torch.stack(values), header.salt)

@@ -34,6 +34,11 @@ class StoreConfig:
         description="Device of the GPU tier: cuda or cuda:N; cpu for tests only, with an explicit "
         "max_gpu_bytes.")] = "cuda"
     max_memory_bytes: Annotated[int, Field(ge=0, description="Memory tier bound (LRU); 0 disables it.")] = 2 << 30
+    prefix_cache_bytes: Annotated[int, Field(
+        ge=0, description="Bound of the prefix cache: finished prompts' KV kept in memory, in the engine's dtype, "
+        "so that a prompt seen before (a repeated question, a chat's follow-up over the same documents) reuses "
+        "its longest kept prefix exactly and computes only the rest (LRU); 0 disables it. Apart from the memory "
+        "tier's bound. docs/design/kv-store.md#the-prefix-cache.")] = 1 << 30
     disk_enabled: Annotated[bool, Field(description="Keep chunk caches on disk (survives restarts).")] = True
     disk_dir: Annotated[Path | None, Field(description="Disk tier directory; default <data_dir>/kv.")] = None
     max_disk_bytes: Annotated[int, Field(ge=0, description="Disk tier bound (LRU by last use).")] = 20 << 30

@@ -182,7 +182,7 @@ class DiskBackend(Backend):
             layers = [reader.read_layer(layer_idx) for layer_idx in range(reader.header.num_layers)]
             keys = torch.stack([k for k, _ in layers])  # [L, H, n, D]
             values = torch.stack([v for _, v in layers])  # [L, H, n, D]
-            return ChunkKV(reader.header.token_ids, reader.header.context_ids, keys, values)
+            return ChunkKV(reader.header.token_ids, reader.header.context_ids, keys, values, reader.header.salt)
         except CorruptEntryError as exc:
             self.discard_corrupt(key, exc)
             self.counters.add(hits=-1)

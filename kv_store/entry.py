@@ -88,7 +88,7 @@ class OpenEntry(LayerReader):
             layers.append(unpacked(result))
         keys = torch.stack([k for k, _ in layers])  # [L, H, n, D]
         values = torch.stack([v for _, v in layers])  # [L, H, n, D]
-        return ChunkKV(self.info.token_ids, self.info.context_ids, keys, values)
+        return ChunkKV(self.info.token_ids, self.info.context_ids, keys, values, self.info.salt)
 
     def close(self) -> None:
         """A layer source is done with the entry: it stays open for `promote` (see `release`)."""

@@ -1,5 +1,8 @@
 """Content-addressed chunk keys: a hash of the chunk's tokens, the prefix it was computed behind,
-the model fingerprint and the storage format, so two models or two formats never share an entry."""
+the model fingerprint and the storage format, so two models or two formats never share an entry; and
+the salt of the collection the chunk belongs to, so two collections never share an entry either (unless
+both opt into sharing, with one common salt): a question can then never tell by its speed whether
+another collection holds a text (as vLLM's per-request `cache_salt`)."""
 
 from __future__ import annotations
 
@@ -34,12 +37,26 @@ def _ids_bytes(ids: Sequence[int]) -> bytes:
     return np.int64(array.size).tobytes() + array.tobytes()
 
 
-def chunk_key(fingerprint: str, fmt: StorageFormat, token_ids: Sequence[int], context_ids: Sequence[int]) -> str:
-    """Hex sha256 over fingerprint, storage format, context ids and token ids."""
+@dataclass(frozen=True)
+class KVScope:
+    """Whose KV an entry is: its collection's salt (part of the key), the collection it is accounted to
+    (`owner`, for the collection's share of the KV budget) and that collection's own budget. The default
+    is what a store without collections had: unsalted, unowned, the store's budget only."""
+
+    salt: str = ""
+    owner: str | None = None
+    budget_bytes: int | None = None
+
+
+def chunk_key(fingerprint: str, fmt: StorageFormat, token_ids: Sequence[int], context_ids: Sequence[int],
+              salt: str = "") -> str:
+    """Hex sha256 over fingerprint, storage format, salt, context ids and token ids. An empty salt hashes
+    as before salts existed (the default collection's entries keep their keys)."""
     if not fingerprint:
         raise ValueError("a model fingerprint is required to key chunk caches")
     digest = hashlib.sha256()
-    for part in (b"ragblend-kv", fingerprint.encode(), fmt.tag.encode()):
+    parts = (b"ragblend-kv", fingerprint.encode(), fmt.tag.encode()) + ((b"salt:" + salt.encode(),) if salt else ())
+    for part in parts:
         digest.update(np.int64(len(part)).tobytes() + part)
     digest.update(_ids_bytes(context_ids))
     digest.update(_ids_bytes(token_ids))

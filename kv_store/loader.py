@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from blend_engine.types import Segment
 from blend_engine.threads import lower_to_idle_priority, pin_one_thread
 from kv_store.backend import LayerReader, Tier
 from kv_store.codec import EncodedLayer
@@ -50,10 +51,18 @@ class StoredChunk:
     # The entry opened by `handle` (or the prefetch): its reader and the layers read so far, so the
     # request never opens or reads the entry again. None on the memory tier (reads are views).
     entry: OpenEntry | None = field(default=None, compare=False, repr=False)
+    salt: str = ""  # the collection's KV salt its key was made with (kv_store/keys.py)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+
+def handles_in(segments: Sequence[Segment]) -> list[StoredChunk]:
+    """The store handles among a prompt's segments, in prompt order: the order a layer source must load
+    them in (the engine takes its layers "for the non-ChunkKV segments, in prompt order"), which is not
+    the caller's chunk order when the prompt builder reorders chunks (ModelConfig.chunk_order)."""
+    return [s.kv for s in segments if isinstance(s.kv, StoredChunk)]
 
 
 @dataclass

@@ -58,7 +58,7 @@ def _stacked(kv: ChunkKV, dtype: torch.dtype, is_pinned: bool) -> ChunkKV:
     block = torch.empty((kv.keys.shape[0], 2, *kv.keys.shape[1:]), dtype=dtype, pin_memory=is_pinned)
     block[:, 0].copy_(kv.keys)
     block[:, 1].copy_(kv.values)
-    return ChunkKV(kv.token_ids, kv.context_ids, block[:, 0], block[:, 1])
+    return ChunkKV(kv.token_ids, kv.context_ids, block[:, 0], block[:, 1], kv.salt)
 
 
 class MemoryBackend(Backend):

@@ -11,6 +11,10 @@ a slow network tier) reusing can be slower than not loading at all, so the plann
 - `split` (as Cake, ICML'25): the first k chunks in prompt order computed as fresh tokens while the
   rear chunks' layers load, the rear blended; k is where the front's compute and the rear's load meet.
   A mixed plan chosen by position rather than by tier: it helps where every chunk is on one slow tier.
+- `prefix_cache`: where the prefix cache holds a prefix of the prompt (kv_store/prefix_cache.py), that
+  prefix's KV reused exactly and only the rest computed, through every layer; chosen whenever it is
+  predicted faster than the plan chosen otherwise (it reads no chunk, and what it reuses is a finished
+  prompt's own KV: at least as good as blending for the part it covers).
 
 Predictions come from a `CostModel` of the engine (fitted on measured prefills, refined by every
 answered request) and the tiers' measured throughput. Layer-pipelined, a plan's TTFT is the larger
@@ -41,6 +45,7 @@ class PlanKind(str, Enum):
     BLEND = "blend"
     MIXED = "mixed"
     SPLIT = "split"
+    PREFIX_CACHE = "prefix_cache"
 
 
 @dataclass(frozen=True)
@@ -129,6 +134,7 @@ class PlanRequest:
     first_reused_layer: int  # blend's first check layer: loads start there
     num_layers: int
     is_pipelined: bool = True  # the store streams layers while the engine computes
+    num_prefix_cached_tokens: int = 0  # the prompt's first tokens the prefix cache holds (0: none)
 
 
 class LoadPlanner:
@@ -162,11 +168,24 @@ class LoadPlanner:
         """The fastest plan; `is_blend_only` for an explicit blend. Reusing every chunk is the default:
         another plan must be predicted faster by more than `margin` (the cost model's own error) to
         replace it, so noise in the measurements does not flip plans."""
+        chosen = self._chunk_plan(request, throughput, is_blend_only)
+        return self.with_prefix_cache(request, chosen)
+
+    def with_prefix_cache(self, request: PlanRequest, chosen: LoadPlan) -> LoadPlan:
+        """The prefix cache's plan where the request has a cached prefix and it is predicted faster than
+        `chosen`, else `chosen`."""
+        if not request.num_prefix_cached_tokens:
+            return chosen
+        cached = self.prefix_cached(request)
+        return cached if cached.predicted_ttft_ms < chosen.predicted_ttft_ms else chosen
+
+    def _chunk_plan(self, request: PlanRequest, throughput: Mapping[Tier, float | None], is_blend_only: bool) -> LoadPlan:
+        """The fastest way to use the stored chunks (the prefix cache aside)."""
         tiers_fast_first = [t for t in Tier if any(c.tier == t for c in request.chunks)]
         default = self._reusing(request, frozenset(tiers_fast_first), throughput)
         if is_blend_only:
             return default
-        others = [self._full(request)]
+        others = [self.full(request)]
         others += [self._reusing(request, frozenset(tiers_fast_first[:k]), throughput)
                    for k in range(1, len(tiers_fast_first))]
         if len(request.chunks) > 1:
@@ -174,10 +193,20 @@ class LoadPlanner:
         best = min(others, key=lambda p: (round(p.predicted_ttft_ms, 3), -_quality_rank(p)))
         return best if best.predicted_ttft_ms < (1 - self.margin) * default.predicted_ttft_ms else default
 
-    def _full(self, request: PlanRequest) -> LoadPlan:
+    def full(self, request: PlanRequest) -> LoadPlan:
+        """Compute the whole prompt, loading nothing."""
         n = request.num_prompt_tokens
         compute = self.cost_model.seconds(PrefillShape(n, n, 0, 0.0))
         return LoadPlan(PlanKind.FULL, None, frozenset(), 0.0, compute * 1000)
+
+    def prefix_cached(self, request: PlanRequest) -> LoadPlan:
+        """Reuse the prefix cache's `num_prefix_cached_tokens` as they are, compute the rest through every
+        layer (what a reuse from layer 0 computes: the rest's tokens against the whole prompt)."""
+        n, m = request.num_prompt_tokens, request.num_prefix_cached_tokens
+        if not 0 < m < n:
+            raise ValueError(f"a cached prefix of {m} tokens leaves nothing or everything of {n} to compute")
+        compute = self.cost_model.seconds(PrefillShape(n, n - m, m, 1.0))
+        return LoadPlan(PlanKind.PREFIX_CACHE, None, frozenset(), 0.0, compute * 1000)
 
     def _best_split(self, request: PlanRequest, throughput: Mapping[Tier, float | None]) -> LoadPlan:
         """The split whose front compute and rear load meet: the lowest predicted TTFT over k (ties:

@@ -19,6 +19,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kv_store.admission import Admission
+from kv_store.keys import KVScope
 
 if TYPE_CHECKING:
     from blend_engine.kv import ChunkKV
@@ -90,16 +91,18 @@ class SingleFlight:
         self._kv_store, self._locks, self._on_outcome, self._max_poll_s = kv_store, locks, on_outcome, max_poll_s
 
     def ensure(self, key: str, compute: Callable[[], ChunkKV], reason: PrecomputeReason,
-               admission: Admission | None = None) -> PrecomputeOutcome:
-        """`admission`: the entry is offered to the collection's KV budget for this reason (written only
-        if admitted); None: written unconditionally."""
-        outcome = self._ensure(key, compute, is_waiting=reason is PrecomputeReason.INGEST, admission=admission)
+               admission: Admission | None = None, scope: KVScope = KVScope()) -> PrecomputeOutcome:
+        """`admission`: the entry is offered to the KV budget for this reason (written only if
+        admitted); None: written unconditionally. `scope`: the chunk's collection (its key's salt, its
+        own budget)."""
+        outcome = self._ensure(key, compute, is_waiting=reason is PrecomputeReason.INGEST, admission=admission,
+                               scope=scope)
         if self._on_outcome is not None:
             self._on_outcome(reason, outcome)
         return outcome
 
     def _ensure(self, key: str, compute: Callable[[], ChunkKV], is_waiting: bool,
-                admission: Admission | None) -> PrecomputeOutcome:
+                admission: Admission | None, scope: KVScope) -> PrecomputeOutcome:
         token = self._locks.acquire(key)
         if token is None:
             if not is_waiting:
@@ -111,9 +114,9 @@ class SingleFlight:
             if self._locks.is_shared and self._kv_store.readable_many([key])[0]:
                 return PrecomputeOutcome.FOUND  # computed by another replica just before we took the lock
             if admission is None:
-                self._kv_store.put(key, compute())
+                self._kv_store.put(key, compute(), scope.salt)
                 return PrecomputeOutcome.COMPUTED
-            is_written = self._kv_store.offer(key, compute(), admission)
+            is_written = self._kv_store.offer(key, compute(), admission, scope)
             return PrecomputeOutcome.COMPUTED if is_written else PrecomputeOutcome.NOT_ADMITTED
         finally:
             self._locks.release(key, token)

@@ -29,6 +29,7 @@ class StoreStats:
     tiers: dict[str, TierStats]
     num_recovered: int = 0  # entries damaged or lost mid-request, recomputed inline and put back
     budget: object | None = None  # kv_store.admission.BudgetStats: the collection's KV budget
+    prefix: object | None = None  # kv_store.prefix_cache.PrefixCacheStats: the prefix cache
 
 
 class TierCounters:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -27,10 +28,11 @@ from kv_store.codec import LOWBIT_SPECS, TORCH_DTYPES
 from kv_store.config import StoreConfig
 from kv_store.device import DeviceBackend, check_device, default_gpu_bytes
 from kv_store.disk import DiskBackend
-from kv_store.keys import chunk_key, is_valid_key
+from kv_store.keys import KVScope, chunk_key, is_valid_key
 from kv_store.loader import StoredChunk, StoreLayerSource
 from kv_store.memory import MemoryBackend
 from kv_store.planner import LoadPlan, LoadPlanner, PlanRequest
+from kv_store.prefix_cache import PrefixCache
 from kv_store.stats import StoreStats
 from kv_store.streaming import RecomputeFn, StoreStreaming
 from kv_store.throttle import ThrottledBackend
@@ -79,7 +81,11 @@ class KVStore:
         self.admission = self._admission(config) if self._budgeted is not None else None
         self._backends = [self._throttled(b) for b in self._backends]
         self.planner = LoadPlanner(config.min_recompute_ratio, config.max_recompute_ratio)
-        self._streaming = StoreStreaming(self._backends, config, self.put, self.get, self.backend, engine_device_type)
+        # finished prompts' KV (the executor the server builds keeps them here; the writers invalidate)
+        self.prompts: PrefixCache = PrefixCache(config.prefix_cache_bytes)
+        # a chunk recomputed mid-request is put back under its own key (its salt read from its header)
+        self._streaming = StoreStreaming(self._backends, config, lambda key, kv: self.put(key, kv, kv.salt), self.get,
+                                         self.backend, engine_device_type)
         self._prefetcher = self._streaming.prefetcher
 
     def _disk_holds_entries(self) -> bool:
@@ -120,8 +126,9 @@ class KVStore:
                 return b
         raise KeyError(f"tier {tier.value} is not configured")
 
-    def key_for(self, token_ids: Sequence[int], context_ids: Sequence[int] = ()) -> str:
-        return chunk_key(self.fingerprint, self.config.remote_format, token_ids, context_ids)
+    def key_for(self, token_ids: Sequence[int], context_ids: Sequence[int] = (), salt: str = "") -> str:
+        """The entry's key for a chunk of a collection with this KV salt (kv_store/keys.py)."""
+        return chunk_key(self.fingerprint, self.config.remote_format, token_ids, context_ids, salt)
 
     # --- whole entries ----------------------------------------------------------------------------
     def get(self, key: str) -> ChunkKV | None:
@@ -151,32 +158,35 @@ class KVStore:
                         faster.put(key, kv)
         return [found.get(key) for key in keys]
 
-    def put(self, key: str, kv: ChunkKV) -> None:
+    def put(self, key: str, kv: ChunkKV, salt: str = "") -> None:
         """Write to every tier in `write_tiers`, unconditionally (see `offer` for the budgeted write)."""
-        self._put_to(key, kv, set(self.config.write_tiers))
+        self._put_to(key, kv, set(self.config.write_tiers), KVScope(salt))
 
-    def offer(self, key: str, kv: ChunkKV, why: Admission) -> bool:
+    def offer(self, key: str, kv: ChunkKV, why: Admission, scope: KVScope = KVScope()) -> bool:
         """Write `kv` if the collection's budget admits it (see admission.py); True when written.
 
         A precomputed entry (ingestion) goes to the tiers below memory only: the memory tier fills
         on use (promote after an answer, prefetch). Unbudgeted (`budgeted: false`) every entry
         is written as `put` writes it."""
         if self.admission is None or not self.config.budgeted:
-            self.put(key, kv)
+            self._put_to(key, kv, set(self.config.write_tiers), scope)
             return True
         num_bytes = self.admission.estimated_bytes(kv.num_tokens) or 0
-        if not self.admission.admits(key, num_bytes, why):
+        victims = self.admission.decide(key, num_bytes, why, scope=scope)
+        if victims is None:
             return False
-        self._put_to(key, kv, self._offer_tiers(why))
+        for victim in victims:  # the collection's own lower-scored entries, to stay within its own budget
+            self._budgeted.delete(victim)
+        self._put_to(key, kv, self._offer_tiers(why), scope)
         return True
 
-    def should_compute(self, key: str, num_tokens: int, why: Admission) -> bool:
+    def should_compute(self, key: str, num_tokens: int, why: Admission, scope: KVScope = KVScope()) -> bool:
         """Whether an entry of `num_tokens` would be admitted, asked before computing it (yes while its
         size is unknown: no entry written yet). A no is counted as a rejection; `offer` decides for good."""
         if self.admission is None or not self.config.budgeted:
             return True
         num_bytes = self.admission.estimated_bytes(num_tokens)
-        return num_bytes is None or self.admission.admits(key, num_bytes, why, is_final=False)
+        return num_bytes is None or self.admission.admits(key, num_bytes, why, is_final=False, scope=scope)
 
     def _offer_tiers(self, why: Admission) -> set[Tier]:
         tiers = set(self.config.write_tiers)
@@ -184,12 +194,14 @@ class KVStore:
             tiers -= {Tier.GPU, Tier.MEMORY}
         return tiers
 
-    def _put_to(self, key: str, kv: ChunkKV, tiers: set[Tier]) -> None:
+    def _put_to(self, key: str, kv: ChunkKV, tiers: set[Tier], scope: KVScope) -> None:
         self._check_key(key)
         if kv.num_tokens == 0:
             raise ValueError("cannot store an empty chunk")
-        if key != self.key_for(kv.token_ids, kv.context_ids):
-            raise ValueError(f"key {key[:16]} is not this chunk's key (see key_for)")
+        if key != self.key_for(kv.token_ids, kv.context_ids, scope.salt):
+            raise ValueError(f"key {key[:16]} is not this chunk's key under its collection's salt (see key_for)")
+        if kv.salt != scope.salt:  # recorded in the stored entry, so a reader can check its key
+            kv = replace(kv, salt=scope.salt)
         if kv.shape != self.shape:
             raise ValueError(f"a chunk of KV shape {kv.shape} in a store of the model's {self.shape}")
         for b in self._backends:
@@ -201,6 +213,11 @@ class KVStore:
             size = self._budgeted.sizes_of([key])[0]
             if size is not None:
                 self.admission.observe_written(kv.num_tokens, size)
+                self.admission.note_owner(key, scope.owner)
+
+    def owner_bytes(self, owner: str) -> int | None:
+        """Bytes of the budgeted tier's entries accounted to collection `owner` (None: no budgeted tier)."""
+        return self.admission.owner_bytes(owner) if self.admission is not None else None
 
     def entry_bytes(self, keys: Sequence[str]) -> list[int | None]:
         """Each key's bytes in the budgeted tier (its index: no I/O), None where it holds none."""
@@ -292,9 +309,11 @@ class KVStore:
             tiers=tiers,
             num_recovered=self._streaming.num_recovered,
             budget=self.budget_stats(),
+            prefix=self.prompts.stats(),
         )
 
     def close(self) -> None:
+        self.prompts.clear()
         if self._prefetcher is not None:
             self._prefetcher.close()
         for b in self._backends:

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import torch
@@ -133,7 +134,7 @@ class StoreStreaming:
                     return reader
         if recompute is None:
             raise EntryLostError(f"chunk {h.key[:16]} failed ({exc}) and no recompute function was given")
-        kv = recompute(h.token_ids, h.context_ids)
+        kv = replace(recompute(h.token_ids, h.context_ids), salt=h.salt)  # under the key it was stored with
         self._put(h.key, kv)  # heal the store for the next request
         with self._lock:
             self._num_recovered += 1
@@ -185,4 +186,5 @@ class StoreStreaming:
 
 
 def _stored(info: ChunkInfo, tier: Tier, entry: OpenEntry | None = None) -> StoredChunk:
-    return StoredChunk(info.key, tier, info.token_ids, info.context_ids, info.num_layers, info.layer_nbytes, entry)
+    return StoredChunk(info.key, tier, info.token_ids, info.context_ids, info.num_layers, info.layer_nbytes, entry,
+                       info.salt)

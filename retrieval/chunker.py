@@ -1,4 +1,14 @@
-"""Split a document into chunks of the LLM's tokens, cut at paragraph or sentence boundaries."""
+"""Split a document into chunks of the LLM's tokens.
+
+Two ways (`retrieval.chunking`):
+- `tokens`: greedy packing of sentences, cut at paragraph or sentence boundaries, with overlap;
+- `structure`: the document's own blocks, packed whole while they fit. A page break (form feed, which
+  PDF extraction puts between pages) is never crossed, so a PDF chunk's page is exact; a heading (a
+  Markdown `#` line, or a man page's ALL-CAPS section line in text) starts a chunk unless the chunk
+  before it is still under a quarter full; blank lines separate blocks (a paragraph, or a configuration
+  file's comment with its settings), which stay whole when they fit; only a block longer than a chunk
+  is cut, by sentences (with overlap), then by tokens. Every chunk is a slice of the document's text.
+"""
 
 from __future__ import annotations
 
@@ -11,14 +21,25 @@ from configs.enums import ChunkingMode
 Tokenize = Callable[[str], list[int]]
 Detokenize = Callable[[list[int]], str]
 
+PAGE_BREAK = "\f"  # between the pages of an extracted PDF (app/extract/dispatch.py)
 # A paragraph break, or a sentence end followed by whitespace.
 _PIECE_END = re.compile(r"\n\s*\n|(?<=[.!?])\s+")
+_BLANK_LINE = re.compile(r"\n[ \t\r\v]*\n")
+_MARKDOWN_HEADING = re.compile(r"^(#{1,6})[ \t]+\S")
+_FENCE = re.compile(r"^[ \t]{0,3}(```|~~~)")
+# A man page's or a manual's section line: capitals (and digits, spaces, a little punctuation) alone on a
+# line, e.g. "DESCRIPTION", "EXIT STATUS", "SEE ALSO". A configuration line (KEY=value) has '=' or ':'.
+_CAPS_HEADING = re.compile(r"^[A-Z][A-Z0-9 &/(),'-]{2,48}$")
+# A section smaller than this share of a chunk does not end its chunk at the next heading: man pages'
+# NAME and SYNOPSIS are a line or two each, and a chunk per line would cost a KV entry per line.
+_MIN_FILL = 4
 
 
 @dataclass(frozen=True)
 class TextChunk:
     text: str
     token_ids: tuple[int, ...]
+    page: int | None = None  # `structure`: the 0-based page (text between page breaks) holding the chunk
 
     @property
     def num_tokens(self) -> int:
@@ -31,10 +52,20 @@ class _Piece:
     num_tokens: int
 
 
+@dataclass(frozen=True)
+class _Block:
+    """A unit `structure` chunking keeps whole: a paragraph, a config block, a heading line; a slice of
+    its page's text, without the white space around it."""
+
+    start: int
+    end: int
+    heading_level: int | None  # a heading: 1 (highest) to 6 (a man page's section line: 1); None: body text
+
+
 class Chunker:
-    """Greedy packing of sentences into chunks of at most `max_tokens`, with `num_overlap_tokens` of
-    trailing sentences repeated at the start of the next chunk. A sentence longer than a chunk is
-    cut at token boundaries."""
+    """Chunks of at most `max_tokens` (a sentence or block is measured alone, so a chunk can exceed it
+    by the token or two its joins make), with `num_overlap_tokens` of trailing sentences repeated at the
+    start of the next chunk where a text is cut mid-paragraph."""
 
     def __init__(self, tokenize: Tokenize, detokenize: Detokenize, max_tokens: int = 384, num_overlap_tokens: int = 32):
         if max_tokens < 1:
@@ -44,16 +75,21 @@ class Chunker:
         self._tokenize, self._detokenize = tokenize, detokenize
         self.max_tokens, self.num_overlap_tokens = max_tokens, num_overlap_tokens
 
-    def split(self, text: str, mode: ChunkingMode = ChunkingMode.TOKENS) -> list[TextChunk]:
-        text = text.strip()
-        if not text:
+    def split(self, text: str, mode: ChunkingMode = ChunkingMode.TOKENS, is_markdown: bool = False) -> list[TextChunk]:
+        """`is_markdown`: `#` lines are headings (Markdown, and the Markdown-like text DOCX and HTML
+        extraction make); else `#` lines are comments (configuration files, scripts)."""
+        if not text.strip():
             return []
+        if mode is ChunkingMode.STRUCTURE:  # pages counted before any stripping: an empty page is a page
+            return [self._chunk(group, number) for number, page in enumerate(text.split(PAGE_BREAK))
+                    for group in self._pack_blocks(page, _blocks(page, is_markdown))]
+        text = text.strip()
         if mode is ChunkingMode.NONE:
             return [self._chunk(text)]
         return [self._chunk(group) for group in self._pack(self._pieces(text))]
 
-    def _chunk(self, text: str) -> TextChunk:
-        return TextChunk(text=text, token_ids=tuple(self._tokenize(text)))
+    def _chunk(self, text: str, page: int | None = None) -> TextChunk:
+        return TextChunk(text=text, token_ids=tuple(self._tokenize(text)), page=page)
 
     def _pieces(self, text: str) -> list[_Piece]:
         pieces: list[_Piece] = []
@@ -89,6 +125,93 @@ class Chunker:
                 break
             kept.insert(0, piece)
         return kept
+
+    def _pack_blocks(self, text: str, blocks: list[_Block]) -> list[str]:
+        """`text`'s blocks packed whole, in order, each chunk the slice of `text` from its first block to
+        its last: a chunk ends before a block that does not fit, and before a heading once it holds a
+        quarter of a chunk (smaller sections share a chunk with what follows). A heading never ends a
+        chunk: it moves on with what follows it."""
+        groups: list[str] = []
+        current: list[tuple[_Block, int]] = []  # (block, its tokens with the blank line after it)
+
+        def emit(part: list[tuple[_Block, int]]) -> None:
+            if part:
+                groups.append(text[part[0][0].start : part[-1][0].end])
+
+        def flush() -> list[tuple[_Block, int]]:
+            """Emit the current chunk without its trailing headings, which are returned (they go on)."""
+            cut = len(current)
+            while cut and current[cut - 1][0].heading_level is not None:
+                cut -= 1
+            emit(current[:cut])
+            return current[cut:]
+
+        for block in blocks:
+            num_tokens = len(self._tokenize(text[block.start : block.end] + "\n\n"))
+            used = sum(n for _, n in current)
+            has_body = any(b.heading_level is None for b, _ in current)
+            if block.heading_level is not None and has_body and used * _MIN_FILL >= self.max_tokens:
+                current = flush()
+                used = sum(n for _, n in current)
+            if num_tokens > self.max_tokens:  # cut by sentences, its headings leading the first part
+                headings = flush()
+                start = headings[0][0].start if headings else block.start
+                groups += self._pack(self._pieces(text[start : block.end]))
+                current = []
+                continue
+            if current and used + num_tokens > self.max_tokens:
+                current = flush()
+            current.append((block, num_tokens))
+        emit(current)
+        return groups
+
+
+def _blocks(text: str, is_markdown: bool) -> list[_Block]:
+    """The text's blocks in order, each a slice of `text` without its surrounding white space:
+    separated by blank lines; a heading line is a block of its own. Markdown's fenced code is body text
+    whatever its lines look like (a `#` comment, blank lines)."""
+    blocks: list[_Block] = []
+    body_start: int | None = None  # where the open body block starts
+    body_end = 0
+    is_fenced = False
+
+    def close() -> None:
+        nonlocal body_start
+        if body_start is not None:
+            blocks.append(_Block(body_start, body_end, None))
+        body_start = None
+
+    offset = 0
+    for line in text.split("\n"):
+        line_start, line_end = offset, offset + len(line)
+        offset = line_end + 1
+        stripped = line.strip()
+        is_fence = is_markdown and _FENCE.match(line) is not None
+        if not is_fenced and not is_fence:
+            if not stripped:
+                close()
+                continue
+            level = _heading_level(stripped, is_markdown)
+            if level is not None:
+                close()
+                lead = len(line) - len(line.lstrip())
+                blocks.append(_Block(line_start + lead, line_start + lead + len(stripped), level))
+                continue
+        if is_fence:
+            is_fenced = not is_fenced
+        if body_start is None:
+            body_start = line_start + len(line) - len(line.lstrip())
+        body_end = line_start + len(line.rstrip())
+    close()
+    return blocks
+
+
+def _heading_level(line: str, is_markdown: bool) -> int | None:
+    """`line`: stripped."""
+    if is_markdown:
+        match = _MARKDOWN_HEADING.match(line)
+        return len(match.group(1)) if match else None
+    return 1 if _CAPS_HEADING.match(line) else None
 
 
 def _split_keep_ends(text: str) -> list[str]:

@@ -8,7 +8,7 @@ from typing import Annotated
 from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass
 
-from configs.enums import ChunkingMode, IndexKind
+from configs.enums import ChunkingMode, IndexKind, RetrievalMode
 
 _CONFIG = ConfigDict(extra="forbid", validate_default=True)
 
@@ -17,12 +17,36 @@ _CONFIG = ConfigDict(extra="forbid", validate_default=True)
 class RetrievalConfig:
     embedder: Annotated[str, Field(
         description="'all-minilm-l6-v2' (packaged) or a local model dir.")] = "all-minilm-l6-v2"
-    chunking: Annotated[ChunkingMode, Field(description="Default chunking of ingested documents.")] = ChunkingMode.TOKENS
-    chunk_tokens: Annotated[int, Field(ge=16, le=4096, description="Target chunk size in LLM tokens.")] = 384
+    chunking: Annotated[ChunkingMode, Field(description="Default chunking of ingested documents: structure (the document's blocks, "
+        "headings and pages), tokens (sentences) or none (one passage, one chunk).")] = ChunkingMode.STRUCTURE
+    chunk_tokens: Annotated[int, Field(ge=16, le=4096, description="Target chunk size in LLM tokens (docs/decisions/0022).")] = 192
     chunk_overlap: Annotated[int, Field(ge=0, le=1024, description="Tokens shared by consecutive chunks.")] = 32
     index: Annotated[IndexKind, Field(description="flat (exact) or hnsw (approximate).")] = IndexKind.FLAT
     hnsw_m: Annotated[int, Field(ge=4, le=128, description="HNSW graph degree.")] = 32
-    top_k: Annotated[int, Field(ge=1, le=100, description="Default number of retrieved chunks.")] = 5
+    top_k: Annotated[int, Field(ge=1, le=100, description="Default number of retrieved chunks.")] = 3
+    mode: Annotated[RetrievalMode, Field(
+        description="How chunks are ranked: dense (the embedder's cosine similarity) | lexical (the store's "
+        "full-text index: SQLite FTS5, Postgres tsvector) | hybrid (both, fused by reciprocal rank); a request's "
+        "`retrieval` field overrides it. Design: docs/design/retrieval.md.")] = RetrievalMode.HYBRID
+    num_candidates: Annotated[int, Field(
+        ge=1, le=1000, description="Hybrid: chunks each ranking (dense, lexical) offers the fusion (at least "
+        "top_k).")] = 20
+    rrf_k: Annotated[int, Field(
+        ge=1, le=1000, description="Hybrid: the reciprocal rank fusion's constant k (a chunk scores the sum of "
+        "1 / (k + its rank) over the rankings).")] = 60
+    min_score: Annotated[float, Field(
+        ge=-1.0, le=1.0, description="Relevance floor: when no retrieved chunk's cosine similarity to the question "
+        "reaches this, nothing stored is relevant and the answer is not_found_answer, with no sources (the "
+        "model is not asked). -1: off.")] = 0.35
+    score_margin: Annotated[float, Field(
+        ge=0.0, le=2.0, description="Relevance floor: retrieved chunks whose cosine similarity is more than this "
+        "below the best one's are left out of the prompt. 2: off.")] = 0.15
+    not_found_answer: Annotated[str, Field(
+        min_length=1, description="The answer when nothing stored is relevant to the question (min_score).")] = (
+        "I could not find this in the documents.")
+    context_tokens: Annotated[int, Field(
+        ge=0, description="Most tokens of retrieved chunks one prompt holds: the lowest-ranked chunks past it are "
+        "left out (the best one is always kept). 0: as many as the model's context allows.")] = 0
     embed_batch_size: Annotated[int, Field(ge=1, le=1024, description="Sentences per embedding batch.")] = 32
     max_inline_kv_chars: Annotated[int, Field(
         ge=0, description="Documents up to this size get their chunks' KV precomputed before the ingest answers; "

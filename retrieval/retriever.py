@@ -10,11 +10,13 @@ from typing import Sequence
 
 import numpy as np
 
+from configs.enums import RetrievalMode
 from retrieval.config import RetrievalConfig
 from retrieval.doc_store import SqliteDocumentStore
 from retrieval.store_types import DocumentStore, StoredChunk
 from retrieval.embedder import Embedder
-from retrieval.index import VectorIndex
+from retrieval.index import CollectionIndexes
+from retrieval.lexical import reciprocal_rank_fusion
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +37,26 @@ class Reconciliation:
 @dataclass(frozen=True)
 class ScoredChunk:
     chunk: StoredChunk
-    score: float | None  # cosine similarity; None when the chunk was named, not retrieved
+    score: float | None  # cosine similarity to the question; None when the chunk was named, not retrieved
+    rank_score: float | None = None  # what ranked it: the cosine (dense), BM25 / ts_rank_cd (lexical), RRF (hybrid)
+
+
+@dataclass(frozen=True)
+class RelevanceFloor:
+    """Which retrieved chunks count as relevant, by their cosine similarity to the question: none when
+    the best is below `min_score` (the question is about nothing stored), else those within `margin`
+    of the best."""
+
+    min_score: float
+    margin: float
+
+    def apply(self, scored: Sequence[ScoredChunk]) -> list[ScoredChunk]:
+        """The relevant chunks, in their order."""
+        scores = [s.score for s in scored if s.score is not None]
+        if not scores or max(scores) < self.min_score:
+            return []
+        floor = max(self.min_score, max(scores) - self.margin)
+        return [s for s in scored if s.score is not None and s.score >= floor]
 
 
 @dataclass(frozen=True)
@@ -49,7 +70,7 @@ class CatchUp:
 
 
 class Retriever:
-    def __init__(self, embedder: Embedder, index: VectorIndex, store: DocumentStore):
+    def __init__(self, embedder: Embedder, index: CollectionIndexes, store: DocumentStore):
         self.embedder, self.index, self.store = embedder, index, store
         # follow() (this process's writes) and catch_up() (other replicas') each read then change the
         # index: one at a time, or a chunk could be added twice.
@@ -58,12 +79,14 @@ class Retriever:
 
     @classmethod
     def open(cls, data_dir: Path, settings: RetrievalConfig, store: DocumentStore | None = None) -> Retriever:
-        """Open the store (default: SQLite under `data_dir`) and the index under `data_dir`; reconcile
-        the index with the store by id sets (rebuilt if stale or unreadable)."""
+        """Open the store (default: SQLite under `data_dir`) and the collections' indexes under
+        `data_dir/index/`; reconcile them with the store by id sets (rebuilt if stale or unreadable). A
+        data directory's single `index.faiss` from before collections becomes the default collection's."""
         embedder = Embedder.from_name(settings.embedder, batch_size=settings.embed_batch_size)
         store = store if store is not None else SqliteDocumentStore(data_dir / "documents.sqlite3")
         try:
-            index = VectorIndex.load_or_create(data_dir / "index.faiss", embedder.dim, settings.index, settings.hnsw_m)
+            index = CollectionIndexes.load_or_create(data_dir / "index", embedder.dim, settings.index, settings.hnsw_m,
+                                                     legacy_path=data_dir / "index.faiss")
             retriever = cls(embedder, index, store)
             retriever.seq = store.change_seq()  # before reading the id sets: a later commit is caught up
             retriever.reconcile()
@@ -99,44 +122,68 @@ class Retriever:
             if dead:
                 self.index.remove(dead)
             if missing:
-                self.index.add(*self.store.embeddings_of(missing))
+                self.index.add(*self.store.embeddings_of(missing))  # each into its collection's index
             result = Reconciliation(len(missing), len(dead))
         self.index.save()
         return result
 
-    def search(self, question: str, top_k: int) -> list[ScoredChunk]:
-        vector = self.embedder.encode([question])[0]
-        hits = self.index.search(vector, top_k)
-        chunks = self.store.chunks_by_row_ids([h.row_id for h in hits])
-        return [ScoredChunk(chunks[h.row_id], h.score) for h in hits if h.row_id in chunks]
+    def search(self, question: str, top_k: int, collections: Sequence[str], mode: RetrievalMode = RetrievalMode.DENSE,
+               num_candidates: int = 0, rrf_k: int = 60, vector: np.ndarray | None = None) -> list[ScoredChunk]:
+        """The `top_k` best chunks of `collections` for `question`, best first, each with its cosine
+        similarity to it. Hybrid fuses the dense and the lexical rankings, each `num_candidates` deep (at
+        least top_k), by reciprocal rank with constant `rrf_k`. `vector`: the question's embedding, if
+        already made."""
+        vector = self.embedder.encode([question])[0] if vector is None else vector
+        depth = max(top_k, num_candidates) if mode is RetrievalMode.HYBRID else top_k
+        dense: list[tuple[int, float]] = []
+        lexical: list[tuple[int, float]] = []
+        if mode is not RetrievalMode.LEXICAL:
+            dense = [(h.row_id, h.score) for h in self.index.search(vector, depth, collections)]
+        if mode is not RetrievalMode.DENSE:
+            lexical = self.store.lexical_search(question, depth, collections)
+        if mode is RetrievalMode.HYBRID:
+            ranked = reciprocal_rank_fusion([[i for i, _ in dense], [i for i, _ in lexical]], rrf_k)[:top_k]
+        else:
+            ranked = (dense or lexical)[:top_k]
+        row_ids = [row_id for row_id, _ in ranked]
+        chunks = self.store.chunks_by_row_ids(row_ids)
+        cosines = dict(dense)
+        unscored = [i for i in row_ids if i not in cosines]
+        if unscored:  # lexical hits the dense ranking did not reach: their cosine from the stored embedding
+            batch = self.store.embeddings_of(unscored)
+            cosines.update(zip(batch.row_ids.tolist(), (batch.vectors @ vector).tolist() if len(batch.row_ids) else []))
+        allowed = set(collections)  # the store's word, not the index's, on where a chunk lives
+        return [ScoredChunk(chunks[i], cosines.get(i), rank_score) for i, rank_score in ranked
+                if i in chunks and chunks[i].collection in allowed]
 
-    def named(self, chunk_ids: Sequence[str]) -> tuple[list[ScoredChunk], list[str]]:
-        """The chunks with these ids in this order, and the ids that do not exist."""
-        found = self.store.chunks_by_ids(chunk_ids)
+    def named(self, chunk_ids: Sequence[str], collections: Sequence[str]) -> tuple[list[ScoredChunk], list[str]]:
+        """The chunks of `collections` with these ids in this order, and the ids that are not there
+        (none such, or in another collection: the two read alike)."""
+        found = self.store.chunks_by_ids(chunk_ids, collections)
         missing = [cid for cid in chunk_ids if cid not in found]
         return [ScoredChunk(found[cid], None) for cid in chunk_ids if cid in found], missing
 
     def follow(
-        self, removed: Sequence[StoredChunk], added_row_ids: Sequence[int], added_vectors: Sequence[np.ndarray]
+        self, removed: Sequence[StoredChunk], added: Sequence[StoredChunk], added_vectors: Sequence[np.ndarray]
     ) -> None:
-        """Make the index follow a committed store write: drop `removed` chunks, add the new ones."""
+        """Make the index follow a committed store write: drop `removed` chunks, add the `added` ones
+        (with their embeddings `added_vectors`), each in its collection's index."""
         with self._follow_lock:
-            self._follow(removed, added_row_ids, added_vectors)
+            self._follow(removed, added, added_vectors)
 
     def _follow(
-        self, removed: Sequence[StoredChunk], added_row_ids: Sequence[int], added_vectors: Sequence[np.ndarray]
+        self, removed: Sequence[StoredChunk], added: Sequence[StoredChunk], added_vectors: Sequence[np.ndarray]
     ) -> None:
         indexed = set(self.index.ids().tolist())  # a replica's catch-up may have added them already
-        keep = [(i, v) for i, v in zip(added_row_ids, added_vectors) if int(i) not in indexed]
-        added_row_ids, added_vectors = [i for i, _ in keep], [v for _, v in keep]
+        keep = [(c, v) for c, v in zip(added, added_vectors) if c.row_id not in indexed]
         removed = [c for c in removed if c.row_id in indexed]
-        if removed and not self.index.supports_remove:
-            self.index.rebuild(self.store.iter_embeddings())  # the store already holds the new chunks
-            return
-        if removed:
+        if removed and not self.index.supports_remove:  # the store already holds the new chunks
+            self.index.rebuild(self.store.iter_embeddings(), collections={c.collection for c in removed})
+            keep = [(c, v) for c, v in keep if c.collection not in {r.collection for r in removed}]
+        elif removed:
             self.index.remove(c.row_id for c in removed)
-        if len(added_row_ids):
-            self.index.add(np.asarray(added_row_ids, dtype=np.int64), np.stack(list(added_vectors)))
+        if keep:
+            self.index.add([c.row_id for c, _ in keep], np.stack([v for _, v in keep]), [c.collection for c, _ in keep])
 
     def catch_up(self) -> CatchUp:
         """Make the index follow the commits other replicas made to a shared store since `self.seq`:
@@ -153,7 +200,7 @@ class Retriever:
                 self.seq = changes.seq
                 return CatchUp(self.seq)
             indexed = set(self.index.ids().tolist()) & changes.row_ids
-            live_ids, live_vectors = self.store.embeddings_of(sorted(changes.row_ids))
+            live_ids, live_vectors, live_collections = self.store.embeddings_of(sorted(changes.row_ids))
             live = set(live_ids.tolist())
             dead, keep = indexed - live, [n for n, i in enumerate(live_ids.tolist()) if i not in indexed]
             if dead and not self.index.supports_remove:
@@ -162,7 +209,7 @@ class Retriever:
                 if dead:
                     self.index.remove(sorted(dead))
                 if keep:
-                    self.index.add(live_ids[keep], live_vectors[keep])
+                    self.index.add(live_ids[keep], live_vectors[keep], [live_collections[n] for n in keep])
             self.seq = changes.seq
             return CatchUp(self.seq, len(keep), len(dead))
 

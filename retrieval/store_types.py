@@ -4,14 +4,76 @@ embedded in one process: retrieval/doc_store.py; Postgres shared by replicas: re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
+from typing import Any, Iterator, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import numpy as np
+
+# Every document belongs to exactly one collection (a knowledge base); documents sent without one, and
+# every document of a store made before collections, are in this one. It cannot be deleted.
+DEFAULT_COLLECTION = "default"
+# No '/' (chunk ids join the collection and the document id with it) and no ':' (a model name picks a
+# collection as `<model>:<collection>`): a name is also a file name (its vector index's).
+COLLECTION_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
 
 class StoreUnavailableError(RuntimeError):
     """The document store's server cannot be reached (Postgres down or restarting): nothing was
     written by the failed call; the request may be retried (the API answers 503)."""
+
+
+class CollectionNotFoundError(LookupError):
+    """The collection a write names does not exist (deleted meanwhile, perhaps through another replica):
+    nothing was written."""
+
+
+class CollectionExistsError(ValueError):
+    """A collection (or key id) of that name exists already: nothing was written."""
+
+
+def chunk_id_of(collection: str, doc_id: str, position: int) -> str:
+    """A chunk's id, unique across collections: `doc#3` in the default collection (as before
+    collections, so ids of an upgraded store stay valid), `hr/doc#3` in the others."""
+    return f"{doc_id}#{position}" if collection == DEFAULT_COLLECTION else f"{collection}/{doc_id}#{position}"
+
+
+@dataclass(frozen=True)
+class CollectionRow:
+    """A collection as stored. `kv_salt` is part of its chunks' KV keys (kv_store/keys.py), so the same
+    text in two collections is two entries and no collection can tell by timing what another caches;
+    collections that share KV (`shares_kv`) have one common salt."""
+
+    name: str
+    description: str
+    created_at: float
+    kv_salt: str
+    shares_kv: bool = False
+    kv_budget_bytes: int | None = None  # its own KV budget in the budgeted tier (None: the store's only)
+
+
+@dataclass(frozen=True)
+class CollectionCounts:
+    num_documents: int = 0
+    num_chunks: int = 0
+    num_tokens: int = 0  # over every chunk (overlaps counted in each chunk)
+
+
+@dataclass(frozen=True)
+class KeyRow:
+    """An API key as stored: the sha256 of its token, never the token."""
+
+    id: str
+    name: str
+    token_hash: str
+    role: str  # read, write or admin (app/auth/principal.py: Role)
+    collections: tuple[str, ...]
+    created_at: float
+    revoked_at: float | None = None
+
+
+class EmbeddingBatch(NamedTuple):
+    row_ids: np.ndarray  # [n] int64
+    vectors: np.ndarray  # [n, dim] float32
+    collections: tuple[str, ...]  # [n]: each chunk's collection (its vector index)
 
 
 @dataclass(frozen=True)
@@ -33,6 +95,7 @@ class StoredChunk:
     kv_key: str | None
     title: str | None = None
     pages: tuple[int, int] | None = None  # PDFs: the first and last page the chunk's text is on
+    collection: str = DEFAULT_COLLECTION
 
     @property
     def num_tokens(self) -> int:
@@ -46,6 +109,7 @@ class DocumentSummaryRow:
     num_chunks: int
     num_chars: int
     created_at: float
+    collection: str = DEFAULT_COLLECTION
 
 
 @dataclass(frozen=True)
@@ -56,6 +120,7 @@ class StoredDocument:
     num_chars: int
     created_at: float
     chunks: list[StoredChunk] = field(default_factory=list)
+    collection: str = DEFAULT_COLLECTION
 
 
 @dataclass(frozen=True)
@@ -73,7 +138,7 @@ class PutResult:
 class ExportedDocument:
     """A whole document with its chunks' embeddings: what copying one store into another needs."""
 
-    document: StoredDocument
+    document: StoredDocument  # its collection: document.collection
     content_hash: str | None
     chunks: list[NewChunk]
 
@@ -90,9 +155,11 @@ class Changes:
 
 @runtime_checkable
 class DocumentStore(Protocol):
-    """Documents and their chunks (text, token ids, KV key, embedding). Every write is one
-    transaction (the commit point of a document); chunk row ids (the vector index's ids) are never
-    reused. Thread-safe."""
+    """Collections, their documents and chunks (text, token ids, KV key, embedding), and API keys.
+    Every write is one transaction (the commit point of a document, or of a whole collection's
+    deletion); chunk row ids (the vector index's ids) are never reused. A document is identified by
+    its collection and its id. Thread-safe. The schema carries a version; opening an older store
+    migrates it in place (each store's numbered `_MIGRATIONS`)."""
 
     @property
     def is_shared(self) -> bool:
@@ -101,30 +168,45 @@ class DocumentStore(Protocol):
 
     def close(self) -> None: ...
 
+    # --- documents ---------------------------------------------------------------------------------
     def put_document(
         self, doc_id: str, title: str | None, metadata: dict[str, Any], num_chars: int, chunks: Sequence[NewChunk],
-        content_hash: str | None = None,
+        content_hash: str | None = None, collection: str = DEFAULT_COLLECTION,
     ) -> PutResult:
         """Insert (or replace) a document and its chunks in one transaction: after a crash either the
         old or the new version is stored, never a mix. When `content_hash` is given and already
-        stored for `doc_id`, nothing is written (`is_unchanged`)."""
+        stored for `doc_id`, nothing is written (`is_unchanged`). CollectionNotFoundError when the
+        collection does not exist."""
         ...
 
-    def delete_document(self, doc_id: str) -> list[StoredChunk] | None:
+    def delete_document(self, doc_id: str, collection: str = DEFAULT_COLLECTION) -> list[StoredChunk] | None:
         """Delete a document; returns its chunks, or None when there was no such document."""
         ...
 
-    def get_document(self, doc_id: str) -> StoredDocument | None: ...
+    def get_document(self, doc_id: str, collection: str = DEFAULT_COLLECTION) -> StoredDocument | None: ...
 
-    def content_hash(self, doc_id: str) -> str | None:
+    def content_hash(self, doc_id: str, collection: str = DEFAULT_COLLECTION) -> str | None:
         """The hash a stored document was built from (None: no such document, or stored before hashes)."""
         ...
 
-    def list_documents(self, limit: int = 100, offset: int = 0) -> list[DocumentSummaryRow]: ...
+    def list_documents(self, limit: int = 100, offset: int = 0,
+                       collections: Sequence[str] = (DEFAULT_COLLECTION,)) -> list[DocumentSummaryRow]: ...
+
+    def collections_of_document(self, doc_id: str, collections: Sequence[str]) -> list[str]:
+        """Which of `collections` hold a document with this id."""
+        ...
 
     def chunks_by_row_ids(self, row_ids: Sequence[int]) -> dict[int, StoredChunk]: ...
 
-    def chunks_by_ids(self, chunk_ids: Sequence[str]) -> dict[str, StoredChunk]: ...
+    def chunks_by_ids(self, chunk_ids: Sequence[str], collections: Sequence[str] | None = None) -> dict[str, StoredChunk]:
+        """The chunks with these ids, in `collections` only (None: in any)."""
+        ...
+
+    def lexical_search(self, question: str, limit: int, collections: Sequence[str]) -> list[tuple[int, float]]:
+        """(row id, score: higher is better) of up to `limit` chunks of `collections` holding the question's
+        words, best first: the store's full-text index (SQLite FTS5, Postgres tsvector), written in the
+        same transaction as the chunks."""
+        ...
 
     def set_kv_key(self, chunk_id: str, kv_key: str | None) -> None: ...
 
@@ -132,32 +214,40 @@ class DocumentStore(Protocol):
         """Whether any chunk still points at this (content-addressed, so shareable) KV entry."""
         ...
 
-    def num_documents(self) -> int: ...
+    def collection_of_kv_key(self, kv_key: str) -> str | None:
+        """A collection one of whose chunks points at this KV entry (None: no chunk does: it is dead)."""
+        ...
 
-    def num_chunks(self) -> int: ...
+    def num_documents(self, collections: Sequence[str] | None = None) -> int:
+        """Documents in `collections` (None: in all)."""
+        ...
+
+    def num_chunks(self, collections: Sequence[str] | None = None) -> int: ...
 
     def row_ids(self) -> set[int]:
-        """Every chunk's row id: what the vector index must hold, exactly."""
+        """Every chunk's row id: what the vector indexes must hold, exactly."""
         ...
 
-    def kv_keys(self) -> set[str]:
-        """Every KV key a chunk points at: the KV entries that must not be garbage-collected."""
+    def kv_keys(self, collections: Sequence[str] | None = None) -> set[str]:
+        """Every KV key a chunk (of `collections`; None: of any) points at: the entries that must not be
+        garbage-collected."""
         ...
 
-    def kv_keys_by_document(self, doc_ids: Sequence[str]) -> dict[str, list[str | None]]:
+    def kv_keys_by_document(self, doc_ids: Sequence[str],
+                            collection: str = DEFAULT_COLLECTION) -> dict[str, list[str | None]]:
         """Each document's chunks' KV keys, in position order (no text or token ids read)."""
         ...
 
-    def num_chunk_tokens(self) -> int:
-        """Tokens over every chunk (overlaps counted in each chunk): what the collection's KV covers."""
+    def num_chunk_tokens(self, collections: Sequence[str] | None = None) -> int:
+        """Tokens over every chunk (overlaps counted in each chunk) of `collections` (None: of all)."""
         ...
 
-    def embeddings_of(self, row_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """(row_ids [n] int64, embeddings [n, dim] float32) of these chunks (those that exist)."""
+    def embeddings_of(self, row_ids: Sequence[int]) -> EmbeddingBatch:
+        """These chunks' (those that exist) row ids, embeddings and collections."""
         ...
 
-    def iter_embeddings(self, batch_size: int = 1024) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """(row_ids [n] int64, embeddings [n, dim] float32) batches of every chunk, for index rebuilds."""
+    def iter_embeddings(self, batch_size: int = 1024) -> Iterator[EmbeddingBatch]:
+        """Every chunk's row id, embedding and collection, in batches, for index rebuilds."""
         ...
 
     def change_seq(self) -> int:
@@ -170,6 +260,45 @@ class DocumentStore(Protocol):
 
     def export_documents(self) -> Iterator[ExportedDocument]:
         """Every document, whole, with its chunks' embeddings (for copying the store elsewhere)."""
+        ...
+
+    # --- collections -------------------------------------------------------------------------------
+    def create_collection(self, row: CollectionRow) -> CollectionRow:
+        """CollectionExistsError when one of that name exists."""
+        ...
+
+    def get_collection(self, name: str) -> CollectionRow | None: ...
+
+    def list_collections(self) -> list[CollectionRow]:
+        """Every collection, by name."""
+        ...
+
+    def update_collection(self, row: CollectionRow) -> bool:
+        """Write `row`'s description and KV budget (its salt and sharing never change); False: no such
+        collection."""
+        ...
+
+    def delete_collection(self, name: str) -> list[StoredChunk] | None:
+        """Delete a collection, its documents and chunks, and its keys' grants to it, in one
+        transaction (the commit point); returns the chunks (for the index and the KV to follow), or
+        None when there was no such collection."""
+        ...
+
+    def collection_counts(self, names: Sequence[str]) -> dict[str, CollectionCounts]: ...
+
+    # --- API keys ----------------------------------------------------------------------------------
+    def create_key(self, row: KeyRow) -> KeyRow:
+        """CollectionNotFoundError when one of its collections does not exist."""
+        ...
+
+    def get_key(self, key_id: str) -> KeyRow | None:
+        """The key (revoked or not); its collections are those that still exist."""
+        ...
+
+    def list_keys(self) -> list[KeyRow]: ...
+
+    def revoke_key(self, key_id: str, revoked_at: float) -> bool:
+        """False when there is no such key, or it was revoked already."""
         ...
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Generic, TypeVar, cast
 
+T = TypeVar("T")
 Emit = Callable[[Any], None]
 END = object()  # the last item a stream emits
 
@@ -33,6 +34,14 @@ class Job:
     future: asyncio.Future
     cancelled: threading.Event = field(default_factory=threading.Event)
 
+    @property
+    def is_cancelled(self) -> bool:
+        return self.cancelled.is_set()
+
+    def cancel(self) -> None:
+        """From any thread: the job stops at its next check (a generation: at the scheduler's next step)."""
+        self.cancelled.set()
+
     def check(self) -> None:
         if self.cancelled.is_set():
             raise JobCancelled("client went away")
@@ -45,29 +54,29 @@ class Job:
             pass
 
 
-class JobStream:
-    """What a streaming job emits, as an async iterator. `cancel()` stops the job at its next check
-    (a generation: at the scheduler's next step)."""
+class JobStream(Generic[T]):
+    """What a streaming job emits (items of type T, then END), as an async iterator. `cancel()` stops
+    the job at its next check (a generation: at the scheduler's next step)."""
 
-    def __init__(self, job: Job, items: asyncio.Queue):
+    def __init__(self, job: Job, items: asyncio.Queue[T | object]):
         self._job, self._items = job, items
 
     @property
     def job(self) -> Job:
         return self._job
 
-    def __aiter__(self) -> JobStream:
+    def __aiter__(self) -> JobStream[T]:
         return self
 
-    async def __anext__(self) -> Any:
+    async def __anext__(self) -> T:
         item = await self._items.get()
         if item is END:
             await self._job.future  # re-raises the job's failure, if any
             raise StopAsyncIteration
-        return item
+        return cast(T, item)  # anything but END is a T
 
     def cancel(self) -> None:
-        self._job.cancelled.set()
+        self._job.cancel()
 
 
 def emitter(loop: asyncio.AbstractEventLoop, items: asyncio.Queue) -> Emit:

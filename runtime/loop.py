@@ -6,7 +6,13 @@ for the prefills ahead of it and at most one step, never for another's whole ans
 delete, the start-up measurement) run alone in a step; background units (KV repair, backfill, an
 ingest's precompute through `call_background`) run when nothing waits, or once in a few busy steps.
 The event loop only awaits futures and async queues, so it never blocks on the model; a client that
-goes away (its stream's `cancel()`) leaves the batch at the next step."""
+goes away (its stream's `cancel()`) leaves the batch at the next step.
+
+A step is nano-vllm's `LLMEngine.step`: ask the scheduler what runs (`Scheduler.schedule`), run it, report
+what became of each request (`Scheduler.update_from_output`), and end the streams of those that left.
+The loop holds no request state of its own (a request's status and queue are the scheduler's), and
+every request that leaves the scheduler, however (its answer done, a failure, its client gone, shutdown),
+ends its stream in one place (`_end`)."""
 
 from __future__ import annotations
 
@@ -17,13 +23,13 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Generator, Protocol
 
-from blend_engine.types import Delta, FinishReason
+from blend_engine.types import Delta
 from runtime.config import SchedulerConfig
 from runtime.executor import PrefillExecutor, PrefillOutcome
 from runtime.jobs import END, Emit, Job, JobCancelled, JobStream, QueueFull, emitter, new_job
 from runtime.memory import release_free_memory
-from runtime.scheduler import Scheduler, Step
-from runtime.types import DoneEvent, PrefillRequest, Timings, TokenEvent, Usage
+from runtime.scheduler import Scheduler, Status, Step, StepOutput
+from runtime.types import DoneEvent, GenerationEvent, PrefillRequest, Timings, TokenEvent, Usage
 
 if TYPE_CHECKING:
     from blend_engine.engine import BlendEngine
@@ -56,7 +62,8 @@ class LoopStats:
 
 @dataclass(eq=False)
 class Generation:
-    """One request's generation: waiting, prefilling, then decoding in the batch."""
+    """One request's generation: its request, its stream, and what the loop computed for it. Where it
+    is (waiting, prefilling, decoding, finished) is its `status`, the scheduler's to set."""
 
     request: PrefillRequest
     job: Job
@@ -71,11 +78,19 @@ class Generation:
     sequence: DecodeSequence | None = None
     usage: Usage = field(default_factory=Usage)
     t_last_token: float = 0.0
-    is_done: bool = False
+    status: Status = Status.WAITING
+    error: Exception | None = None  # what failed it (FINISHED_FAILED)
 
     @property
     def kv_bytes(self) -> int:
         return self.sequence.nbytes if self.sequence is not None else self.expected_kv_bytes
+
+    @property
+    def is_cancelled(self) -> bool:
+        return self.job.is_cancelled
+
+    def cancel(self) -> None:
+        self.job.cancel()
 
 
 class _BlockingCall:
@@ -115,7 +130,6 @@ class EngineLoop:
         self.stats = LoopStats()
         self.scheduler: Scheduler[Generation] = Scheduler(config)
         self._cond = threading.Condition()
-        self._current: Job | None = None
         self._is_closing = False
         self._is_release_due = False  # work ran since the last idle release
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
@@ -132,7 +146,7 @@ class EngineLoop:
 
     @property
     def is_busy(self) -> bool:
-        return self._current is not None or self.scheduler.num_running > 0
+        return self.scheduler.is_busy
 
     # --- submitting work (from an event loop) -------------------------------------------------------
     def submit(self, fn: Callable[[Job], Any]) -> Job:
@@ -146,10 +160,10 @@ class EngineLoop:
         try:
             return await asyncio.shield(job.future)
         except asyncio.CancelledError:
-            job.cancelled.set()
+            job.cancel()
             raise
 
-    def stream(self, fn: Callable[[Job, Emit], Any]) -> JobStream:
+    def stream(self, fn: Callable[[Job, Emit], Any]) -> JobStream[Any]:
         """Queue an exclusive streaming job `fn(job, emit)`; iterate the result for what it emits."""
         items: asyncio.Queue[Any] = asyncio.Queue()
         emit = emitter(asyncio.get_running_loop(), items)
@@ -167,12 +181,12 @@ class EngineLoop:
         return JobStream(job, items)
 
     def generate(self, request: PrefillRequest, t_start: float, retrieval_ms: float = 0.0,
-                 num_prompt_tokens: int | None = None) -> JobStream:
+                 num_prompt_tokens: int | None = None) -> JobStream[GenerationEvent]:
         """Queue a generation (QueueFull when full): TokenEvents, then one DoneEvent.
         `num_prompt_tokens`: the prompt's length where the caller counted it (else counted here)."""
         if self.executor is None:
             raise RuntimeError("this engine loop has no executor: it runs jobs only")
-        items: asyncio.Queue[Any] = asyncio.Queue()
+        items: asyncio.Queue[GenerationEvent | object] = asyncio.Queue()
         job = new_job(lambda job: None)  # settled by the loop when the generation ends
         num_tokens = num_prompt_tokens or self.executor.num_prompt_tokens(request)
         generation = Generation(
@@ -187,18 +201,16 @@ class EngineLoop:
         with self._cond:
             if self._is_closing:
                 raise QueueFull("server is shutting down", self.config.retry_after_s)
-            if not self.scheduler.can_queue():
+            if not self.scheduler.add(work):
                 self.stats.num_rejected += 1
                 raise QueueFull(f"engine queue full ({self.config.max_queue} waiting)", self.config.retry_after_s)
-            self.scheduler.waiting.append(work)
             self._cond.notify()
 
     def submit_background(self, fn: Callable[[], None]) -> bool:
         """Queue a low-priority unit (any thread); False when the background queue is full or closed."""
         with self._cond:
-            if self._is_closing or not self.scheduler.can_queue_background():
+            if self._is_closing or not self.scheduler.add_background(fn):
                 return False
-            self.scheduler.background.append(fn)
             self._cond.notify()
         return True
 
@@ -211,54 +223,53 @@ class EngineLoop:
         with self._cond:
             if self._is_closing:
                 raise JobCancelled("the engine is shutting down")
-            self.scheduler.background.append(call)  # not bounded: its caller waits for it
+            self.scheduler.add_background(call, is_bounded=False)  # its caller waits for it
             self._cond.notify()
         return call.wait()
 
     def close(self, timeout_s: float = 60.0) -> bool:
         """Cancel everything (a job stops at its next check: an ingest after the document it is
-        writing), drop background units, and wait for the thread. Returns whether it stopped: only
-        then may the stores it writes be closed."""
+        writing), drop background units, and wait for the thread, which ends every stream after the
+        step in progress. Returns whether it stopped: only then may the stores it writes be closed."""
         with self._cond:
             self._is_closing = True
-            for task in self.scheduler.background:
+            for task in self.scheduler.drop_background():
                 if isinstance(task, _BlockingCall):
                     task.cancel()
-            self.scheduler.background.clear()
-            for work in [self._current, *self.scheduler.waiting, *self.scheduler.running, self.scheduler.prefilling]:
-                if work is not None:
-                    (work if isinstance(work, Job) else work.job).cancelled.set()
+            for work in self.scheduler.work():
+                work.cancel()
             self._cond.notify_all()
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             logger.error("engine loop still busy after %.0f s at shutdown", timeout_s)
         return not self._thread.is_alive()
 
-    # --- the loop -----------------------------------------------------------------------------------
+    # --- the loop: nano-vllm's LLMEngine.step, a step at a time -----------------------------------
     def _loop(self) -> None:
-        while (step := self._next_step()) is not None:
-            self._run_step(step)
+        while (step := self._schedule()) is not None:
+            output = self._run(step)
+            with self._cond:
+                finished = self.scheduler.update_from_output(output)
+            self._end(finished)
             # not held while the loop waits: the last step's finished answers would keep their
             # prefill's cache (SmolLM2's fp32 cache: 46 kB a prompt token) until the next request
-            del step
+            del step, output, finished
 
-    def _next_step(self) -> Step[Generation] | None:
+    def _schedule(self) -> Step[Generation] | None:
+        """The next step, once there is one; None once closing (everything it held ended)."""
         with self._cond:
             while True:
-                self._drop_cancelled()
-                if self._is_closing and not self.scheduler.running and self.scheduler.prefilling is None:
-                    for work in self.scheduler.waiting:  # cancelled above; settle what is left
-                        self._settle_cancelled(work)
-                    self.scheduler.waiting.clear()
+                # a client that left: out of the queue and the batch now, its cache freed
+                self._end(self.scheduler.abort_all() if self._is_closing else self.scheduler.abort_cancelled())
+                if self._is_closing:
                     return None
                 step = self.scheduler.schedule(time.perf_counter())
                 if not step.is_idle:
-                    self._current = step.job
                     self._is_release_due = True
                     return step
-                if self.engine is not None and not self.scheduler.running:
+                if self.engine is not None and not self.scheduler.num_running:
                     self.engine.close_decode_batch()  # idle: a graphed batch's KV pool goes back
-                if self._is_release_due and self.config.idle_release_s > 0 and not self.scheduler.running:
+                if self._is_release_due and self.config.idle_release_s > 0 and not self.scheduler.num_running:
                     if not self._cond.wait(self.config.idle_release_s):  # nothing came meanwhile
                         self._release_idle_memory()
                     continue
@@ -275,67 +286,38 @@ class EngineLoop:
             self._cond.acquire()
         self.stats.num_idle_releases += 1
 
-    def _drop_cancelled(self) -> None:
-        """Requests whose client left: out of the queue and the batch (under the lock). Closing, every
-        one is: those admitted in the step that ran while `close` was called too."""
-        scheduler = self.scheduler
-        if self._is_closing:
-            for work in [*scheduler.waiting, *scheduler.running, scheduler.prefilling]:
-                if work is not None:
-                    (work if isinstance(work, Job) else work.job).cancelled.set()
-        for work in [w for w in scheduler.waiting if (w if isinstance(w, Job) else w.job).cancelled.is_set()]:
-            scheduler.waiting.remove(work)
-            self._settle_cancelled(work)
-        for generation in [g for g in scheduler.running if g.job.cancelled.is_set()]:
-            scheduler.running.remove(generation)
-            self._settle_cancelled(generation)
-        if scheduler.prefilling is not None and scheduler.prefilling.job.cancelled.is_set():
-            self._settle_cancelled(scheduler.prefilling)
-            scheduler.prefilling = None
-
-    def _settle_cancelled(self, work: Job | Generation) -> None:
-        self.stats.num_cancelled += 1
-        if isinstance(work, Generation):
-            _abandon_prefill(work)
-            work.is_done = True
-            work.sequence = None  # its cache is freed now
-            work.emit(END)
-            work = work.job
-        work.settle(None, JobCancelled("cancelled"))
-
-    def _run_step(self, step: Step[Generation]) -> None:
+    def _run(self, step: Step[Generation]) -> StepOutput[Generation]:
+        """Run a step's work; what became of its requests, for the scheduler (no scheduler state here)."""
+        output: StepOutput[Generation] = StepOutput()
         if step.job is not None:
             self._run_job(step.job)
-        prefills = [g for g in (step.continued_prefill, *step.admitted) if g is not None]
-        if prefills:
+        if step.prefills:
             start = time.perf_counter()
-            for generation in prefills:
-                self._prefill(generation)
-            with self._cond:
-                self.scheduler.observe_prefill(time.perf_counter() - start)
+            for generation in step.prefills:
+                if (status := self._prefill(generation)) is not Status.PREFILLING:
+                    output.statuses[generation] = status
+            output.prefill_s = time.perf_counter() - start
         if step.is_decode_deferred:
             self.stats.num_decode_steps_deferred += 1
-        batch = [g for g in step.decode if g.sequence is not None and not g.is_done]
+        batch = [g for g in step.decode if output.status_of(g) is Status.RUNNING]
         if batch:
-            if self.scheduler.prefilling is not None:
+            if any(output.status_of(g) is Status.PREFILLING for g in step.prefills):
                 self.stats.num_decode_steps_mid_prefill += 1
-            self._decode(batch)
+            output.statuses.update(self._decode(batch))
         if step.background is not None:
             start = time.perf_counter()
             self._run_background(step.background)
             background_ms = (time.perf_counter() - start) * 1000
             for generation in step.delayed:  # those still without a first token waited for it
-                if generation.sequence is None and not generation.is_done:
+                if output.status_of(generation) in (Status.WAITING, Status.PREFILLING):
                     generation.timings.background_ms += background_ms
+        return output
 
-    def _prefill(self, generation: Generation) -> None:
-        """One prefill step of `generation`; when its prompt is in, its first token and a place in the batch."""
-        if generation.job.cancelled.is_set():  # its client left after it was admitted: no work for nobody
-            with self._cond:
-                if self.scheduler.prefilling is generation:
-                    self.scheduler.prefilling = None
-                self._settle_cancelled(generation)
-            return
+    def _prefill(self, generation: Generation) -> Status:
+        """One prefill step of `generation`: PREFILLING while parts remain; once its prompt is in, its
+        first token and RUNNING; or how it ended (its first token the last, a failure, its client left)."""
+        if generation.is_cancelled:  # its client left after it was admitted: no work for nobody
+            return Status.FINISHED_ABORTED
         try:
             if generation.prefill_steps is None:
                 generation.timings.queue_ms = (time.perf_counter() - generation.t_submit) * 1000
@@ -343,94 +325,101 @@ class EngineLoop:
             outcome = next(generation.prefill_steps)
             if outcome is None:  # a prefill in parts: its next part in the next step
                 self.stats.num_prefill_parts += 1
-                with self._cond:
-                    self.scheduler.prefilling = generation
-                return
+                return Status.PREFILLING
             _abandon_prefill(generation)  # it ended: nothing to clean up, its frames freed now
-            with self._cond:
-                if self.scheduler.prefilling is generation:
-                    self.scheduler.prefilling = None
             generation.outcome = outcome
             stats = outcome.result.stats
-            generation.usage = Usage(stats.num_prompt_tokens, stats.num_reused_tokens, stats.num_recomputed_tokens)
+            generation.usage = Usage(stats.num_prompt_tokens, stats.num_reused_tokens, stats.num_recomputed_tokens,
+                                     prefix_cached_tokens=stats.num_prefix_cached_tokens)
             generation.timings.kv_load_ms, generation.timings.prefill_ms = stats.kv_load_ms, stats.prefill_ms
             generation.sequence, first = self.engine.start_sequence(outcome.result, generation.request.sampling)
         except Exception as exc:  # the request's own failure goes back to it
-            with self._cond:
-                if self.scheduler.prefilling is generation:
-                    self.scheduler.prefilling = None
-            self._fail([generation], exc)
-            return
-        if not self._deliver(generation, first, time.perf_counter()):
-            return
-        try:  # its decode cache now, after the first token is out: not inside a shared decode step
-            generation.sequence.prepare()
-        except Exception as exc:
-            self._fail([generation], exc)
-            return
-        with self._cond:
-            self.scheduler.running.append(generation)
+            return self._failed([generation], exc)[generation]
+        status = self._deliver(generation, first, time.perf_counter())
+        self._keep(generation.outcome)  # its prompt's KV kept for later prompts, once the first token is out
+        if status is Status.RUNNING:
+            try:  # its decode cache now, after the first token is out: not inside a shared decode step
+                generation.sequence.prepare()
+            except Exception as exc:
+                return self._failed([generation], exc)[generation]
+        return status
 
-    def _decode(self, batch: list[Generation]) -> None:
+    def _keep(self, outcome: PrefillOutcome) -> None:
+        try:  # by reference: no copy (runtime/executor.py)
+            self.executor.keep(outcome)
+        except Exception:  # the answer goes on without it
+            logger.exception("keeping a prompt in the prefix cache failed")
+
+    def _decode(self, batch: list[Generation]) -> dict[Generation, Status]:
+        """One batched decode step: the sequences it ended, with how."""
         try:
             deltas = self.engine.decode_step([g.sequence for g in batch])
         except Exception as exc:  # one forward for all: all of them fail
-            with self._cond:
-                for generation in batch:
-                    if generation in self.scheduler.running:
-                        self.scheduler.running.remove(generation)
-            self._fail(batch, exc)
-            return
+            return self._failed(batch, exc)
         now = time.perf_counter()
         if self.observer is not None:
             self.observer.observe_step(len(batch))
+        ended = {}
         for generation, delta in zip(batch, deltas):
             if self.observer is not None:
                 self.observer.observe_inter_token(now - generation.t_last_token)
-            if not self._deliver(generation, delta, now):
-                with self._cond:
-                    self.scheduler.running.remove(generation)
+            if (status := self._deliver(generation, delta, now)) is not Status.RUNNING:
+                ended[generation] = status
+        return ended
 
-    def _deliver(self, generation: Generation, delta: Delta, now: float) -> bool:
-        """Emit a delta's text; on its last, the DoneEvent. Returns whether the sequence goes on."""
+    def _deliver(self, generation: Generation, delta: Delta, now: float) -> Status:
+        """Emit a delta's text: RUNNING while the sequence goes on, else how it finished."""
         if generation.usage.completion_tokens == 0 and delta.num_tokens > 0:
             generation.timings.ttft_ms = (now - generation.t_start) * 1000
         generation.usage.completion_tokens = delta.num_tokens
         generation.t_last_token = now
         if delta.text:
             generation.emit(TokenEvent(delta.text))
-        if delta.finish_reason is None:
-            return True
-        self._finish(generation, delta.finish_reason)
-        return False
+        return Status.RUNNING if delta.finish_reason is None else Status.finished(delta.finish_reason)
 
-    def _finish(self, generation: Generation, reason: FinishReason) -> None:
-        generation.is_done = True
-        generation.timings.total_ms = (time.perf_counter() - generation.t_start) * 1000
-        stats = generation.outcome.result.stats
-        done = DoneEvent(generation.usage, generation.timings, reason, stats.mode, stats.recompute_ratio,
-                         stats.is_guarded, plan=generation.outcome.plan)
-        if self.observer is not None:
-            self.observer.observe_done(done)
-        generation.emit(done)
-        generation.emit(END)
-        generation.job.settle(None, None)
-        self.stats.num_completed += 1
-        generation.sequence = None  # its decode cache is freed now, not when the client reads the end
-        try:  # chunks streamed from disk or Redis: copied into memory for the next question
-            self.executor.kv_store.promote(generation.outcome.handles)
-        except Exception:
-            logger.exception("promoting a finished answer's KV failed")
-
-    def _fail(self, generations: list[Generation], error: Exception) -> None:
+    @staticmethod
+    def _failed(generations: list[Generation], error: Exception) -> dict[Generation, Status]:
         logger.error("generation failed: %s", error, exc_info=error)
         for generation in generations:
-            _abandon_prefill(generation)
-            generation.is_done = True
-            generation.sequence = None
-            generation.emit(END)
-            generation.job.settle(None, error)
+            generation.error = error
+        return {generation: Status.FINISHED_FAILED for generation in generations}
+
+    def _end(self, ended: list[Generation | Job]) -> None:
+        """The one way out: whatever left the scheduler (finished, failed, aborted) ends here, its
+        stream with it (a job left the queue only if cancelled)."""
+        for work in ended:
+            if isinstance(work, Generation):
+                self._end_generation(work)
+            else:
+                self.stats.num_cancelled += 1
+                work.settle(None, JobCancelled("cancelled"))
+
+    def _end_generation(self, generation: Generation) -> None:
+        _abandon_prefill(generation)
+        generation.sequence = None  # its cache is freed now, not when the client reads the end
+        if generation.status is Status.FINISHED_ABORTED:
+            self.stats.num_cancelled += 1
+            error: BaseException | None = JobCancelled("cancelled")
+        elif generation.status is Status.FINISHED_FAILED:
             self.stats.num_failed += 1
+            error = generation.error
+        else:
+            generation.timings.total_ms = (time.perf_counter() - generation.t_start) * 1000
+            stats = generation.outcome.result.stats
+            done = DoneEvent(generation.usage, generation.timings, generation.status.finish_reason, stats.mode,
+                             stats.recompute_ratio, stats.is_guarded, plan=generation.outcome.plan)
+            if self.observer is not None:
+                self.observer.observe_done(done)
+            generation.emit(done)
+            self.stats.num_completed += 1
+            error = None
+        generation.emit(END)
+        generation.job.settle(None, error)
+        if error is None:
+            try:  # chunks streamed from disk or Redis: copied into memory for the next question
+                self.executor.kv_store.promote(generation.outcome.handles)
+            except Exception:
+                logger.exception("promoting a finished answer's KV failed")
 
     def _run_background(self, task: Callable[[], None]) -> None:
         try:
@@ -439,25 +428,21 @@ class EngineLoop:
             logger.exception("background engine task failed")
 
     def _run_job(self, job: Job) -> None:
+        if job.is_cancelled:
+            self.stats.num_cancelled += 1
+            job.settle(None, JobCancelled("cancelled before start"))
+            return
         try:
-            if job.cancelled.is_set():
-                self.stats.num_cancelled += 1
-                job.settle(None, JobCancelled("cancelled before start"))
-                return
-            try:
-                result, error = job.fn(job), None
-                self.stats.num_completed += 1
-            except JobCancelled as exc:
-                result, error = None, exc
-                self.stats.num_cancelled += 1
-            except Exception as exc:  # the job's own failure goes back to its request
-                logger.exception("engine job failed")
-                result, error = None, exc
-                self.stats.num_failed += 1
-            job.settle(result, error)
-        finally:
-            with self._cond:
-                self._current = None
+            result, error = job.fn(job), None
+            self.stats.num_completed += 1
+        except JobCancelled as exc:
+            result, error = None, exc
+            self.stats.num_cancelled += 1
+        except Exception as exc:  # the job's own failure goes back to its request
+            logger.exception("engine job failed")
+            result, error = None, exc
+            self.stats.num_failed += 1
+        job.settle(result, error)
 
 
 def _abandon_prefill(generation: Generation) -> None:

@@ -3,7 +3,7 @@ generation emits (text pieces, then one DoneEvent with its usage and timings).""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from blend_engine.types import FinishReason, PrefillMode, SamplingParams, SelectionKind
@@ -30,6 +30,11 @@ class PrefillRequest:
     recompute_ratio: RecomputeRatio = None  # None: the configured ratio
     selection: SelectionKind | None = None  # None: the configured selection
     history: tuple[dict[str, str], ...] = ()  # earlier chat messages
+    namespace: str = ""  # the request's isolation key: the prefix cache never serves one namespace another's prompts
+    is_prefix_cache_used: bool = True  # False: the prefix cache is neither read nor filled (benchmarks of prefills)
+    # the prefix cache's epoch when the chunks were chosen (None: when its prefill begins): a prompt whose
+    # document changes after it is not kept
+    prefix_cache_epoch: int | None = None
 
 
 @dataclass
@@ -38,6 +43,7 @@ class Usage:
     reused_tokens: int = 0
     recomputed_tokens: int = 0
     completion_tokens: int = 0
+    prefix_cached_tokens: int = 0  # prompt tokens served from the prefix cache (neither reused chunk KV nor recomputed)
 
 
 @dataclass
@@ -61,10 +67,9 @@ class DoneEvent:
     usage: Usage
     timings: Timings
     finish_reason: FinishReason
-    mode: PrefillMode
+    mode: PrefillMode | None  # None: nothing was prefilled (a fixed answer: nothing relevant was retrieved)
     recompute_ratio: float | None = None
     is_guarded: bool = False  # the quality guard raised the ratio
-    kv_tiers: dict[str, int] = field(default_factory=dict)
     plan: PlanReport | None = None  # the loading planner's choice (mode 'auto' or ratio 'auto')
 
 

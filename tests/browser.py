@@ -3,9 +3,15 @@ reason none can start, which the browser tests print when they skip."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Iterator
+
+import pytest
 
 CANDIDATES = ("chromium", "chromium-browser", "google-chrome")
 
@@ -26,6 +32,48 @@ def launch(playwright, args: tuple[str, ...] = ()):
         return playwright.chromium.launch(executable_path=path, args=["--no-sandbox", *args]), None
     except Exception as exc:  # any failure to start is a reason to skip, printed in full
         return None, f"chromium at {path} did not start: {type(exc).__name__}: {str(exc)[:300]}"
+
+
+@contextlib.contextmanager
+def launched(args: tuple[str, ...] = ()) -> Iterator[object]:
+    """A Chromium for a module's tests (`launch`'s `args`), closed after; the tests skip, printing why,
+    where none starts (no playwright, no chromium)."""
+    playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    with playwright_api.sync_playwright() as playwright:
+        browser, reason = launch(playwright, args)
+        if browser is None:
+            print(f"\nSKIP browser tests: {reason}")
+            pytest.skip(reason)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@contextlib.contextmanager
+def page_site(body: str) -> Iterator[str]:
+    """`body` (an HTML page) served at every path on its own loopback port: another origin than the
+    server's. Yields its base URL."""
+    page = body.encode()
+
+    class Page(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("content-type", "text/html")
+            self.send_header("content-length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *args):
+            pass
+
+    site = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=site.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{site.server_address[1]}"
+    finally:
+        site.shutdown()
+        site.server_close()
 
 
 def wait_until(page, expression: str, timeout: float = 30_000, poll_s: float = 0.02) -> None:

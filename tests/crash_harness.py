@@ -1,5 +1,6 @@
 """Crash harness: the real server (`ragblend serve`) in a child process, SIGKILLed at random moments
-of a random workload of ingest / replace / delete batches, restarted, and checked.
+of a random workload of ingest / replace / delete batches in two collections, and of deletions of a
+whole collection (its documents and their KV), restarted, and checked.
 
 Children are forked from a fork server that has imported the heavy modules once (torch,
 transformers, sentence-transformers: ~8 s a start on a busy 2-core machine), so a restart costs
@@ -35,6 +36,8 @@ retrieval: {chunk_tokens: 32, chunk_overlap: 0}
 store: {max_memory_bytes: 0}
 """
 NUM_DOC_IDS = 8
+COLLECTIONS = ("default", "kb1")  # kb1 is deleted whole now and then, and made again
+DROPPED = "kb1"
 _SYLLABLES = ["ka", "lo", "mi", "ren", "to", "vu", "zel", "qa", "dor", "pim", "sa", "tek", "bo", "ny", "fa", "gri"]
 
 
@@ -86,10 +89,13 @@ class Version:
 class Model:
     """What the server must hold: acknowledged states, plus the targets of the op in flight."""
 
-    acked: dict[str, Version | None] = field(default_factory=lambda: {f"doc{i}": None for i in range(NUM_DOC_IDS)})
+    # "<collection>/<document id>" -> its acknowledged state
+    acked: dict[str, Version | None] = field(default_factory=lambda: {
+        f"{c}/doc{i}": None for c in COLLECTIONS for i in range(NUM_DOC_IDS // 2)})
     pending: dict[str, Version | None] = field(default_factory=dict)
     next_version: int = 1
     num_ops_acked: int = 0
+    num_drops_acked: int = 0  # whole-collection deletions acknowledged
     op_seconds: list[float] = field(default_factory=list)  # of acknowledged ops
 
     def allowed(self, doc_id: str) -> list[Version | None]:
@@ -108,25 +114,31 @@ def _sentence(rng: random.Random) -> str:
 
 
 def _next_op(rng: random.Random, model: Model) -> tuple[str, dict, dict[str, Version | None]]:
-    """(method, request, targets): an ingest of 1-3 documents (new, replaced, or re-sent as they
-    are) or a delete."""
+    """(method, request, targets): an ingest of 1-3 documents of one collection (new, replaced, or
+    re-sent as they are), a delete, or the deletion of collection kb1 whole."""
     present = [d for d, v in model.acked.items() if v is not None]
+    in_dropped = [d for d in present if d.startswith(f"{DROPPED}/")]
+    if in_dropped and rng.random() < 0.08:
+        return "drop", {"name": DROPPED}, {d: None for d in model.acked if d.startswith(f"{DROPPED}/")}
     if present and rng.random() < 0.25:
-        doc_id = rng.choice(present)
-        return "delete", {"id": doc_id}, {doc_id: None}
+        key = rng.choice(present)
+        collection, doc_id = key.split("/")
+        return "delete", {"id": doc_id, "collection": collection}, {key: None}
+    collection = rng.choice(COLLECTIONS)
     targets: dict[str, Version | None] = {}
     documents = []
-    for doc_id in rng.sample(sorted(model.acked), rng.randint(1, 3)):
-        old = model.acked[doc_id]
+    for key in rng.sample(sorted(k for k in model.acked if k.startswith(f"{collection}/")), rng.randint(1, 3)):
+        doc_id = key.split("/")[1]
+        old = model.acked[key]
         if old is not None and rng.random() < 0.2:
             version = old  # a re-send of what is stored: must be a no-op
         else:  # most replaces keep the sentence count: same chunk count, the case counts cannot see
             num_sentences = old.text.count(".") if old is not None and rng.random() < 0.7 else rng.randint(1, 4)
             version = Version(model.next_version, " ".join(_sentence(rng) for _ in range(num_sentences)))
             model.next_version += 1
-        targets[doc_id] = version
+        targets[key] = version
         documents.append({"id": doc_id, "text": version.text, "metadata": {"version": version.number}})
-    return "ingest", {"documents": documents}, targets
+    return "ingest", {"collection": collection, "documents": documents}, targets
 
 
 def run_workload(url: str, rng: random.Random, model: Model, errors: list[str]) -> None:
@@ -138,7 +150,11 @@ def run_workload(url: str, rng: random.Random, model: Model, errors: list[str]) 
             start = time.perf_counter()
             try:
                 if method == "delete":
-                    response = http.delete(f"/v1/documents/{request['id']}")
+                    response = http.delete(f"/v1/documents/{request['id']}", params={"collection": request["collection"]})
+                elif method == "drop":
+                    response = http.delete(f"/v1/collections/{request['name']}")
+                    if response.status_code == 200:  # made again at once (or at the next start, if killed first)
+                        ensure_collections(http)
                 else:
                     response = http.post("/v1/documents", json=request)
             except httpx.TransportError:
@@ -149,6 +165,7 @@ def run_workload(url: str, rng: random.Random, model: Model, errors: list[str]) 
             model.acked.update(targets)
             model.pending = {}
             model.num_ops_acked += 1
+            model.num_drops_acked += method == "drop"
             model.op_seconds.append(time.perf_counter() - start)
 
 
@@ -162,21 +179,36 @@ def _squash(text: str) -> str:
     return "".join(text.split())  # chunk texts are decoded tokens: compare without whitespace
 
 
+def ensure_collections(http: httpx.Client) -> None:
+    """Make the collections the workload writes to (409: there already)."""
+    for name in COLLECTIONS[1:]:
+        response = http.post("/v1/collections", json={"name": name})
+        if response.status_code not in (201, 409):
+            raise RuntimeError(f"creating collection {name}: {response.status_code} {response.text[:200]}")
+
+
 def check_invariants(url: str, data_dir: Path, model: Model) -> list[str]:
     """Every violation found on a freshly started (idle) server, as readable lines."""
     violations: list[str] = []
     with httpx.Client(base_url=url, timeout=60) as http:
-        listed = {d["id"] for d in http.get("/v1/documents", params={"limit": 1000}).json()["documents"]}
-        docs = {doc_id: http.get(f"/v1/documents/{doc_id}").json() for doc_id in listed}
+        existing = {c["name"] for c in http.get("/v1/collections").json()["collections"]}
+        docs: dict[str, dict] = {}
+        for collection in sorted(existing & set(COLLECTIONS)):
+            listed = http.get("/v1/documents", params={"limit": 1000, "collection": collection}).json()["documents"]
+            docs.update((f"{collection}/{d['id']}", http.get(f"/v1/documents/{d['id']}",
+                                                              params={"collection": collection}).json())
+                        for d in listed)
         found, observed = _check_documents(model, docs)
         violations += found
         violations += _check_files(data_dir, docs)
-        for doc_id, doc in docs.items():
+        for key, doc in docs.items():
+            collection, doc_id = key.split("/")
             question = doc["chunks"][0]["text"]
-            body = {"question": question, "top_k": 3, "mode": "full", "max_tokens": 1}
+            body = {"question": question, "top_k": 3, "mode": "full", "max_tokens": 1, "collection": collection}
             sources = http.post("/v1/query", json=body).json().get("sources", [])
             if doc_id not in {s["document_id"] for s in sources}:
-                violations.append(f"{doc_id}: a query with its own first chunk does not retrieve it")
+                violations.append(f"{key}: a query with its own first chunk does not retrieve it")
+        ensure_collections(http)  # a kill between a collection's deletion and its making again
     model.settle(observed)
     return violations
 
@@ -203,6 +235,27 @@ def _check_documents(model: Model, docs: dict[str, dict]) -> tuple[list[str], di
     return violations, observed
 
 
+def check_lexical_index(data_dir: Path) -> list[str]:
+    """The full-text index holds exactly the store's chunks (row ids and texts), as the file is after a
+    kill, read before a restart (a store opened again reads the same)."""
+    path = data_dir / "documents.sqlite3"
+    if not path.exists():
+        return []
+    conn = sqlite3.connect(path)  # read-write only to replay the WAL's committed transactions
+    try:
+        if conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'chunks_fts'").fetchone() is None:
+            return []  # killed before the first start made it
+        chunks = dict(conn.execute("SELECT row_id, text FROM chunks").fetchall())
+        indexed = dict(conn.execute("SELECT rowid, text FROM chunks_fts").fetchall())
+    finally:
+        conn.close()
+    if indexed == chunks:
+        return []
+    missing, dead = set(chunks) - set(indexed), set(indexed) - set(chunks)
+    stale = {i for i in set(chunks) & set(indexed) if chunks[i] != indexed[i]}
+    return [f"lexical index/store differ: {len(missing)} chunks unindexed, {len(dead)} dead rows, {len(stale)} stale texts"]
+
+
 def _check_files(data_dir: Path, docs: dict[str, dict]) -> list[str]:
     """The index holds exactly the store's chunks; every KV file is live; every cached chunk's
     entry reads back whole (every layer's checksum)."""
@@ -213,11 +266,10 @@ def _check_files(data_dir: Path, docs: dict[str, dict]) -> list[str]:
     finally:
         conn.close()
     row_ids = {r[1] for r in rows}
-    index_path = data_dir / "index.faiss"
-    indexed = set()
-    if index_path.exists():
+    indexed: set[int] = set()
+    for index_path in sorted((data_dir / "index").glob("*.faiss")):  # one index per collection
         index = faiss.read_index(str(index_path))  # kept alive: id_map is a view into it
-        indexed = set(faiss.vector_to_array(index.id_map).tolist())
+        indexed |= set(faiss.vector_to_array(index.id_map).tolist())
     if indexed != row_ids:
         violations.append(
             f"index/store differ: {len(row_ids - indexed)} chunks unindexed, {len(indexed - row_ids)} dead ids"

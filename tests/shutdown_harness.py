@@ -21,7 +21,7 @@ from app.testing import free_port, wait_ready
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = """\
 model: {name: "random:tiny-llama", device: cpu}
-retrieval: {chunk_tokens: 64, chunk_overlap: 0}
+retrieval: {chunk_tokens: 64, chunk_overlap: 0, min_score: -1.0}  # no floor: questions asked mid-ingest run
 store: {max_memory_bytes: 0}
 scheduler: {max_running: 1}  # one answer decodes at a time: a second question waits in the queue
 """

@@ -24,10 +24,11 @@ from tests.docgen import make_pdf
 TINY_CONFIG = 'model: {"name": "random:tiny-llama", "device": "cpu"}\n'
 ROW_KEYS = {"num_questions", "num_answers", "num_errors", "errors", "right", "num_right", "inside", "num_inside",
             "right_when_inside", "source_top", "source_any", "num_source_scored", "ran_to_cap", "num_ran_to_cap",
-            "ttft_p50_ms", "ttft_p90_ms", "server_ttft_p50_ms", "completion_tokens_mean", "modes"}
+            "ttft_p50_ms", "ttft_p90_ms", "server_ttft_p50_ms", "completion_tokens_mean", "modes", "refused",
+            "num_refused", "num_out_of_scope", "oos_refused", "num_oos_refused", "prompt_tokens_mean"}
 ANSWER_KEYS = {"part", "question", "setting", "repeat", "error", "answer", "finish_reason", "ran_to_cap", "ttft_ms",
                "server_ttft_ms", "mode", "completion_tokens", "prompt_tokens", "sources", "chunks", "right", "inside",
-               "source_top", "source_any"}
+               "source_top", "source_any", "refused"}
 
 
 # ---- the committed set ---------------------------------------------------------------------------
@@ -47,6 +48,9 @@ def test_every_question_is_stated_in_its_document_as_extracted():
     qset = load_set(DEFAULT_SET)
     texts = extracted_texts(qset)
     for q in qset.questions:
+        if q.is_out_of_scope:  # nothing states it: the right answer is a refusal, never a fact from a document
+            assert q.is_right("I could not find this in the documents.") and not q.is_right(q.question), q.id
+            continue
         evidence = q.evidence.search(texts[q.document])
         assert evidence, f"{q.id}: its evidence is not in {q.document}'s extracted text"
         assert q.pattern.search(evidence.group(0)), f"{q.id}: the evidence does not hold the answer"
@@ -68,6 +72,9 @@ def test_the_set_real_documents_several_formats_and_disjoint_halves():
     for doc_id, counts in qset.counts().items():
         assert counts["dev"] + counts["test"] >= 6 and counts["dev"] >= 3 and counts["test"] >= 3, doc_id
     assert abs(len(dev) - len(test)) <= 2
+    out_of_scope = [q for q in qset.questions if q.is_out_of_scope]
+    assert len(out_of_scope) >= 8 and {q.split for q in out_of_scope} == {"dev", "test"}
+    assert all(q.evidence is None for q in out_of_scope)
 
 
 def test_load_set_refuses_a_broken_set(tmp_path):
@@ -87,6 +94,7 @@ def test_load_set_refuses_a_broken_set(tmp_path):
     refused([doc], [{**question, "pattern": "(4812"}], "question q: bad pattern")
     refused([doc], [question, question], "repeated question ids: q")
     refused([{**doc, "file": "missing.md"}], [question], "missing.md")
+    refused([doc], [{**question, "out_of_scope": True}], "out-of-scope question has no document")
     with pytest.raises(ValueError, match="not found"):
         load_set(tmp_path / "none.json")
 
@@ -108,10 +116,25 @@ def test_document_answers_are_scored_by_pattern_evidence_and_source():
     # the fact stated across a line break and runs of spaces still counts as inside
     chunk = "biased ... The default   compression\n level is -6 (that is"
     right = score_document_answer(q, streamed("The default level is -6.", [("gzip.1.pdf", chunk)]))
-    assert right == {"right": True, "inside": True, "source_top": True, "source_any": True}
+    assert right == {"right": True, "inside": True, "source_top": True, "source_any": True, "refused": False,
+                     "out_of_scope": False}
     wrong = score_document_answer(q, streamed("It is 9 or 16.", [("zlib-faq.txt", "16 exabytes"), ("gzip.1.pdf", "-9 --best")]))
-    assert wrong == {"right": False, "inside": False, "source_top": False, "source_any": True}
+    assert wrong == {"right": False, "inside": False, "source_top": False, "source_any": True, "refused": False,
+                     "out_of_scope": False}
     assert score_document_answer(q, streamed("level 6", []))["source_any"] is False
+    assert score_document_answer(q, streamed("I could not find this in the documents.", []))["refused"] is True
+
+
+def test_out_of_scope_answers_are_right_only_when_they_refuse():
+    q = next(q for q in load_set(DEFAULT_SET).questions if q.id == "oos-1")  # bzip2's level: no document says
+    assert q.is_out_of_scope and q.document is None
+    refusal = score_document_answer(q, streamed("I could not find this in the documents.", []))
+    assert refusal == {"right": True, "inside": None, "source_top": None, "source_any": None, "refused": True,
+                       "out_of_scope": True}
+    for answer in ("The documents don't mention bzip2.", "The text does not say.", "I don't know."):
+        assert score_document_answer(q, streamed(answer, [("gzip.1.pdf", "x")]))["right"], answer
+    fabricated = score_document_answer(q, streamed("The default compression level of bzip2 is 9.", [("gzip.1.pdf", "-9")]))
+    assert fabricated["right"] is False and fabricated["refused"] is False
 
 
 def test_musique_answers_are_scored_by_normalized_gold():
@@ -120,7 +143,7 @@ def test_musique_answers_are_scored_by_normalized_gold():
     assert not contains_gold("He studied at Exeter.", ["Exeter College"])
     assert not contains_gold("anything", [""])
     scored = score_musique_answer(["Charles County"], {"m-1"}, streamed("charles county", [("m-0", "no"), ("m-1", "Charles County, MD")]))
-    assert scored == {"right": True, "inside": True, "source_top": False, "source_any": True}
+    assert scored == {"right": True, "inside": True, "source_top": False, "source_any": True, "refused": False}
     # no passage holds the gold: no source can be right, so none is scored
     assert score_musique_answer(["x y"], set(), streamed("x y", [("m-0", "z")]))["source_top"] is None
 
@@ -132,11 +155,17 @@ def test_a_setting_row_on_known_records():
                                    "ran_to_cap": cap, "ttft_ms": ttft, "server_ttft_ms": ttft - 10,
                                    "completion_tokens": 4, "mode": "blend"}
 
+    oos = [{**record(True, None, None, 5.0), "out_of_scope": True, "refused": True},
+           {**record(False, None, None, 900.0), "out_of_scope": True, "refused": False}]
     rows = [record(True, True, True, 100.0), record(False, True, None, 300.0, cap=True),
-            record(False, False, False, 200.0), record(None, None, None, 0, error="QueryFailed: queue full")]
+            {**record(False, False, False, 200.0), "refused": True},
+            record(None, None, None, 0, error="QueryFailed: queue full"), *oos]
     row = part_row(rows)
     assert set(row) == ROW_KEYS
-    assert row["num_questions"] == 4 and row["num_answers"] == 3 and row["num_errors"] == 1
+    assert row["num_questions"] == 6 and row["num_answers"] == 3 and row["num_errors"] == 1
+    # out-of-scope answers count apart: one refused of two; no in-scope rate or TTFT includes them
+    assert row["num_out_of_scope"] == 2 and row["num_oos_refused"] == 1 and row["oos_refused"] == 0.5
+    assert row["num_refused"] == 1 and row["refused"] == pytest.approx(1 / 3)
     assert row["right"] == pytest.approx(1 / 3) and row["inside"] == pytest.approx(2 / 3)
     assert row["right_when_inside"] == 0.5 and row["num_source_scored"] == 2 and row["source_top"] == 0.5
     assert row["ran_to_cap"] == pytest.approx(1 / 3) and row["ttft_p50_ms"] == 200.0
@@ -147,8 +176,9 @@ def test_settings_take_turns_and_quick_checks_spread_over_documents():
     a, b, c = (Setting(n) for n in "abc")
     assert [in_turn([a, b, c], t) for t in range(4)] == [[a, b, c], [b, c, a], [c, a, b], [a, b, c]]
     qset = load_set(DEFAULT_SET)
-    picked = pick_questions(qset, "test", 10)
-    assert len(picked) == 10 and len({q.document for q in picked}) == 8 and all(q.split == "test" for q in picked)
+    picked = pick_questions(qset, "test", 10)  # the out-of-scope questions take turns as a ninth "document"
+    assert len(picked) == 10 and len({q.document for q in picked}) == 9 and all(q.split == "test" for q in picked)
+    assert None in {q.document for q in picked}
     assert pick_questions(qset, "dev", None) == qset.split("dev")
     with pytest.raises(ValueError, match="unknown settings nope"):
         settings_named(["default", "nope"])
@@ -167,7 +197,8 @@ WORDS = ("the river flows past an old mill near the town of harlow where people 
 
 
 def tiny_set(tmp_path) -> str:
-    """Two documents (Markdown, PDF; ids other than their file names) and a question on each, one per half."""
+    """Two documents (Markdown, PDF; ids other than their file names) and a question on each, one per half;
+    and an out-of-scope question (test half)."""
     docs = tmp_path / "set"
     docs.mkdir()
     (docs / "vault.md").write_text("# Vault\n\nThe secret code of the blue vault is 4812. The vault is in Lisbon.\n")
@@ -180,7 +211,9 @@ def tiny_set(tmp_path) -> str:
             {"id": "vault-1", "document": "vault", "split": "dev", "question": "What is the blue vault's code?",
              "answer": "4812", "pattern": "4812", "evidence": "blue vault is 4812"},
             {"id": "bridge-1", "document": "bridge", "split": "test", "question": "When was the red bridge painted?",
-             "answer": "1966", "pattern": "1966", "evidence": "painted in 1966"}],
+             "answer": "1966", "pattern": "1966", "evidence": "painted in 1966"},
+            {"id": "oos-1", "document": None, "split": "test", "out_of_scope": True,
+             "question": "What is the boiling point of ethanol?", "answer": "a refusal"}],
     }
     path = docs / "questions.json"
     path.write_text(json.dumps(data))
@@ -225,24 +258,32 @@ def test_bench_answers_end_to_end_on_a_tiny_model(tmp_path, capsys, monkeypatch)
         assert list(rows) == ["default", "full", "top1-server"]
         for row in rows.values():
             assert set(row) == ROW_KEYS and row["num_errors"] == 0
-            assert row["num_answers"] == 2 * row["num_questions"] and row["ttft_p50_ms"] > 0
+            assert row["num_answers"] + row["num_out_of_scope"] == 2 * row["num_questions"] and row["ttft_p50_ms"] > 0
+            # the server's relevance floor refuses the out-of-scope question, in every setting
+            assert row["num_out_of_scope"] == (2 if part == "docs_test" else 0)
+            assert row["num_oos_refused"] == row["num_out_of_scope"]
+            assert row["num_refused"] == 0 or part == "musique"  # (the tiny MuSiQue passages are word salad)
     answers = summary["answers"]
     assert all(set(a) >= ANSWER_KEYS for a in answers)
     assert Counter((a["part"], a["setting"]) for a in answers) == {
-        (p, s): 2 * (2 if p == "musique" else 1) for p in ("docs_dev", "docs_test", "musique")
+        (p, s): 2 * (1 if p == "docs_dev" else 2) for p in ("docs_dev", "docs_test", "musique")
         for s in ("default", "full", "top1-server")}
     # the settings take turns: the first asked moves on by one each question, and each repeat
     docs = [a for a in answers if a["part"] != "musique"]
     assert [(a["question"], a["setting"]) for a in docs[:6]] == [
         ("vault-1", "default"), ("vault-1", "full"), ("vault-1", "top1-server"),
         ("bridge-1", "full"), ("bridge-1", "top1-server"), ("bridge-1", "default")]
-    assert docs[6]["setting"] == "full"
+    assert docs[6]["setting"] == "top1-server" and docs[9]["setting"] == "full"  # oos-1 third; the repeat's turn
     for a in answers:
         assert a["completion_tokens"] <= 3 and a["ran_to_cap"] == (a["finish_reason"] == "length")
-        assert a["mode"] == "full" or a["setting"] != "full"  # (auto, the default, may plan a full prefill too)
-        assert len(a["sources"]) == 1 if a["setting"] == "top1-server" else len(a["sources"]) > 1
+        if a["question"] == "oos-1":  # refused by the server: no sources, no model
+            assert a["right"] and a["refused"] and a["sources"] == [] and a["mode"] is None
+            continue
+        # (auto, the default, may plan a full prefill too; a question the floor refuses runs no prefill)
+        assert a["mode"] == "full" or a["setting"] != "full" or (a["refused"] and a["mode"] is None)
+        assert len(a["sources"]) <= 1 if a["setting"] == "top1-server" else len(a["sources"]) <= 3
         expected = {"vault-1": "vault", "bridge-1": "bridge"}.get(a["question"])
-        if expected:  # one small chunk per page or file: every chunk in a top-5 prompt, the fact inside
+        if expected:  # one small chunk per page or file: the fact's chunk in a top-3 prompt
             assert a["source_top"] == (a["sources"][0] == expected) and a["source_any"] == (expected in a["sources"])
             if a["setting"] != "top1-server":
                 assert a["inside"] and a["source_any"]
@@ -252,7 +293,7 @@ def test_bench_answers_end_to_end_on_a_tiny_model(tmp_path, capsys, monkeypatch)
             assert all(s.startswith(f"musique-{mi}-") for s in a["sources"]) and a["num_gold_passages"] == 1
             assert a["source_any"] == (f"musique-{mi}-0" in a["sources"]) == a["inside"]
     table = "\n".join(lines[:-1])
-    assert "documents, test half (1 questions)" in table and "MuSiQue (2 questions)" in table
+    assert "documents, test half (2 questions)" in table and "MuSiQue (2 questions)" in table
     assert re.search(r"top1-server\s+\d/2\s+\d/2", table)
 
 

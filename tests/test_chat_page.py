@@ -19,7 +19,7 @@ import pytest
 
 from app.testing import LiveServer
 from configs.settings import load_settings
-from tests.browser import launch, wait_until
+from tests.browser import launched, wait_until
 from tests.docgen import make_pdf
 
 pytestmark = pytest.mark.smollm2
@@ -36,7 +36,9 @@ HTML = b"<html><head><title>Bridges</title></head><body><h1>Bridges</h1><p>The r
 def server(tmp_path_factory):
     settings = load_settings(
         data_dir=tmp_path_factory.mktemp("page"), server={"api_key": API_KEY},
-        retrieval={"chunk_tokens": 64, "chunk_overlap": 8}, limits={"max_upload_bytes": 1_000_000},
+        # no relevance floor: the follow-up test asks about the vault after an earlier test deleted it, and
+        # needs the model to answer (the not-found answer would run no prefill to count)
+        retrieval={"chunk_tokens": 64, "chunk_overlap": 8, "min_score": -1.0}, limits={"max_upload_bytes": 1_000_000},
     )
     with LiveServer(settings) as live:
         yield live
@@ -44,13 +46,8 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser():
-    with playwright_api.sync_playwright() as playwright:
-        browser, reason = launch(playwright)
-        if browser is None:
-            print(f"\nSKIP browser tests: {reason}")
-            pytest.skip(reason)
+    with launched() as browser:
         yield browser
-        browser.close()
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +180,50 @@ def test_shift_enter_is_a_new_line_and_esc_stops_a_stream(page, server):
     assert cancelled_jobs(server) >= before + 1
 
 
+def sse_body(chunks: list[dict]) -> str:
+    return "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n"
+
+
+def test_each_cited_number_links_to_its_source_and_an_unknown_one_stays_text(page, server):
+    """The answer's [n] that the last chunk's `citations` maps become links opening their source; [n]
+    naming no source ([9]) and an index in code (argv[1]) stay text. The stream is the server's shape,
+    written out here: what a model cites cannot be chosen."""
+    with api(server) as client:
+        vault = next(c for c in client.get("/v1/documents/vault.pdf").json()["chunks"] if "7391" in c["text"])
+        bridge = client.get("/v1/documents/bridges.html").json()["chunks"][0]
+    sources = [{"chunk_id": c["id"], "document_id": c["id"].split("#")[0], "title": title, "score": 0.5,
+                "text": c["text"], "pages": None} for c, title in ((vault, "Vault Report"), (bridge, "Bridges"))]
+    citations = [{"number": 1, "chunk_id": vault["id"], "document_id": "vault.pdf", "title": "Vault Report",
+                  "pages": [2, 2]},
+                 {"number": 2, "chunk_id": bridge["id"], "document_id": "bridges.html", "title": "Bridges", "pages": None}]
+    head = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    usage = {"prompt_tokens": 9, "completion_tokens": 9, "total_tokens": 18, "reused_tokens": 0, "recomputed_tokens": 9}
+    body = sse_body([
+        {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}], "sources": sources},
+        {**head, "choices": [{"index": 0, "delta": {"content": "The code is 7391 [1]. Run argv[1] "}}]},
+        {**head, "choices": [{"index": 0, "delta": {"content": "by the red bridge [2, 9], not [9]."}}]},
+        {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "usage": usage, "citations": citations,
+         "timings": {"retrieval_ms": 1, "kv_load_ms": 0, "prefill_ms": 1, "ttft_ms": 2, "total_ms": 3}, "mode": "blend"},
+    ])
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=200, headers={"Content-Type": "text/event-stream"}, body=body))
+    try:
+        page.fill("#question", "Where is the code?")
+        page.press("#question", "Enter")
+        last = page.locator(".msg.assistant").last
+        last.locator(".stats").wait_for(timeout=60_000)
+        answer = last.locator(".answer")
+        assert answer.inner_text() == "The code is 7391 [1]. Run argv[1] by the red bridge [2, 9], not [9]."
+        assert answer.locator("a.cite").all_inner_texts() == ["1", "2"]
+        assert last.locator(".citation.cited").count() == 2
+        answer.locator("a.cite", has_text="1").click()
+        page.wait_for_selector("#viewer[open]")
+        assert "7391" in page.inner_text("#viewer-chunk")
+        page.click("#viewer .close")
+    finally:
+        page.unroute("**/v1/chat/completions")
+
+
 def test_search_by_title_then_delete(page, server):
     page.fill("#doc-search", "vault")
     assert page.locator("#doc-list li .title").all_inner_texts() == ["Vault Report"]
@@ -228,3 +269,23 @@ def test_a_server_that_is_not_ready_says_so(browser, tmp_path):
         page.wait_for_selector("#error:not([hidden])")
         assert "Server not ready (503)" in page.inner_text("#error")
         context.close()
+
+
+def test_a_follow_up_shows_the_tokens_served_from_the_turn_before(page):
+    """A new conversation (the page reloaded), a question, then the same question as a follow-up (the
+    page sends the conversation): its passages are the same, so the prefix cache serves the whole turn
+    before it, and the reuse figure counts those tokens apart."""
+    page.reload()
+    wait_until(page, "document.querySelector('#server-status').textContent.startsWith('ready')")
+    page.fill("#max-tokens", "12")
+    for num_answers in (1, 2):
+        page.fill("#question", "What is the secret code of the green vault?")
+        page.press("#question", "Enter")
+        wait_until(page, f"document.querySelectorAll('.msg.assistant .stats').length === {num_answers}",
+                   timeout=120_000)
+    first, second = page.locator(".msg.assistant .stats").all_inner_texts()
+    assert "from an earlier prompt" not in first
+    match = re.search(r"reused (\d+) \((\d+) from an earlier prompt\) / recomputed (\d+) of (\d+) prompt tokens", second)
+    assert match, second
+    reused, cached, recomputed, prompt = map(int, match.groups())
+    assert 0 < cached <= reused and reused + recomputed == prompt

@@ -149,3 +149,37 @@ def test_cli_ingest_stores_every_file_under_its_own_id(tmp_path, capsys):
                  for doc in stored["documents"]}
         assert "kites" in texts["a:notes.html"] and "boats" in texts["b:notes.html"]
         assert texts["a:notes.html"] != texts["b:notes.html"]
+
+
+def test_knowledge_bases_and_scoped_keys_from_the_command_line(tmp_path, capsys):
+    """`ragblend collections` and `keys` with the server's key; `ingest --collection` (text and an HTML
+    upload) and `ask --collection` with a scoped key; a revoked key is refused (exit 1)."""
+    (tmp_path / "hr").mkdir()
+    (tmp_path / "hr" / "leave.txt").write_text("Every employee gets thirty-one days of annual leave.")
+    (tmp_path / "hr" / "payroll.html").write_text("<html><body><p>Payroll closes on the 25th.</p></body></html>")
+    settings = load_settings(data_dir=tmp_path / "data", model={"name": "random:tiny-llama", "device": "cpu"},
+                             retrieval={"chunking": "none"}, server={"api_key": "root"}, generation={"max_tokens": 1})
+    with LiveServer(settings) as server:
+        admin = ["--url", server.url, "--api-key", "root"]
+        assert main(["collections", "create", "hr", "--description", "people", *admin]) == 0
+        assert main(["keys", "create", "--role", "write", "--collection", "hr", "--token-only", *admin]) == 0
+        token = capsys.readouterr().out.strip().splitlines()[-1]
+        scoped = ["--url", server.url, "--api-key", token]
+        assert main(["ingest", str(tmp_path / "hr"), "--collection", "hr", "--no-precompute", *scoped]) == 0
+        assert "ingested 2 documents" in capsys.readouterr().out
+        assert main(["collections", "list", *scoped]) == 0
+        assert capsys.readouterr().out.startswith("hr  2 documents")  # the key sees its own collection only
+        assert main(["ask", "How many days of annual leave?", "--collection", "hr", *scoped]) == 0
+        out = capsys.readouterr().out
+        assert "hr/leave#0" in out or "hr/payroll.html#0" in out
+        assert main(["ask", "Anything?", "--collection", "default", *scoped]) == ExitCode.FAILED
+        assert "collection not found: default" in capsys.readouterr().err
+        assert main(["keys", "list", *scoped]) == ExitCode.FAILED  # only the server's key manages keys
+        assert "403" in capsys.readouterr().err
+        assert main(["keys", "list", *admin]) == 0
+        key_id = capsys.readouterr().out.split()[0]
+        assert main(["keys", "revoke", key_id, *admin]) == 0 and f"revoked {key_id}" in capsys.readouterr().out
+        assert main(["ask", "Anything?", *scoped]) == ExitCode.FAILED
+        assert "401" in capsys.readouterr().err
+        assert main(["collections", "delete", "hr", *admin]) == 0
+        assert "deleted collection hr: 2 documents" in capsys.readouterr().out

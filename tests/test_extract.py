@@ -86,7 +86,7 @@ def test_markdown_text_and_jsonl():
 
 def test_join_pages_offsets():
     text, starts = join_pages(["a b", "", "c"])
-    assert text == "a b\n\n\n\nc" and starts == (0, 5, 7)
+    assert text == "a b\n\f\n\n\f\nc" and starts == (0, 6, 9)  # a page break between pages, an empty one kept
     assert [page_at(starts, text.index(s)) for s in ("a", "c")] == [1, 3]
 
 

@@ -38,14 +38,14 @@ class DictStore:
         with self.lock:
             return [k in self.entries for k in keys]
 
-    def put(self, key, kv):
+    def put(self, key, kv, salt=""):
         with self.lock:
             self.entries[key] = kv
 
-    def should_compute(self, key, num_tokens, why):  # an unbounded store: the budget always has room
+    def should_compute(self, key, num_tokens, why, scope=None):  # an unbounded store: the budget always has room
         return True
 
-    def offer(self, key, kv, why):
+    def offer(self, key, kv, why, scope=None):
         self.put(key, kv)
         return True
 

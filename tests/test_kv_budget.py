@@ -51,7 +51,9 @@ def server(tmp_path_factory):
     fmt = StorageFormat(settings.store.dtype, settings.store.quantization)
     entry_bytes = len(codec.encode(kv, "0" * 64, engine.fingerprint, fmt))
     budget = 3 * entry_bytes + entry_bytes // 2
-    settings = load_settings(**base, store={"max_disk_bytes": budget, "max_memory_bytes": 64 << 20})
+    # the prefix cache off: a question asked again must use (and count) its chunks' KV
+    settings = load_settings(**base, store={"max_disk_bytes": budget, "max_memory_bytes": 64 << 20,
+                                            "prefix_cache_bytes": 0})
     with LiveServer(settings, engine=engine) as live:
         live.budget = budget
         yield live

@@ -127,3 +127,23 @@ def test_checksum_catches_a_flipped_byte():
     blob[begin + 7] ^= 0x01
     with pytest.raises(CorruptEntryError, match="checksum"):
         codec.decode_layer(header, 1, [bytearray(blob[begin:end])])
+
+
+def test_a_salted_entry_records_its_salt_and_reads_back_only_under_its_own_key():
+    """A collection's salt is part of its chunks' keys (kv_store/keys.py): the empty salt hashes as keys
+    did before salts; a salted entry records its salt, so a reader can still check that its token ids
+    hash to its key, and the same chunk filed under another salt's key reads as damaged."""
+    kv = random_kv()
+    unsalted = chunk_key("fp", FP16, kv.token_ids, kv.context_ids)
+    assert chunk_key("fp", FP16, kv.token_ids, kv.context_ids, "") == unsalted
+    salted = chunk_key("fp", FP16, kv.token_ids, kv.context_ids, "team-a")
+    assert len({unsalted, salted, chunk_key("fp", FP16, kv.token_ids, kv.context_ids, "team-b")}) == 3
+    blob = bytearray(codec.encode(ChunkKV(kv.token_ids, kv.context_ids, kv.keys, kv.values, "team-a"), salted, "fp", FP16))
+    header = codec.read_header(blob, salted, "fp", FP16, kv.shape)
+    back = codec.decode(header, lambda b, e: memoryview(blob)[b:e])
+    assert header.salt == back.salt == "team-a" and torch.allclose(back.keys.float(), kv.keys, atol=1e-2)
+    plain = bytes(codec.encode(kv, unsalted, "fp", FP16))
+    assert b'"salt"' not in plain  # unsalted entries are written as before
+    misfiled = bytearray(codec.encode(kv, salted, "fp", FP16))  # the salt left out: its key cannot be checked
+    with pytest.raises(CorruptEntryError, match="token ids and context are not those of key"):
+        codec.read_header(misfiled, salted, "fp", FP16, kv.shape)

@@ -64,7 +64,7 @@ def test_fast_tiers_blend_at_the_floor_and_slow_ones_fall_back_to_full():
     planner = planner_with_model()
     fast = planner.plan(request(chunks([Tier.MEMORY] * 5)), {Tier.MEMORY: None})  # not measured: prior
     assert fast.kind is PlanKind.BLEND and fast.ratio == pytest.approx(0.15)
-    assert fast.predicted_ttft_ms < planner._full(request(chunks([Tier.MEMORY] * 5))).predicted_ttft_ms
+    assert fast.predicted_ttft_ms < planner.full(request(chunks([Tier.MEMORY] * 5))).predicted_ttft_ms
     slow = planner.plan(request(chunks([Tier.DISK] * 5)), {Tier.DISK: 20e6})  # 20 MB/s
     assert slow.kind is PlanKind.FULL and slow.predicted_load_ms == 0
 
@@ -191,9 +191,31 @@ def test_reuse_stays_unless_another_plan_is_clearly_faster():
     # chunk (of five's size) so that no split can beat both (tests/test_kv_planner_split.py)
     planner = planner_with_model()
     stored = chunks([Tier.DISK], num_tokens=3000, layer_nbytes=5 * 600 * 2 * 8 * 128 * 2)
-    full_ms = planner._full(request(stored)).predicted_ttft_ms
+    full_ms = planner.full(request(stored)).predicted_ttft_ms
     bytes_per_chunk = stored[0].layer_nbytes * (NUM_LAYERS - 1)
     for slower, expected in ((0.98, PlanKind.BLEND), (1.5, PlanKind.FULL)):  # + read latencies ~1%
         rate = bytes_per_chunk / (full_ms / 1000 * slower)  # the loads alone take `slower` x full
         plan = LoadPlanner.plan(planner, request(stored), {Tier.DISK: rate})
         assert plan.kind is expected, (slower, plan)
+
+
+def test_a_cached_prefix_is_planned_where_computing_the_rest_is_sooner():
+    """The prefix cache's plan: the kept prefix reused as is, the rest computed through every layer;
+    taken over the chunks' plan where predicted sooner (a follow-up's few new tokens), not where the
+    kept prefix is only the system prompt (the rest would be nearly a full prefill)."""
+    planner = planner_with_model()
+    stored = chunks([Tier.MEMORY] * 5)
+    base = request(stored)
+    n = base.num_prompt_tokens
+    follow_up = PlanRequest(stored, n, 70, first_reused_layer=1, num_layers=NUM_LAYERS, num_prefix_cached_tokens=n - 60)
+    plan = planner.plan(follow_up, {})
+    assert plan.kind is PlanKind.PREFIX_CACHE and plan.ratio is None and plan.predicted_load_ms == 0
+    expected = measured(PrefillShape(n, 60, n - 60, 1.0)) * 1000
+    assert plan.predicted_compute_ms == pytest.approx(expected, rel=1e-3)
+    assert planner.plan(follow_up, {}, is_blend_only=True).kind is PlanKind.PREFIX_CACHE
+    system_only = PlanRequest(stored, n, 70, first_reused_layer=1, num_layers=NUM_LAYERS, num_prefix_cached_tokens=30)
+    assert planner.plan(system_only, {}).kind is PlanKind.BLEND
+    assert planner.with_prefix_cache(system_only, planner.full(system_only)).kind is PlanKind.PREFIX_CACHE
+    assert planner.plan(base, {}).kind is PlanKind.BLEND  # nothing cached: the chunks' plan, as before
+    with pytest.raises(ValueError, match="leaves nothing or everything"):
+        planner.prefix_cached(PlanRequest(stored, n, 70, 1, NUM_LAYERS, num_prefix_cached_tokens=n))

@@ -25,7 +25,7 @@ def test_split_is_chosen_where_the_front_compute_hides_the_rear_load():
     planner = planner_with_model()
     stored = chunks([Tier.DISK] * 5)
     plan = planner.plan(request(stored), DISK_4GBPS)
-    full = planner._full(request(stored))
+    full = planner.full(request(stored))
     blend = planner.plan(request(stored), DISK_4GBPS, is_blend_only=True)
     assert plan.kind is PlanKind.SPLIT and 0 < plan.num_front_computed < 5
     assert plan.predicted_ttft_ms < full.predicted_ttft_ms and plan.predicted_ttft_ms < blend.predicted_ttft_ms

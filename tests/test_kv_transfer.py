@@ -122,3 +122,33 @@ def test_a_memory_layer_moves_keys_and_values_in_one_copy(monkeypatch):
     assert moves == [torch.Size([2, 2, 8, 4])]
     assert torch.equal(got[0][0], stored.keys[2].float()) and torch.equal(got[0][1], stored.values[2].float())
     store.close()
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_an_int4_layer_streamed_from_disk_equals_its_promoted_copy_in_memory(tmp_path, pipelined):
+    """The disk tier decodes a low-bit layer in fp32 on the host; its copy promoted to the memory tier is
+    stored in the storage dtype (fp16). Both hand the engine the same values, so an answer does not
+    change with the tier its KV came from (a cold first ask, then warm ones)."""
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(2, 3, 2, 40, 16, generator=g)  # [L=3, H=2, n=40, D=16] each
+    kv = ChunkKV(tuple(range(40)), (), keys, values)
+    store = KVStore("fp", StoreConfig(disk_dir=tmp_path, fsync=False, quantization=KVQuantization.INT4,
+                                      write_tiers=frozenset({Tier.DISK})), shape=kv.shape)
+    key = store.key_for(kv.token_ids)
+    store.put(key, kv)
+
+    def streamed():
+        handle = store.handle(key)
+        source = store.layer_source([handle], "cpu", torch.float32, pipelined=pipelined)
+        layers = [source.layer(i)[0] for i in range(3)]  # [(keys, values) [H, n, D]] per layer
+        source.close()
+        return handle, layers
+
+    handle, cold = streamed()
+    assert handle.tier is Tier.DISK
+    assert store.promote([handle]) == 1
+    warm_handle, warm = streamed()
+    assert warm_handle.tier is Tier.MEMORY
+    for (cold_k, cold_v), (warm_k, warm_v) in zip(cold, warm):
+        assert torch.equal(cold_k, warm_k) and torch.equal(cold_v, warm_v)
+    store.close()

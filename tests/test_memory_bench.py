@@ -9,7 +9,7 @@ import json
 from app.cli import main
 from bench.memory_stages import STAGES
 
-TINY_CONFIG = 'model: {"name": "random:tiny-llama", "device": "cpu"}\n'
+TINY_CONFIG = 'model: {"name": "random:tiny-llama", "device": "cpu"}\nscheduler: {"idle_release_s": 1}\n'
 
 
 def test_bench_memory_reads_every_stage_and_the_idle_server(tmp_path, capsys):

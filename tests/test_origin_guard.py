@@ -5,9 +5,6 @@ page, clients without an Origin (curl, `ragblend`) and the configured origins an
 
 from __future__ import annotations
 
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 import httpx
 import pytest
 
@@ -15,7 +12,7 @@ from app.origin_guard import allowed_host_names, host_name
 from app.testing import LiveServer, free_port
 from app.config import ServerConfig
 from configs.settings import load_settings
-from tests.browser import launch
+from tests.browser import launched, page_site
 
 TEXT = b"The planted document says the vault code is 0000."
 
@@ -108,37 +105,17 @@ async function attack(target) {
 @pytest.fixture(scope="module")
 def attacker_site():
     """Another origin on loopback (another port), serving the page above."""
-    class Page(BaseHTTPRequestHandler):
-        def do_GET(self):
-            body = ATTACK_PAGE.encode()
-            self.send_response(200)
-            self.send_header("content-type", "text/html")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    with page_site(ATTACK_PAGE) as url:
+        yield url
 
-        def log_message(self, *args):
-            pass
 
-    site = ThreadingHTTPServer(("127.0.0.1", 0), Page)
-    thread = threading.Thread(target=site.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{site.server_address[1]}"
-    site.shutdown()
-    site.server_close()
-
+# ---- in a real browser ----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def browser():
-    playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
-    with playwright_api.sync_playwright() as playwright:
-        # rebind.test resolves to loopback, as a DNS-rebinding name does once it flips
-        browser, reason = launch(playwright, ("--host-resolver-rules=MAP rebind.test 127.0.0.1",))
-        if browser is None:
-            print(f"\nSKIP browser tests: {reason}")
-            pytest.skip(reason)
+    # rebind.test resolves to loopback, as a DNS-rebinding name does once it flips
+    with launched(("--host-resolver-rules=MAP rebind.test 127.0.0.1",)) as browser:
         yield browser
-        browser.close()
 
 
 def test_a_page_from_another_origin_cannot_plant_or_delete_documents(server, http, browser, attacker_site):

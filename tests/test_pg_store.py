@@ -43,16 +43,16 @@ def test_a_replica_index_follows_the_other_replicas_commits(postgres, tmp_path, 
     b = Retriever.open(tmp_path / "b", settings, PostgresDocumentStore(url))
     try:
         first = _put(a, "ships", ["Old ships sail at dawn.", "Old harbours smell of tar."])
-        a.follow([], [c.row_id for c in first.document.chunks], a.embedder.encode(["x", "y"]))
-        assert b.search("When do old ships sail?", 1) == []
+        a.follow([], first.document.chunks, a.embedder.encode(["x", "y"]))
+        assert b.search("When do old ships sail?", 1, ["default"]) == []
         caught = b.catch_up()
         assert caught.num_added == 2 and caught.seq == a.store.change_seq()
-        assert b.search("When do old ships sail?", 1)[0].chunk.document_id == "ships"
+        assert b.search("When do old ships sail?", 1, ["default"])[0].chunk.document_id == "ships"
         replaced = _put(b, "ships", ["The violet zeppelin lands in Oslo."])
-        b.follow(replaced.replaced, [c.row_id for c in replaced.document.chunks], b.embedder.encode(["z"]))
+        b.follow(replaced.replaced, replaced.document.chunks, b.embedder.encode(["z"]))
         a.catch_up()
         assert set(a.index.ids().tolist()) == a.store.row_ids() == set(b.index.ids().tolist())
-        assert a.search("Where does the violet zeppelin land?", 1)[0].chunk.text.startswith("The violet")
+        assert a.search("Where does the violet zeppelin land?", 1, ["default"])[0].chunk.text.startswith("The violet")
         assert b.catch_up().num_added == 0  # its own write, already followed
         b.follow(b.store.delete_document("ships"), [], [])
         assert a.catch_up().num_removed == 1 and a.index.num_vectors == 0
@@ -146,7 +146,7 @@ def test_store_copy_moves_a_sqlite_install_into_postgres_and_is_safe_to_rerun(po
         target.close()
     replica = Retriever.open(tmp_path / "replica", RetrievalConfig(), PostgresDocumentStore(url))
     try:
-        assert replica.search("What is the code of the blue vault?", 1)[0].chunk.kv_key == "key-vault-0"
+        assert replica.search("What is the code of the blue vault?", 1, ["default"])[0].chunk.kv_key == "key-vault-0"
     finally:
         replica.close()
     assert cli.main(["store", "copy", "--data-dir", str(tmp_path / "none"), "--database-url", url]) == 2

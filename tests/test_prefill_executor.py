@@ -152,20 +152,19 @@ def test_the_engine_loop_closes_a_prefill_whose_client_left_between_its_parts(en
     before = prefetch_threads()
 
     def hold() -> None:  # on the loop's thread, after a step's prefill part
-        if loop.scheduler.prefilling is None:  # the step of the blocking job: wait for the next one
-            assert loop.submit_background(hold)
-            return
         held.set()
         released.wait(30)
 
     async def main():
-        blocker = loop.submit(lambda job: gate.wait(30))  # queue the request and the hold together
+        started = threading.Event()
+        blocker = loop.submit(lambda job: (started.set(), gate.wait(30)))  # the request and the hold queue behind it
+        assert await asyncio.to_thread(started.wait, 30)  # its step began: the hold runs in the request's first
         stream = loop.generate(request, time.perf_counter())
         assert loop.submit_background(hold)
         gate.set()
         await blocker.future
         assert await asyncio.to_thread(held.wait, 30)  # the first part ran; the hold runs after it
-        assert loop.scheduler.prefilling is not None and len(prefetch_threads()) == len(before) + 1
+        assert loop.scheduler.num_prefilling == 1 and len(prefetch_threads()) == len(before) + 1
         stream.cancel()
         released.set()
         with pytest.raises(JobCancelled):
@@ -173,12 +172,12 @@ def test_the_engine_loop_closes_a_prefill_whose_client_left_between_its_parts(en
 
     try:
         asyncio.run(main())
-        # closed before the request's future was settled (the loop sets `prefilling` just after)
+        # closed before the request's future was settled (the loop ends its stream just after)
         assert prefetch_threads() == before
     finally:
         released.set()
         assert loop.close()
-    assert loop.stats.num_prefill_parts >= 1 and loop.stats.num_cancelled == 1 and loop.scheduler.prefilling is None
+    assert loop.stats.num_prefill_parts >= 1 and loop.stats.num_cancelled == 1 and loop.scheduler.num_running == 0
 
 
 @pytest.mark.parametrize("mode", [RequestMode.BLEND, RequestMode.AUTO])

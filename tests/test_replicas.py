@@ -2,8 +2,9 @@
 an API key required, nginx (deploy/nginx.conf) in front: what one replica commits, the other lists,
 retrieves and answers from, within a second, reusing the KV the first put in Redis; the same document
 sent to both at once is one version, precomputed once; an answer streams through nginx unbuffered, its
-rate limits (deploy/nginx.conf) notwithstanding. Redis requires a password, as in docker-compose.yml:
-the replicas' redis_url carries it."""
+rate limits (deploy/nginx.conf) notwithstanding; a collection created and a key revoked through one
+replica hold on the other within a second. Redis requires a password, as in docker-compose.yml: the
+replicas' redis_url carries it."""
 
 from __future__ import annotations
 
@@ -94,6 +95,29 @@ def test_a_replace_and_a_delete_through_b_are_followed_by_a(cluster):
     assert httpx.get(f"{a}/v1/documents/ships", headers=HEADERS).status_code == 404
 
 
+def test_a_delete_through_a_drops_the_prompts_b_keeps_with_its_chunks(cluster):
+    """Each replica keeps its own prefix cache; B's index follower drops B's kept prompts holding a
+    chunk of a document deleted through A (the same text sent again is not served from them)."""
+    a, b, _, _ = cluster
+    text = "The amber lighthouse of Vigo flashes twice every ten seconds from its granite tower."
+    ingest(a, "amber", text)
+    assert until(lambda: "amber" in listed(b), FOLLOW_S) < FOLLOW_S
+    ids = [c["id"] for c in httpx.get(f"{b}/v1/documents/amber", headers=HEADERS).json()["chunks"]]
+    question = "How does the amber lighthouse flash?"
+    ask(b, question, chunk_ids=ids)
+    kept = ask(b, question, chunk_ids=ids)["usage"]
+    assert kept["prefix_cached_tokens"] == kept["prompt_tokens"]
+    # A's cache is its own: B's kept prompt would cover it all; an earlier question on A shares at most
+    # the template's head before the first chunk (system prompt, documents intro, the first label)
+    assert ask(a, question, chunk_ids=ids)["usage"]["prefix_cached_tokens"] < kept["prompt_tokens"] // 2
+    before = metric(b, "ragblend_prefix_cache_invalidations_total")
+    assert httpx.delete(f"{a}/v1/documents/amber", headers=HEADERS, timeout=60).status_code == 200
+    assert until(lambda: metric(b, "ragblend_prefix_cache_invalidations_total") > before, FOLLOW_S) < FOLLOW_S
+    ingest(a, "amber", text)
+    assert until(lambda: "amber" in listed(b), FOLLOW_S) < FOLLOW_S
+    assert ask(b, question, chunk_ids=ids)["usage"]["prefix_cached_tokens"] < kept["prompt_tokens"]
+
+
 def test_the_same_document_through_both_at_once_is_one_version_and_one_precompute(cluster):
     a, b, database_url, _ = cluster
     text = " ".join(f"Paragraph {i} of the twin report says the river rose {i} metres in spring." for i in range(12))
@@ -153,3 +177,32 @@ def test_nginx_in_front_requires_the_key_and_streams_an_answer_unbuffered(cluste
     assert '"document_id":"lighthouse"' in stream and "event: done" in stream
     # Unbuffered: the sources event came through on its own, before the answer was complete.
     assert len(reads) > 1 and "sources" in reads[0] and "event: done" not in reads[0]
+
+
+def test_a_collection_and_a_key_made_or_revoked_through_a_hold_on_b_within_a_second(cluster):
+    a, b, _, _ = cluster
+    assert httpx.post(f"{a}/v1/collections", headers=HEADERS, json={"name": "repl-kb"}).status_code == 201
+    response = httpx.post(f"{a}/v1/documents", headers=HEADERS, timeout=120, json={
+        "collection": "repl-kb", "documents": [{"id": "tide", "text": "High tide at Saint-Malo reaches twelve metres."}]})
+    assert response.status_code == 201, response.text
+    created = httpx.post(f"{a}/v1/keys", headers=HEADERS, json={"role": "read", "collections": ["repl-kb"]}).json()
+    key = {"Authorization": f"Bearer {created['key']}"}
+
+    def b_answers_with_the_key() -> bool:
+        answer = httpx.post(f"{b}/v1/query", headers=key, timeout=60,
+                            json={"question": "How high is the tide at Saint-Malo?", "max_tokens": 1})
+        return answer.status_code == 200 and [s["document_id"] for s in answer.json()["sources"]] == ["tide"]
+
+    assert until(b_answers_with_the_key, FOLLOW_S) < FOLLOW_S  # the key, the collection and its index on B
+    names = [c["name"] for c in httpx.get(f"{b}/v1/collections", headers=key).json()["collections"]]
+    assert names == ["repl-kb"]
+    assert httpx.delete(f"{a}/v1/keys/{created['id']}", headers=HEADERS).status_code == 200
+    assert until(lambda: httpx.get(f"{b}/v1/documents", headers=key).status_code == 401, FOLLOW_S) < FOLLOW_S
+    assert httpx.delete(f"{a}/v1/collections/repl-kb", headers=HEADERS, timeout=60).status_code == 200
+
+    def b_has_no_such_collection() -> bool:
+        answer = httpx.post(f"{b}/v1/query", headers=HEADERS, timeout=60,
+                            json={"question": "tide?", "collection": "repl-kb", "max_tokens": 1})
+        return answer.status_code == 404
+
+    assert until(b_has_no_such_collection, FOLLOW_S) < FOLLOW_S

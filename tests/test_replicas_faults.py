@@ -104,7 +104,7 @@ def test_kill_9_of_a_during_ingests_leaves_whole_documents_and_a_catches_up(clus
     with psycopg.connect(database_url) as conn:
         row_ids = {r[0] for r in conn.execute("SELECT row_id FROM chunks")}
         live_keys = {r[0] for r in conn.execute("SELECT kv_key FROM chunks WHERE kv_key IS NOT NULL")}
-    index = faiss.read_index(str(a.data_dir / "index.faiss"))  # saved by the start-up reconcile
+    index = faiss.read_index(str(a.data_dir / "index" / "default.faiss"))  # saved by the start-up reconcile
     assert set(faiss.vector_to_array(index.id_map).tolist()) == row_ids
     on_disk = {p.name[: -len(SUFFIX)] for p in (a.data_dir / "kv").glob("??/*" + SUFFIX)}
     assert on_disk and on_disk <= live_keys  # the killed batch's entries were collected at start-up

@@ -181,7 +181,7 @@ def retriever(tmp_path_factory):
     for doc_id, text in texts.items():
         vector = retriever.embedder.encode([text])[0]
         doc = retriever.store.put_document(doc_id, None, {}, len(text), [NewChunk(text, (1,), vector)]).document
-        retriever.index.add([doc.chunks[0].row_id], vector[None])
+        retriever.index.add([doc.chunks[0].row_id], vector[None], ["default"])
     yield retriever, data_dir
     retriever.close()
 
@@ -190,22 +190,22 @@ def test_embedder_is_normalised_and_search_finds_the_answer(retriever):
     retriever, _ = retriever
     vectors = retriever.embedder.encode(["a", "b c d"])
     assert vectors.shape == (2, 384) and np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
-    hits = retriever.search("What is the code of the blue vault?", 2)
+    hits = retriever.search("What is the code of the blue vault?", 2, ["default"])
     assert [h.chunk.document_id for h in hits][0] == "vault" and hits[0].score > hits[1].score
-    found, missing = retriever.named(["cheese#0", "nope#0", "vault#0"])
+    found, missing = retriever.named(["cheese#0", "nope#0", "vault#0"], ["default"])
     assert [s.chunk.id for s in found] == ["cheese#0", "vault#0"] and missing == ["nope#0"]
 
 
 def test_retriever_rebuilds_a_lost_index_from_the_store(retriever):
     retriever, data_dir = retriever
     retriever.index.save()
-    (data_dir / "index.faiss").unlink()
+    (data_dir / "index" / "default.faiss").unlink()
     reopened = Retriever.open(data_dir, RetrievalConfig(index=IndexKind.HNSW))
     assert reopened.index.num_vectors == 3 and reopened.index.loaded_kind is IndexKind.HNSW
-    assert reopened.search("Which festival is in October?", 1)[0].chunk.document_id == "cheese"
+    assert reopened.search("Which festival is in October?", 1, ["default"])[0].chunk.document_id == "cheese"
     deleted = reopened.store.delete_document("cheese")
     reopened.follow(deleted, [], [])
-    assert "cheese" not in [h.chunk.document_id for h in reopened.search("Which festival is in October?", 3)]
+    assert "cheese" not in [h.chunk.document_id for h in reopened.search("Which festival is in October?", 3, ["default"])]
 
 
 def _put(retriever, doc_id, texts):
@@ -222,13 +222,13 @@ def test_a_crash_between_the_commit_and_the_index_is_reconciled_by_id_sets(tmp_p
     settings = RetrievalConfig(index=kind)
     retriever = Retriever.open(tmp_path, settings, open_store())
     (doc, _), vectors = _put(retriever, "ships", ["Old ships sail at dawn.", "Old harbours smell of tar."])
-    retriever.follow([], [c.row_id for c in doc.chunks], list(vectors))
+    retriever.follow([], doc.chunks, list(vectors))
     retriever.index.save()
     _put(retriever, "ships", ["The violet zeppelin lands in Oslo.", "Zeppelins carry forty passengers."])
     retriever.store.close()  # killed here: the index file still holds the old ids
     reopened = Retriever.open(tmp_path, settings, open_store())
     assert set(reopened.index.ids().tolist()) == reopened.store.row_ids()
-    hit = reopened.search("Where does the violet zeppelin land?", 1)[0]
+    hit = reopened.search("Where does the violet zeppelin land?", 1, ["default"])[0]
     assert hit.chunk.text == "The violet zeppelin lands in Oslo."
     assert Retriever.open(tmp_path, settings, open_store()).reconcile().is_changed is False  # in step now
     reopened.close()
@@ -237,12 +237,12 @@ def test_a_crash_between_the_commit_and_the_index_is_reconciled_by_id_sets(tmp_p
 def test_reconcile_adds_missing_removes_dead_and_survives_an_unreadable_index(tmp_path, open_store):
     retriever = Retriever.open(tmp_path, RetrievalConfig(), open_store())
     (a, _), vectors = _put(retriever, "a", ["Alpha one.", "Alpha two."])
-    retriever.index.add([999], vectors[:1])  # a dead id: no chunk has it
+    retriever.index.add([999], vectors[:1], ["default"])  # a dead id: no chunk has it
     result = retriever.reconcile()
     assert (result.num_added, result.num_removed, result.is_rebuilt) == (2, 1, False)
     assert set(retriever.index.ids().tolist()) == {c.row_id for c in a.chunks}
     retriever.close()
-    (tmp_path / "index.faiss").write_bytes(b"not a faiss index")
+    (tmp_path / "index" / "default.faiss").write_bytes(b"not a faiss index")
     reopened = Retriever.open(tmp_path, RetrievalConfig(), open_store())
     assert set(reopened.index.ids().tolist()) == {c.row_id for c in a.chunks}
     reopened.close()
@@ -264,9 +264,9 @@ def test_follow_a_replace_leaves_each_chunk_indexed_once(tmp_path, kind, open_st
     (adding them again would index them twice)."""
     retriever = Retriever.open(tmp_path, RetrievalConfig(index=kind), open_store())
     (doc, _), vectors = _put(retriever, "a", ["Alpha one.", "Alpha two."])
-    retriever.follow([], [c.row_id for c in doc.chunks], list(vectors))
+    retriever.follow([], doc.chunks, list(vectors))
     (doc2, replaced), vectors2 = _put(retriever, "a", ["Beta one.", "Beta two.", "Beta three."])
-    retriever.follow(replaced, [c.row_id for c in doc2.chunks], list(vectors2))
+    retriever.follow(replaced, doc2.chunks, list(vectors2))
     ids = retriever.index.ids().tolist()
     assert sorted(ids) == sorted(retriever.store.row_ids()) and len(ids) == 3
     retriever.close()

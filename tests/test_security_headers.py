@@ -7,15 +7,12 @@ driven by tests/test_chat_page.py)."""
 
 from __future__ import annotations
 
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 import httpx
 import pytest
 
 from app.testing import LiveServer
 from configs.settings import load_settings
-from tests.browser import launch, wait_until
+from tests.browser import launched, page_site, wait_until
 
 API_KEY = "headers-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -71,38 +68,15 @@ def test_every_response_carries_the_headers(server, method, path, headers, statu
 
 @pytest.fixture(scope="module")
 def browser():
-    playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
-    with playwright_api.sync_playwright() as playwright:
-        browser, reason = launch(playwright)
-        if browser is None:
-            print(f"\nSKIP browser tests: {reason}")
-            pytest.skip(reason)
+    with launched() as browser:
         yield browser
-        browser.close()
 
 
 @pytest.fixture(scope="module")
 def framing_site(server):
     """Another origin on loopback (another port) whose page frames the chat page."""
-    page = f'<!doctype html><title>framing</title><iframe id="victim" src="{server.url}/"></iframe>'.encode()
-
-    class Page(BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200)
-            self.send_header("content-type", "text/html")
-            self.send_header("content-length", str(len(page)))
-            self.end_headers()
-            self.wfile.write(page)
-
-        def log_message(self, *args):
-            pass
-
-    site = ThreadingHTTPServer(("127.0.0.1", 0), Page)
-    thread = threading.Thread(target=site.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{site.server_address[1]}"
-    site.shutdown()
-    site.server_close()
+    with page_site(f'<!doctype html><title>framing</title><iframe id="victim" src="{server.url}/"></iframe>') as url:
+        yield url
 
 
 def test_the_page_runs_under_its_policy(server, browser):

@@ -27,7 +27,8 @@ def server(tmp_path_factory):
     settings = load_settings(
         data_dir=tmp_path_factory.mktemp("healing"),
         model={"name": "random:tiny-llama", "device": "cpu"},
-        store={"max_memory_bytes": 0},  # disk only: damage there is not hidden by a memory copy
+        # disk only: damage there is not hidden by a memory copy, nor by the prefix cache's copy of the prompt
+        store={"max_memory_bytes": 0, "prefix_cache_bytes": 0},
     )
     with LiveServer(settings) as live:
         yield live
@@ -161,10 +162,10 @@ def test_a_batch_failing_part_way_names_the_documents_committed_before(server, m
     writer = server.components.documents.writer
     real_write = writer.write
 
-    def failing_write(doc, chunking, precompute):
+    def failing_write(doc, chunking, precompute, collection):
         if doc.id == "second":
             raise RuntimeError("disk on fire")
-        return real_write(doc, chunking, precompute)
+        return real_write(doc, chunking, precompute, collection)
 
     monkeypatch.setattr(writer, "write", failing_write)
     with httpx.Client(base_url=server.url, timeout=60) as http:

@@ -26,6 +26,8 @@ from configs.settings import load_settings
 from runtime.jobs import JobCancelled
 from runtime.types import PrefillRequest
 
+# every retrieved chunk reaches the prompt (no relevance floor): these tests size prompts by top_k
+NO_FLOOR = {"chunk_tokens": 24, "chunk_overlap": 0, "min_score": -1.0, "score_margin": 2.0}
 TOPICS = ["owls", "rivers", "copper", "violins", "glaciers", "tea", "bridges", "comets"]
 
 
@@ -33,9 +35,12 @@ TOPICS = ["owls", "rivers", "copper", "violins", "glaciers", "tea", "bridges", "
 def server(tmp_path_factory):
     settings = load_settings(
         data_dir=tmp_path_factory.mktemp("batching"), model={"name": "random:tiny-llama", "device": "cpu"},
-        retrieval={"chunk_tokens": 24, "chunk_overlap": 0},
+        retrieval=NO_FLOOR,
         # 0: a decode step after every step, so that running answers decode between another's parts
         scheduler={"max_running": 8, "prefill_chunk_tokens": 64, "max_decode_stall_ms": 0},
+        # the prefix cache off: these tests ask the same requests again (alone, then in a batch) and count
+        # their prefills' parts (tests/test_prefix_executor.py: a kept prompt beside a running answer)
+        store={"prefix_cache_bytes": 0},
     )
     docs = [{"id": t, "text": " ".join(f"Fact {i} about {t}: the {t} number {i} is remarkable." for i in range(6))}
             for t in TOPICS]
@@ -45,6 +50,9 @@ def server(tmp_path_factory):
 
 
 def rag_request(question: str, mode: RequestMode, max_tokens: int, top_k: int = 3, **sampling) -> RagRequest:
+    """The server's default retrieval. (An answer alone on cold KV once differed from the same request in
+    a batch on warm KV: a low-bit layer read from disk was not rounded as its promoted memory copy is;
+    tests/test_kv_transfer.py holds the tiers equal now.)"""
     return RagRequest(question=question, mode=mode, sampling=SamplingParams(max_tokens=max_tokens, **sampling),
                       top_k=top_k)
 
@@ -277,7 +285,7 @@ def test_a_question_waits_through_one_background_unit_at_most(tmp_path):
     time, background units queued and the lane paced every busy step, each answer's `background_ms` is
     one unit's time or none, though the 4 questions together waited through many steps."""
     settings = load_settings(data_dir=tmp_path, model={"name": "random:tiny-llama", "device": "cpu"},
-                             retrieval={"chunk_tokens": 24, "chunk_overlap": 0},
+                             retrieval=NO_FLOOR,
                              scheduler={"max_running": 1, "background_every_steps": 1})
     unit_s = 0.15
     with LiveServer(settings) as live, httpx.Client(base_url=live.url, timeout=60) as http:
@@ -315,7 +323,7 @@ def test_a_delete_of_no_such_document_is_a_404_not_an_engine_failure(server, cap
 
 def test_close_ends_every_sequence_and_write_cleanly(tmp_path):
     settings = load_settings(data_dir=tmp_path, model={"name": "random:tiny-llama", "device": "cpu"},
-                             retrieval={"chunk_tokens": 24, "chunk_overlap": 0})
+                             retrieval=NO_FLOOR)
     with LiveServer(settings) as live, httpx.Client(base_url=live.url, timeout=60) as http:
         assert http.post("/v1/documents", json={"documents": [{"id": "a", "text": "Owls hunt at night."}]}
                          ).status_code == 201

@@ -200,3 +200,49 @@ def test_the_baseline_environment_of_serve():
         "RAGBLEND_SCHEDULER__MAX_DECODE_STALL_MS": "0", "A": "b=c"}
     with pytest.raises(ValueError, match="NAME=VALUE"):
         server_bench.baseline_environment(["RAGBLEND_SCHEDULER__MAX_RUNNING"])
+
+
+def test_server_modes_throughput_alternates_full_and_blend_and_divides_their_rounds(servers, tmp_path, capsys):
+    """`bench server-modes --modes ""`: the throughput rounds alone (the paper's row: N clients all in full
+    against all in blend, alternated), each client its own question, answers max_tokens long."""
+    server, _ = servers
+    data = dataset(tmp_path / "data.json")
+    assert main(["bench", "server-modes", "--url", server.url, "--data", data, "--questions", "3", "--passages", "2",
+                 "--modes", "", "--concurrency", "2", "--throughput-rounds", "3", "--max-tokens", "3",
+                 "--out", str(tmp_path / "tp.json")]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert summary["results"] == {} and summary["blend_ttft_speedup_vs_full"] is None
+    throughput = summary["throughput"]
+    assert throughput["clients"] == 2 and throughput["rounds"] == 3 and list(throughput["modes"]) == ["full", "blend"]
+    assert [(s["round"], s["mode"]) for s in throughput["schedule"]] == [
+        (0, "full"), (0, "blend"), (1, "blend"), (1, "full"), (2, "full"), (2, "blend")]
+    # each round's clients ask distinct questions, the same in both modes of a round
+    for first, second in zip(throughput["schedule"][::2], throughput["schedule"][1::2]):
+        assert first["questions"] == second["questions"] and len(set(first["questions"])) == 2
+    for mode, row in throughput["modes"].items():
+        assert row["num_requests"] == 3 * 2 and row["num_errors"] == 0 and row["modes"] == {mode: 6}
+        assert row["completion_tokens"] == 3 * 2 * 3  # ignore_eos: every answer max_tokens long
+        rounds = row["requests_per_s_rounds"]
+        assert rounds == pytest.approx([2 / wall for wall in row["wall_s_rounds"]])
+        assert row["requests_per_s"] == pytest.approx(statistics.median(rounds))
+        assert 0 < row["ttft_p50_ms"] <= row["ttft_p95_ms"]
+    full, blend = throughput["modes"]["full"], throughput["modes"]["blend"]
+    ratios = throughput["ratios"]["blend/full"]
+    per_round = [b / f for b, f in zip(blend["requests_per_s_rounds"], full["requests_per_s_rounds"])]
+    assert ratios["requests_per_s"]["values"] == pytest.approx(per_round)
+    assert ratios["requests_per_s"]["median"] == pytest.approx(statistics.median(per_round))
+    assert ratios["ttft_p50"] == pytest.approx(blend["ttft_p50_ms"] / full["ttft_p50_ms"])
+    assert ratios["ttft_p95"] == pytest.approx(blend["ttft_p95_ms"] / full["ttft_p95_ms"])
+    assert "blend/full: req/s" in "\n".join(lines[:-1])
+    # what each throughput request asks for (a random model seldom stops early, so the rounds cannot show it)
+    from bench.musique import Question
+    from bench.server_modes_bench import round_args
+
+    body = server_bench.request_body(Question("q?", (), ("p",)), 0, round_args("blend", 5))
+    assert body["ignore_eos"] is True and body["mode"] == "blend" and body["max_tokens"] == 5
+    assert body["prefix_cache"] is False  # each round's answers prefill: the same questions come again
+    # more clients than questions: refused (each client asks its own)
+    assert main(["bench", "server-modes", "--url", server.url, "--data", data, "--questions", "2",
+                 "--concurrency", "3"]) == 2
+    assert "each client asks its own" in capsys.readouterr().err

@@ -43,7 +43,7 @@ def engine_jobs(url: str) -> dict[str, float]:
 
 
 async def stream_answer(client: httpx.AsyncClient, index: int) -> tuple[str, dict]:
-    body = {"question": QUESTION, "max_tokens": 16, "top_k": 2, "mode": "blend" if index % 2 else "full"}
+    body = {"question": QUESTION, "max_tokens": 32, "top_k": 2, "mode": "blend" if index % 2 else "full"}
     async with client.stream("POST", "/v1/query", json={**body, "stream": True}) as response:
         assert response.status_code == 200
         lines = [line async for line in response.aiter_lines()]

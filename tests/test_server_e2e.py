@@ -27,7 +27,12 @@ DOCUMENTS = [
 
 
 def make_settings(data_dir, **overrides):
-    return load_settings(data_dir=data_dir, limits={"max_tokens": 8192}, **overrides)
+    # the prefix cache off: these tests ask the same questions again and check the chunks' KV path
+    # (tests/test_prefix_server.py tests the prefix cache); no relevance floor: they count on every retrieved
+    # chunk reaching the prompt (top_k, context fitting, KV loads; the floor's tests: tests/test_retrieval_api.py)
+    overrides.setdefault("store", {}).setdefault("prefix_cache_bytes", 0)
+    retrieval = {"min_score": -1.0, "score_margin": 2.0, **overrides.pop("retrieval", {})}
+    return load_settings(data_dir=data_dir, limits={"max_tokens": 8192}, retrieval=retrieval, **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -224,12 +229,15 @@ def test_server_modes_bench_reports_every_mode_and_ends_with_json(server, tmp_pa
                                                                 {"title": "Bridge", "text": DOCUMENTS[1]["text"]}]}
     (tmp_path / "mini.json").write_text(json.dumps([item]))
     assert main(["bench", "server-modes", "--url", server.url, "--data", str(tmp_path / "mini.json"),
-                 "--questions", "1", "--passages", "2", "--max-tokens", "6", "--concurrency", "2",
-                 "--out", str(tmp_path / "b.json")]) == 0
+                 "--questions", "1", "--passages", "2", "--max-tokens", "6", "--concurrency", "1",
+                 "--throughput-rounds", "2", "--out", str(tmp_path / "b.json")]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(summary["results"]) == {"full", "blend", "reuse"} and summary["blend_ttft_speedup_vs_full"] > 0
     assert summary["results"]["full"]["f1_vs_full"] == 1.0 and summary["results"]["blend"]["throughput_rps"] > 0
     assert summary["results"]["blend"]["median_reused_tokens"] > 0 and summary["results"]["full"]["median_reused_tokens"] == 0
+    assert summary["results"]["full"]["throughput_rps"] == summary["throughput"]["modes"]["full"]["requests_per_s"]
+    assert summary["results"]["reuse"]["throughput_rps"] is None  # not a throughput mode
+    assert summary["throughput"]["ratios"]["blend/full"]["requests_per_s"]["median"] > 0
     assert json.loads((tmp_path / "b.json").read_text()) == summary
 
 
@@ -283,3 +291,30 @@ def test_auto_mode_falls_back_to_full_when_the_tier_is_slow(engine, tmp_path):
                                                        "max_tokens": 8}).json()
         assert chat["plan"]["plan"] == "full"
         assert 'ragblend_load_plans_total{plan="full"}' in http.get("/metrics").text
+
+
+def test_openai_client_penalties_are_accepted_and_honoured(server, client):
+    """OpenAI's frequency_penalty and presence_penalty (a 400 before) and the extras repetition_penalty and
+    no_repeat_ngram_size change a 40-token answer (ignore_eos: the same length whatever the model says,
+    the configured stop strings left out); outside OpenAI's range, a 422. (The same answer twice is not
+    compared: the CPU engine's thread count follows the load, and past the end of sequence the greedy
+    choices are near ties that a thread count can flip.)"""
+    import openai as openai_module
+
+    openai = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    model = openai.models.list().data[0].id
+
+    def answer(**penalties) -> str:
+        extra = {"top_k": 2, "mode": "blend", "ignore_eos": True}
+        extra.update({k: penalties.pop(k) for k in ("repetition_penalty", "no_repeat_ngram_size") if k in penalties})
+        completion = openai.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTION}],
+                                                    max_tokens=40, extra_body=extra, **penalties)
+        assert completion.usage.completion_tokens == 40
+        return completion.choices[0].message.content
+
+    plain = answer(no_repeat_ngram_size=0)
+    for penalty in ({"frequency_penalty": 1.0}, {"presence_penalty": 1.5}, {"repetition_penalty": 1.5},
+                    {"no_repeat_ngram_size": 2}):
+        assert answer(**{"no_repeat_ngram_size": 0, **penalty}) != plain, penalty
+    with pytest.raises(openai_module.UnprocessableEntityError, match="presence_penalty"):
+        answer(presence_penalty=2.5)

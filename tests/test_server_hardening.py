@@ -148,7 +148,7 @@ class _FailingStream:
 
 
 async def _events(stream) -> list[str]:
-    service = QueryService(settings=None, pipeline=None)
+    service = QueryService(settings=None, pipeline=None, scopes=None)
     return [event async for event in service.events(RagContext([], [], 0.0), stream)]
 
 

@@ -100,7 +100,7 @@ def test_without_redis_every_precompute_runs():
         def readable_many(self, keys):
             return [False] * len(keys)
 
-        def put(self, key, kv):
+        def put(self, key, kv, salt=""):
             self.puts.append(key)
 
     entries = Entries()

@@ -2,46 +2,33 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.query.protocol import GenerationOptions, PlanOut, SourceOut, StrictInt, TimingsOut
-
-
-def _is_unset(value: Any) -> bool:
-    return value is None or value is False or value == 0 or value == [] or value == {}
-
-
-# OpenAI parameters ragblend does not implement, each with what counts as not asking for it. A request
-# that asks for one gets a 400 naming it (as vLLM does) rather than an answer that silently ignores it.
-UNSUPPORTED_PARAMETERS: dict[str, Callable[[Any], bool]] = {
-    "tools": _is_unset,
-    "functions": _is_unset,
-    "tool_choice": lambda value: value in (None, "none"),
-    "function_call": lambda value: value in (None, "none"),
-    "logprobs": _is_unset,
-    "top_logprobs": _is_unset,
-    "logit_bias": _is_unset,
-    "response_format": lambda value: value is None or value == {"type": "text"},
-    "presence_penalty": _is_unset,
-    "frequency_penalty": _is_unset,
-    "audio": _is_unset,
-    "modalities": lambda value: value is None or value == ["text"],
-    "prediction": _is_unset,
-    "web_search_options": _is_unset,
-    "n": lambda value: value in (None, 1),
-}
+from app.openai_compat import StreamOptions, check_extra_fields
+from app.query.protocol import CitationOut, GenerationOptions, PlanOut, SourceOut, StrictInt, TimingsOut
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant"] = Field(
+        description="developer: OpenAI's newer name for system instructions, read as a system message.")
     content: str | list[TextPart]
+    name: str | None = Field(None, description="Accepted, ignored.")
+
+    @property
+    def prompt_role(self) -> str:
+        """The role in the model's prompt (its chat template knows system, user, assistant)."""
+        return "system" if self.role == "developer" else self.role
 
     @property
     def text(self) -> str:
@@ -51,23 +38,23 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(GenerationOptions):
-    """OpenAI's fields plus the RAG extras (top_k, mode, recompute_ratio, chunk_ids). Other fields
-    (user, metadata, ...) are ignored, as OpenAI-compatible servers do, except the OpenAI parameters
-    ragblend does not implement (UNSUPPORTED_PARAMETERS): asking for one is a 400 naming it."""
+    """OpenAI's fields (frequency_penalty and presence_penalty in OpenAI's range, [-2, 2]) plus the RAG
+    extras (collection, top_k, retrieval, mode, recompute_ratio, chunk_ids, repetition_penalty,
+    no_repeat_ngram_size). An OpenAI parameter ragblend does not implement is a 400 naming it; the OpenAI
+    fields real clients send that change nothing here (app/openai_compat.py IGNORED_PARAMETERS) are
+    ignored; any other field is a 422, as on every route."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow")  # checked by check_fields (a 400 or a 422 naming them)
 
-    model: str | None = None
+    model: str | None = Field(None, description="The served model, or `<model>:<collection>` to pick a knowledge "
+                              "base (GET /v1/models lists them).")
     messages: list[ChatMessage] = Field(..., min_length=1)
-    stop: str | list[str] | None = None
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     n: StrictInt = Field(1, ge=1, description="Only one choice is generated (n > 1 is a 400).")
+    stream_options: StreamOptions | None = None
 
-    def unsupported_parameters(self) -> list[str]:
-        """The unsupported OpenAI parameters this request asks for."""
-        given = {"n": self.n, **(self.model_extra or {})}
-        return [name for name, is_unasked in UNSUPPORTED_PARAMETERS.items()
-                if name in given and not is_unasked(given[name])]
+    def check_fields(self) -> None:
+        check_extra_fields(self.model_extra, {"n": self.n})
 
 
 class AssistantMessage(BaseModel):
@@ -81,12 +68,18 @@ class Choice(BaseModel):
     finish_reason: str | None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # OpenAI's name for prompt tokens served from a prefix cache
+
+
 class ChatUsage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     reused_tokens: int
     recomputed_tokens: int
+    prefix_cached_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails(cached_tokens=0)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -97,8 +90,9 @@ class ChatCompletionResponse(BaseModel):
     choices: list[Choice]
     usage: ChatUsage
     sources: list[SourceOut]
+    citations: list[CitationOut] = []  # the sources the answer cites as [n] (a number naming none left out)
     timings: TimingsOut
-    mode: str
+    mode: str | None = Field(description="The prefill mode that ran; null: none (nothing relevant was retrieved).")
     recompute_ratio: float | None = None
     quality_guarded: bool = False  # the quality guard raised the recompute ratio
     plan: PlanOut | None = None  # the loading planner's choice (mode 'auto')
@@ -121,8 +115,9 @@ class ChatCompletionChunk(BaseModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
-    choices: list[ChunkChoice]
+    choices: list[ChunkChoice]  # empty in the usage chunk (stream_options.include_usage)
     sources: list[SourceOut] | None = None  # on the first chunk
+    citations: list[CitationOut] | None = None  # on the last chunk: the sources the answer cites as [n]
     usage: ChatUsage | None = None  # on the last chunk
     timings: TimingsOut | None = None  # on the last chunk
     recompute_ratio: float | None = None  # on the last chunk

@@ -1,4 +1,5 @@
-"""`ragblend ask "question"`: stream an answer from a running server, then print its sources."""
+"""`ragblend ask "question"`: stream an answer from a running server, then print its sources (those the
+answer cites as [n] marked)."""
 
 from __future__ import annotations
 
@@ -16,17 +17,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("question")
     parser.add_argument("--mode", choices=["blend", "full", "prefix", "reuse"])
     parser.add_argument("--top-k", type=int)
+    parser.add_argument("--retrieval", choices=["dense", "lexical", "hybrid"], help="default from the server's config")
     parser.add_argument("--max-tokens", type=int)
     parser.add_argument("--recompute-ratio", help="a number in [0, 1] or 'auto'")
     parser.add_argument("--chunk-id", action="append", dest="chunk_ids", help="use this chunk (repeatable)")
+    parser.add_argument("--collection", action="append", dest="collections",
+                        help="the knowledge base to ask (repeatable; default: `default`, a scoped key: its own)")
     add_client_arguments(parser)
 
 
 def request_body(args: argparse.Namespace) -> dict:
     body: dict = {"question": args.question, "stream": True}
-    for name in ("mode", "top_k", "max_tokens", "chunk_ids"):
+    for name in ("mode", "top_k", "retrieval", "max_tokens", "chunk_ids"):
         if getattr(args, name) is not None:
             body[name] = getattr(args, name)
+    if args.collections:
+        body["collection"] = args.collections
     if args.recompute_ratio is not None:
         body["recompute_ratio"] = args.recompute_ratio if args.recompute_ratio == "auto" else float(args.recompute_ratio)
     return body
@@ -52,6 +58,7 @@ def page_label(pages: list[int] | None) -> str:
 
 def run(args: argparse.Namespace) -> int:
     sources: list[dict] = []
+    cited: set[int] = set()
     with make_client(args) as client, client.stream("POST", "/v1/query", json=request_body(args)) as response:
         if response.status_code != 200:
             response.read()
@@ -66,15 +73,19 @@ def run(args: argparse.Namespace) -> int:
                 print(data["text"], end="", flush=True)
             elif event == "done":
                 usage, timings = data["usage"], data["timings"]
-                print(f"\n\n[{data['mode']}] ttft {timings['ttft_ms']:.0f} ms, total {timings['total_ms']:.0f} ms, "
-                      f"{usage['reused_tokens']} reused / {usage['recomputed_tokens']} recomputed prompt tokens")
+                cached = usage.get("prefix_cached_tokens", 0)
+                cited = {citation["number"] for citation in data.get("citations", [])}
+                print(f"\n\n[{data['mode'] or 'no prefill'}] ttft {timings['ttft_ms']:.0f} ms, total {timings['total_ms']:.0f} ms, "
+                      f"{usage['reused_tokens']} reused / {usage['recomputed_tokens']} recomputed prompt tokens"
+                      + (f", {cached} from the prefix cache" if cached else ""))
             elif event == "error":
                 print(f"\nerror: {data['error']['message']}", file=sys.stderr)
                 return ExitCode.FAILED
-    print("\nSources:")
+    print("\nSources:" if sources else "\nSources: none")
     for number, source in enumerate(sources, 1):
         score = "" if source["score"] is None else f" (score {source['score']:.3f})"
         title = f" {source['title']}" if source.get("title") else ""
-        print(f"  [{number}] {source['chunk_id']}{title}{page_label(source.get('pages'))}{score}: "
+        mark = " (cited)" if number in cited else ""
+        print(f"  [{number}]{mark} {source['chunk_id']}{title}{page_label(source.get('pages'))}{score}: "
               f"{source['text'][:120]!r}")
     return ExitCode.OK

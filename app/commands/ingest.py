@@ -21,9 +21,11 @@ from app.commands.upload import UploadFailed, upload_files
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("paths", nargs="+", type=Path,
                         help=f"files or directories (searched for {', '.join(sorted(READERS))})")
-    parser.add_argument("--chunking", choices=["tokens", "none"], help="default from the server's config")
+    parser.add_argument("--chunking", choices=["tokens", "structure", "none"], help="default from the server's config")
     parser.add_argument("--no-precompute", action="store_true", help="do not precompute chunk KV at ingestion")
     parser.add_argument("--batch-size", type=int, default=8, help="documents per request")
+    parser.add_argument("--collection", help="the knowledge base they go into (default: `default`; a key bound to "
+                        "one collection: that one)")
     add_client_arguments(parser)
 
 
@@ -52,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
             body: dict = {"documents": batch, "precompute": not args.no_precompute}
             if args.chunking:
                 body["chunking"] = args.chunking
+            if args.collection:
+                body["collection"] = args.collection
             response = client.post("/v1/documents", json=body)
             if response.status_code != 201:
                 bar.close()

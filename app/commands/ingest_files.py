@@ -79,8 +79,9 @@ def read_plain(path: Path, doc_id: str, collected: Collected) -> None:
         collected.warnings.append(f"{path}: empty, skipped")
         return
     first = next(line for line in text.splitlines() if not is_blank(line))
+    file_format = "text" if path.suffix.lower() == ".txt" else "markdown"  # as an upload's (structure chunking)
     collected.add({"id": doc_id, "title": first.lstrip("# ").strip()[:200], "text": text,
-                   "metadata": {"source": shown(path)}}, str(path))
+                   "metadata": {"source": shown(path), "format": file_format}}, str(path))
 
 
 def read_jsonl(path: Path, doc_id: str, collected: Collected) -> None:

@@ -39,6 +39,8 @@ def upload_files(client: httpx.Client, uploads: Sequence[Upload], args: argparse
     form = {"precompute": str(not args.no_precompute).lower()}
     if args.chunking:
         form["chunking"] = args.chunking
+    if args.collection:
+        form["collection"] = args.collection
     for path, doc_id in uploads:
         with path.open("rb") as handle:
             response = client.post("/v1/documents/files", files=[("files", (shown_name(path), handle))],

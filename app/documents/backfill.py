@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence, TYPE_CHECKING
 
 from kv_store.admission import Admission
+from kv_store.keys import KVScope
 from kv_store.single_flight import PrecomputeLocks, PrecomputeReason, SingleFlight
 from retrieval.store_types import StoredChunk
 from runtime.loop import EngineLoop
@@ -41,13 +42,14 @@ class KVBackfill:
         self._flight = single_flight or SingleFlight(kv_store, PrecomputeLocks(None, 1.0))
         self._context_ids = tuple(context_ids)
         self._lock = threading.Lock()
-        self._queue: deque[tuple[str, tuple[int, ...]]] = deque()  # (key, token ids), oldest first
+        self._queue: deque[tuple[str, tuple[int, ...], KVScope]] = deque()  # (key, token ids, scope), oldest first
         self._is_scheduled = False  # one task in the loop's background queue at a time
         self._num_done = self._num_failed = 0
 
-    def schedule(self, chunks: Sequence[StoredChunk]) -> None:
+    def schedule(self, chunks: Sequence[StoredChunk], scope: KVScope = KVScope()) -> None:
+        """Queue these chunks' KV (`scope`: their collection's KV namespace and budget)."""
         with self._lock:
-            self._queue.extend((c.kv_key, tuple(c.token_ids)) for c in chunks if c.kv_key)
+            self._queue.extend((c.kv_key, tuple(c.token_ids), scope) for c in chunks if c.kv_key)
         self._submit_next()
 
     def _submit_next(self) -> None:
@@ -62,12 +64,12 @@ class KVBackfill:
     def _step(self) -> None:
         """One chunk (on the engine loop, as a background unit), then queue the next."""
         with self._lock:
-            key, token_ids = self._queue.popleft()
+            key, token_ids, scope = self._queue.popleft()
         try:
-            if (self._is_live(key) and not self._kv_store.readable_many([key])[0]
-                    and self._kv_store.should_compute(key, len(token_ids), Admission.PRECOMPUTE)):  # budget: free room only
+            if (self._is_live(key) and not self._kv_store.readable_many([key])[0]  # budget: free room only
+                    and self._kv_store.should_compute(key, len(token_ids), Admission.PRECOMPUTE, scope)):
                 self._flight.ensure(key, lambda: self._engine.precompute(list(token_ids), self._context_ids),
-                                    PrecomputeReason.BACKFILL, Admission.PRECOMPUTE)
+                                    PrecomputeReason.BACKFILL, Admission.PRECOMPUTE, scope)
             self._count(is_failed=False)
         except Exception:
             logger.exception("precomputing KV %s in the background failed", key[:16])

@@ -58,10 +58,11 @@ class KVBudget:
         return cls(bytes_per_token, capacity, setting, engine.tokenize, settings)
 
     def needed_bytes(self, num_tokens: int, chunking: ChunkingMode) -> int:
-        """KV bytes of a document of `num_tokens`; chunking repeats the overlap tokens in each chunk."""
+        """KV bytes of a document of `num_tokens`; chunking repeats the overlap tokens in each chunk (an upper
+        bound for `structure`, which repeats them only where it cuts a block longer than a chunk)."""
         retrieval = self.settings.retrieval
         factor = 1.0
-        if chunking is ChunkingMode.TOKENS:
+        if chunking is not ChunkingMode.NONE:
             factor = retrieval.chunk_tokens / max(retrieval.chunk_tokens - retrieval.chunk_overlap, 1)
         return int(num_tokens * factor) * self.bytes_per_token
 

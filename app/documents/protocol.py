@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from app.text import NUL, NUL_MESSAGE, is_blank, nul_location
 from configs.enums import ChunkingMode
+from retrieval.store_types import COLLECTION_NAME_PATTERN
 
 DOCUMENT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 
@@ -50,7 +51,11 @@ class IngestRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     documents: list[DocumentIn] = Field(..., min_length=1)
-    chunking: ChunkingMode | None = Field(None, description="tokens (default) or none: one passage, one chunk.")
+    collection: str | None = Field(None, pattern=COLLECTION_NAME_PATTERN, description="The collection (knowledge "
+                                   "base) they go into; default: `default` (a key bound to one collection: that one).")
+    chunking: ChunkingMode | None = Field(
+        None, description="structure (the document's blocks, headings and pages), tokens (sentences) or none (one "
+        "passage, one chunk); default: retrieval.chunking.")
     precompute: StrictBool = Field(True, description="Precompute every chunk's KV into the store.")
 
 
@@ -75,12 +80,16 @@ class DocumentStatus(str, Enum):
 
 class DocumentOut(BaseModel):
     id: str
+    collection: str
     status: DocumentStatus
     chunks: list[ChunkOut]
     kv_pending: bool = Field(
         False, description="Its chunks' KV is being computed in the background (a large document): kv_cached "
         "fills in, see GET /v1/documents/{id}; meanwhile questions recompute those chunks.",
     )
+    warnings: list[str] = Field(
+        [], description="What may keep questions from finding its content (stored all the same): text in another "
+        "language than the embedder's; an upload's blank or unreadable PDF pages.")
 
 
 class IngestResponse(BaseModel):
@@ -89,6 +98,7 @@ class IngestResponse(BaseModel):
 
 class DocumentDetail(BaseModel):
     id: str
+    collection: str
     title: str | None
     metadata: dict[str, Any]
     num_chars: int
@@ -101,6 +111,7 @@ class DocumentDetail(BaseModel):
 
 class DocumentSummary(BaseModel):
     id: str
+    collection: str
     title: str | None
     num_chunks: int
     num_chars: int
@@ -110,23 +121,26 @@ class DocumentSummary(BaseModel):
 
 
 class CollectionKV(BaseModel):
-    """The collection's KV: what all of it would need, and what the budget holds."""
+    """The listed collections' KV: what all of it would need, and what the budget holds of it."""
 
     num_tokens: int = Field(..., description="Tokens over every chunk (overlaps counted per chunk).")
     bytes_per_token: float = Field(..., description="Bytes at rest per token: the mean of the entries written, "
                                    "else the storage format's nominal size.")
     estimated_full_bytes: int = Field(..., description="KV bytes the whole collection would need (an estimate).")
-    cached_bytes: int = Field(..., description="KV bytes held under the budget now.")
-    budget_bytes: int | None = Field(..., description="The budget: the disk tier's bound (memory's without disk).")
+    cached_bytes: int = Field(..., description="KV bytes of these collections' chunks held under the budget now.")
+    budget_bytes: int | None = Field(..., description="The budget: the collection's own (one collection listed, "
+                                     "with one), else the disk tier's bound (memory's without disk).")
 
 
 class DocumentList(BaseModel):
     documents: list[DocumentSummary]
     total: int
-    kv: CollectionKV | None = Field(None, description="The collection's KV need and budget (none: no bounded tier).")
+    collections: list[str] = Field(default_factory=list, description="The collections listed.")
+    kv: CollectionKV | None = Field(None, description="Their KV need and budget (none: no bounded tier).")
 
 
 class DeleteResponse(BaseModel):
     id: str
+    collection: str
     deleted: bool
     num_chunks: int

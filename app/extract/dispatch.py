@@ -12,6 +12,7 @@ from app.documents.ids import id_from_file_name, id_from_value
 from app.extract.text import decode_text, first_line_title, markdown_title, parse_jsonl
 from app.extract.types import SUFFIX_FORMATS, ExtractedDocument, ExtractionLimits, FileFormat, FileRejected
 from app.text import without_nul
+from retrieval.chunker import PAGE_BREAK
 
 _ZIP_MAGIC, _PDF_MAGIC = b"PK\x03\x04", b"%PDF-"
 MAX_TITLE_CHARS = 512  # DocumentIn.title's limit
@@ -79,10 +80,10 @@ def _extract(name: str, data: bytes, fmt: FileFormat, limits: ExtractionLimits, 
     if fmt is FileFormat.PDF:
         from app.extract.pdf import extract_pdf
 
-        title, pages = extract_pdf(name, data)
+        title, pages, warnings = extract_pdf(name, data)
         text, starts = join_pages(pages)
         return [ExtractedDocument(doc_id, title or first_line_title(text), text, fmt,
-                                  {**base, "num_pages": len(pages)}, starts)]
+                                  {**base, "num_pages": len(pages)}, starts, tuple(warnings))]
     if fmt is FileFormat.DOCX:
         from app.extract.docx import extract_docx, unzip_bounded
 
@@ -112,11 +113,12 @@ def _jsonl_document(row: dict, file_id: str, number: int, base: dict) -> Extract
 
 
 def join_pages(pages: Sequence[str]) -> tuple[str, tuple[int, ...]]:
-    """The pages' text joined by blank lines, and the offset where each page starts in it."""
+    """The pages' text joined by page breaks (a form feed on a line of its own: `structure` chunking never
+    crosses one), and the offset where each page starts in it."""
     text, starts = "", []
     for page in pages:
         starts.append(len(text))
-        text += page + "\n\n"
+        text += page + "\n" + PAGE_BREAK + "\n"
     return text.rstrip(), tuple(starts)
 
 

@@ -54,6 +54,7 @@ class ExtractedDocument:
     file_format: FileFormat
     metadata: dict[str, Any] = field(default_factory=dict)
     page_starts: tuple[int, ...] = ()
+    warnings: tuple[str, ...] = ()  # what of the file is not in `text` (a PDF's blank or unreadable pages)
 
 
 def reason(exc: BaseException) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from app.deps import QueryDep
+from app.deps import PrincipalDep, QueryDep
 from app.errors import ERROR_RESPONSES
 from app.query.protocol import QueryRequest, QueryResponse
 from app.sse import SSE_HEADERS, SSE_MEDIA_TYPE
@@ -18,8 +18,8 @@ router = APIRouter(prefix="/v1", tags=["query"], responses=ERROR_RESPONSES)
     response_model=QueryResponse,
     responses={200: {"content": {SSE_MEDIA_TYPE: {}}, "description": "JSON, or SSE when stream=true"}},
 )
-async def query(body: QueryRequest, service: QueryDep, http_request: Request):
-    _, context, stream, _ = await service.prepare(body)
+async def query(body: QueryRequest, service: QueryDep, principal: PrincipalDep, http_request: Request):
+    _, context, stream, _ = await service.prepare(body, principal)
     if body.stream:
         return StreamingResponse(service.events(context, stream), media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
     return await service.answer(context, stream, http_request.is_disconnected)

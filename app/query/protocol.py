@@ -9,18 +9,32 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, field_val
 
 from app.text import NUL_MESSAGE, nul_location
 from blend_engine.types import PrefillMode, SelectionKind
-from configs.enums import RequestMode
+from configs.enums import RepetitionScope, RequestMode, RetrievalMode
+from retrieval.store_types import COLLECTION_NAME_PATTERN
 
 Ratio = float
 # Strict numbers: JSON "3" or true is not an int (no coercion); an int is still a valid float.
 StrictInt = Annotated[int, Strict()]
 StrictFloat = Annotated[float, Strict()]
+CollectionName = Annotated[str, Field(pattern=COLLECTION_NAME_PATTERN)]
 
 
 class GenerationOptions(BaseModel):
     """Retrieval, prefill and sampling options shared by /v1/query and /v1/chat/completions."""
 
+    @property
+    def stop_strings(self) -> tuple[str, ...] | None:
+        """The request's stop strings (None: it gave none, the configured ones apply)."""
+        return (self.stop,) if isinstance(self.stop, str) else None if self.stop is None else tuple(self.stop)
+
+    collection: CollectionName | list[CollectionName] | None = Field(
+        None, description="The collection(s) (knowledge bases) to retrieve from, one name or a list; default: "
+        "`default` (a scoped key: all of its own).")
     top_k: StrictInt | None = Field(None, ge=1, description="Chunks to retrieve (limit: limits.max_top_k).")
+    retrieval: RetrievalMode | None = Field(
+        None, description="How chunks are ranked: dense (embeddings), lexical (full-text index) or hybrid (both, "
+        "fused by reciprocal rank); default from config (retrieval.mode).",
+    )
     chunk_ids: list[str] | None = Field(
         None, min_length=1, description="Skip retrieval: use exactly these chunks, in this order."
     )
@@ -39,11 +53,53 @@ class GenerationOptions(BaseModel):
     temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0)
     top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
     seed: StrictInt | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = Field(
+        None, description="Stop strings: the answer ends before the first of them; default from config "
+        "(generation.stop); [] for none.",
+    )
+    frequency_penalty: StrictFloat | None = Field(
+        None, ge=-2.0, le=2.0, description="OpenAI's: each token's logit lowered by this times the times it was "
+        "generated so far, in [-2, 2]; default from config (generation.frequency_penalty).",
+    )
+    presence_penalty: StrictFloat | None = Field(
+        None, ge=-2.0, le=2.0, description="OpenAI's: each token generated so far has its logit lowered by this, "
+        "once, in [-2, 2]; default from config (generation.presence_penalty).",
+    )
+    repetition_penalty: StrictFloat | None = Field(
+        None, gt=0.0, le=2.0, description="CTRL's (Hugging Face's): a seen token's positive logit divided by this, "
+        "a negative one multiplied, in (0, 2] (1: off); default from config (generation.repetition_penalty).",
+    )
+    repetition_scope: RepetitionScope | None = Field(
+        None, description="The tokens repetition_penalty covers: answer or prompt_and_answer; default from config.",
+    )
+    no_repeat_ngram_size: StrictInt | None = Field(
+        None, ge=0, le=32, description="No n-gram of this many tokens twice in the answer (0: off); default from "
+        "config (generation.no_repeat_ngram_size).",
+    )
     ignore_eos: StrictBool = Field(
         False, description="Generate max_tokens tokens, past the model's end of sequence (as vLLM's "
-        "ignore_eos: for benchmarks that need answers of one length).",
+        "ignore_eos: for benchmarks that need answers of one length); the configured stop strings are left out "
+        "too (a request's own stop still applies).",
+    )
+    prefix_cache: StrictBool = Field(
+        True, description="Reuse the longest prefix of this prompt kept from earlier answers (store.prefix_cache_bytes) "
+        "and keep this one; false: neither (benchmarks that measure a prefill).",
     )
     stream: StrictBool = False
+
+    @property
+    def collections(self) -> list[str] | None:
+        """The collections named, as a list (None: none named)."""
+        if self.collection is None:
+            return None
+        return [self.collection] if isinstance(self.collection, str) else list(self.collection)
+
+    @field_validator("collection")
+    @classmethod
+    def _some(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and not 1 <= len(value) <= 100:
+            raise ValueError("name 1 to 100 collections")
+        return value
 
     @field_validator("chunk_ids")
     @classmethod
@@ -66,9 +122,21 @@ class QueryRequest(GenerationOptions):
 class SourceOut(BaseModel):
     chunk_id: str
     document_id: str
+    collection: str
     title: str | None
-    score: float | None
+    score: float | None = Field(description="Cosine similarity of the chunk to the question (whatever ranked it); "
+                                "null for a chunk named in chunk_ids.")
     text: str
+    pages: list[int] | None = Field(None, description="Uploaded PDFs: [first, last] page the chunk's text is on.")
+
+
+class CitationOut(BaseModel):
+    """A [n] of the answer that names a source: the n-th chunk of the prompt (sources[n - 1])."""
+
+    number: int = Field(description="The n of [n] in the answer (1 = the first source).")
+    chunk_id: str
+    document_id: str
+    title: str | None
     pages: list[int] | None = Field(None, description="Uploaded PDFs: [first, last] page the chunk's text is on.")
 
 
@@ -77,6 +145,8 @@ class UsageOut(BaseModel):
     reused_tokens: int
     recomputed_tokens: int
     completion_tokens: int
+    prefix_cached_tokens: int = Field(0, description="Prompt tokens whose KV the prefix cache served as it was "
+                                      "(a prompt seen before): neither reused chunk KV nor recomputed.")
 
 
 class TimingsOut(BaseModel):
@@ -93,7 +163,7 @@ class TimingsOut(BaseModel):
 class PlanOut(BaseModel):
     """The loading planner's choice for this answer (mode 'auto' or recompute_ratio 'auto'), in ms."""
 
-    plan: Literal["full", "blend", "mixed", "split"]
+    plan: Literal["full", "blend", "mixed", "split", "prefix_cache"]
     recompute_ratio: float | None
     num_chunks_recomputed: int = Field(description="Stored chunks computed as fresh tokens (mixed and split plans).")
     predicted_load_ms: float
@@ -105,12 +175,16 @@ class PlanOut(BaseModel):
 
 class QueryResponse(BaseModel):
     answer: str
-    mode: PrefillMode
+    mode: PrefillMode | None = Field(description="The prefill mode that ran; null: none ran (nothing relevant was "
+                                     "retrieved: the answer is retrieval.not_found_answer, with no sources).")
     finish_reason: str | None
     recompute_ratio: float | None = None
     quality_guarded: bool = Field(False, description="The quality guard raised this answer's recompute ratio.")
     plan: PlanOut | None = None
     sources: list[SourceOut]
+    citations: list[CitationOut] = Field(
+        [], description="Each source the answer cites as [n], in the order first cited; a number naming no source "
+        "is left out.")
     usage: UsageOut
     timings: TimingsOut
     warnings: list[str] = []

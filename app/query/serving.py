@@ -4,24 +4,31 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Sequence, TypeVar
 
+from app.auth.principal import Principal
+from app.collections.scope import Scopes
 from app.errors import InvalidRequestError, stream_error_body
-from app.query.protocol import GenerationOptions, PlanOut, QueryRequest, QueryResponse, SourceOut, TimingsOut, UsageOut
+from app.query.protocol import (
+    CitationOut, GenerationOptions, PlanOut, QueryRequest, QueryResponse, SourceOut, TimingsOut, UsageOut,
+)
+from app.rag.citations import citations
 from app.rag.collect import IsDisconnected, collect
 from app.rag.pipeline import RagPipeline
-from app.rag.types import DoneEvent, RagContext, RagRequest, Source, TokenEvent
+from app.rag.types import AnswerStream, DoneEvent, RagContext, RagRequest, Source, TokenEvent
 from app.sse import sse
 from app.text import is_blank
 from blend_engine.types import SamplingParams
 from app.config import LimitsConfig
 from configs.settings import Settings
-from runtime.jobs import JobStream
+from retrieval.store_types import DEFAULT_COLLECTION
+
+T = TypeVar("T")
 
 
 def build_rag_request(
-    settings: Settings, question: str, options: GenerationOptions, stop: Sequence[str] = (),
-    history: Sequence[dict] = (),
+    settings: Settings, question: str, options: GenerationOptions, history: Sequence[dict] = (),
+    collections: Sequence[str] = (DEFAULT_COLLECTION,),
 ) -> RagRequest:
     """A RagRequest with defaults from config; raises InvalidRequestError for limits a user can break."""
     limits, gen = settings.limits, settings.generation
@@ -46,14 +53,27 @@ def build_rag_request(
         temperature=gen.temperature if options.temperature is None else options.temperature,
         top_p=gen.top_p if options.top_p is None else options.top_p,
         seed=options.seed,
-        stop=tuple(stop),
+        # ignore_eos promises max_tokens tokens: the configured stop strings do not apply (a request's own do)
+        stop=_given(options.stop_strings, () if options.ignore_eos else gen.stop),
         is_eos_ignored=options.ignore_eos,
+        repetition_penalty=_given(options.repetition_penalty, gen.repetition_penalty),
+        repetition_scope=_given(options.repetition_scope, gen.repetition_scope),
+        frequency_penalty=_given(options.frequency_penalty, gen.frequency_penalty),
+        presence_penalty=_given(options.presence_penalty, gen.presence_penalty),
+        no_repeat_ngram_size=_given(options.no_repeat_ngram_size, gen.no_repeat_ngram_size),
     )
     return RagRequest(
         question=question, mode=options.mode or settings.blend.mode, sampling=sampling, top_k=top_k,
+        retrieval=options.retrieval or settings.retrieval.mode,
         chunk_ids=tuple(options.chunk_ids) if options.chunk_ids is not None else None,
-        recompute_ratio=ratio, selection=options.selection, history=tuple(history),
+        recompute_ratio=ratio, selection=options.selection, history=tuple(history), collections=tuple(collections),
+        is_prefix_cache_used=options.prefix_cache,
     )
+
+
+def _given(value: T | None, default: T) -> T:
+    """A request's value, or the configured default where it leaves it out."""
+    return default if value is None else value
 
 
 def _check_history(history: Sequence[dict], limits: LimitsConfig) -> None:
@@ -72,9 +92,16 @@ def plan_out(done: DoneEvent) -> PlanOut | None:
     return None if done.plan is None else PlanOut(**asdict(done.plan))
 
 
+def citations_out(answer: str, sources: Sequence[Source]) -> list[CitationOut]:
+    """The sources `answer` cites as [n] (app/rag/citations.py), as the API returns them."""
+    return [CitationOut(number=c.number, chunk_id=c.source.chunk_id, document_id=c.source.document_id,
+                        title=c.source.title, pages=list(c.source.pages) if c.source.pages else None)
+            for c in citations(answer, sources)]
+
+
 def sources_out(sources: Sequence[Source]) -> list[SourceOut]:
-    return [SourceOut(chunk_id=s.chunk_id, document_id=s.document_id, title=s.title, score=s.score, text=s.text,
-                      pages=list(s.pages) if s.pages else None)
+    return [SourceOut(chunk_id=s.chunk_id, document_id=s.document_id, collection=s.collection, title=s.title,
+                      score=s.score, text=s.text, pages=list(s.pages) if s.pages else None)
             for s in sources]
 
 
@@ -82,28 +109,35 @@ def sources_out(sources: Sequence[Source]) -> list[SourceOut]:
 class QueryService:
     settings: Settings
     pipeline: RagPipeline
+    scopes: Scopes
 
-    async def prepare(self, body: QueryRequest) -> tuple[RagRequest, RagContext, JobStream, float]:
+    async def prepare(self, body: QueryRequest,
+                      principal: Principal) -> tuple[RagRequest, RagContext, AnswerStream, float]:
         """Everything that can fail with a 4xx/503 happens here, before a stream's headers go out."""
         t_start = time.perf_counter()
-        request = build_rag_request(self.settings, body.question, body)
+        collections = await self.scopes.readable(principal, body.collections)
+        request = build_rag_request(self.settings, body.question, body, collections=[c.name for c in collections])
         context = await self.pipeline.retrieve(request)
         return request, context, self.pipeline.start(request, context, t_start), t_start
 
-    async def answer(self, context: RagContext, stream: JobStream, is_disconnected: IsDisconnected) -> QueryResponse:
+    async def answer(self, context: RagContext, stream: AnswerStream,
+                     is_disconnected: IsDisconnected) -> QueryResponse:
         answer, done = await collect(stream, is_disconnected)
         return _response(answer, context, done)
 
-    async def events(self, context: RagContext, stream: JobStream) -> AsyncIterator[str]:
-        """SSE: `sources`, then `token` events, then `done` (usage, timings) or `error`."""
+    async def events(self, context: RagContext, stream: AnswerStream) -> AsyncIterator[str]:
+        """SSE: `sources`, then `token` events, then `done` (usage, timings, citations) or `error`."""
         try:
             yield sse({"sources": [s.model_dump() for s in sources_out(context.sources)],
                        "warnings": context.warnings}, event="sources")
+            pieces: list[str] = []
             async for event in stream:
                 if isinstance(event, TokenEvent):
+                    pieces.append(event.text)
                     yield sse({"text": event.text}, event="token")
                 else:
-                    yield sse(_done_payload(event), event="done")
+                    cited = citations_out("".join(pieces), context.sources)
+                    yield sse({**_done_payload(event), "citations": [c.model_dump() for c in cited]}, event="done")
         except Exception as exc:  # the headers are out: report in-band
             yield sse(stream_error_body(exc), event="error")
         finally:
@@ -111,7 +145,7 @@ class QueryService:
 
 
 def _done_payload(done: DoneEvent) -> dict:
-    return {"mode": done.mode.value, "finish_reason": done.finish_reason.value if done.finish_reason else None,
+    return {"mode": done.mode.value if done.mode else None, "finish_reason": done.finish_reason.value if done.finish_reason else None,
             "recompute_ratio": done.recompute_ratio, "quality_guarded": done.is_guarded,
             "plan": asdict(done.plan) if done.plan else None,
             "usage": asdict(done.usage), "timings": asdict(done.timings)}
@@ -121,6 +155,6 @@ def _response(answer: str, context: RagContext, done: DoneEvent) -> QueryRespons
     return QueryResponse(
         answer=answer, mode=done.mode, finish_reason=done.finish_reason.value if done.finish_reason else None,
         recompute_ratio=done.recompute_ratio, quality_guarded=done.is_guarded, plan=plan_out(done),
-        sources=sources_out(context.sources),
+        sources=sources_out(context.sources), citations=citations_out(answer, context.sources),
         usage=UsageOut(**asdict(done.usage)), timings=TimingsOut(**asdict(done.timings)), warnings=context.warnings,
     )

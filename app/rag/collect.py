@@ -6,14 +6,14 @@ import asyncio
 from typing import Awaitable, Callable
 
 from app.errors import ClientClosedError
-from app.rag.types import DoneEvent, TokenEvent
-from runtime.jobs import JobCancelled, JobStream
+from app.rag.types import AnswerStream, DoneEvent, TokenEvent
+from runtime.jobs import JobCancelled
 
 IsDisconnected = Callable[[], Awaitable[bool]]
 POLL_S = 0.25
 
 
-async def collect(stream: JobStream, is_disconnected: IsDisconnected) -> tuple[str, DoneEvent]:
+async def collect(stream: AnswerStream, is_disconnected: IsDisconnected) -> tuple[str, DoneEvent]:
     watcher = asyncio.create_task(_cancel_on_disconnect(stream, is_disconnected))
     pieces: list[str] = []
     done: DoneEvent | None = None
@@ -33,7 +33,7 @@ async def collect(stream: JobStream, is_disconnected: IsDisconnected) -> tuple[s
     return "".join(pieces), done
 
 
-async def _cancel_on_disconnect(stream: JobStream, is_disconnected: IsDisconnected) -> None:
+async def _cancel_on_disconnect(stream: AnswerStream, is_disconnected: IsDisconnected) -> None:
     while not await is_disconnected():
         await asyncio.sleep(POLL_S)
     stream.cancel()

@@ -11,18 +11,16 @@ from typing import Sequence
 import anyio
 
 from app.errors import InvalidRequestError, NotFoundError
-from app.rag.types import RagContext, RagRequest, Source
+from app.rag.types import AnswerStream, FixedAnswer, RagContext, RagRequest, Source
 from blend_engine.engine import BlendEngine
 from blend_engine.threads import pin_one_thread
 from blend_engine.types import Segment
 from configs.enums import RequestMode
 from configs.settings import Settings
 from kv_store import KVStore
-from retrieval.retriever import Retriever, ScoredChunk
-from runtime.jobs import JobStream
+from retrieval.retriever import RelevanceFloor, Retriever, ScoredChunk
 from runtime.loop import EngineLoop
 from runtime.types import PrefillRequest, PromptChunk
-
 
 
 @dataclass
@@ -35,25 +33,54 @@ class RagPipeline:
 
     async def retrieve(self, request: RagRequest) -> RagContext:
         start = time.perf_counter()
-        scored = await anyio.to_thread.run_sync(self._scored_chunks, request)
-        sources = [_source(s) for s in scored]
+        epoch = self.kv_store.prompts.epoch  # before the chunks are read: a change from now on is seen
+        scored, is_nothing_relevant = await anyio.to_thread.run_sync(self._scored_chunks, request)
+        sources = self._within_budget([_source(s) for s in scored])
         kept, dropped, num_tokens = await anyio.to_thread.run_sync(self._fit_context, request, sources)
         if request.mode is not RequestMode.FULL:  # start moving their KV up while the request queues
             await anyio.to_thread.run_sync(self.kv_store.prefetch, [s.kv_key for s in kept if s.kv_key])
-        return RagContext(kept, dropped, (time.perf_counter() - start) * 1000, num_tokens)
+        namespace = await anyio.to_thread.run_sync(self._namespace, request)
+        return RagContext(kept, dropped, (time.perf_counter() - start) * 1000, num_tokens, epoch, namespace,
+                          is_nothing_relevant)
 
-    def _scored_chunks(self, request: RagRequest) -> list[ScoredChunk]:
+    def _namespace(self, request: RagRequest) -> str:
+        """The request's collections' KV salts: its prompt is kept for, and served to, that set alone
+        (collections sharing KV have one salt, so they share kept prompts too)."""
+        rows = (self.retriever.store.get_collection(name) for name in request.collections)
+        return "|".join(sorted({row.kv_salt for row in rows if row is not None}))
+
+    def _scored_chunks(self, request: RagRequest) -> tuple[list[ScoredChunk], bool]:
+        """The chunks for the prompt, and whether retrieval found nothing relevant (the relevance floor
+        left none: the answer is then the fixed not-found answer)."""
         pin_one_thread()  # the query's embedding runs torch on this worker thread: one thread, no pool
         if request.chunk_ids is None:
-            return self.retriever.search(request.question, request.top_k)
-        found, missing = self.retriever.named(request.chunk_ids)
+            config = self.settings.retrieval
+            scored = self.retriever.search(request.question, request.top_k, request.collections, request.retrieval,
+                                           config.num_candidates, config.rrf_k)
+            relevant = RelevanceFloor(config.min_score, config.score_margin).apply(scored)
+            # with min_score off (-1) nothing is refused: a store with no chunks is answered as before
+            return relevant, not relevant and config.min_score > -1.0
+        found, missing = self.retriever.named(request.chunk_ids, request.collections)
         if missing:
             raise NotFoundError(f"unknown chunk id(s): {', '.join(missing[:10])}")
-        return found
+        return found, False
+
+    def _within_budget(self, sources: list[Source]) -> list[Source]:
+        """The best-ranked sources whose tokens fit retrieval.context_tokens (the first always)."""
+        budget = self.settings.retrieval.context_tokens
+        if budget <= 0:
+            return sources
+        kept, num_tokens = [], 0
+        for source in sources:
+            num_tokens += len(source.token_ids)
+            if kept and num_tokens > budget:
+                break
+            kept.append(source)
+        return kept
 
     def _fit_context(self, request: RagRequest, sources: list[Source]) -> tuple[list[Source], list[str], int]:
-        """Drop the lowest-scored chunks (the last named ones) until prompt + answer fit the context;
-        the chunks kept, those dropped, and the prompt's length."""
+        """Drop the lowest-ranked chunks (the last ones) until prompt + answer fit the context; the
+        chunks kept, those dropped, and the prompt's length."""
         kept, dropped = list(sources), []
         budget = self.engine.max_context - request.sampling.max_tokens
         while True:
@@ -62,8 +89,7 @@ class RagPipeline:
                 return kept, dropped, num_tokens
             if not kept:
                 raise InvalidRequestError(self._too_long_message(request, num_tokens))
-            worst = _lowest_ranked(kept)
-            dropped.append(kept.pop(worst).chunk_id)
+            dropped.append(kept.pop().chunk_id)  # sources are in rank order (named ones: as named)
 
     def _too_long_message(self, request: RagRequest, num_tokens: int) -> str:
         """Why a prompt with no chunk left is still too long: the question, or the chat history."""
@@ -82,27 +108,30 @@ class RagPipeline:
         chunks = [Segment(s.token_ids) for s in sources]
         return self.engine.prompts.segments(request.question, chunks, list(request.history))
 
-    def start(self, request: RagRequest, context: RagContext, t_start: float) -> JobStream:
-        """Queue the generation on the engine loop (QueueFull when full): TokenEvents, then one DoneEvent."""
-        return self.loop.generate(prefill_request(request, context.sources), t_start, context.retrieval_ms,
+    def start(self, request: RagRequest, context: RagContext, t_start: float) -> AnswerStream:
+        """Queue the generation on the engine loop (QueueFull when full): TokenEvents, then one DoneEvent.
+        Nothing relevant retrieved: the fixed not-found answer, without the model."""
+        if context.is_nothing_relevant:
+            return FixedAnswer(self.settings.retrieval.not_found_answer, context.retrieval_ms, t_start)
+        return self.loop.generate(prefill_request(request, context.sources, context.prefix_cache_epoch,
+                                                  context.namespace), t_start,
+                                  context.retrieval_ms,
                                   context.num_prompt_tokens or None)
 
 
-def prefill_request(request: RagRequest, sources: Sequence[Source]) -> PrefillRequest:
-    """What the engine prefills for `request` over `sources`."""
+def prefill_request(request: RagRequest, sources: Sequence[Source],
+                    prefix_cache_epoch: int | None = None, namespace: str = "") -> PrefillRequest:
+    """What the engine prefills for `request` over `sources` (chosen at the prefix cache's epoch given;
+    `namespace`: the prefix cache's, see RagContext)."""
     return PrefillRequest(
         question=request.question, chunks=tuple(PromptChunk(s.token_ids, s.kv_key) for s in sources),
         mode=request.mode, sampling=request.sampling, recompute_ratio=request.recompute_ratio,
-        selection=request.selection, history=request.history,
+        selection=request.selection, history=request.history, is_prefix_cache_used=request.is_prefix_cache_used,
+        prefix_cache_epoch=prefix_cache_epoch, namespace=namespace,
     )
 
 
 def _source(scored: ScoredChunk) -> Source:
     c = scored.chunk
-    return Source(c.id, c.document_id, c.title, scored.score, c.text, c.token_ids, c.kv_key, c.pages)
+    return Source(c.id, c.document_id, c.title, scored.score, c.text, c.token_ids, c.kv_key, c.pages, c.collection)
 
-
-def _lowest_ranked(sources: list[Source]) -> int:
-    if any(s.score is None for s in sources):
-        return len(sources) - 1  # named chunks: their order is their rank
-    return min(range(len(sources)), key=lambda i: sources[i].score)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence, TYPE_CHECKING
 
 from kv_store.admission import Admission
+from kv_store.keys import KVScope
 from kv_store.single_flight import PrecomputeLocks, PrecomputeOutcome, PrecomputeReason, SingleFlight
 from runtime.loop import EngineLoop
 
@@ -34,11 +35,13 @@ class RepairStats:
 
 
 class KVRepairer:
-    def __init__(self, engine: BlendEngine, kv_store: KVStore, loop: EngineLoop, is_live: Callable[[str], bool],
+    def __init__(self, engine: BlendEngine, kv_store: KVStore, loop: EngineLoop,
+                 scope_of: Callable[[str], KVScope | None],
                  single_flight: SingleFlight | None = None):
-        """`is_live(key)`: whether a stored chunk still points at the key (checked when the task runs).
+        """`scope_of(key)`: the KV namespace of a collection whose chunk still points at the key (its
+        salt, to check the key; its budget), None when no chunk does (checked when the task runs).
         `single_flight`: a chunk another replica is repairing is left to it."""
-        self._engine, self._kv_store, self._loop, self._is_live = engine, kv_store, loop, is_live
+        self._engine, self._kv_store, self._loop, self._scope_of = engine, kv_store, loop, scope_of
         self._flight = single_flight or SingleFlight(kv_store, PrecomputeLocks(None, 1.0))
         self._lock = threading.Lock()
         self._pending: set[str] = set()
@@ -61,18 +64,19 @@ class KVRepairer:
 
     def _repair(self, key: str, token_ids: tuple[int, ...], context_ids: tuple[int, ...]) -> None:
         try:
-            if not self._is_live(key) or self._kv_store.readable_many([key])[0]:
+            scope = self._scope_of(key)
+            if scope is None or self._kv_store.readable_many([key])[0]:
                 self._count("num_skipped")
                 return
-            if key != self._kv_store.key_for(token_ids, context_ids):  # the config changed since ingest
+            if key != self._kv_store.key_for(token_ids, context_ids, scope.salt):  # the config changed since ingest
                 logger.warning("KV %s: not this chunk's key under the current config; not repaired", key[:16])
                 self._count("num_skipped")
                 return
-            if not self._kv_store.should_compute(key, len(token_ids), Admission.USE):
+            if not self._kv_store.should_compute(key, len(token_ids), Admission.USE, scope):
                 self._count("num_not_admitted")
                 return
             outcome = self._flight.ensure(key, lambda: self._engine.precompute(list(token_ids), context_ids),
-                                          PrecomputeReason.REPAIR, Admission.USE)
+                                          PrecomputeReason.REPAIR, Admission.USE, scope)
             self._count({PrecomputeOutcome.COMPUTED: "num_repaired", PrecomputeOutcome.FOUND: "num_skipped",
                          PrecomputeOutcome.SKIPPED: "num_elsewhere",
                          PrecomputeOutcome.NOT_ADMITTED: "num_not_admitted"}[outcome])

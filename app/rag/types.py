@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import AsyncIterator, Protocol
 
-from blend_engine.types import SamplingParams, SelectionKind
-from configs.enums import RequestMode
+from blend_engine.types import FinishReason, SamplingParams, SelectionKind
+from configs.enums import RequestMode, RetrievalMode
 from retrieval.config import RetrievalConfig
+from retrieval.store_types import DEFAULT_COLLECTION
 from runtime.types import (  # noqa: F401 (the events are the runtime's; re-exported for app/)
     DoneEvent, GenerationEvent, PromptChunk, RecomputeRatio, Timings, TokenEvent, Usage,
 )
@@ -18,10 +21,13 @@ class RagRequest:
     mode: RequestMode
     sampling: SamplingParams
     top_k: int = RetrievalConfig.top_k
+    retrieval: RetrievalMode = RetrievalConfig.mode
     chunk_ids: tuple[str, ...] | None = None  # skip retrieval: exactly these chunks, in this order
     recompute_ratio: RecomputeRatio = None  # None: the configured ratio
     selection: SelectionKind | None = None  # None: the configured selection
     history: tuple[dict[str, str], ...] = ()  # earlier chat messages
+    collections: tuple[str, ...] = (DEFAULT_COLLECTION,)  # searched, and the only ones chunk_ids may name
+    is_prefix_cache_used: bool = True  # read and fill the prefix cache
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,7 @@ class Source:
     token_ids: tuple[int, ...]
     kv_key: str | None
     pages: tuple[int, int] | None = None  # PDFs: first and last page
+    collection: str = DEFAULT_COLLECTION
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,10 @@ class RagContext:
     dropped_chunk_ids: list[str]
     retrieval_ms: float
     num_prompt_tokens: int = 0  # the prompt's length with these sources (counted when fitting it)
+    prefix_cache_epoch: int | None = None  # the prefix cache's epoch before the chunks were chosen
+    namespace: str = ""  # the prefix cache's: the request's collections' KV salts (a prompt kept for one set of
+    # collections serves that set only, as their chunks' KV is theirs)
+    is_nothing_relevant: bool = False  # retrieval ran and no chunk passed the relevance floor: no prompt
 
     @property
     def warnings(self) -> list[str]:
@@ -51,3 +62,31 @@ class RagContext:
             return []
         return [f"dropped {len(self.dropped_chunk_ids)} lowest-ranked chunk(s) to fit the model's context: "
                 + ", ".join(self.dropped_chunk_ids)]
+
+
+class AnswerStream(Protocol):
+    """What an answer emits: TokenEvents, then one DoneEvent (a generation's JobStream, or a FixedAnswer)."""
+
+    def __aiter__(self) -> AsyncIterator[GenerationEvent]: ...
+
+    def cancel(self) -> None: ...
+
+
+class FixedAnswer:
+    """The stream of a fixed text, answered without the model (no prefill, no tokens): what a question
+    gets when nothing stored is relevant to it."""
+
+    def __init__(self, text: str, retrieval_ms: float, t_start: float):
+        self.text, self.retrieval_ms, self.t_start = text, retrieval_ms, t_start
+
+    def __aiter__(self) -> AsyncIterator[GenerationEvent]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[GenerationEvent]:
+        elapsed_ms = (time.perf_counter() - self.t_start) * 1000
+        yield TokenEvent(self.text)
+        yield DoneEvent(Usage(), Timings(retrieval_ms=self.retrieval_ms, ttft_ms=elapsed_ms, total_ms=elapsed_ms),
+                        FinishReason.STOP, None)
+
+    def cancel(self) -> None:
+        pass  # nothing runs

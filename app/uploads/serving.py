@@ -22,6 +22,7 @@ from app.uploads.protocol import UploadedDocument, UploadResponse
 from configs.enums import ChunkingMode
 from configs.settings import Settings
 from retrieval.chunker import Chunker
+from retrieval.store_types import CollectionRow
 
 
 @dataclass
@@ -35,7 +36,7 @@ class UploadService:
 
     async def upload(
         self, files: Sequence[UploadFile], chunking: ChunkingMode | None, precompute: bool,
-        ids: Sequence[str] | None = None,
+        ids: Sequence[str] | None, collection: CollectionRow,
     ) -> UploadResponse:
         ids = _check_ids(ids, len(files))
         extracted = [doc for file, doc_id in zip(files, ids) for doc in await self._extract(file, doc_id)]
@@ -47,11 +48,11 @@ class UploadService:
         kv_budget = KVBudget.of(self.settings, self.documents.engine)
         if kv_budget is not None:  # as the JSON route: KV that cannot fit the store's bound is a 413
             await kv_budget.check_request(request)
-        ingested = await self.documents.ingest(request)
+        ingested = await self.documents.ingest(request, collection)
         return UploadResponse(documents=[
-            UploadedDocument(id=doc.id, title=doc.title, source=doc.metadata["source"], format=doc.file_format.value,
+            UploadedDocument(id=doc.id, collection=collection.name, title=doc.title, source=doc.metadata["source"], format=doc.file_format.value,
                              num_pages=doc.metadata.get("num_pages"), status=out.status,
-                             chunks=out.chunks)
+                             chunks=out.chunks, warnings=[*doc.warnings, *out.warnings])
             for doc, out in zip(extracted, ingested.documents)
         ])
 
@@ -109,9 +110,13 @@ def _document_in(doc: ExtractedDocument, metadata: dict) -> DocumentIn:
 
 def chunk_pages(chunker: Chunker, text: str, chunking: ChunkingMode,
                 page_starts: Sequence[int]) -> list[tuple[int, int]]:
-    """The 1-based first and last page of each chunk of `text` (chunks are found in order in the text)."""
+    """The 1-based first and last page of each chunk of `text` (`structure` chunks know their page; others
+    are found in order in the text)."""
     pages, cursor = [], 0
     for chunk in chunker.split(text, chunking):
+        if chunk.page is not None:  # never across a page break
+            pages.append((chunk.page + 1, chunk.page + 1))
+            continue
         found = text.find(chunk.text[:64], cursor)
         offset = found if found >= 0 else cursor  # a detokenized over-long sentence may not match exactly
         end = min(offset + len(chunk.text.rstrip()), len(text)) - 1  # its last character

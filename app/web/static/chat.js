@@ -1,7 +1,11 @@
 // The conversation: streams answers from /v1/chat/completions (SSE), keeps the history for
-// follow-ups, shows numbered citations and each answer's TTFT, reuse and mode. Esc aborts the
+// follow-ups, shows numbered sources, turns each [n] of the answer that names one (the last chunk's
+// `citations`) into a link to it, and shows each answer's TTFT, reuse and mode. Esc aborts the
 // fetch, and the server cancels the generation when the connection closes.
 "use strict";
+
+// [n] or [n, m] as the server reads them (app/rag/citations.py): not an index after a name (argv[1])
+const CITATION = /(?<![A-Za-z_])\[\s*(\d{1,4}(?:\s*[,;]\s*\d{1,4})*)\s*\]/g;
 
 const MAX_HISTORY_MESSAGES = 6; // earlier turns sent with a question (the model's context is small)
 const chat = { history: [], controller: null };
@@ -19,6 +23,7 @@ function options() {
   const body = { top_k: number("top-k"), max_tokens: number("max-tokens"), temperature: number("temperature") };
   const mode = document.getElementById("mode").value;
   if (mode) body.mode = mode;
+  if (kb.current()) body.collection = kb.current();
   const kind = document.getElementById("ratio-kind").value;
   if (kind === "number") body.recompute_ratio = number("ratio");
   else if (kind) body.recompute_ratio = kind;
@@ -43,7 +48,7 @@ async function ask(question) {
   chat.controller = controller;
   setStreaming(true);
   const started = performance.now();
-  let firstTokenMs = null, text = "", last = null;
+  let firstTokenMs = null, text = "", last = null, sources = [];
   try {
     const response = await api.request("/v1/chat/completions", {
       method: "POST", signal: controller.signal, headers: { "Content-Type": "application/json" },
@@ -53,7 +58,7 @@ async function ask(question) {
       if (data === "[DONE]") return;
       const chunk = JSON.parse(data);
       if (chunk.error) throw new ApiError(500, chunk.error.type, chunk.error.message);
-      if (chunk.sources) renderCitations(box, chunk.sources);
+      if (chunk.sources) { sources = chunk.sources; renderCitations(box, sources); }
       if (chunk.warnings && chunk.warnings.length) box.append(el("div", { className: "note", textContent: chunk.warnings.join(" ") }));
       const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta.content;
       if (delta) {
@@ -63,6 +68,7 @@ async function ask(question) {
         box.scrollIntoView({ block: "end" });
       }
       if (chunk.usage) last = chunk;
+      if (chunk.citations) renderCited(box, answer, text, sources, chunk.citations);
     });
     chat.history.push({ role: "user", content: question }, { role: "assistant", content: text });
     renderStats(box, firstTokenMs, performance.now() - started, last);
@@ -81,14 +87,40 @@ async function ask(question) {
   }
 }
 
+// The answer's text with each [n] the server mapped to a source (`citations`) as a link to it; a number
+// naming no source stays plain text. The sources the answer cites are marked in the sources row.
+function renderCited(box, answer, text, sources, citations) {
+  const cited = new Set(citations.map((c) => c.number).filter((n) => n >= 1 && n <= sources.length));
+  const open = (n) => { const s = sources[n - 1]; docs.open(s.document_id, s.chunk_id, s.text); };
+  const nodes = [];
+  let end = 0;
+  for (const match of text.matchAll(CITATION)) {
+    const numbers = match[1].split(/[,;]/).map((part) => Number(part.trim()));
+    if (!numbers.some((n) => cited.has(n))) continue;
+    nodes.push(text.slice(end, match.index), "[");
+    numbers.forEach((n, i) => {
+      if (i) nodes.push(", ");
+      if (!cited.has(n)) { nodes.push(String(n)); return; }
+      const s = sources[n - 1];
+      nodes.push(el("a", { href: "#", className: "cite", textContent: String(n), title: s.title || s.document_id,
+        onclick: (e) => { e.preventDefault(); open(n); } }));
+    });
+    nodes.push("]");
+    end = match.index + match[0].length;
+  }
+  answer.replaceChildren(...nodes, text.slice(end));
+  box.querySelectorAll(".citation").forEach((chip, i) => chip.classList.toggle("cited", cited.has(i + 1)));
+}
+
 async function renderCitations(box, sources) {
   const row = el("div", { className: "citations" });
   box.append(row);
   for (const [i, source] of sources.entries()) {
     const chip = el("button", { type: "button", className: "citation", textContent: `[${i + 1}] ${source.title || source.document_id}`,
-      title: source.text.slice(0, 300), onclick: () => docs.open(source.document_id, source.chunk_id, source.text) });
+      title: source.text.slice(0, 300),
+      onclick: () => docs.open(source.document_id, source.chunk_id, source.text, source.collection) });
     row.append(chip);
-    docs.detail(source.document_id).then((detail) => {
+    docs.detail(source.document_id, source.collection).then((detail) => {
       const page = docs.pageOf(detail, source.chunk_id);
       if (page) chip.textContent += `, p. ${page}`;
     }).catch(() => {});
@@ -99,9 +131,12 @@ function renderStats(box, firstTokenMs, totalMs, last) {
   if (!last) return;
   const u = last.usage, t = last.timings || {};
   const ratio = last.recompute_ratio === null || last.recompute_ratio === undefined ? "–" : last.recompute_ratio.toFixed(2);
+  // tokens served from the prefix cache (an earlier turn's prompt) are reused too, shown apart
+  const cached = u.prefix_cached_tokens || 0;
   const parts = [
     `TTFT ${Math.round(firstTokenMs ?? totalMs)} ms (server ${Math.round(t.ttft_ms || 0)} ms)`,
-    `reused ${u.reused_tokens} / recomputed ${u.recomputed_tokens} of ${u.prompt_tokens} prompt tokens`,
+    `reused ${u.reused_tokens + cached}${cached ? ` (${cached} from an earlier prompt)` : ""} / ` +
+      `recomputed ${u.recomputed_tokens} of ${u.prompt_tokens} prompt tokens`,
     `mode ${last.mode || document.getElementById("mode").value || "default"}`,
     `ratio ${ratio}${last.quality_guarded ? " (guarded)" : ""}`,
     `${u.completion_tokens} tokens in ${(totalMs / 1000).toFixed(1)} s`,
@@ -135,6 +170,7 @@ async function checkServer() {
     const models = await api.json("/v1/models");
     status.textContent = `ready · ${models.data[0].id}`;
     status.classList.remove("bad");
+    await kb.refresh();
     await docs.refresh();
   } catch (err) { showError(err); }
 }
@@ -175,6 +211,7 @@ function install() {
     clearError();
     checkServer();
   });
+  kb.install();
   docs.install();
   checkServer();
 }

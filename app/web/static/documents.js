@@ -1,14 +1,16 @@
-// The documents panel: upload (drop or picker), list, search by title, open, delete. Also the viewer
-// that citations open (chunk text, its page for PDFs, the whole document).
+// The documents panel, of the chosen knowledge base (collections.js): upload (drop or picker), list,
+// search by title, open, delete. Also the viewer that citations open (chunk text, its page for PDFs,
+// the whole document).
 "use strict";
 
 const docs = {
   all: [],
-  details: new Map(), // document id -> GET /v1/documents/{id}, for citations' pages
+  details: new Map(), // "collection/document id" -> GET /v1/documents/{id}, for citations' pages
 
   async refresh() {
+    if (!kb.current()) { docs.all = []; docs.kv = null; docs.render(); return; }
     try {
-      const body = await api.json("/v1/documents?limit=1000");
+      const body = await api.json(`/v1/documents?limit=1000${kb.param("&")}`);
       docs.all = body.documents;
       docs.kv = body.kv;
       docs.render();
@@ -27,7 +29,8 @@ const docs = {
         el("span", { className: "meta", textContent: `${doc.num_chunks} ch`,
           title: `KV: ${docs.bytes(doc.kv_bytes)}, ${Math.round(100 * doc.kv_cached_share)}% of its chunks cached` }),
         el("span", { className: "meta kv-share", textContent: `KV ${Math.round(100 * doc.kv_cached_share)}%` }),
-        el("button", { type: "button", textContent: "Delete", className: "delete", onclick: () => docs.remove(doc) }));
+        el("button", { type: "button", textContent: "Delete", className: "delete", hidden: !kb.canWrite(),
+          onclick: () => docs.remove(doc) }));
       item.dataset.id = doc.id;
       list.append(item);
     }
@@ -38,6 +41,11 @@ const docs = {
       const budget = kv.budget_bytes ? ` of a ${docs.bytes(kv.budget_bytes)} budget` : "";
       summary.textContent = `KV cached ${docs.bytes(kv.cached_bytes)}${budget}; all documents would need ~${docs.bytes(kv.estimated_full_bytes)}`;
     }
+    const chosen = kb.chosen();
+    if (chosen && chosen.num_documents !== docs.all.length) { // keep the picker's counts in step
+      chosen.num_documents = docs.all.length;
+      kb.render();
+    }
   },
 
   bytes(n) {
@@ -46,9 +54,12 @@ const docs = {
     return `${Math.round(n / 1e3)} kB`;
   },
 
-  async detail(id) {
-    if (!docs.details.has(id)) docs.details.set(id, api.json(`/v1/documents/${encodeURIComponent(id)}`));
-    try { return await docs.details.get(id); } catch (err) { docs.details.delete(id); throw err; }
+  async detail(id, collection = kb.current()) {
+    const key = `${collection}/${id}`;
+    if (!docs.details.has(key)) {
+      docs.details.set(key, api.json(`/v1/documents/${encodeURIComponent(id)}?collection=${encodeURIComponent(collection)}`));
+    }
+    try { return await docs.details.get(key); } catch (err) { docs.details.delete(key); throw err; }
   },
 
   // The 1-based PDF page (or "first–last" pages) a chunk is on, or null (other formats, or an older document).
@@ -61,9 +72,9 @@ const docs = {
     return last > pages[position] ? `${pages[position]}–${last}` : pages[position];
   },
 
-  async open(id, chunkId = null, chunkText = null) {
+  async open(id, chunkId = null, chunkText = null, collection = kb.current()) {
     try {
-      const detail = await docs.detail(id);
+      const detail = await docs.detail(id, collection);
       const page = chunkId ? docs.pageOf(detail, chunkId) : null;
       document.getElementById("viewer-title").textContent = detail.title || detail.id;
       const where = [`document ${detail.id}`, detail.metadata.format, detail.metadata.num_pages && `${detail.metadata.num_pages} pages`,
@@ -84,8 +95,8 @@ const docs = {
   async remove(doc) {
     if (!confirm(`Delete “${doc.title || doc.id}”? Its chunks and their KV cache go too.`)) return;
     try {
-      await api.request(`/v1/documents/${encodeURIComponent(doc.id)}`, { method: "DELETE" });
-      docs.details.delete(doc.id);
+      await api.request(`/v1/documents/${encodeURIComponent(doc.id)}${kb.param()}`, { method: "DELETE" });
+      docs.details.delete(`${doc.collection}/${doc.id}`);
       await docs.refresh();
     } catch (err) { showError(err); }
   },
@@ -98,8 +109,14 @@ const docs = {
   uploadOne(file) {
     const line = el("li", { textContent: `${file.name}: uploading…` });
     document.getElementById("uploads").prepend(line);
+    if (!kb.canWrite()) {
+      docs.uploadFailed(line, file, new ApiError(403, "permission_error",
+        `this key may not upload into ${kb.current() || "any knowledge base"}`));
+      return;
+    }
     const form = new FormData();
     form.append("files", file, file.name);
+    form.append("collection", kb.current());
     const xhr = new XMLHttpRequest();
     xhr.open("POST", "/v1/documents/files");
     for (const [name, value] of Object.entries(api.headers())) xhr.setRequestHeader(name, value);
@@ -116,7 +133,7 @@ const docs = {
         const cached = body.documents.reduce((n, d) => n + d.chunks.filter((c) => c.kv_cached).length, 0);
         line.textContent = `${file.name}: ingested, ${chunks} chunk${chunks === 1 ? "" : "s"} (${cached} with KV cached)`;
         line.className = "done";
-        body.documents.forEach((d) => docs.details.delete(d.id));
+        body.documents.forEach((d) => docs.details.delete(`${d.collection}/${d.id}`));
         const pending = body.documents.filter((d) => d.kv_pending).map((d) => d.id);
         if (pending.length) docs.watchKV(line, file.name, pending, chunks);
         docs.refresh();
@@ -141,7 +158,7 @@ const docs = {
       let cached = 0;
       try {
         for (const id of ids) {
-          const detail = await api.json(`/v1/documents/${encodeURIComponent(id)}`);
+          const detail = await api.json(`/v1/documents/${encodeURIComponent(id)}${kb.param()}`);
           cached += detail.chunks.filter((c) => c.kv_cached).length;
         }
       } catch (err) { return; } // deleted meanwhile, or the server went away: stop watching

@@ -1,0 +1,54 @@
+"""OpenAI's legacy completion models (what LlamaIndex's OpenAILike calls by default), with RAG on the
+prompt: the prompt is the question, answered over the retrieved chunks like /v1/query."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.chat.protocol import ChatUsage
+from app.openai_compat import StreamOptions, check_extra_fields
+from app.query.protocol import GenerationOptions, PlanOut, SourceOut, StrictInt, TimingsOut
+
+
+class CompletionRequest(GenerationOptions):
+    """OpenAI's completion fields plus the RAG extras; refused and ignored fields as for chat completions."""
+
+    model_config = ConfigDict(extra="allow")  # checked by check_fields (a 400 or a 422 naming them)
+
+    model: str | None = Field(None, description="The served model, or `<model>:<collection>` to pick a knowledge "
+                              "base.")
+    prompt: str | list[str] = Field(..., description="The question (a list: exactly one).")
+    stop: str | list[str] | None = None
+    n: StrictInt = Field(1, ge=1, description="Only one choice is generated (n > 1 is a 400).")
+    stream_options: StreamOptions | None = None
+
+    def check_fields(self) -> None:
+        check_extra_fields(self.model_extra, {"n": self.n})
+
+    @property
+    def question(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: ChatUsage | None = None
+    sources: list[SourceOut] | None = None
+    timings: TimingsOut | None = None
+    mode: str | None = None
+    recompute_ratio: float | None = None
+    plan: PlanOut | None = None
+    warnings: list[str] | None = None

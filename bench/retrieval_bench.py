@@ -1,0 +1,195 @@
+"""`ragblend bench retrieval`: how long retrieval takes per ranking mode (dense, lexical, hybrid) and store
+(SQLite, Postgres with --database-url) at a given number of chunks; p50 and p99 per mode, with its parts
+(embedding the question, the FAISS search, the full-text search).
+
+The chunks are real-ish text: sentences of the MuSiQue passages (Wikipedia), of the answers bench's
+documents (man pages, configuration files, FAQs) and of this project's docs, drawn at random (seeded)
+into chunks of 3 to 8 sentences, embedded by the server's embedder (or random unit vectors with
+--random-vectors: the dense search's cost does not depend on their values), and written through the
+store's own put_document (chunks and their lexical rows in one transaction), 10 chunks a document.
+The questions are real ones (MuSiQue's and the answers bench's), asked in turn after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from app.commands.exit_codes import ExitCode
+from bench.answers_set import DEFAULT_SET, load_set
+from bench.output import emit_summary
+from configs.enums import RetrievalMode
+
+ROOT = Path(__file__).resolve().parent.parent
+CHUNKS_PER_DOCUMENT = 10
+ALL = ("default",)  # the one collection the chunks go into (retrieval.store_types.DEFAULT_COLLECTION)
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n\s*\n")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--chunks", type=int, default=10_000, help="chunks in the store")
+    parser.add_argument("--queries", type=int, default=300, help="questions timed per mode (after a warm-up of 20)")
+    parser.add_argument("--top-k", type=int, default=5)
+    parser.add_argument("--num-candidates", type=int, default=20, help="hybrid: each ranking's depth")
+    parser.add_argument("--modes", default="dense,lexical,hybrid")
+    parser.add_argument("--database-url", help="also measure a Postgres store here (an empty database: its tables "
+                        "are dropped first)")
+    parser.add_argument("--random-vectors", action="store_true",
+                        help="random unit vectors instead of embedding every chunk (quicker to build; dense "
+                             "search costs the same)")
+    parser.add_argument("--musique-data", type=Path, default=Path("../shared/data/musique_dev.json"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path)
+
+
+def sentences(musique: Path) -> list[str]:
+    """Every sentence of the corpus sources (those present), de-duplicated, in a stable order."""
+    texts: list[str] = []
+    if musique.is_file():
+        texts += [c["text"] for item in json.loads(musique.read_text()) for c in item["ctxs"]]
+    for path in sorted((ROOT / "bench" / "data" / "answers" / "docs").glob("*")):
+        if path.suffix in (".txt", ".md"):
+            texts.append(path.read_text(errors="replace"))
+    texts += [p.read_text() for p in sorted((ROOT / "docs").rglob("*.md"))]
+    out = dict.fromkeys(" ".join(s.split()) for t in texts for s in _SENTENCE_END.split(t))
+    return [s for s in out if 20 <= len(s) <= 400]
+
+
+def questions(musique: Path) -> list[str]:
+    out = [q.question for q in load_set(DEFAULT_SET).questions]
+    if musique.is_file():
+        out += [item["question"] for item in json.loads(musique.read_text())]
+    return out
+
+
+def chunk_texts(pool: Sequence[str], num_chunks: int, rng: random.Random) -> list[str]:
+    return [" ".join(rng.sample(pool, rng.randint(3, 8))) for _ in range(num_chunks)]
+
+
+def fill(retriever, texts: Sequence[str], random_vectors: bool, rng: random.Random) -> float:
+    """Write the chunks through the store (10 a document) and the index; seconds taken."""
+    from retrieval.store_types import NewChunk
+
+    start = time.perf_counter()
+    for first in range(0, len(texts), CHUNKS_PER_DOCUMENT):
+        part = texts[first : first + CHUNKS_PER_DOCUMENT]
+        if random_vectors:
+            vectors = np.asarray([rng.gauss(0, 1) for _ in range(len(part) * retriever.embedder.dim)], np.float32)
+            vectors = vectors.reshape(len(part), -1)
+            vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+        else:
+            vectors = retriever.embedder.encode(part)
+        result = retriever.store.put_document(f"doc-{first // CHUNKS_PER_DOCUMENT}", None, {}, sum(map(len, part)),
+                                              [NewChunk(t, (1,), v) for t, v in zip(part, vectors)])
+        retriever.follow([], result.document.chunks, list(vectors))
+    retriever.index.save()
+    return time.perf_counter() - start
+
+
+def percentiles(samples_ms: Sequence[float]) -> dict[str, float]:
+    ordered = sorted(samples_ms)
+    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+    return {"p50_ms": statistics.median(ordered), "p99_ms": p99, "max_ms": ordered[-1], "n": len(ordered)}
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1000
+
+
+def measure(retriever, asked: Sequence[str], modes: Sequence[RetrievalMode], top_k: int, num_candidates: int,
+            num_queries: int) -> dict[str, Any]:
+    """Per mode: the whole search (as the server runs it), and its parts, the modes taking turns per question."""
+    samples: dict[str, list[float]] = {m.value: [] for m in modes}
+    after_embedding: dict[str, list[float]] = {m.value: [] for m in modes}
+    parts: dict[str, list[float]] = {"embed": [], "dense_index": [], "lexical_store": []}
+    for number in range(num_queries + 20):
+        question = asked[number % len(asked)]
+        is_warm = number >= 20
+        vector = retriever.embedder.encode([question])[0]
+        for mode in modes[number % len(modes):] + modes[: number % len(modes)]:
+            took = timed(lambda: retriever.search(question, top_k, ALL, mode, num_candidates))
+            given = timed(lambda: retriever.search(question, top_k, ALL, mode, num_candidates, vector=vector))
+            if is_warm:
+                samples[mode.value].append(took)
+                after_embedding[mode.value].append(given)
+        embed = timed(lambda: retriever.embedder.encode([question]))
+        dense = timed(lambda: retriever.index.search(vector, max(top_k, num_candidates), ALL))
+        lexical = timed(lambda: retriever.store.lexical_search(question, max(top_k, num_candidates), ALL))
+        if is_warm:
+            parts["embed"].append(embed)
+            parts["dense_index"].append(dense)
+            parts["lexical_store"].append(lexical)
+    return {"search": {mode: percentiles(s) for mode, s in samples.items()},
+            "search_after_embedding": {mode: percentiles(s) for mode, s in after_embedding.items()},
+            "parts": {name: percentiles(s) for name, s in parts.items()}}
+
+
+def run_store(kind: str, database_url: str | None, texts: Sequence[str], asked: Sequence[str], args) -> dict[str, Any]:
+    from retrieval.config import RetrievalConfig
+    from retrieval.retriever import Retriever
+
+    with tempfile.TemporaryDirectory(prefix="ragblend-retrieval-bench-") as tmp:
+        store = None
+        if kind == "postgres":
+            from retrieval.pg_store import PostgresDocumentStore
+
+            empty_database(database_url)
+            store = PostgresDocumentStore(database_url)
+        retriever = Retriever.open(Path(tmp), RetrievalConfig(), store)
+        try:
+            fill_s = fill(retriever, texts, args.random_vectors, random.Random(args.seed))
+            modes = [RetrievalMode(m.strip()) for m in args.modes.split(",")]
+            result = measure(retriever, asked, modes, args.top_k, args.num_candidates, args.queries)
+            return {"store": kind, "num_chunks": retriever.store.num_chunks(), "fill_s": fill_s, **result}
+        finally:
+            retriever.close()
+
+
+def print_table(rows: Sequence[dict[str, Any]]) -> None:
+    """Per store: each mode's whole search (the question's embedding included), the same given the
+    embedding (the indexes, the fusion, the chunks' rows), and the parts."""
+    print(f"\n{'store':<10}{'chunks':>8}  {'what':<26}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}")
+    for row in rows:
+        lines = [*row["search"].items(), *((f"{k} (embedded)", v) for k, v in row["search_after_embedding"].items()),
+                 *((f"  {k}", v) for k, v in row["parts"].items())]
+        for name, stats in lines:
+            print(f"{row['store']:<10}{row['num_chunks']:>8}  {name:<26}{stats['p50_ms']:>9.2f}{stats['p99_ms']:>9.2f}"
+                  f"{stats['max_ms']:>9.2f}")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.chunks < 1 or args.queries < 1:
+        print("ragblend bench retrieval: --chunks and --queries must be >= 1", file=sys.stderr)
+        return ExitCode.USAGE
+    rng = random.Random(args.seed)
+    texts = chunk_texts(sentences(args.musique_data), args.chunks, rng)
+    asked = questions(args.musique_data)
+    rows = [run_store("sqlite", None, texts, asked, args)]
+    if args.database_url:
+        rows.append(run_store("postgres", args.database_url, texts, asked, args))
+    print_table(rows)
+    emit_summary({"bench": "retrieval", "chunks": args.chunks, "queries": args.queries, "top_k": args.top_k,
+                  "num_candidates": args.num_candidates, "random_vectors": args.random_vectors, "seed": args.seed,
+                  "num_questions": len(asked), "results": rows}, args.out, indent=2)
+    return ExitCode.OK
+
+
+def empty_database(url: str) -> None:
+    """Drop ragblend's tables: each configuration starts from an empty store."""
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("DROP TABLE IF EXISTS changes, chunks, documents, collections, key_collections, api_keys,"
+                     " ragblend_schema CASCADE")

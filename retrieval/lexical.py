@@ -1,0 +1,44 @@
+"""The lexical side of retrieval: a question's words as a full-text query (SQLite FTS5; Postgres builds
+its own with plainto_tsquery), and reciprocal rank fusion of rankings (dense and lexical)."""
+
+from __future__ import annotations
+
+import re
+from typing import Hashable, Sequence, TypeVar
+
+Key = TypeVar("Key", bound=Hashable)
+
+_WORD = re.compile(r"\w+")
+# Question words that match most chunks and say nothing of the answer: left out of the query (Postgres's
+# 'english' configuration drops the same kind of words on its side). A question made only of them finds
+# nothing lexically (as on Postgres): the dense ranking still answers it.
+STOP_WORDS = frozenset("""
+a about above after again all am an and any are as at be because been before being below between both but by
+can could did do does doing down during each few for from further had has have having he her here hers him his
+how i if in into is it its itself just me more most my no nor not of off on once only or other our ours out over
+own same she should so some such than that the their theirs them then there these they this those through to too
+under until up very was we were what when where which while who whom why will with would you your yours
+""".split())
+
+
+def query_terms(question: str, max_terms: int = 32) -> list[str]:
+    """The question's distinct words, lower case, without stop words."""
+    words = dict.fromkeys(w.lower() for w in _WORD.findall(question))
+    return [w for w in words if w not in STOP_WORDS][:max_terms]
+
+
+def fts5_query(terms: Sequence[str]) -> str:
+    """An FTS5 MATCH expression: any of the terms, each a quoted string (so no word is read as an
+    operator; FTS5 tokenizes inside the quotes as it tokenized the chunks)."""
+    return " OR ".join('"' + term.replace('"', '""') + '"' for term in terms)
+
+
+def reciprocal_rank_fusion(rankings: Sequence[Sequence[Key]], k: int) -> list[tuple[Key, float]]:
+    """(key, score) best first, score = sum over the rankings holding the key of 1 / (k + rank), rank
+    from 1 (Cormack, Clarke and Buettcher, SIGIR 2009). Ties keep the order keys first appear in,
+    earlier rankings first (the dense ranking, when it comes first)."""
+    scores: dict[Key, float] = {}
+    for ranking in rankings:
+        for rank, key in enumerate(ranking, 1):
+            scores[key] = scores.get(key, 0.0) + 1.0 / (k + rank)
+    return sorted(scores.items(), key=lambda item: -item[1])

@@ -1,0 +1,344 @@
+"""Lexical and hybrid retrieval: the stores' full-text indexes (SQLite FTS5, Postgres tsvector + GIN)
+with real MiniLM beside them, reciprocal rank fusion against a hand computation, the index written in
+the chunks' own transaction (a process killed between the two writes leaves nothing half-written), removed
+with its document, kept to the request's collections, and filled by the schema migration of a store made
+before it (both stores)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import psycopg
+import pytest
+
+from configs.enums import RetrievalMode
+from retrieval.config import RetrievalConfig
+from retrieval.doc_store import SqliteDocumentStore
+from retrieval.lexical import fts5_query, query_terms, reciprocal_rank_fusion
+from retrieval.pg_store import SCHEMA_VERSION, PostgresDocumentStore
+from retrieval.retriever import RelevanceFloor, Retriever, ScoredChunk
+from retrieval.store_types import DEFAULT_COLLECTION, CollectionRow, DocumentStore, NewChunk, StoredChunk
+
+ROOT = Path(__file__).resolve().parent.parent
+ALL = (DEFAULT_COLLECTION,)  # the collections searched
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store_kind(request):
+    return request.param
+
+
+@pytest.fixture
+def open_store(store_kind, tmp_path, request):
+    """A callable opening the test's store (the same one each call), closed after the test."""
+    opened: list[DocumentStore] = []
+    if store_kind == "sqlite":
+        path = tmp_path / "documents.sqlite3"
+        make = lambda: SqliteDocumentStore(path)  # noqa: E731
+    else:
+        url = request.getfixturevalue("postgres").new_database()
+        make = lambda: PostgresDocumentStore(url)  # noqa: E731
+
+    def open_() -> DocumentStore:
+        store = make()
+        opened.append(store)
+        return store
+
+    yield open_
+    for store in opened:
+        store.close()
+
+
+def _put(retriever: Retriever, doc_id: str, texts: list[str]):
+    vectors = retriever.embedder.encode(texts)
+    result = retriever.store.put_document(doc_id, None, {}, sum(map(len, texts)),
+                                          [NewChunk(t, (i + 1,), v) for i, (t, v) in enumerate(zip(texts, vectors))])
+    retriever.follow(result.replaced, result.document.chunks, list(vectors))
+    return result
+
+
+LIGHTHOUSE = "Which colour is the Zanthorpe lighthouse?"
+COAST = [  # about lighthouses and colours, without the question's words: what a dense ranking puts first
+    "The harbour beacon on the northern coast is painted red and white in broad stripes.",
+    "Coastal towers that guide ships at night are often whitewashed so sailors see them by day.",
+    "Many seaside beacons were repainted in bright hues after the storms of the last winter.",
+]
+RARE = "Zanthorpe holds a cattle market every Tuesday morning."  # the one chunk holding the rare word
+
+
+def test_a_rare_word_ranks_its_chunk_first_in_lexical_and_hybrid(open_store, tmp_path):
+    retriever = Retriever.open(tmp_path, RetrievalConfig(), open_store())
+    _put(retriever, "coast", COAST)
+    _put(retriever, "town", [RARE, "The village school closes for the summer in July."])
+    dense = retriever.search(LIGHTHOUSE, 3, ALL, RetrievalMode.DENSE)
+    lexical = retriever.search(LIGHTHOUSE, 3, ALL, RetrievalMode.LEXICAL)
+    hybrid = retriever.search(LIGHTHOUSE, 3, ALL, RetrievalMode.HYBRID, num_candidates=10)
+    assert dense[0].chunk.text != RARE  # the embeddings prefer the coast: only the words find it
+    assert [s.chunk.text for s in lexical] == [RARE]  # the only chunk holding one of the question's words
+    assert hybrid[0].chunk.text == RARE and len(hybrid) == 3
+    # every result says its cosine similarity, however it was ranked (a lexical hit's from its stored embedding)
+    vector = retriever.embedder.encode([LIGHTHOUSE])[0]
+    expected = float(retriever.embedder.encode([RARE])[0] @ vector)
+    assert lexical[0].score == pytest.approx(expected, abs=1e-5) and hybrid[0].score == pytest.approx(expected, abs=1e-5)
+    assert lexical[0].rank_score > 0 and hybrid[0].rank_score == pytest.approx(1 / 61 + 1 / (60 + _rank(dense, retriever, LIGHTHOUSE)))
+    retriever.close()
+
+
+def _rank(dense: list[ScoredChunk], retriever: Retriever, question: str) -> int:
+    """The rare chunk's 1-based rank in the dense ranking over every chunk."""
+    ranking = retriever.search(question, 10, ALL, RetrievalMode.DENSE)
+    return next(i for i, s in enumerate(ranking, 1) if s.chunk.text == RARE)
+
+
+def test_lexical_matches_stemmed_words_and_ignores_question_words(open_store, tmp_path):
+    store = open_store()
+    retriever = Retriever.open(tmp_path, RetrievalConfig(), store)
+    _put(retriever, "a", ["The daemon compresses files with gzip.", "What is the colour of the sky?"])
+    hits = store.lexical_search("Which tool compressed the files?", 5, ALL)  # compressed ~ compresses, files
+    assert [retriever.store.chunks_by_row_ids([i])[i].text for i, _ in hits] == ["The daemon compresses files with gzip."]
+    assert store.lexical_search("What is it?", 5, ALL) == []  # only question words: nothing to match on (both stores)
+    assert store.lexical_search('"OR NEAR( * -', 5, ALL) == []  # no FTS syntax reaches the index: no error
+    retriever.close()
+
+
+def test_lexical_and_hybrid_search_only_the_requested_collections(open_store, store_kind, tmp_path):
+    store = open_store()
+    store.create_collection(CollectionRow("other", "", 0.0, "salt-other"))
+    retriever = Retriever.open(tmp_path, RetrievalConfig(), store)
+    _put(retriever, "coast", COAST)
+    vectors = retriever.embedder.encode([RARE])
+    result = store.put_document("town", None, {}, len(RARE), [NewChunk(RARE, (1,), vectors[0])], collection="other")
+    retriever.follow([], result.document.chunks, list(vectors))
+    assert store.lexical_search("Zanthorpe", 5, ALL) == []  # another collection's word: not found here
+    assert len(store.lexical_search("Zanthorpe", 5, ("other",))) == 1
+    for mode in RetrievalMode:
+        assert all(s.chunk.collection == DEFAULT_COLLECTION for s in retriever.search(LIGHTHOUSE, 5, ALL, mode))
+        assert [s.chunk.text for s in retriever.search(LIGHTHOUSE, 1, ("other",), mode)] == [RARE]
+    retriever.follow(store.delete_collection("other"), [], [])  # a whole collection: its lexical rows go too
+    assert _lexical_rows(store, store_kind) == {c.row_id: c.text for c in store.get_document("coast").chunks}
+    retriever.close()
+
+
+def test_reciprocal_rank_fusion_against_a_hand_computation():
+    dense, lexical = ["a", "b", "c", "d"], ["c", "e", "a"]
+    fused = reciprocal_rank_fusion([dense, lexical], k=60)
+    hand = {"a": 1 / 61 + 1 / 63, "b": 1 / 62, "c": 1 / 63 + 1 / 61, "d": 1 / 64, "e": 1 / 62}
+    assert dict(fused) == pytest.approx(hand)
+    # a and c tie (each 1st in one ranking, 3rd in the other): the dense ranking's order breaks the tie;
+    # so do b and e (2nd in one ranking each)
+    assert [key for key, _ in fused] == ["a", "c", "b", "e", "d"]
+    fused_k1 = reciprocal_rank_fusion([dense, lexical], k=1)  # a small k rewards the top ranks more
+    assert [key for key, _ in fused_k1] == ["a", "c", "b", "e", "d"]
+    assert dict(fused_k1)["a"] == pytest.approx(1 / 2 + 1 / 4)
+    assert reciprocal_rank_fusion([[], []], k=60) == []
+
+
+def test_query_terms_drop_question_words_and_quote_everything():
+    assert query_terms("What is the default FIRST_UID in adduser's configuration?") == [
+        "default", "first_uid", "adduser", "s", "configuration"]
+    assert query_terms("What is it?") == []
+    assert fts5_query(["a", 'b"c']) == '"a" OR "b""c"'
+
+
+def test_the_lexical_index_follows_replaces_and_deletes(open_store, store_kind, tmp_path):
+    store = open_store()
+    retriever = Retriever.open(tmp_path, RetrievalConfig(), store)
+    _put(retriever, "doc", ["The albatross glides over the ocean.", "Penguins cannot fly."])
+    assert len(store.lexical_search("albatross", 5, ALL)) == 1
+    _put(retriever, "doc", ["The condor soars above the Andes."])  # replaced: the old words are gone
+    assert store.lexical_search("albatross penguins", 5, ALL) == []
+    (hit,) = store.lexical_search("condor", 5, ALL)
+    assert hit[0] in store.row_ids()
+    assert _lexical_rows(store, store_kind) == {c.row_id: c.text for c in store.get_document("doc").chunks}
+    retriever.follow(store.delete_document("doc"), [], [])
+    assert store.lexical_search("condor", 5, ALL) == [] and _lexical_rows(store, store_kind) == {}
+    retriever.close()
+
+
+def _lexical_rows(store: DocumentStore, kind: str) -> dict[int, str]:
+    """What the lexical index holds: row id -> the text it indexed (Postgres: rows whose tsvector is
+    the text's)."""
+    if kind == "sqlite":
+        with sqlite3.connect(store.path) as conn:
+            return dict(conn.execute("SELECT rowid, text FROM chunks_fts").fetchall())
+    with psycopg.connect(store.url) as conn:
+        return dict(conn.execute("SELECT row_id, text FROM chunks WHERE text_tsv = to_tsvector('english', text)"
+                                 ).fetchall())
+
+
+# ---- a store made before the lexical index ---------------------------------------------------------
+
+OLD_SQLITE_SCHEMA = """
+CREATE TABLE documents (id TEXT PRIMARY KEY, title TEXT, metadata TEXT NOT NULL, num_chars INTEGER NOT NULL,
+                        created_at REAL NOT NULL, content_hash TEXT);
+CREATE TABLE chunks (row_id INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE,
+                     document_id TEXT NOT NULL REFERENCES documents(id) ON DELETE CASCADE, position INTEGER NOT NULL,
+                     text TEXT NOT NULL, token_ids TEXT NOT NULL, kv_key TEXT, embedding BLOB NOT NULL);
+CREATE INDEX chunks_by_document ON chunks(document_id, position);
+"""
+OLD_TEXTS = ["The pelican stores fish in its pouch.", "Herons stand still in shallow water."]
+
+
+def test_a_sqlite_store_made_before_the_lexical_index_is_migrated_and_backfilled(tmp_path):
+    path = tmp_path / "documents.sqlite3"
+    with sqlite3.connect(path) as conn:  # the schema before collections and the lexical index, as written then
+        conn.executescript(OLD_SQLITE_SCHEMA)
+        conn.execute("INSERT INTO documents VALUES ('birds', NULL, '{}', 70, 0.0, NULL)")
+        for position, text in enumerate(OLD_TEXTS):
+            conn.execute("INSERT INTO chunks (id, document_id, position, text, token_ids, kv_key, embedding)"
+                         " VALUES (?, 'birds', ?, ?, '[1]', NULL, ?)",
+                         (f"birds#{position}", position, text, np.zeros(384, np.float32).tobytes()))
+    store = SqliteDocumentStore(path)
+    try:
+        assert _lexical_rows(store, "sqlite") == {1: OLD_TEXTS[0], 2: OLD_TEXTS[1]}
+        assert [i for i, _ in store.lexical_search("Where does the pelican keep fish?", 5, ALL)] == [1]
+    finally:
+        store.close()
+    reopened = SqliteDocumentStore(path)  # a second open has nothing to add
+    assert _lexical_rows(reopened, "sqlite") == {1: OLD_TEXTS[0], 2: OLD_TEXTS[1]}
+    reopened.close()
+
+
+def test_a_postgres_store_at_schema_1_is_migrated_and_backfilled(postgres):
+    """Through the collections' migration (2), then the lexical index's (3)."""
+    from retrieval.pg_store import _MIGRATIONS
+
+    url = postgres.new_database()
+    with psycopg.connect(url) as conn:  # the schema version 1 that main's store made, with its rows
+        conn.execute(_MIGRATIONS[1])
+        conn.execute("CREATE TABLE ragblend_schema (version INTEGER NOT NULL)")
+        conn.execute("INSERT INTO ragblend_schema VALUES (1)")
+        conn.execute("INSERT INTO documents VALUES ('birds', NULL, '{}', 70, 0.0, NULL)")
+        for position, text in enumerate(OLD_TEXTS):
+            conn.execute("INSERT INTO chunks (id, document_id, position, text, token_ids, kv_key, embedding)"
+                         " VALUES (%s, 'birds', %s, %s, '{1}', NULL, %s)",
+                         (f"birds#{position}", position, text, np.zeros(384, np.float32).tobytes()))
+    store = PostgresDocumentStore(url)
+    try:
+        with psycopg.connect(url) as conn:
+            assert conn.execute("SELECT version FROM ragblend_schema").fetchone() == (SCHEMA_VERSION,)
+            assert conn.execute("SELECT count(*) FROM pg_indexes WHERE indexname = 'chunks_text_tsv'").fetchone() == (1,)
+        assert _lexical_rows(store, "postgres") == {1: OLD_TEXTS[0], 2: OLD_TEXTS[1]}
+        assert [i for i, _ in store.lexical_search("Where does the pelican keep fish?", 5, ALL)] == [1]
+    finally:
+        store.close()
+
+
+# ---- killed between the chunks and their lexical rows ----------------------------------------------
+
+CHILD = textwrap.dedent("""
+    import os, signal, sys
+    import numpy as np
+    from retrieval.store_types import NewChunk
+
+    kind, where, target = sys.argv[1:4]
+    step = sys.argv[4] if len(sys.argv) > 4 else ""
+
+    def kill_now():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if kind == "sqlite":
+        from retrieval.doc_store import SqliteDocumentStore
+
+        class KillingConnection:
+            '''The store's connection, killing the process when a statement starts with `step`: the
+            transaction holding it is then left uncommitted, as a power cut would leave it.'''
+
+            def __init__(self, conn):
+                self._conn = conn
+
+            def __getattr__(self, name):
+                return getattr(self._conn, name)
+
+            def execute(self, sql, *args):
+                if sql.startswith(step):
+                    kill_now()
+                return self._conn.execute(sql, *args)
+
+            def executemany(self, sql, *args):
+                if sql.startswith(step):
+                    kill_now()
+                return self._conn.executemany(sql, *args)
+
+        store = SqliteDocumentStore(target)
+    else:
+        from retrieval import pg_store
+        from retrieval.pg_store import PostgresDocumentStore
+
+        store = PostgresDocumentStore(target)
+
+    def chunks(texts):
+        return [NewChunk(t, (1,), np.ones(4, np.float32)) for t in texts]
+
+    store.put_document("doc", None, {}, 10, chunks(["The albatross glides over the ocean."]))
+    if kind == "sqlite":
+        store._conn = KillingConnection(store._conn)
+    else:  # after the chunks' rows (their tsvector with them), before the commit
+        pg_store.PostgresDocumentStore._log_change = lambda *args: kill_now()
+    if where == "put":
+        store.put_document("doc", None, {}, 10, chunks(["The condor soars.", "The kestrel hovers."]))
+    else:
+        store.delete_document("doc")
+    print("not killed", flush=True)
+""")
+
+
+@pytest.mark.parametrize("where", ["put", "delete"])
+def test_a_process_killed_between_the_chunks_and_the_lexical_index_leaves_nothing_half_written(
+        store_kind, where, tmp_path, request):
+    """The store is killed (SIGKILL) after writing a document's chunks and before their lexical rows
+    (a replace), or after the lexical rows' delete and before the chunks' (a delete): reopened, the
+    document is its old version whole, and the lexical index holds exactly its chunks, no new word."""
+    if store_kind == "sqlite":
+        target = str(tmp_path / "documents.sqlite3")
+        step = "INSERT INTO chunks_fts" if where == "put" else "DELETE FROM documents"
+    else:
+        target, step = request.getfixturevalue("postgres").new_database(), "log_change"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    child = subprocess.run([sys.executable, "-c", CHILD, store_kind, where, target, step], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == -signal.SIGKILL, child.stdout + child.stderr
+    if store_kind == "sqlite":  # what the file holds, before the store opens it again
+        with sqlite3.connect(target) as conn:
+            chunks = dict(conn.execute("SELECT row_id, text FROM chunks").fetchall())
+            indexed = dict(conn.execute("SELECT rowid, text FROM chunks_fts").fetchall())
+        assert indexed == chunks and len(chunks) == 1
+    store = SqliteDocumentStore(target) if store_kind == "sqlite" else PostgresDocumentStore(target)
+    try:
+        document = store.get_document("doc")
+        assert [c.text for c in document.chunks] == ["The albatross glides over the ocean."]
+        assert _lexical_rows(store, store_kind) == {c.row_id: c.text for c in document.chunks}
+        assert store.lexical_search("condor kestrel", 5, ALL) == [] and len(store.lexical_search("albatross", 5, ALL)) == 1
+    finally:
+        store.close()
+
+
+# ---- the relevance floor ---------------------------------------------------------------------------
+
+
+def _scored(*scores: float | None) -> list[ScoredChunk]:
+    return [ScoredChunk(StoredChunk(i, f"d#{i}", "d", i, "t", (1,), None), score) for i, score in enumerate(scores)]
+
+
+def test_the_relevance_floor_drops_far_below_chunks_and_everything_below_the_minimum():
+    floor = RelevanceFloor(min_score=0.3, margin=0.15)
+    kept = floor.apply(_scored(0.7, 0.6, 0.2, 0.56, 0.54))
+    assert [s.score for s in kept] == [0.7, 0.6, 0.56]  # within 0.15 of the best, order kept
+    assert floor.apply(_scored(0.29, 0.1)) == []  # the best is below the minimum: nothing is relevant
+    assert [s.score for s in floor.apply(_scored(0.35, 0.25))] == [0.35]  # never below the minimum
+    assert floor.apply([]) == [] and floor.apply(_scored(None)) == []
+    assert len(RelevanceFloor(min_score=-1.0, margin=2.0).apply(_scored(0.9, -0.5))) == 2  # off
+
+
+def test_config_rejects_an_unknown_retrieval_mode():
+    with pytest.raises(ValueError):
+        RetrievalConfig(mode="fuzzy")
+    assert json.loads(json.dumps(RetrievalConfig(mode="hybrid").mode.value)) == "hybrid"

@@ -1,0 +1,149 @@
+"""The prefix cache through a live server (a tiny random model over loopback HTTP): the same question
+twice answers the same tokens, the second from the kept prompt (its usage says so); a chat's follow-up
+over the same passages reuses the turn before it; a request can opt out; a replaced or deleted document
+drops the prompts holding its chunks; the metrics count it all; `ragblend bench prefix` runs end to end."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+
+from app.cli import main
+from app.testing import LiveServer
+from configs.settings import load_settings
+
+DOCUMENTS = [
+    {"id": "vault", "text": "The secret code of the blue vault is 4812. The vault stands in the harbour of Porto."},
+    {"id": "bridge", "text": "The red bridge in Lisbon was painted in 1966 by a team of forty workers."},
+    {"id": "owls", "text": "Snowy owls hunt lemmings on the tundra and nest on the ground in spring."},
+]
+QUESTION = "What is the secret code of the blue vault?"
+CHUNKS = ["vault#0", "bridge#0"]
+WORDS = "the river flows past an old mill near the town of harlow where people trade wool".split()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    settings = load_settings(data_dir=tmp_path_factory.mktemp("prefix"), model={"name": "random:tiny-llama", "device": "cpu"},
+                             store={"prefix_cache_bytes": 256 << 20})
+    with LiveServer(settings) as live, httpx.Client(base_url=live.url, timeout=120) as http:
+        assert http.post("/v1/documents", json={"documents": DOCUMENTS}).status_code == 201
+        yield live
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        yield client
+
+
+def query(http, **extra) -> dict:
+    body = {"question": QUESTION, "chunk_ids": CHUNKS, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True, **extra}
+    response = http.post("/v1/query", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def chat(http, messages, **extra) -> dict:
+    body = {"messages": messages, "chunk_ids": CHUNKS, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True, **extra}
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def metric(http, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)} (\S+)$", http.get("/metrics").text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_the_same_question_again_answers_the_same_tokens_from_the_kept_prompt(server, http):
+    hits = metric(http, 'ragblend_prefix_cache_lookups_total{result="hit"}')
+    first = query(http, mode="blend")
+    second = query(http, mode="blend")
+    assert first["usage"]["prefix_cached_tokens"] == 0 and first["usage"]["reused_tokens"] > 0
+    usage = second["usage"]
+    assert usage["prefix_cached_tokens"] == usage["prompt_tokens"] == first["usage"]["prompt_tokens"]
+    assert (usage["reused_tokens"], usage["recomputed_tokens"]) == (0, 0)
+    assert second["answer"] == first["answer"] and second["mode"] == "blend" and usage["completion_tokens"] == 8
+    # streamed: the done event carries the same usage
+    with http.stream("POST", "/v1/query", json={"question": QUESTION, "chunk_ids": CHUNKS, "max_tokens": 8,
+                                                "temperature": 0.0, "ignore_eos": True, "mode": "blend",
+                                                "stream": True}) as response:
+        lines = list(response.iter_lines())
+    done = json.loads(lines[lines.index("event: done") + 1].removeprefix("data: "))
+    assert done["usage"]["prefix_cached_tokens"] == usage["prompt_tokens"]
+    assert metric(http, 'ragblend_prefix_cache_lookups_total{result="hit"}') == hits + 2
+    assert metric(http, 'ragblend_prompt_tokens_total{kind="prefix_cached"}') >= 2 * usage["prompt_tokens"]
+    assert 0 < metric(http, "ragblend_prefix_cache_bytes") <= metric(http, "ragblend_prefix_cache_max_bytes") == 256 << 20
+    # another mode asked: not served from the blend's prompt; opted out: neither read nor kept
+    assert query(http, mode="full")["usage"]["prefix_cached_tokens"] == 0
+    entries = metric(http, "ragblend_prefix_cache_entries")
+    assert query(http, mode="reuse", prefix_cache=False)["usage"]["prefix_cached_tokens"] == 0
+    assert query(http, mode="reuse")["usage"]["prefix_cached_tokens"] == 0
+    assert metric(http, "ragblend_prefix_cache_entries") == entries + 1
+
+
+def test_a_chat_follow_up_reuses_the_turn_before_it(server, http):
+    messages = [{"role": "user", "content": "Where does the vault stand?"}]
+    first = chat(http, messages)
+    answer = first["choices"][0]["message"]["content"]
+    follow_up = chat(http, [*messages, {"role": "assistant", "content": answer},
+                            {"role": "user", "content": "And the bridge?"}])
+    usage = follow_up["usage"]
+    assert usage["prefix_cached_tokens"] == first["usage"]["prompt_tokens"] < usage["prompt_tokens"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": usage["prefix_cached_tokens"]}
+    assert usage["recomputed_tokens"] == usage["prompt_tokens"] - usage["prefix_cached_tokens"]
+    assert follow_up["plan"]["plan"] == "prefix_cache"
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+@pytest.mark.parametrize("change", ["delete", "replace"])
+def test_a_changed_document_drops_the_prompts_holding_its_chunks(server, http, change):
+    doc = {"id": f"kept-{change}", "text": "The amber lighthouse of Vigo flashes twice every ten seconds."}
+    assert http.post("/v1/documents", json={"documents": [doc]}).status_code == 201
+    ids = [f"kept-{change}#0", "owls#0"]
+    query(http, chunk_ids=ids)
+    assert query(http, chunk_ids=ids)["usage"]["prefix_cached_tokens"] > 0
+    other = query(http, chunk_ids=["owls#0"])  # kept too; holds none of the document's chunks
+    before = metric(http, "ragblend_prefix_cache_invalidations_total")
+    if change == "delete":
+        assert http.delete(f"/v1/documents/{doc['id']}").status_code == 200
+    else:
+        changed = {**doc, "text": "The amber lighthouse of Vigo flashes three times every ten seconds."}
+        assert http.post("/v1/documents", json={"documents": [changed]}).json()["documents"][0]["status"] == "replaced"
+    assert metric(http, "ragblend_prefix_cache_invalidations_total") == before + 1
+    assert http.post("/v1/documents", json={"documents": [doc]}).status_code == 201  # the same text again
+    # dropped, not served: another kept prompt may share the tokens before the document's, not all of it
+    num_before = len(server.components.engine.prompts.prefix_ids())
+    num_chunk = http.get(f"/v1/documents/{doc['id']}").json()["chunks"][0]["num_tokens"]
+    assert query(http, chunk_ids=ids)["usage"]["prefix_cached_tokens"] < num_before + num_chunk
+    assert query(http, chunk_ids=["owls#0"])["usage"]["prefix_cached_tokens"] == other["usage"]["prompt_tokens"]
+
+
+def test_bench_prefix_runs_its_rows_side_by_side_and_writes_json(server, tmp_path, capsys):
+    items = [{"question": f"where is mill number {qi}?", "answers": ["harlow"],
+              "ctxs": [{"title": f"t{qi}{pi}", "text": " ".join(WORDS[pi + qi:] + WORDS[: pi + qi]) * 2}
+                       for pi in range(2)]} for qi in range(2)]
+    data, out = tmp_path / "data.json", tmp_path / "results" / "prefix.json"
+    data.write_text(json.dumps(items))
+    code = main(["bench", "prefix", "--url", server.url, "--data", str(data), "--questions", "2", "--passages", "2",
+                 "--max-tokens", "3", "--out", str(out)])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert code == 0
+    summary = json.loads(lines[-1])
+    assert json.loads(out.read_text()) == summary and summary["bench"] == "prefix" and summary["questions"] == 2
+    rows = summary["rows"]
+    assert list(rows) == ["blend, cache off", "no match", "exact repeat", "follow-up", "follow-up, cache off"]
+    assert all(len(r["ttft_ms"]) == 2 and r["ttft_p50_ms"] > 0 for r in rows.values())
+    assert rows["blend, cache off"]["prefix_cached_tokens_p50"] == 0 == rows["follow-up, cache off"]["prefix_cached_tokens_p50"]
+    assert rows["no match"]["prefix_cached_tokens_p50"] == 0
+    assert rows["exact repeat"]["prefix_cached_tokens_p50"] == rows["exact repeat"]["prompt_tokens_p50"] > 0
+    assert 0 < rows["follow-up"]["prefix_cached_tokens_p50"] < rows["follow-up"]["prompt_tokens_p50"]
+    assert rows["follow-up"]["plans"] == ["prefix_cache"]
+    assert set(summary["targets"]) == {"exact_repeat_ttft_ms", "follow_up_vs_fresh_blend", "no_match_vs_cache_off",
+                                       "prefix_cache_bytes"}
+    assert summary["targets"]["prefix_cache_bytes"]["is_met"]
+    assert "exact repeat" in "\n".join(lines[:-1])
