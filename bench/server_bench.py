@@ -116,7 +116,9 @@ class Target:
 
 def request_body(question: Question, qi: int, args: argparse.Namespace) -> dict[str, Any]:
     body: dict[str, Any] = {"question": question.question, "chunk_ids": chunk_ids(qi, question),
-                            "max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": args.ignore_eos}
+                            "max_tokens": args.max_tokens, "temperature": 0.0}
+    if args.ignore_eos:  # only when asked: a revision whose API predates the field refuses it
+        body["ignore_eos"] = True
     if args.prefix_cache == "off":  # every round asks the same questions again: each answer prefills
         body["prefix_cache"] = False
     if args.mode:

@@ -28,6 +28,7 @@ from kv_store.codec import LOWBIT_SPECS, TORCH_DTYPES
 from kv_store.config import StoreConfig
 from kv_store.device import DeviceBackend, check_device, default_gpu_bytes
 from kv_store.disk import DiskBackend
+from kv_store.errors import CorruptEntryError, EntryLostError
 from kv_store.keys import KVScope, chunk_key, is_valid_key
 from kv_store.loader import StoredChunk, StoreLayerSource
 from kv_store.memory import MemoryBackend
@@ -165,8 +166,9 @@ class KVStore:
     def offer(self, key: str, kv: ChunkKV, why: Admission, scope: KVScope = KVScope()) -> bool:
         """Write `kv` if the collection's budget admits it (see admission.py); True when written.
 
-        A precomputed entry (ingestion) goes to the tiers below memory only: the memory tier fills
-        on use (promote after an answer, prefetch). Unbudgeted (`budgeted: false`) every entry
+        A precomputed entry (ingestion) is written to the tiers below memory, and copied into the memory
+        tier only while that has room without evicting (`_fill_memory_with_room`); beyond, the memory tier
+        fills on use (promote after an answer, prefetch). Unbudgeted (`budgeted: false`) every entry
         is written as `put` writes it."""
         if self.admission is None or not self.config.budgeted:
             self._put_to(key, kv, set(self.config.write_tiers), scope)
@@ -177,8 +179,37 @@ class KVStore:
             return False
         for victim in victims:  # the collection's own lower-scored entries, to stay within its own budget
             self._budgeted.delete(victim)
-        self._put_to(key, kv, self._offer_tiers(why), scope)
+        tiers = self._offer_tiers(why)
+        self._put_to(key, kv, tiers, scope)
+        if Tier.MEMORY not in tiers:
+            self._fill_memory_with_room(key, kv.num_tokens)
         return True
+
+    def _fill_memory_with_room(self, key: str, num_tokens: int) -> bool:
+        """A precomputed entry copied into the memory tier while that has room for it without evicting
+        anything: a first question about a new document then reads it there, not decoded from disk
+        beside its prefill (issue 38: that decode made a first ask 1.22x 64caae7's, whose entries were all
+        in memory). The copy is read back from the tier below, so it holds the values a read from there
+        gives (an int4 entry's, rounded as a promoted copy is: kv_store/codec.py), and an answer does not
+        depend on the tier its KV came from. Whether copied."""
+        memory = next((b for b in self._backends if b.tier is Tier.MEMORY), None)
+        if memory is None:
+            return False
+        shape = self.shape
+        num_bytes = 2 * shape.num_layers * shape.num_kv_heads * num_tokens * shape.head_dim \
+            * TORCH_DTYPES[self.config.dtype].itemsize  # keys + values as the memory tier holds them
+        if memory.bytes_used() + num_bytes > memory.max_bytes or memory.contains(key):
+            return False
+        for below in self._backends:
+            if below.tier in (Tier.DISK, Tier.REDIS):
+                try:
+                    kv = below.get(key)
+                except (CorruptEntryError, EntryLostError):
+                    return False
+                if kv is not None:
+                    memory.put(key, kv)
+                    return True
+        return False
 
     def should_compute(self, key: str, num_tokens: int, why: Admission, scope: KVScope = KVScope()) -> bool:
         """Whether an entry of `num_tokens` would be admitted, asked before computing it (yes while its

@@ -30,12 +30,13 @@ def store_for(tmp_path, num_entries: float, **config) -> tuple[KVStore, list]:
     return store, [(store.key_for(kv.token_ids), kv) for kv in kvs]
 
 
-def test_precompute_fills_free_room_only_and_skips_the_memory_tier(tmp_path):
+def test_precompute_fills_free_room_only_and_the_memory_tier_while_it_has_room(tmp_path):
     store, entries = store_for(tmp_path, 3.5)
     written = [store.offer(key, kv, Admission.PRECOMPUTE) for key, kv in entries]
     assert written == [True, True, True, False, False, False]
     assert store.backend("disk").bytes_used() <= store.config.max_disk_bytes
-    assert store.backend("memory").bytes_used() == 0
+    # the admitted ones are copied up too (1 MiB of memory tier: room for all), the refused ones nowhere
+    assert [store.backend("memory").contains(key) for key, _ in entries] == written
     assert store.should_compute(entries[4][0], 32, Admission.PRECOMPUTE) is False  # not even computed
     stats = store.budget_stats()
     assert (stats.admitted, stats.rejected, stats.evictions) == (3, 4, 0)
@@ -75,3 +76,23 @@ def test_use_counts_halve_every_half_life():
     before = policy.score("a")
     policy.note_uses(["b"] * 4, [True] * 4)
     assert abs(policy.score("a") - before / 2) < 1e-9
+
+
+def test_a_precompute_evicts_nothing_from_the_memory_tier_and_copies_what_the_disk_gives(tmp_path):
+    """Ingestion copies an entry into the memory tier only while it has room (a hot entry there is never
+    evicted for a new document's); the copy is read back from disk, so an int4 entry holds the values a
+    read from disk gives, not the fp16 ones computed."""
+    kvs = [chunk(i) for i in range(3)]
+    one_entry = 2 * 2 * 2 * 32 * 16 * 2  # keys + values [L=2, H=2, n=32, D=16] in fp16
+    store = KVStore("fp", StoreConfig(max_memory_bytes=one_entry + one_entry // 2, disk_dir=tmp_path / "kv",
+                                      quantization=KVQuantization.INT4), shape=KVShape(2, 2, 16))
+    keys = [store.key_for(kv.token_ids) for kv in kvs]
+    for key, kv in zip(keys, kvs):
+        assert store.offer(key, kv, Admission.PRECOMPUTE)
+    memory, disk = store.backend("memory"), store.backend("disk")
+    assert [memory.contains(k) for k in keys] == [True, False, False]  # the first fits; none evicts it
+    assert all(disk.contains(k) for k in keys)
+    in_memory, from_disk = memory.get(keys[0]), disk.get(keys[0])
+    assert torch.equal(in_memory.keys, from_disk.keys) and torch.equal(in_memory.values, from_disk.values)
+    assert not torch.equal(in_memory.keys, kvs[0].keys.half())  # int4's values, not the computed ones
+    store.close()

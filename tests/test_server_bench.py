@@ -4,6 +4,7 @@ answers, where every figure is known."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 
@@ -242,6 +243,9 @@ def test_server_modes_throughput_alternates_full_and_blend_and_divides_their_rou
     body = server_bench.request_body(Question("q?", (), ("p",)), 0, round_args("blend", 5))
     assert body["ignore_eos"] is True and body["mode"] == "blend" and body["max_tokens"] == 5
     assert body["prefix_cache"] is False  # each round's answers prefill: the same questions come again
+    # without ignore_eos the field is not sent at all: a revision whose API predates it refuses it (compare)
+    older = argparse.Namespace(**{**vars(round_args("blend", 5)), "ignore_eos": False})
+    assert "ignore_eos" not in server_bench.request_body(Question("q?", (), ("p",)), 0, older)
     # more clients than questions: refused (each client asks its own)
     assert main(["bench", "server-modes", "--url", server.url, "--data", data, "--questions", "2",
                  "--concurrency", "3"]) == 2
