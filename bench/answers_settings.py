@@ -49,6 +49,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("dense", request={"retrieval": "dense"}),
     Setting("lexical", request={"retrieval": "lexical"}),
     Setting("full", request={"mode": "full"}),  # a full prefill: reads every retrieved chunk again
+    # blend's recompute share (the server's default 0.15; full is 1.0): where blend loses answers to full
+    Setting("ratio=0.3", request={"recompute_ratio": 0.3}),
+    Setting("ratio=0.5", request={"recompute_ratio": 0.5}),
     Setting("top_k=2", request={"top_k": 2}),
     Setting("top_k=10", request={"top_k": 10}),
     # repetition control and the stop (docs/decisions/0021): each of today's defaults taken away, and a penalty

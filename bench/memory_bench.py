@@ -9,8 +9,9 @@ Two parts, each in processes of its own (a reading of this one would count the b
 - server: `ragblend serve` started as a user starts it, on an empty data dir; read once ready and
   idle, then the answers set's documents are uploaded and questions asked over the API (one at a
   time), and it is read again once idle. The memory tier's KV (`ragblend_kv_bytes{tier="memory"}`
-  on /metrics) is a bound of its own (`store.max_memory_bytes`), so it is shown apart: the server's
-  own memory is its RSS less that.
+  on /metrics) is a bound of its own (`store.max_memory_bytes`), and so is the prefix cache's
+  (`ragblend_prefix_cache_bytes`, `store.prefix_cache_bytes`): both are shown apart, and the server's
+  own memory is its RSS less the two.
 
 RSS = anonymous memory + pages of mapped files (shared libraries, a mapped checkpoint); both count.
 """
@@ -35,6 +36,7 @@ from bench.memory_probe import MB, mappings, read_rss
 from bench.output import emit_summary
 
 MEMORY_TIER = re.compile(r'^ragblend_kv_bytes\{tier="memory"\} (\S+)$', re.MULTILINE)
+PREFIX_CACHE = re.compile(r"^ragblend_prefix_cache_bytes (\S+)$", re.MULTILINE)
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -65,19 +67,20 @@ def run_stages(config: Path | None, timeout_s: float) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def memory_tier_mb(client: httpx.Client) -> float:
-    """The memory tier's bytes from /metrics, in MB (0 without the tier)."""
+def cache_mb(client: httpx.Client) -> tuple[float, float]:
+    """The memory tier's bytes and the prefix cache's from /metrics, in MB (0 where absent)."""
     response = client.get("/metrics")
     response.raise_for_status()
-    found = MEMORY_TIER.search(response.text)
-    return round(float(found.group(1)) / MB, 1) if found else 0.0
+    found = [pattern.search(response.text) for pattern in (MEMORY_TIER, PREFIX_CACHE)]
+    tier, prefix = (round(float(f.group(1)) / MB, 1) if f else 0.0 for f in found)
+    return tier, prefix
 
 
 def reading(pid: int, client: httpx.Client, label: str) -> dict[str, Any]:
     rss = read_rss(pid)
-    tier = memory_tier_mb(client)
-    return {"label": label, **rss.as_dict(), "memory_tier_mb": tier, "own_mb": round(rss.rss_mb - tier, 1),
-            "mappings_mb": mappings(pid)}
+    tier, prefix = cache_mb(client)
+    return {"label": label, **rss.as_dict(), "memory_tier_mb": tier, "prefix_cache_mb": prefix,
+            "own_mb": round(rss.rss_mb - tier - prefix, 1), "mappings_mb": mappings(pid)}
 
 
 def exercise(client: httpx.Client, num_questions: int, num_documents: int | None, max_tokens: int,
@@ -138,11 +141,12 @@ def print_tables(summary: dict[str, Any]) -> None:
         print("\nweights (MB):", ", ".join(f"{k} {v}" for k, v in stages["weights_mb"].items()))
     server = summary.get("server")
     if server:
-        print("\n| server | RSS MB | anon | file | peak | memory tier | RSS less the tier |\n"
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print("\n| server | RSS MB | anon | file | peak | memory tier | prefix cache | RSS less the two caches |\n"
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for row in server["readings"]:
             print(f"| {row['label']} | {row['rss_mb']:.0f} | {row['anon_mb']:.0f} | {row['file_mb']:.0f} | "
-                  f"{row['peak_mb']:.0f} | {row['memory_tier_mb']:.0f} | {row['own_mb']:.0f} |")
+                  f"{row['peak_mb']:.0f} | {row['memory_tier_mb']:.0f} | {row['prefix_cache_mb']:.0f} | "
+                  f"{row['own_mb']:.0f} |")
 
 
 def run(args: argparse.Namespace) -> int:
