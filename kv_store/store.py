@@ -200,16 +200,20 @@ class KVStore:
             * TORCH_DTYPES[self.config.dtype].itemsize  # keys + values as the memory tier holds them
         if memory.bytes_used() + num_bytes > memory.max_bytes or memory.contains(key):
             return False
-        for below in self._backends:
-            if below.tier in (Tier.DISK, Tier.REDIS):
-                try:
-                    kv = below.get(key)
-                except (CorruptEntryError, EntryLostError):
-                    return False
-                if kv is not None:
-                    memory.put(key, kv)
-                    return True
-        return False
+        below = next((b for b in self._backends if b.tier is Tier.DISK), None)  # Redis: not a round trip more
+        reader = below.open_reader(key, is_lookup=False) if below is not None else None  # not a question's hit
+        if reader is None:
+            return False
+        try:  # its layers count in the tier's load figures, as a first question's read of the entry did
+            layers = [reader.read_layer(layer_idx) for layer_idx in range(shape.num_layers)]  # [(k, v) [H, n, D]]
+        except (CorruptEntryError, EntryLostError):
+            return False  # left to the next read, which deletes and recomputes it
+        finally:
+            reader.close()
+        info = reader.info
+        memory.put(key, ChunkKV(info.token_ids, info.context_ids, torch.stack([k for k, _ in layers]),
+                                torch.stack([v for _, v in layers]), info.salt))  # [L, H, n, D] each
+        return True
 
     def should_compute(self, key: str, num_tokens: int, why: Admission, scope: KVScope = KVScope()) -> bool:
         """Whether an entry of `num_tokens` would be admitted, asked before computing it (yes while its
