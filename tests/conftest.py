@@ -30,3 +30,34 @@ def postgres():
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store_kind(request) -> str:
+    """The document store's backend: each test that asks for it runs on both."""
+    return request.param
+
+
+@pytest.fixture
+def open_store(store_kind, tmp_path, request):
+    """A callable opening the test's document store (the same one each call: reopening after a
+    "crash" sees what was committed), of `store_kind`; every store it opened is closed after."""
+    from retrieval.doc_store import SqliteDocumentStore
+    from retrieval.pg_store import PostgresDocumentStore
+
+    opened = []
+    if store_kind == "sqlite":
+        path = tmp_path / "documents.sqlite3"
+        make = lambda: SqliteDocumentStore(path)  # noqa: E731
+    else:
+        url = request.getfixturevalue("postgres").new_database()
+        make = lambda: PostgresDocumentStore(url)  # noqa: E731
+
+    def open_():
+        store = make()
+        opened.append(store)
+        return store
+
+    yield open_
+    for store in opened:
+        store.close()

@@ -31,32 +31,6 @@ ROOT = Path(__file__).resolve().parent.parent
 ALL = (DEFAULT_COLLECTION,)  # the collections searched
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def store_kind(request):
-    return request.param
-
-
-@pytest.fixture
-def open_store(store_kind, tmp_path, request):
-    """A callable opening the test's store (the same one each call), closed after the test."""
-    opened: list[DocumentStore] = []
-    if store_kind == "sqlite":
-        path = tmp_path / "documents.sqlite3"
-        make = lambda: SqliteDocumentStore(path)  # noqa: E731
-    else:
-        url = request.getfixturevalue("postgres").new_database()
-        make = lambda: PostgresDocumentStore(url)  # noqa: E731
-
-    def open_() -> DocumentStore:
-        store = make()
-        opened.append(store)
-        return store
-
-    yield open_
-    for store in opened:
-        store.close()
-
-
 def _put(retriever: Retriever, doc_id: str, texts: list[str]):
     vectors = retriever.embedder.encode(texts)
     result = retriever.store.put_document(doc_id, None, {}, sum(map(len, texts)),

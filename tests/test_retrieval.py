@@ -11,33 +11,9 @@ import pytest
 from configs.enums import ChunkingMode, IndexKind
 from retrieval.config import RetrievalConfig
 from retrieval.chunker import Chunker
-from retrieval.doc_store import NewChunk, SqliteDocumentStore
+from retrieval.doc_store import NewChunk
 from retrieval.index import VectorIndex
-from retrieval.pg_store import PostgresDocumentStore
 from retrieval.retriever import Retriever
-from retrieval.store_types import DocumentStore
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def open_store(request, tmp_path):
-    """A callable opening the test's document store (the same one each call: reopening after a
-    "crash" sees what was committed), for each backend; every store it opened is closed after."""
-    opened: list[DocumentStore] = []
-    if request.param == "sqlite":
-        path = tmp_path / "documents.sqlite3"
-        make = lambda: SqliteDocumentStore(path)  # noqa: E731
-    else:
-        url = request.getfixturevalue("postgres").new_database()
-        make = lambda: PostgresDocumentStore(url)  # noqa: E731
-
-    def open_() -> DocumentStore:
-        store = make()
-        opened.append(store)
-        return store
-
-    yield open_
-    for store in opened:
-        store.close()
 
 
 class WordVocab:
