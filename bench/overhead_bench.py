@@ -31,7 +31,7 @@ import httpx
 from bench.engine_bench import DEFAULT_DATA, prompt_for, timed_prefill
 from bench.engine_variants import Variant
 from bench.decode_bench import measure_decode
-from bench.local_servers import LocalServer, started
+from bench.local_servers import LocalServer, environment_pairs, started
 from bench.musique import Question, load_questions
 from bench.output import emit_summary
 from bench.server_client import chunk_ids, ingest, stream_query
@@ -55,16 +55,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
                         help="environment of the server only (repeatable)")
     parser.add_argument("--out", help="also write the JSON summary here (e.g. docs/results/overhead_cpu.json)")
-
-
-def _pairs(specs: Sequence[str]) -> dict[str, str]:
-    env = {}
-    for spec in specs:
-        name, sep, value = spec.partition("=")
-        if not sep or not name:
-            raise ValueError(f"--server-env takes NAME=VALUE, got {spec!r}")
-        env[name] = value
-    return env
 
 
 def _engine_turn(engine: BlendEngine, question: Question, variant: Variant, cache: dict) -> dict[str, float]:
@@ -98,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     cache: dict[int, dict] = {qi: {} for qi in range(len(questions))}
     for qi, question in enumerate(questions):  # every prompt's chunk KV precomputed, and a first (slow) call
         _engine_turn(engine, question, variant, cache[qi])
-    server = LocalServer("overhead", _pairs(args.server_env), args.config)
+    server = LocalServer("overhead", environment_pairs(args.server_env, "--server-env"), args.config)
     rows: dict[str, list[dict[str, Any]]] = {"engine": [], "server": []}
     with started(server, ready_timeout_s=900.0):
         with httpx.Client(base_url=server.url, timeout=900) as client:
@@ -170,7 +160,7 @@ def summarize(rows: dict[str, list[dict[str, Any]]], decode: dict[str, list[floa
     }
     summary: dict[str, Any] = {
         "bench": "overhead", "model": engine.model_name, "questions": args.questions, "passages": args.passages,
-        "rounds": args.rounds, "server_env": _pairs(args.server_env),
+        "rounds": args.rounds, "server_env": environment_pairs(args.server_env, "--server-env"),
         "prompt_tokens_match": all(r["prompt_tokens"] == e["prompt_tokens"]
                                    for r, e in zip(sorted(server, key=_key), sorted(rows["engine"], key=_key))),
         "ttft_ms": {"engine": med("ttft_ms", rows["engine"]), "server": med("ttft_ms")},

@@ -385,10 +385,6 @@ def baseline_environment(pairs: Sequence[str] | None) -> dict[str, str]:
     """`--baseline-env NAME=VALUE ...` as a mapping; none given: one request at a time (BASELINE_ENV)."""
     if not pairs:
         return dict(BASELINE_ENV)
-    env = {}
-    for pair in pairs:
-        name, sep, value = pair.partition("=")
-        if not sep or not name:
-            raise ValueError(f"--baseline-env takes NAME=VALUE, not {pair!r}")
-        env[name] = value
-    return env
+    from bench.local_servers import environment_pairs
+
+    return environment_pairs(pairs, "--baseline-env")
