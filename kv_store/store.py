@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import replace
 from typing import Sequence
 
@@ -23,8 +22,7 @@ from blend_engine.kv import ChunkKV, KVShape
 from configs.enums import LoaderPriority
 from kv_store.admission import Admission, AdmissionPolicy, BudgetStats
 from kv_store.backend import Backend, Tier
-from kv_store import lowbit
-from kv_store.codec import LOWBIT_SPECS, TORCH_DTYPES
+from kv_store.codec import TORCH_DTYPES
 from kv_store.config import StoreConfig
 from kv_store.device import DeviceBackend, check_device, default_gpu_bytes
 from kv_store.disk import DiskBackend
@@ -73,11 +71,6 @@ class KVStore:
 
             self._backends.append(RedisBackend(config.redis_url, config.redis_ttl_s, fingerprint, config.remote_format,
                                                shape))
-        self._lowbit_tiers = {b.tier for b in self._backends if b.tier in (Tier.DISK, Tier.REDIS)} \
-            if config.quantization in LOWBIT_SPECS else set()
-        self._decoder_warm_up: threading.Thread | None = None
-        if self._lowbit_tiers and (config.redis_url is not None or self._disk_holds_entries()):
-            lowbit.kernels()  # its decoder's compiled loops, before any request reads an entry
         self._budgeted = self._budget_tier()
         self.admission = self._admission(config) if self._budgeted is not None else None
         self._backends = [self._throttled(b) for b in self._backends]
@@ -88,17 +81,6 @@ class KVStore:
         self._streaming = StoreStreaming(self._backends, config, lambda key, kv: self.put(key, kv, kv.salt), self.get,
                                          self.backend, engine_device_type)
         self._prefetcher = self._streaming.prefetcher
-
-    def _disk_holds_entries(self) -> bool:
-        return any(type(b) is DiskBackend and b.bytes_used() > 0 for b in self._backends)
-
-    def _warm_decoder(self) -> None:
-        """At the first low-bit write of a store that started with none (a fresh data dir), the decoder's
-        compiled loops load on a thread of their own: a question's read of the entry finds them warm,
-        and a server nothing was written to never loads numba (docs/benchmarks/memory.md)."""
-        if self._decoder_warm_up is None and not lowbit.are_kernels_loaded():
-            self._decoder_warm_up = threading.Thread(target=lowbit.kernels, name="kv-decoder-warm-up", daemon=True)
-            self._decoder_warm_up.start()
 
     def _budget_tier(self) -> DiskBackend | MemoryBackend | None:
         """The tier whose bound is the collection's KV budget: disk (persistent), else memory."""
@@ -242,8 +224,6 @@ class KVStore:
         for b in self._backends:
             if b.tier in tiers:
                 b.put(key, kv)
-        if tiers & self._lowbit_tiers:
-            self._warm_decoder()
         if self.admission is not None:
             size = self._budgeted.sizes_of([key])[0]
             if size is not None:

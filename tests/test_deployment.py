@@ -172,7 +172,7 @@ def test_the_image_runs_as_an_unprivileged_user():
     uid = users[-1].split(":")[0]
     assert re.search(rf"useradd [^\n]*--uid {uid}\b", dockerfile)
     assert "chown ragblend:ragblend /data" in dockerfile  # its data volume is its own
-    # the build's warm-up (converted model, numba cache) runs as that user, into the home it serves with
+    # the build's warm-up (the converted model) runs as that user, into the home it serves with
     assert dockerfile.index("USER ") < dockerfile.index("BlendEngine.from_settings")
 
 
