@@ -395,19 +395,24 @@ def _take_part(reader: _Reader, num_heads: int, num_slices: int, slice_len: int,
 
 def _codes_by_width(packed: np.ndarray, widths: np.ndarray, slice_len: int) -> np.ndarray:
     """A part with widths by range -> its codes u8 [H, m, slice_len], each slice back in its place
-    (`packed`: each width's slices in order, width 1 first, each width's codes padded to whole bytes)."""
-    codes = np.empty((*widths.shape, slice_len), dtype=np.uint8)  # [H, m, len]
-    start = 0
+    (`packed`: each width's slices in order, width 1 first, each width's codes padded to whole bytes).
+    Each width's codes are unpacked into the slices sorted by width, then put back in one scatter."""
+    flat = widths.reshape(-1)  # [H * m]
+    order = np.argsort(flat, kind="stable")  # slice numbers, by width, in order within a width
+    counts = np.bincount(flat, minlength=MAX_BITS + 1)
+    by_width = np.empty((flat.size, slice_len), dtype=np.uint8)  # [H * m, len], slices in `order`
+    start = row = 0
     for bits in range(MIN_BITS, MAX_BITS + 1):
-        is_width = widths == bits  # [H, m]
-        num_slices = int(np.count_nonzero(is_width))
+        num_slices = int(counts[bits])
         if num_slices == 0:
             continue
         size = _packed_len(num_slices * slice_len, bits)
-        codes[is_width] = _unpack_codes(packed[start : start + size], bits, num_slices * slice_len).reshape(
-            num_slices, slice_len)
-        start += size
-    return codes
+        by_width[row : row + num_slices] = _unpack_codes(packed[start : start + size], bits,
+                                                         num_slices * slice_len).reshape(num_slices, slice_len)
+        start, row = start + size, row + num_slices
+    codes = np.empty_like(by_width)
+    codes[order] = by_width
+    return codes.reshape(*widths.shape, slice_len)
 
 
 def _uniform_codes(packed: np.ndarray, bits: float, shape: tuple[int, int, int], is_delta: bool) -> np.ndarray:
