@@ -117,14 +117,14 @@ def measure(retriever, asked: Sequence[str], modes: Sequence[RetrievalMode], top
     for number in range(num_queries + 20):
         question = asked[number % len(asked)]
         is_warm = number >= 20
-        vector = retriever.embedder.encode([question])[0]
+        vector = retriever.embedder.encode_one(question)
         for mode in modes[number % len(modes):] + modes[: number % len(modes)]:
             took = timed(lambda: retriever.search(question, top_k, ALL, mode, num_candidates))
             given = timed(lambda: retriever.search(question, top_k, ALL, mode, num_candidates, vector=vector))
             if is_warm:
                 samples[mode.value].append(took)
                 after_embedding[mode.value].append(given)
-        embed = timed(lambda: retriever.embedder.encode([question]))
+        embed = timed(lambda: retriever.embedder.encode_one(question))
         dense = timed(lambda: retriever.index.search(vector, max(top_k, num_candidates), ALL))
         lexical = timed(lambda: retriever.store.lexical_search(question, max(top_k, num_candidates), ALL))
         if is_warm:

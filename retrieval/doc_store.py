@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from retrieval.lexical import fts5_query, query_terms
+from retrieval.lexical import COMMON_TERM_SHARE, fts5_query, query_terms
 from retrieval.store_types import (
     DEFAULT_COLLECTION, Changes, CollectionCounts, CollectionExistsError, CollectionNotFoundError, CollectionRow,
     DocumentStore, DocumentSummaryRow, EmbeddingBatch, ExportedDocument, KeyRow, NewChunk, PutResult, StoredChunk,
@@ -28,6 +28,9 @@ __all__ = ["Changes", "DocumentStore", "DocumentSummaryRow", "ExportedDocument",
            "SqliteDocumentStore", "StoredChunk", "StoredDocument"]
 
 logger = logging.getLogger(__name__)
+
+# The full-text index's tokenizer (schema migration 3), and the one a question's words are read with
+FTS_TOKENIZER = "porter unicode61 remove_diacritics 2"
 
 
 def _migrate_1(conn: sqlite3.Connection) -> None:
@@ -156,11 +159,19 @@ def add_lexical_index(conn: sqlite3.Connection) -> int:
     backfilled in place, and a row whose chunk is gone is dropped. Idempotent; returns the rows added.
     Schema migration 3; from then on every write (put_document, delete_document) writes it in the same
     transaction as the chunks."""
-    conn.execute("CREATE VIRTUAL TABLE IF NOT EXISTS chunks_fts USING fts5(text, "
-                 "tokenize = 'porter unicode61 remove_diacritics 2')")
+    conn.execute(f"CREATE VIRTUAL TABLE IF NOT EXISTS chunks_fts USING fts5(text, tokenize = '{FTS_TOKENIZER}')")
     conn.execute("DELETE FROM chunks_fts WHERE rowid NOT IN (SELECT row_id FROM chunks)")
     return conn.execute("INSERT INTO chunks_fts (rowid, text) SELECT row_id, text FROM chunks"
                         " WHERE row_id NOT IN (SELECT rowid FROM chunks_fts)").rowcount
+
+
+def _create_question_tables(conn: sqlite3.Connection) -> None:
+    """This connection's temporary tables for `_rare_terms`: the index's vocabulary (term, chunks
+    holding it), and a scratch FTS5 table with the index's tokenizer whose vocabulary gives a
+    question's words as the index stores them. Temporary: no schema change, nothing on disk."""
+    conn.execute("CREATE VIRTUAL TABLE temp.chunks_fts_vocab USING fts5vocab(main, chunks_fts, 'row')")
+    conn.execute(f"CREATE VIRTUAL TABLE temp.question_words USING fts5(text, tokenize = '{FTS_TOKENIZER}')")
+    conn.execute("CREATE VIRTUAL TABLE temp.question_words_vocab USING fts5vocab(temp, question_words, 'instance')")
 
 
 class SqliteDocumentStore(DocumentStore):
@@ -181,6 +192,7 @@ class SqliteDocumentStore(DocumentStore):
             self._conn.close()
             raise
         self._conn.execute("PRAGMA foreign_keys = ON")
+        _create_question_tables(self._conn)
         self._lock = threading.Lock()
 
     def _migrate(self) -> None:
@@ -261,11 +273,28 @@ class SqliteDocumentStore(DocumentStore):
             return []
         marks = ",".join("?" * len(collections))
         with self._lock:
+            terms = self._rare_terms(terms)
             rows = self._conn.execute(
                 "SELECT f.rowid, f.rank FROM chunks_fts f JOIN chunks c ON c.row_id = f.rowid"
                 f" WHERE chunks_fts MATCH ? AND c.collection IN ({marks}) ORDER BY f.rank LIMIT ?",
                 (fts5_query(terms), *collections, limit)).fetchall()
         return [(int(r[0]), -float(r[1])) for r in rows]  # FTS5's rank (its bm25) is negated
+
+    def _rare_terms(self, terms: list[str]) -> list[str]:
+        """The `terms` found in at most COMMON_TERM_SHARE of the chunks (all of them if there are none),
+        as Postgres's search leaves the others out. A word's share is its index terms' (FTS5 stems
+        "one" to "on", which is in most chunks): the word is tokenized by the index's own tokenizer, in a
+        temporary FTS5 table, and its terms' document counts read from the index's vocabulary. A word
+        is kept if any of its terms is rare ("dir_mode" is two)."""
+        self._conn.execute("DELETE FROM temp.question_words")
+        self._conn.executemany("INSERT INTO temp.question_words (rowid, text) VALUES (?, ?)", enumerate(terms))
+        stems = self._conn.execute("SELECT doc, term FROM temp.question_words_vocab").fetchall()
+        marks = ",".join("?" * len(stems))
+        counts = dict(self._conn.execute(f"SELECT term, doc FROM temp.chunks_fts_vocab WHERE term IN ({marks})",
+                                         [term for _, term in stems]).fetchall())
+        most = COMMON_TERM_SHARE * self._conn.execute("SELECT COUNT(*) FROM chunks").fetchone()[0]
+        rare = sorted({int(word) for word, term in stems if 0 < counts.get(term, 0) <= most})
+        return [terms[i] for i in rare] or terms  # a word in no chunk neither matches nor is a reason to drop
 
     def get_document(self, doc_id: str, collection: str = DEFAULT_COLLECTION) -> StoredDocument | None:
         with self._lock:

@@ -47,3 +47,14 @@ class Embedder:
                 show_progress_bar=False,
             )
         return np.ascontiguousarray(vectors, dtype=np.float32)
+
+    def encode_one(self, text: str) -> np.ndarray:
+        """[dim] float32 unit vector of one text, the same bits as `encode([text])[0]`: its modules
+        called directly, without `encode`'s batching around them (a question's embedding is most of a
+        search: ~1 ms less of ~6, docs/benchmarks/retrieval.md)."""
+        import torch
+
+        with self._lock, torch.inference_mode():
+            features = self._model.preprocess([text])
+            vector = torch.nn.functional.normalize(self._model.forward(features)["sentence_embedding"], p=2, dim=1)
+        return np.ascontiguousarray(vector[0].numpy(), dtype=np.float32)

@@ -18,7 +18,13 @@ can could did do does doing down during each few for from further had has have h
 how i if in into is it its itself just me more most my no nor not of off on once only or other our ours out over
 own same she should so some such than that the their theirs them then there these they this those through to too
 under until up very was we were what when where which while who whom why will with would you your yours
-""".split())
+s t
+""".split())  # "s" and "t": what is left of "'s" and "n't" (as in Postgres's list); "s" is in most chunks
+
+
+# A question word in more chunks than this share is matched only if nothing else is left: it weighs
+# little in any ranking and would match thousands of chunks (both stores; docs/design/retrieval.md#lexical)
+COMMON_TERM_SHARE = 0.05
 
 
 def query_terms(question: str, max_terms: int = 32) -> list[str]:

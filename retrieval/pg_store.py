@@ -24,6 +24,7 @@ import numpy as np
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from retrieval.lexical import COMMON_TERM_SHARE
 from retrieval.store_types import (
     DEFAULT_COLLECTION, Changes, CollectionCounts, CollectionExistsError, CollectionNotFoundError, CollectionRow,
     DocumentStore, DocumentSummaryRow, EmbeddingBatch, ExportedDocument, KeyRow, NewChunk, PutResult, StoredChunk,
@@ -119,7 +120,6 @@ _MIGRATIONS: dict[int, str] = {
 }
 SCHEMA_VERSION = max(_MIGRATIONS)
 
-COMMON_TERM_SHARE = 0.05  # a question word in more chunks than this share is matched only if nothing else is left
 _LEXICAL_SEARCH = """
 WITH stats AS (
     SELECT most_common_elems::text::text[] AS elems, most_common_elem_freqs AS freqs

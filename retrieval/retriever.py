@@ -133,7 +133,7 @@ class Retriever:
         similarity to it. Hybrid fuses the dense and the lexical rankings, each `num_candidates` deep (at
         least top_k), by reciprocal rank with constant `rrf_k`. `vector`: the question's embedding, if
         already made."""
-        vector = self.embedder.encode([question])[0] if vector is None else vector
+        vector = self.embedder.encode_one(question) if vector is None else vector
         depth = max(top_k, num_candidates) if mode is RetrievalMode.HYBRID else top_k
         dense: list[tuple[int, float]] = []
         lexical: list[tuple[int, float]] = []
