@@ -54,7 +54,8 @@ class Embedder:
         search: ~1 ms less of ~6, docs/benchmarks/retrieval.md)."""
         import torch
 
+        prepare = getattr(self._model, "preprocess", None) or self._model.tokenize  # older releases: tokenize only
         with self._lock, torch.inference_mode():
-            features = self._model.preprocess([text])
+            features = prepare([text])
             vector = torch.nn.functional.normalize(self._model.forward(features)["sentence_embedding"], p=2, dim=1)
         return np.ascontiguousarray(vector[0].numpy(), dtype=np.float32)
