@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from retrieval.lexical import COMMON_TERM_SHARE, fts5_query, query_terms
+from retrieval.lexical import COMMON_TERM_SHARE, MOST_TERM_SHARE, fts5_query, query_terms
 from retrieval.store_types import (
     DEFAULT_COLLECTION, Changes, CollectionCounts, CollectionExistsError, CollectionNotFoundError, CollectionRow,
     DocumentStore, DocumentSummaryRow, EmbeddingBatch, ExportedDocument, KeyRow, NewChunk, PutResult, StoredChunk,
@@ -282,8 +282,8 @@ class SqliteDocumentStore(DocumentStore):
         return [(int(r[0]), -float(r[1])) for r in rows]  # FTS5's rank (its bm25) is negated
 
     def _rare_terms(self, terms: list[str]) -> list[str]:
-        """The `terms` found in at most COMMON_TERM_SHARE of the chunks (all of them if there are none),
-        as Postgres's search leaves the others out. A word's share is its index terms' (FTS5 stems
+        """The `terms` found in at most COMMON_TERM_SHARE of the chunks; if none, those in at most
+        MOST_TERM_SHARE; if none, all of them: as Postgres's search leaves the others out. A word's share is its index terms' (FTS5 stems
         "one" to "on", which is in most chunks): the word is tokenized by the index's own tokenizer, in a
         temporary FTS5 table, and its terms' document counts read from the index's vocabulary. A word
         is kept if any of its terms is rare ("dir_mode" is two)."""
@@ -295,9 +295,11 @@ class SqliteDocumentStore(DocumentStore):
                                          [term for _, term in stems]).fetchall())
         if self._total_chunks is None:  # a count is a scan (~1 ms at 100 000 chunks): once per write
             self._total_chunks = int(self._conn.execute("SELECT COUNT(*) FROM chunks").fetchone()[0])
-        most = COMMON_TERM_SHARE * self._total_chunks
-        rare = sorted({int(word) for word, term in stems if 0 < counts.get(term, 0) <= most})
-        return [terms[i] for i in rare] or terms  # a word in no chunk neither matches nor is a reason to drop
+        for share in (COMMON_TERM_SHARE, MOST_TERM_SHARE):
+            kept = sorted({int(word) for word, term in stems if 0 < counts.get(term, 0) <= share * self._total_chunks})
+            if kept:
+                return [terms[i] for i in kept]
+        return terms  # a word in no chunk neither matches nor is a reason to drop one that is
 
     def get_document(self, doc_id: str, collection: str = DEFAULT_COLLECTION) -> StoredDocument | None:
         with self._lock:

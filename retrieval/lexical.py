@@ -25,6 +25,9 @@ s t
 # A question word in more chunks than this share is matched only if nothing else is left: it weighs
 # little in any ranking and would match thousands of chunks (both stores; docs/design/retrieval.md#lexical)
 COMMON_TERM_SHARE = 0.05
+# When every word is common, those in over this share are still left out unless nothing else is left:
+# in most chunks, a word ranks nothing (BM25's idf under ln 2) and costs a match in each
+MOST_TERM_SHARE = 0.5
 
 
 def query_terms(question: str, max_terms: int = 32) -> list[str]:

@@ -24,7 +24,7 @@ import numpy as np
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from retrieval.lexical import COMMON_TERM_SHARE
+from retrieval.lexical import COMMON_TERM_SHARE, MOST_TERM_SHARE
 from retrieval.store_types import (
     DEFAULT_COLLECTION, Changes, CollectionCounts, CollectionExistsError, CollectionNotFoundError, CollectionRow,
     DocumentStore, DocumentSummaryRow, EmbeddingBatch, ExportedDocument, KeyRow, NewChunk, PutResult, StoredChunk,
@@ -125,11 +125,14 @@ WITH stats AS (
     SELECT most_common_elems::text::text[] AS elems, most_common_elem_freqs AS freqs
     FROM pg_stats WHERE schemaname = current_schema() AND tablename = 'chunks' AND attname = 'text_tsv'),
 common AS (
-    SELECT e.elem FROM stats, unnest(stats.elems, stats.freqs[1:array_length(stats.elems, 1)]) AS e(elem, freq)
+    SELECT e.elem, e.freq FROM stats, unnest(stats.elems, stats.freqs[1:array_length(stats.elems, 1)]) AS e(elem, freq)
     WHERE e.freq > %(common)s),
 asked AS (SELECT DISTINCT unnest(tsvector_to_array(to_tsvector('english', %(question)s))) AS term),
 rare AS (SELECT term FROM asked WHERE term NOT IN (SELECT elem FROM common)),
-terms AS (SELECT term FROM rare UNION ALL SELECT term FROM asked WHERE NOT EXISTS (SELECT 1 FROM rare)),
+usual AS (SELECT term FROM asked WHERE term NOT IN (SELECT elem FROM common WHERE freq > %(most)s)),
+terms AS (SELECT term FROM rare
+          UNION ALL SELECT term FROM usual WHERE NOT EXISTS (SELECT 1 FROM rare)
+          UNION ALL SELECT term FROM asked WHERE NOT EXISTS (SELECT 1 FROM rare) AND NOT EXISTS (SELECT 1 FROM usual)),
 hits AS MATERIALIZED (
     SELECT t.term, c.row_id FROM terms t JOIN chunks c ON c.text_tsv @@ quote_literal(t.term)::tsquery
     WHERE c.collection = ANY(%(collections)s)),
@@ -320,11 +323,13 @@ class PostgresDocumentStore(DocumentStore):
         word by its count in the chunk, not by its rarity, and cost a pass over every matching chunk's
         tsvector: so each chunk scores the sum of its matched words' inverse document frequencies (BM25's
         idf, from the matches themselves), and words in over COMMON_TERM_SHARE of the chunks (by the
-        column's statistics) are left out of the match unless nothing else is left (they weigh little and
-        would match thousands of chunks: docs/design/retrieval.md#lexical)."""
+        column's statistics) are left out of the match unless nothing else is left, then those in over
+        MOST_TERM_SHARE (they weigh little and would match thousands of chunks:
+        docs/design/retrieval.md#lexical)."""
         with self._connection() as conn:
             rows = conn.execute(_LEXICAL_SEARCH, {"question": question, "common": COMMON_TERM_SHARE,
-                                                  "limit": limit, "collections": list(collections)}).fetchall()
+                                                  "most": MOST_TERM_SHARE, "limit": limit,
+                                                  "collections": list(collections)}).fetchall()
         return [(int(r[0]), float(r[1])) for r in rows]
 
     def set_kv_key(self, chunk_id: str, kv_key: str | None) -> None:

@@ -128,16 +128,36 @@ def test_a_word_in_most_chunks_is_matched_only_when_nothing_else_is_left(tmp_pat
     docs/benchmarks/retrieval.md), read as the index stores it: "one" is the index's "on", in every chunk
     here. Alone, or beside only words no chunk holds, it is matched."""
     store = SqliteDocumentStore(tmp_path / "documents.sqlite3")
-    texts = [f"Chapter {i} goes on about the weather." for i in range(40)] + ["The lighthouse keeper is called Ansel."]
+    texts = ([f"Chapter {i} goes on about the {'rain' if i < 10 else 'weather'}." for i in range(40)]
+             + ["The lighthouse keeper is called Ansel."])
     vectors = np.zeros((len(texts), 4), np.float32)
     store.put_document("book", None, {}, 0, [NewChunk(t, (i + 1,), v) for i, (t, v) in enumerate(zip(texts, vectors))])
     assert len(store.lexical_search("Which one keeps the lighthouse?", 50, ALL)) == 1  # the rare word's chunk
     assert len(store.lexical_search("Which one?", 50, ALL)) == 40  # nothing else: every chunk holding "on"
+    # every word common: those in at most half of the chunks ("rain", in 10 of 41), not "on" (40 of 41)
+    assert len(store.lexical_search("Which one is about rain?", 50, ALL)) == 10
     assert len(store.lexical_search("Which one is zanthorpe?", 50, ALL)) == 40  # a word no chunk holds changes nothing
     assert store.lexical_search("Is it zanthorpe?", 50, ALL) == []
     more = [f"Page {i} is blank." for i in range(800)]  # "on" now in 40 of 841 chunks: under 5%, matched
     store.put_document("blank", None, {}, 0, [NewChunk(t, (i + 1,), np.zeros(4, np.float32)) for i, t in enumerate(more)])
     assert len(store.lexical_search("Which one keeps the lighthouse?", 50, ALL)) == 41
+    store.close()
+
+
+def test_postgres_matches_a_common_word_only_when_nothing_rarer_is_left(postgres):
+    """Postgres's side of the same rule, by the column's statistics (ANALYZE): "lighthouse" (1 of 41
+    chunks) alone; with no rare word, "rain" (10 of 41) but not "chapter" (40 of 41); alone, "chapter"."""
+    url = postgres.new_database()
+    store = PostgresDocumentStore(url)
+    texts = ([f"Chapter {i} is about the {'rain' if i < 10 else 'weather'}." for i in range(40)]
+             + ["The lighthouse keeper is called Ansel."])
+    vectors = np.zeros((len(texts), 4), np.float32)
+    store.put_document("book", None, {}, 0, [NewChunk(t, (i + 1,), v) for i, (t, v) in enumerate(zip(texts, vectors))])
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("ANALYZE chunks")
+    assert len(store.lexical_search("Which chapter has the lighthouse?", 50, ALL)) == 1
+    assert len(store.lexical_search("Which chapter is about rain?", 50, ALL)) == 10
+    assert len(store.lexical_search("Which chapter?", 50, ALL)) == 40
     store.close()
 
 
