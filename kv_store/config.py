@@ -84,7 +84,8 @@ class StoreConfig:
         description="The collection's KV budget: when its KV exceeds the disk tier's bound (the memory tier's "
         "without disk), ingestion precomputes only into free room, and a chunk a question finds without KV is "
         "cached once it is used more (frequency, decayed by recency) than the entries it would evict; the memory "
-        "tier gets a copy while it has room (evicting nothing), beyond that it fills on use. false: every entry is written and the tiers evict by LRU.")] = True
+        "tier gets a copy while it has room (evicting nothing), beyond that it fills on use. false: every entry "
+        "is written and the tiers evict by LRU.")] = True
     use_half_life: Annotated[int, Field(
         ge=1, description="Chunk uses (retrievals, store-wide) after which a chunk's use count halves: how fast "
         "the budget forgets old popularity.")] = 10_000

@@ -98,8 +98,17 @@ class MemoryBackend(Backend):
         in one block, pinned where CUDA is."""
         return _stacked(kv, self._dtype, self.is_pinned)
 
+    def stored_bytes(self, num_key_elements: int) -> int:
+        """What an entry with this many key elements (and as many values) takes here."""
+        return 2 * num_key_elements * self._dtype.itemsize
+
+    def has_room_for(self, num_key_elements: int) -> bool:
+        """Whether such an entry fits now without evicting anything."""
+        with self._lock:
+            return self._num_bytes + self.stored_bytes(num_key_elements) <= self.max_bytes
+
     def put(self, key: str, kv: ChunkKV) -> None:
-        if 2 * kv.keys.numel() * self._dtype.itemsize > self.max_bytes:  # keys + values, stored
+        if self.stored_bytes(kv.keys.numel()) > self.max_bytes:
             return  # would evict everything and still not fit: not even copied
         kv = self._place(kv)
         with self._lock:

@@ -178,9 +178,8 @@ class KVStore:
         if memory is None:
             return False
         shape = self.shape
-        num_bytes = 2 * shape.num_layers * shape.num_kv_heads * num_tokens * shape.head_dim \
-            * TORCH_DTYPES[self.config.dtype].itemsize  # keys + values as the memory tier holds them
-        if memory.bytes_used() + num_bytes > memory.max_bytes or memory.contains(key):
+        if not memory.has_room_for(shape.num_layers * shape.num_kv_heads * num_tokens * shape.head_dim) \
+                or memory.contains(key):
             return False
         below = next((b for b in self._backends if b.tier is Tier.DISK), None)  # Redis: not a round trip more
         reader = below.open_reader(key, is_lookup=False) if below is not None else None  # not a question's hit

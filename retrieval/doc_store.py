@@ -296,7 +296,8 @@ class SqliteDocumentStore(DocumentStore):
         if self._total_chunks is None:  # a count is a scan (~1 ms at 100 000 chunks): once per write
             self._total_chunks = int(self._conn.execute("SELECT COUNT(*) FROM chunks").fetchone()[0])
         for share in (COMMON_TERM_SHARE, MOST_TERM_SHARE):
-            kept = sorted({int(word) for word, term in stems if 0 < counts.get(term, 0) <= share * self._total_chunks})
+            most = share * self._total_chunks
+            kept = sorted({int(word) for word, term in stems if 0 < counts.get(term, 0) <= most})
             if kept:
                 return [terms[i] for i in kept]
         return terms  # a word in no chunk neither matches nor is a reason to drop one that is
