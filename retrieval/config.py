@@ -23,6 +23,10 @@ class RetrievalConfig:
     chunk_overlap: Annotated[int, Field(ge=0, le=1024, description="Tokens shared by consecutive chunks.")] = 32
     index: Annotated[IndexKind, Field(description="flat (exact) or hnsw (approximate).")] = IndexKind.FLAT
     hnsw_m: Annotated[int, Field(ge=4, le=128, description="HNSW graph degree.")] = 32
+    search_threads: Annotated[int, Field(
+        ge=1, le=1024, description="FAISS's threads in one question's vector search (1: on 2 cores more woke "
+        "beside torch's and cost ~10 ms at p99; docs/benchmarks/retrieval.md). More pays off only for a flat "
+        "index far over 100 000 chunks on many cores.")] = 1
     top_k: Annotated[int, Field(ge=1, le=100, description="Default number of retrieved chunks.")] = 3
     mode: Annotated[RetrievalMode, Field(
         description="How chunks are ranked: dense (the embedder's cosine similarity) | lexical (the store's "

@@ -134,8 +134,10 @@ class CollectionIndexes:
     ~8x the collection's own at the median; at 1 x 100 000 the two are alike). Chunk row ids are unique
     across collections, so a row id names one index's vector."""
 
-    def __init__(self, directory: Path | None, dim: int, kind: IndexKind = IndexKind.FLAT, hnsw_m: int = 32):
+    def __init__(self, directory: Path | None, dim: int, kind: IndexKind = IndexKind.FLAT, hnsw_m: int = 32,
+                 search_threads: int = 1):
         self.directory, self.dim, self.kind, self.hnsw_m = directory, dim, kind, hnsw_m
+        self.search_threads = search_threads
         self._lock = threading.Lock()  # guards the two maps; each VectorIndex has its own lock
         self._shards: dict[str, VectorIndex] = {}
         self._owner: dict[int, str] = {}  # row id -> collection
@@ -237,7 +239,16 @@ class CollectionIndexes:
         `top_k`, merged by score: exact for flat indexes)."""
         with self._lock:
             shards = [self._shards[c] for c in dict.fromkeys(collections) if c in self._shards]
-        hits = [hit for shard in shards for hit in shard.search(query, top_k)]
+        # FAISS's OpenMP (its own libgomp, not torch's) on `search_threads` threads for this search: its
+        # threads otherwise wake beside torch's, still spinning after the question's embedding, and a
+        # 1-vector search of 10 000 waited ~10 ms at p99 on 2 cores (0.8 ms on one: docs/benchmarks/
+        # retrieval.md). The setting is the calling thread's own; it is put back after.
+        threads = faiss.omp_get_max_threads()
+        faiss.omp_set_num_threads(self.search_threads)
+        try:
+            hits = [hit for shard in shards for hit in shard.search(query, top_k)]
+        finally:
+            faiss.omp_set_num_threads(threads)
         return sorted(hits, key=lambda h: -h.score)[:top_k]
 
     def save(self) -> None:
@@ -261,11 +272,11 @@ class CollectionIndexes:
 
     @classmethod
     def load_or_create(cls, directory: Path, dim: int, kind: IndexKind, hnsw_m: int = 32,
-                       legacy_path: Path | None = None) -> CollectionIndexes:
+                       legacy_path: Path | None = None, search_threads: int = 1) -> CollectionIndexes:
         """The saved shards under `directory` (an unreadable one starts empty: the caller reconciles it
         with the store). `legacy_path`: the single index of a data directory made before collections,
         which held only the default collection's chunks: loaded as its shard, saved there, then removed."""
-        indexes = cls(directory, dim, kind, hnsw_m)
+        indexes = cls(directory, dim, kind, hnsw_m, search_threads)
         files = sorted(directory.glob("*.faiss")) if directory.is_dir() else []
         for path in files:
             indexes._adopt(path.stem, VectorIndex.load_or_create(path, dim, kind, hnsw_m))

@@ -86,7 +86,8 @@ class Retriever:
         store = store if store is not None else SqliteDocumentStore(data_dir / "documents.sqlite3")
         try:
             index = CollectionIndexes.load_or_create(data_dir / "index", embedder.dim, settings.index, settings.hnsw_m,
-                                                     legacy_path=data_dir / "index.faiss")
+                                                     legacy_path=data_dir / "index.faiss",
+                                                     search_threads=settings.search_threads)
             retriever = cls(embedder, index, store)
             retriever.seq = store.change_seq()  # before reading the id sets: a later commit is caught up
             retriever.reconcile()

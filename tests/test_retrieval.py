@@ -4,7 +4,9 @@ against both), FAISS index, and the retriever with real MiniLM."""
 from __future__ import annotations
 
 import re
+import threading
 
+import faiss
 import numpy as np
 import pytest
 
@@ -12,7 +14,7 @@ from configs.enums import ChunkingMode, IndexKind
 from retrieval.config import RetrievalConfig
 from retrieval.chunker import Chunker
 from retrieval.doc_store import NewChunk
-from retrieval.index import VectorIndex
+from retrieval.index import CollectionIndexes, VectorIndex
 from retrieval.retriever import Retriever
 
 
@@ -143,6 +145,34 @@ def test_index_search_remove_and_persist(tmp_path, kind):
     assert loaded.num_vectors == 49 and loaded.loaded_kind is kind
     with pytest.raises(ValueError, match="dim"):
         VectorIndex.load_or_create(tmp_path / "index.faiss", 16, kind)
+
+
+@pytest.mark.parametrize("search_threads", [1, 2])
+def test_a_search_runs_faiss_on_search_threads_and_puts_the_callers_setting_back(search_threads):
+    """FAISS's OpenMP setting is per thread: a search sets the configured count in the caller's thread and
+    restores the caller's own after, so an ingest in that thread keeps it."""
+    seen: list[int] = []
+
+    class Recording(VectorIndex):  # a real index that notes the thread count its search ran under
+        def search(self, query: np.ndarray, top_k: int):
+            seen.append(faiss.omp_get_max_threads())
+            return super().search(query, top_k)
+
+    indexes = CollectionIndexes(None, 8, search_threads=search_threads)
+    shard = Recording(8)
+    shard.add(np.arange(3), np.eye(3, 8, dtype=np.float32))
+    indexes._adopt("default", shard)
+    after: list[int] = []
+
+    def ask() -> None:  # in a thread of its own: the test's thread keeps its setting whatever happens
+        faiss.omp_set_num_threads(3)
+        assert [h.row_id for h in indexes.search(np.eye(1, 8, dtype=np.float32)[0], 1, ["default"])] == [0]
+        after.append(faiss.omp_get_max_threads())
+
+    worker = threading.Thread(target=ask)
+    worker.start()
+    worker.join()
+    assert seen == [search_threads] and after == [3]
 
 
 @pytest.fixture(scope="module")
