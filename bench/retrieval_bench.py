@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "search costs the same)")
     parser.add_argument("--musique-data", type=Path, default=Path("../shared/data/musique_dev.json"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--search-threads", default=None,
+                        help="FAISS threads of a search (retrieval.search_threads); several, comma-separated "
+                             "(e.g. 1,2): each mode is timed under each in turn, reported as MODE@N")
     parser.add_argument("--out", type=Path)
 
 
@@ -109,21 +112,27 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 def measure(retriever, asked: Sequence[str], modes: Sequence[RetrievalMode], top_k: int, num_candidates: int,
-            num_queries: int) -> dict[str, Any]:
-    """Per mode: the whole search (as the server runs it), and its parts, the modes taking turns per question."""
-    samples: dict[str, list[float]] = {m.value: [] for m in modes}
-    after_embedding: dict[str, list[float]] = {m.value: [] for m in modes}
+            num_queries: int, search_threads: Sequence[int] = ()) -> dict[str, Any]:
+    """Per mode: the whole search (as the server runs it), and its parts, the modes taking turns per question;
+    with several `search_threads`, each mode under each FAISS thread count in turn (keys MODE@N)."""
+    runs = [(m, n) for m in modes for n in (search_threads if len(search_threads) > 1 else [None])]
+    names = {run: run[0].value if run[1] is None else f"{run[0].value}@{run[1]}" for run in runs}
+    samples: dict[str, list[float]] = {name: [] for name in names.values()}
+    after_embedding: dict[str, list[float]] = {name: [] for name in names.values()}
     parts: dict[str, list[float]] = {"embed": [], "dense_index": [], "lexical_store": []}
+    threads_set = retriever.index.search_threads
     for number in range(num_queries + 20):
         question = asked[number % len(asked)]
         is_warm = number >= 20
         vector = retriever.embedder.encode_one(question)
-        for mode in modes[number % len(modes):] + modes[: number % len(modes)]:
+        for mode, threads in runs[number % len(runs):] + runs[: number % len(runs)]:
+            retriever.index.search_threads = threads_set if threads is None else threads
             took = timed(lambda: retriever.search(question, top_k, ALL, mode, num_candidates))
             given = timed(lambda: retriever.search(question, top_k, ALL, mode, num_candidates, vector=vector))
             if is_warm:
-                samples[mode.value].append(took)
-                after_embedding[mode.value].append(given)
+                samples[names[mode, threads]].append(took)
+                after_embedding[names[mode, threads]].append(given)
+        retriever.index.search_threads = threads_set
         embed = timed(lambda: retriever.embedder.encode_one(question))
         dense = timed(lambda: retriever.index.search(vector, max(top_k, num_candidates), ALL))
         lexical = timed(lambda: retriever.store.lexical_search(question, max(top_k, num_candidates), ALL))
@@ -147,13 +156,15 @@ def run_store(kind: str, database_url: str | None, texts: Sequence[str], asked: 
 
             empty_database(database_url)
             store = PostgresDocumentStore(database_url)
-        retriever = Retriever.open(Path(tmp), RetrievalConfig(), store)
+        threads = _threads(args.search_threads)
+        config = RetrievalConfig() if not threads else RetrievalConfig(search_threads=threads[0])
+        retriever = Retriever.open(Path(tmp), config, store)
         try:
             fill_s = fill(retriever, texts, args.random_vectors, random.Random(args.seed))
             if kind == "postgres":
                 settle(database_url)
             modes = [RetrievalMode(m.strip()) for m in args.modes.split(",")]
-            result = measure(retriever, asked, modes, args.top_k, args.num_candidates, args.queries)
+            result = measure(retriever, asked, modes, args.top_k, args.num_candidates, args.queries, threads)
             return {"store": kind, "num_chunks": retriever.store.num_chunks(), "fill_s": fill_s, **result}
         finally:
             retriever.close()
@@ -183,9 +194,14 @@ def run(args: argparse.Namespace) -> int:
         rows.append(run_store("postgres", args.database_url, texts, asked, args))
     print_table(rows)
     emit_summary({"bench": "retrieval", "chunks": args.chunks, "queries": args.queries, "top_k": args.top_k,
+                  "search_threads": _threads(args.search_threads) or None,
                   "num_candidates": args.num_candidates, "random_vectors": args.random_vectors, "seed": args.seed,
                   "num_questions": len(asked), "results": rows}, args.out, indent=2)
     return ExitCode.OK
+
+
+def _threads(text: str | None) -> list[int]:
+    return [] if not text else [int(x) for x in text.split(",") if x.strip()]
 
 
 def settle(url: str) -> None:
