@@ -34,6 +34,23 @@ def test_schema_is_created_once_versioned_and_a_newer_one_refused(postgres):
         PostgresDocumentStore(url)
 
 
+def test_a_read_is_one_round_trip_and_a_write_of_several_statements_is_still_one_transaction(postgres):
+    """The pool's connections are in autocommit: a read leaves no transaction open for the pool to commit
+    (two more round trips a call), and a document's rows, written in an explicit transaction, appear
+    together or not at all."""
+    store = PostgresDocumentStore(postgres.new_database())
+    try:
+        with store._connection() as conn:
+            conn.execute("SELECT 1").fetchall()
+            assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        vector = np.ones(4, dtype=np.float32) / 2
+        with pytest.raises(psycopg.errors.NotNullViolation):  # the second chunk's row fails: nothing stays
+            store.put_document("doc", None, {}, 10, [NewChunk("first", (1,), vector), NewChunk(None, (2,), vector)])
+        assert store.num_documents() == 0 and store.num_chunks() == 0
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("kind", list(IndexKind))
 def test_a_replica_index_follows_the_other_replicas_commits(postgres, tmp_path, kind):
     """Two retrievers (two replicas' indexes) on one database: each catches up with the other's
