@@ -34,9 +34,9 @@ def test_schema_is_created_once_versioned_and_a_newer_one_refused(postgres):
         PostgresDocumentStore(url)
 
 
-def test_a_read_is_one_round_trip_and_a_write_of_several_statements_is_still_one_transaction(postgres):
+def test_a_read_opens_no_transaction_and_a_write_of_several_statements_is_still_one_transaction(postgres):
     """The pool's connections are in autocommit: a read leaves no transaction open for the pool to commit
-    (two more round trips a call), and a document's rows, written in an explicit transaction, appear
+    (BEGIN and COMMIT: two more round trips a call), and a document's rows, written in an explicit transaction, appear
     together or not at all."""
     store = PostgresDocumentStore(postgres.new_database())
     try:
