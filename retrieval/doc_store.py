@@ -283,8 +283,8 @@ class SqliteDocumentStore(DocumentStore):
 
     def _rare_terms(self, terms: list[str]) -> list[str]:
         """The `terms` found in at most COMMON_TERM_SHARE of the chunks; if none, those in at most
-        MOST_TERM_SHARE; if none, all of them: as Postgres's search leaves the others out. A word's share is its index terms' (FTS5 stems
-        "one" to "on", which is in most chunks): the word is tokenized by the index's own tokenizer, in a
+        MOST_TERM_SHARE; if none, all of them: as Postgres's search leaves the others out. A word's share
+        is its index terms' (FTS5 stems "one" to "on", which is in most chunks): the word is tokenized by the index's own tokenizer, in a
         temporary FTS5 table, and its terms' document counts read from the index's vocabulary. A word
         is kept if any of its terms is rare ("dir_mode" is two)."""
         self._conn.execute("DELETE FROM temp.question_words")

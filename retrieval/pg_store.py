@@ -156,8 +156,9 @@ class PostgresDocumentStore(DocumentStore):
     raised as StoreUnavailableError (the API answers 503): the failed call wrote nothing.
 
     Connections are in autocommit: a read is the pool's liveness check and the query, two round trips
-    instead of four (BEGIN before the query, COMMIT when the pool takes the connection back): a search's full-text query and chunk rows p50 4.2 -> 3.6 ms, p99
-    10.9 -> 7.8 ms at 10 000 chunks (docs/benchmarks/retrieval.md). Every write of more than one
+    instead of four (BEGIN before the query, COMMIT when the pool takes the connection back): a search's
+    full-text query and chunk rows p50 4.2 -> 3.6 ms, p99 10.9 -> 7.8 ms at 10 000 chunks
+    (docs/benchmarks/retrieval.md). Every write of more than one
     statement is in its own `conn.transaction()`; a one-statement write commits alone either way."""
 
     is_shared = True

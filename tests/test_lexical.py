@@ -139,7 +139,8 @@ def test_a_word_in_most_chunks_is_matched_only_when_nothing_else_is_left(tmp_pat
     assert len(store.lexical_search("Which one is zanthorpe?", 50, ALL)) == 40  # a word no chunk holds changes nothing
     assert store.lexical_search("Is it zanthorpe?", 50, ALL) == []
     more = [f"Page {i} is blank." for i in range(800)]  # "on" now in 40 of 841 chunks: under 5%, matched
-    store.put_document("blank", None, {}, 0, [NewChunk(t, (i + 1,), np.zeros(4, np.float32)) for i, t in enumerate(more)])
+    store.put_document("blank", None, {}, 0,
+                       [NewChunk(t, (i + 1,), np.zeros(4, np.float32)) for i, t in enumerate(more)])
     assert len(store.lexical_search("Which one keeps the lighthouse?", 50, ALL)) == 41
     store.close()
 
