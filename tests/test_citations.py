@@ -18,6 +18,7 @@ from app.commands.ask import iter_events
 from app.query.serving import citations_out
 from app.rag.citations import citations
 from app.chat.serving import ChatCall, ChatService
+from app.completions.serving import CompletionService
 from app.query.serving import QueryService
 from app.rag.types import RagContext, Source
 from blend_engine.types import FinishReason, PrefillMode
@@ -123,8 +124,8 @@ def without_nulls(items: list[dict]) -> list[dict]:
 
 
 def test_every_response_shape_carries_the_answers_citations(http):
-    """/v1/query (JSON and SSE `done`) and /v1/chat/completions (the response and the last stream chunk)
-    carry `citations`: the sources the answer itself cites (a random model's answer may cite none)."""
+    """/v1/query (JSON and SSE `done`), /v1/chat/completions and /v1/completions (the response and the
+    last stream chunk) carry `citations`: the sources the answer itself cites (a random model's answer may cite none)."""
     body = {"chunk_ids": ["harbour.pdf#0"], "max_tokens": 24, "temperature": 1.5, "seed": 1}
     query = http.post("/v1/query", json={"question": "harbour?", **body}).json()
     assert query["citations"] == expected_citations(query["answer"], query["sources"])
@@ -138,6 +139,14 @@ def test_every_response_shape_carries_the_answers_citations(http):
     with http.stream("POST", "/v1/chat/completions", json={"messages": messages, "stream": True, **body}) as streamed:
         chunks = [json.loads(line[5:]) for line in streamed.iter_lines() if line.startswith("data:") and "[DONE]" not in line]
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert chunks[-1]["citations"] == without_nulls(expected_citations(text, chunks[0]["sources"]))
+    assert all("citations" not in c for c in chunks[:-1])
+    completion = http.post("/v1/completions", json={"prompt": "harbour?", **body}).json()
+    assert completion["citations"] == expected_citations(completion["choices"][0]["text"], completion["sources"])
+    with http.stream("POST", "/v1/completions", json={"prompt": "harbour?", "stream": True, **body}) as streamed:
+        chunks = [json.loads(line[5:]) for line in streamed.iter_lines()
+                  if line.startswith("data:") and "[DONE]" not in line]
+    text = "".join(c["choices"][0]["text"] for c in chunks)
     assert chunks[-1]["citations"] == without_nulls(expected_citations(text, chunks[0]["sources"]))
     assert all("citations" not in c for c in chunks[:-1])
 
@@ -162,11 +171,13 @@ CITED = [{"number": 1, "chunk_id": "doc1#0", "document_id": "doc1", "title": "Do
 
 
 def test_each_response_shape_maps_the_whole_answers_citations():
-    """/v1/query's JSON and SSE `done`, the chat response and its last chunk: the [n] of the whole answer
-    (pieces joined: a number split across tokens counts), [7] of three sources and argv[3] left out."""
+    """/v1/query's JSON and SSE `done`, the chat and the completion responses and their last chunks: the
+    [n] of the whole answer (pieces joined: a number split across tokens counts), [7] of three sources and
+    argv[3] left out."""
     context = RagContext(SOURCES, [], 1.0)
     query = QueryService(load_settings(), None, None)  # no pipeline, no scopes: the stream is canned
     chat = ChatService(load_settings(), None, "m", None)
+    legacy = CompletionService(load_settings(), None, "m", None)
 
     async def run() -> tuple:
         answer = await query.answer(context, canned_stream(PIECES), lambda: asyncio.sleep(0, result=False))
@@ -174,12 +185,19 @@ def test_each_response_shape_maps_the_whole_answers_citations():
         call = ChatCall("id", 0, "m", None, context, canned_stream(PIECES))
         completion = await chat.complete(call, lambda: asyncio.sleep(0, result=False))
         chunks = [line async for line in chat.chunks(ChatCall("id", 0, "m", None, context, canned_stream(PIECES)))]
-        return answer, events, completion, chunks
+        text = await legacy.complete(ChatCall("id", 0, "m", None, context, canned_stream(PIECES)),
+                                     lambda: asyncio.sleep(0, result=False))
+        text_call = ChatCall("id", 0, "m", None, context, canned_stream(PIECES))
+        text_chunks = [line async for line in legacy.chunks(text_call)]
+        return answer, events, completion, chunks, text, text_chunks
 
-    answer, events, completion, chunks = asyncio.run(run())
+    answer, events, completion, chunks, text, text_chunks = asyncio.run(run())
     assert answer.answer == "".join(PIECES) and [c.model_dump() for c in answer.citations] == CITED
     done = json.loads(events[-1].split("data: ", 1)[1])
     assert events[-1].startswith("event: done") and done["citations"] == CITED
     assert [c.model_dump() for c in completion.citations] == CITED
     last = json.loads(chunks[-2].split("data: ", 1)[1])  # before [DONE]; chunks leave out null fields
     assert last["citations"] == without_nulls(CITED) and all("citations" not in c for c in chunks[:-2])
+    assert text.choices[0].text == "".join(PIECES) and [c.model_dump() for c in text.citations] == CITED
+    last = json.loads(text_chunks[-2].split("data: ", 1)[1])
+    assert last["citations"] == without_nulls(CITED) and all("citations" not in c for c in text_chunks[:-2])

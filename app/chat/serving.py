@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from app.chat.protocol import (
@@ -15,8 +15,7 @@ from app.auth.principal import Principal
 from app.collections.scope import Scopes
 from app.errors import InvalidRequestError, stream_error_body
 from app.openai_compat import requested_collections
-from app.query.protocol import TimingsOut
-from app.query.serving import build_rag_request, citations_out, plan_out, sources_out
+from app.query.serving import answer_fields, build_rag_request, sources_out
 from app.rag.collect import IsDisconnected, collect
 from app.rag.pipeline import RagPipeline
 from app.rag.types import AnswerStream, DoneEvent, RagContext, RagRequest, TokenEvent
@@ -65,12 +64,8 @@ class ChatService:
         return ChatCompletionResponse(
             id=call.id, created=call.created, model=call.model,
             choices=[Choice(message=AssistantMessage(content=answer), finish_reason=finish_reason(done))],
-            usage=chat_usage(done), sources=sources_out(call.context.sources),
-            citations=citations_out(answer, call.context.sources), timings=TimingsOut(**asdict(done.timings)),
-            mode=done.mode.value if done.mode else None, recompute_ratio=done.recompute_ratio,
-            quality_guarded=done.is_guarded,
-            plan=plan_out(done),
-            warnings=call.context.warnings,
+            usage=chat_usage(done), sources=sources_out(call.context.sources), warnings=call.context.warnings,
+            **answer_fields(answer, call.context.sources, done),
         )
 
     async def chunks(self, call: ChatCall) -> AsyncIterator[str]:
@@ -95,9 +90,7 @@ class ChatService:
                 else:
                     yield chunk(DeltaMessage(), finish=finish_reason(event),
                                 usage=None if call.include_usage else chat_usage(event),
-                                citations=citations_out("".join(pieces), call.context.sources),
-                                timings=TimingsOut(**asdict(event.timings)), recompute_ratio=event.recompute_ratio,
-                                quality_guarded=event.is_guarded, mode=event.mode.value if event.mode else None, plan=plan_out(event))
+                                **answer_fields("".join(pieces), call.context.sources, event))
                     if call.include_usage:
                         usage = ChatCompletionChunk(id=call.id, created=call.created, model=call.model, choices=[],
                                                     usage=chat_usage(event))

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.chat.protocol import ChatUsage
 from app.openai_compat import StreamOptions, check_extra_fields
-from app.query.protocol import GenerationOptions, PlanOut, SourceOut, StrictInt, TimingsOut
+from app.query.protocol import CitationOut, GenerationOptions, PlanOut, SourceOut, StrictInt, TimingsOut
 
 
 class CompletionRequest(GenerationOptions):
@@ -46,9 +46,11 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: ChatUsage | None = None
-    sources: list[SourceOut] | None = None
+    sources: list[SourceOut] | None = None  # in the response and on the first chunk
+    citations: list[CitationOut] | None = None  # the sources the answer cites as [n]: response, last chunk
     timings: TimingsOut | None = None
     mode: str | None = None
     recompute_ratio: float | None = None
+    quality_guarded: bool | None = None  # the quality guard raised the recompute ratio
     plan: PlanOut | None = None
     warnings: list[str] | None = None

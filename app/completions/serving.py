@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from app.auth.principal import Principal
@@ -13,8 +13,7 @@ from app.collections.scope import Scopes
 from app.completions.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from app.errors import InvalidRequestError, stream_error_body
 from app.openai_compat import requested_collections
-from app.query.protocol import TimingsOut
-from app.query.serving import build_rag_request, plan_out, sources_out
+from app.query.serving import answer_fields, build_rag_request, sources_out
 from app.rag.collect import IsDisconnected, collect
 from app.rag.pipeline import RagPipeline
 from app.rag.types import TokenEvent
@@ -48,15 +47,14 @@ class CompletionService:
         return CompletionResponse(
             id=call.id, created=call.created, model=call.model,
             choices=[CompletionChoice(text=answer, finish_reason=finish_reason(done))], usage=chat_usage(done),
-            sources=sources_out(call.context.sources), timings=TimingsOut(**asdict(done.timings)),
-            mode=done.mode.value if done.mode else None, recompute_ratio=done.recompute_ratio, plan=plan_out(done),
-            warnings=call.context.warnings,
+            sources=sources_out(call.context.sources), warnings=call.context.warnings,
+            **answer_fields(answer, call.context.sources, done),
         )
 
     async def chunks(self, call: ChatCall) -> AsyncIterator[str]:
         """OpenAI's completion stream: text chunks (the first carries the sources), a chunk with
-        finish_reason, then `data: [DONE]`; the usage as in chat completions (finish chunk, or a last
-        chunk with empty `choices` under stream_options.include_usage)."""
+        finish_reason, timings and the citations, then `data: [DONE]`; the usage as in chat completions
+        (finish chunk, or a last chunk with empty `choices` under stream_options.include_usage)."""
 
         def chunk(text: str, finish: str | None = None, **extra) -> str:
             body = CompletionResponse(id=call.id, created=call.created, model=call.model,
@@ -65,13 +63,14 @@ class CompletionService:
 
         try:
             yield chunk("", sources=sources_out(call.context.sources), warnings=call.context.warnings)
+            pieces: list[str] = []
             async for event in call.stream:
                 if isinstance(event, TokenEvent):
+                    pieces.append(event.text)
                     yield chunk(event.text)
                 else:
                     yield chunk("", finish_reason(event), usage=None if call.include_usage else chat_usage(event),
-                                timings=TimingsOut(**asdict(event.timings)), mode=event.mode.value if event.mode else None,
-                                recompute_ratio=event.recompute_ratio, plan=plan_out(event))
+                                **answer_fields("".join(pieces), call.context.sources, event))
                     if call.include_usage:
                         usage = CompletionResponse(id=call.id, created=call.created, model=call.model, choices=[],
                                                    usage=chat_usage(event))

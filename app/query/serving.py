@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import AsyncIterator, Sequence, TypeVar
+from typing import AsyncIterator, Sequence, TypedDict, TypeVar
 
 from app.auth.principal import Principal
 from app.collections.scope import Scopes
@@ -90,6 +90,25 @@ def _check_history(history: Sequence[dict], limits: LimitsConfig) -> None:
 
 def plan_out(done: DoneEvent) -> PlanOut | None:
     return None if done.plan is None else PlanOut(**asdict(done.plan))
+
+
+class AnswerFields(TypedDict):
+    """How an answer was made, as the OpenAI-shaped responses report it (chat and completions, in the
+    response and in the stream's chunk with finish_reason): one builder, so the two cannot drift apart."""
+
+    citations: list[CitationOut]
+    timings: TimingsOut
+    mode: str | None
+    recompute_ratio: float | None
+    quality_guarded: bool
+    plan: PlanOut | None
+
+
+def answer_fields(answer: str, sources: Sequence[Source], done: DoneEvent) -> AnswerFields:
+    """The fields of `AnswerFields` for `answer` (the whole text: its [n] are mapped to `sources`)."""
+    return AnswerFields(citations=citations_out(answer, sources), timings=TimingsOut(**asdict(done.timings)),
+                        mode=done.mode.value if done.mode else None, recompute_ratio=done.recompute_ratio,
+                        quality_guarded=done.is_guarded, plan=plan_out(done))
 
 
 def citations_out(answer: str, sources: Sequence[Source]) -> list[CitationOut]:
