@@ -18,6 +18,7 @@ from app.documents.serving import DocumentService
 from app.metrics import Metrics
 from app.query.serving import QueryService
 from app.documents.backfill import KVBackfill
+from app.documents.rebuild import rebuild_for_model
 from app.documents.write_queue import WriteQueue
 from app.documents.writes import kv_scope
 from app.rag.pipeline import RagPipeline
@@ -80,6 +81,10 @@ class Components:
             retriever = Retriever.open(settings.data_dir, settings.retrieval, _shared_store(settings))
             kv_store = KVStore(engine.fingerprint, settings.store.resolved(settings.data_dir), engine.device.type,
                                shape=engine.kv_shape)
+            chunker = Chunker(engine.tokenize, engine.tokenizer.decode, settings.retrieval.chunk_tokens,
+                              settings.retrieval.chunk_overlap)
+            # before the garbage collection: the entries of chunks stored for another model become orphans
+            rebuild_for_model(retriever.store, chunker, kv_store, engine.sink_ids(settings.blend.sink))
             _collect_kv_garbage(settings, kv_store, retriever)
             reserve = _take_reserve(settings, kv_store)
             executor = PrefillExecutor(engine, kv_store, settings.blend, settings.store.planner_profile_tokens,
@@ -95,8 +100,6 @@ class Components:
             metrics.watch_store(kv_store.stats, executor.repairer.stats)
             writes = WriteQueue(settings.scheduler.max_queue, settings.scheduler.retry_after_s)
             metrics.watch_engine(loop, writes)
-            chunker = Chunker(engine.tokenize, engine.tokenizer.decode, settings.retrieval.chunk_tokens,
-                              settings.retrieval.chunk_overlap)
             pipeline = RagPipeline(settings, engine, retriever, kv_store, loop)
             model_id = settings.server.model_id or _model_id(engine.model_name)
             follower = _start_follower(settings, retriever, kv_store)

@@ -12,6 +12,9 @@ from transformers import PreTrainedModel
 
 from blend_engine.layer import HeadShape, LayerCalls, norm_call
 
+# The families whose layers this runner computes as transformers does (tested against it: tests/engine_models.py).
+# Others of the same module layout (Gemma: a scaled embedding and (1 + w) norms, ...) would run and be wrong.
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 _REQUIRED = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
 
 
@@ -38,6 +41,10 @@ class ModelRunner:
         self.model = model
         self.decoder = model.get_decoder()
         self.layers = self.decoder.layers
+        model_type = getattr(model.config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:  # a family of the same layout can differ in what it scales
+            raise ValueError(f"unsupported architecture {type(model).__name__} (model_type {model_type!r}): "
+                             f"ragblend runs {', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
         for name in _REQUIRED:
             if not hasattr(self.layers[0], name):
                 raise ValueError(f"unsupported architecture {type(model).__name__}: decoder layer lacks {name!r}")

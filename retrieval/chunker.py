@@ -88,8 +88,12 @@ class Chunker:
             return [self._chunk(text)]
         return [self._chunk(group) for group in self._pack(self._pieces(text))]
 
+    def token_ids(self, text: str) -> tuple[int, ...]:
+        """A chunk's token ids: its text tokenized alone (what `split` gives each chunk)."""
+        return tuple(self._tokenize(text))
+
     def _chunk(self, text: str, page: int | None = None) -> TextChunk:
-        return TextChunk(text=text, token_ids=tuple(self._tokenize(text)), page=page)
+        return TextChunk(text=text, token_ids=self.token_ids(text), page=page)
 
     def _pieces(self, text: str) -> list[_Piece]:
         pieces: list[_Piece] = []

