@@ -52,6 +52,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     # blend's recompute share (the server's default 0.15; full is 1.0): where blend loses answers to full
     Setting("ratio=0.3", request={"recompute_ratio": 0.3}),
     Setting("ratio=0.5", request={"recompute_ratio": 0.5}),
+    # blend's scaled attention to reused tokens (docs/decisions/0003: 0.5, chosen on MuSiQue's KL; 1 = none)
+    Setting("attention-scale=1", server={"blend": {"reused_attention_scale": 1.0}}),
+    Setting("attention-scale=0.75", server={"blend": {"reused_attention_scale": 0.75}}),
     Setting("top_k=2", request={"top_k": 2}),
     Setting("top_k=10", request={"top_k": 10}),
     # repetition control and the stop (docs/decisions/0021): each of today's defaults taken away, and a penalty
