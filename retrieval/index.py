@@ -17,8 +17,12 @@ import faiss
 import numpy as np
 
 from configs.enums import IndexKind
+from retrieval.config import RetrievalConfig
 
 log = logging.getLogger(__name__)
+
+# The index's defaults are the retrieval config's (one place): a caller that passes none gets those.
+_DEFAULTS = RetrievalConfig()
 
 
 @dataclass(frozen=True)
@@ -28,7 +32,8 @@ class Hit:
 
 
 class VectorIndex:
-    def __init__(self, dim: int, kind: IndexKind = IndexKind.FLAT, hnsw_m: int = 32, path: Path | None = None):
+    def __init__(self, dim: int, kind: IndexKind = _DEFAULTS.index, hnsw_m: int = _DEFAULTS.hnsw_m,
+                 path: Path | None = None):
         self.dim, self.kind, self.hnsw_m, self.path = dim, kind, hnsw_m, path
         self._lock = threading.Lock()
         self._index = self._new_index()
@@ -110,7 +115,7 @@ class VectorIndex:
             tmp.unlink(missing_ok=True)
 
     @classmethod
-    def load_or_create(cls, path: Path, dim: int, kind: IndexKind, hnsw_m: int = 32) -> VectorIndex:
+    def load_or_create(cls, path: Path, dim: int, kind: IndexKind, hnsw_m: int = _DEFAULTS.hnsw_m) -> VectorIndex:
         """The saved index, or an empty one when there is none or it cannot be read (the caller then
         rebuilds it from the document store, the source of truth)."""
         index = cls(dim, kind, hnsw_m, path)
@@ -134,8 +139,8 @@ class CollectionIndexes:
     ~8x the collection's own at the median; at 1 x 100 000 the two are alike). Chunk row ids are unique
     across collections, so a row id names one index's vector."""
 
-    def __init__(self, directory: Path | None, dim: int, kind: IndexKind = IndexKind.FLAT, hnsw_m: int = 32,
-                 search_threads: int = 1):
+    def __init__(self, directory: Path | None, dim: int, kind: IndexKind = _DEFAULTS.index,
+                 hnsw_m: int = _DEFAULTS.hnsw_m, search_threads: int = _DEFAULTS.search_threads):
         self.directory, self.dim, self.kind, self.hnsw_m = directory, dim, kind, hnsw_m
         self.search_threads = search_threads
         self._lock = threading.Lock()  # guards the two maps; each VectorIndex has its own lock
@@ -271,8 +276,9 @@ class CollectionIndexes:
                 path.unlink(missing_ok=True)
 
     @classmethod
-    def load_or_create(cls, directory: Path, dim: int, kind: IndexKind, hnsw_m: int = 32,
-                       legacy_path: Path | None = None, search_threads: int = 1) -> CollectionIndexes:
+    def load_or_create(cls, directory: Path, dim: int, kind: IndexKind, hnsw_m: int = _DEFAULTS.hnsw_m,
+                       legacy_path: Path | None = None,
+                       search_threads: int = _DEFAULTS.search_threads) -> CollectionIndexes:
         """The saved shards under `directory` (an unreadable one starts empty: the caller reconciles it
         with the store). `legacy_path`: the single index of a data directory made before collections,
         which held only the default collection's chunks: loaded as its shard, saved there, then removed."""
