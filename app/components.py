@@ -101,7 +101,7 @@ class Components:
             writes = WriteQueue(settings.scheduler.max_queue, settings.scheduler.retry_after_s)
             metrics.watch_engine(loop, writes)
             pipeline = RagPipeline(settings, engine, retriever, kv_store, loop)
-            model_id = settings.server.model_id or _model_id(engine.model_name)
+            model_id = settings.server.model_id or served_model_id(engine.model_name)
             follower = _start_follower(settings, retriever, kv_store)
             scopes = Scopes(retriever.store)
             documents = DocumentService(settings, engine, retriever, kv_store, chunker, loop, writes, backfill,
@@ -202,12 +202,14 @@ def _take_reserve(settings: Settings, kv_store: KVStore) -> DiskReserve:
     return reserve
 
 
-def _model_id(model_name: str) -> str:
-    """'SmolLM2-135M-Instruct.Q4_1.gguf:93595b75' -> 'SmolLM2-135M-Instruct'."""
+def served_model_id(model_name: str) -> str:
+    """What /v1/models shows for the engine's `model_name`: a model directory's name as it is
+    ('Qwen2.5-0.5B-Instruct:<digest>' -> 'Qwen2.5-0.5B-Instruct'), a GGUF file's without `.gguf` and its
+    quantization suffix ('SmolLM2-135M-Instruct.Q4_1.gguf:93595b75' -> 'SmolLM2-135M-Instruct')."""
     name = model_name.split(":")[0]
-    for suffix in (".gguf",):
-        name = name.removesuffix(suffix)
-    return name.split(".Q")[0] or model_name
+    if name.endswith(".gguf"):
+        name = name.removesuffix(".gguf").split(".Q")[0]
+    return name or model_name
 
 
 def _close_all(*objects: Closeable | None) -> None:

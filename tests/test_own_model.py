@@ -189,3 +189,11 @@ def test_a_kv_format_change_rekeys_the_stored_chunks_and_their_kv_comes_back(tmp
                 assert time.monotonic() < deadline, "the chunks' KV was not computed in the new format"
                 time.sleep(0.1)
             assert http.post("/v1/query", json=question).json()["usage"]["reused_tokens"] > 0
+
+
+def test_the_served_name_keeps_a_directorys_dots_and_drops_a_gguf_files_suffixes():
+    from app.components import served_model_id
+
+    assert served_model_id("SmolLM2-135M-Instruct.Q4_1.gguf:93595b75") == "SmolLM2-135M-Instruct"
+    assert served_model_id("Qwen2.5-0.5B-Instruct:0123abcd") == "Qwen2.5-0.5B-Instruct"
+    assert served_model_id("my.Qwen-finetune:0123abcd") == "my.Qwen-finetune"  # a directory: no suffix cut
