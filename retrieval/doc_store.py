@@ -362,6 +362,11 @@ class SqliteDocumentStore(DocumentStore):
             chunks = self.chunks_by_row_ids(row_ids)
             yield [chunks[i] for i in row_ids if i in chunks]  # a chunk deleted between the reads is left out
 
+    def set_chunk_embeddings(self, row_ids: Sequence[int], vectors: np.ndarray) -> None:
+        rows = [(np.asarray(v, dtype=np.float32).tobytes(), int(i)) for i, v in zip(row_ids, vectors)]
+        with self._lock, self._transaction():
+            self._conn.executemany("UPDATE chunks SET embedding = ? WHERE row_id = ?", rows)
+
     def set_chunk_tokens(self, updates: Sequence[ChunkTokens]) -> None:
         with self._lock, self._transaction():
             self._conn.executemany("UPDATE chunks SET token_ids = ?, kv_key = ? WHERE id = ?",

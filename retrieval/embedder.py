@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from pathlib import Path
 from typing import Sequence
@@ -23,6 +24,15 @@ def resolve_model_path(name: str) -> Path:
     return path
 
 
+def _files_digest(directory: Path) -> str:
+    """A cheap identity of a model directory's files (their paths, sizes and times, not their bytes)."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        stat = path.stat()
+        h.update(f"{path.relative_to(directory)}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
 class Embedder:
     def __init__(self, model_path: Path, batch_size: int = 32, device: str = "cpu"):
         from sentence_transformers import SentenceTransformer
@@ -31,6 +41,7 @@ class Embedder:
         self.batch_size = batch_size
         self.dim = int(self._model.get_embedding_dimension())
         self.name = model_path.parent.name if model_path.name == "model" else model_path.name
+        self.identity = f"{self.name}:{self.dim}:{_files_digest(model_path)}"  # what an index was built by
         self._lock = threading.Lock()  # one encode at a time: the model is shared by the worker and queries
 
     @classmethod

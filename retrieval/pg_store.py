@@ -350,6 +350,11 @@ class PostgresDocumentStore(DocumentStore):
             last = chunks[-1].row_id
             yield chunks
 
+    def set_chunk_embeddings(self, row_ids: Sequence[int], vectors: np.ndarray) -> None:
+        rows = [(np.asarray(v, dtype=np.float32).tobytes(), int(i)) for i, v in zip(row_ids, vectors)]
+        with self._connection() as conn, conn.transaction(), conn.cursor() as cursor:
+            cursor.executemany("UPDATE chunks SET embedding = %s WHERE row_id = %s", rows)
+
     def set_chunk_tokens(self, updates: Sequence[ChunkTokens]) -> None:
         with self._connection() as conn, conn.transaction(), conn.cursor() as cursor:
             cursor.executemany("UPDATE chunks SET token_ids = %s, kv_key = %s WHERE id = %s",

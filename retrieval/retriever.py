@@ -15,6 +15,7 @@ from retrieval.config import RetrievalConfig
 from retrieval.doc_store import SqliteDocumentStore
 from retrieval.store_types import DocumentStore, StoredChunk
 from retrieval.embedder import Embedder
+from retrieval.reembed import reembed_if_changed
 from retrieval.index import CollectionIndexes
 from retrieval.lexical import reciprocal_rank_fusion
 
@@ -85,6 +86,8 @@ class Retriever:
         embedder = Embedder.from_name(settings.embedder, batch_size=settings.embed_batch_size)
         store = store if store is not None else SqliteDocumentStore(data_dir / "documents.sqlite3")
         try:
+            num_reembedded = reembed_if_changed(store, embedder)
+            _drop_stale_indexes(data_dir, embedder.identity, is_stale=num_reembedded > 0)
             index = CollectionIndexes.load_or_create(data_dir / "index", embedder.dim, settings.index, settings.hnsw_m,
                                                      legacy_path=data_dir / "index.faiss",
                                                      search_threads=settings.search_threads)
@@ -217,3 +220,19 @@ class Retriever:
     def close(self) -> None:
         self.index.save()
         self.store.close()
+
+
+def _drop_stale_indexes(data_dir: Path, embedder_identity: str, is_stale: bool) -> None:
+    """Delete the vector indexes under `data_dir` when another embedder built them (`index/embedder`
+    names the one that did; a replica's own indexes after another replica embedded the shared store
+    again) or when `is_stale`, so that they are rebuilt from the store; then record this embedder."""
+    directory = data_dir / "index"
+    marker = directory / "embedder"
+    recorded = marker.read_text().strip() if marker.is_file() else None
+    if is_stale or (recorded is not None and recorded != embedder_identity):
+        for path in [*directory.glob("*.faiss"), data_dir / "index.faiss"]:
+            path.unlink(missing_ok=True)
+        logger.warning("vector indexes built by another embedder (%s): rebuilt from the store", recorded)
+    directory.mkdir(parents=True, exist_ok=True)
+    if recorded != embedder_identity:
+        marker.write_text(embedder_identity + "\n")

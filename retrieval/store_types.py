@@ -221,6 +221,11 @@ class DocumentStore(Protocol):
         """Every chunk, by row id, a page of `batch_size` at a time (nothing held between pages)."""
         ...
 
+    def set_chunk_embeddings(self, row_ids: Sequence[int], vectors: np.ndarray) -> None:
+        """Replace these chunks' embeddings (`vectors` [n, dim] float32, row by row) in one transaction:
+        another embedder's (retrieval/reembed.py)."""
+        ...
+
     def set_chunk_tokens(self, updates: Sequence[ChunkTokens]) -> None:
         """Give these chunks (by id) new token ids and KV keys, in one transaction: their text, embedding
         and row id stay (a rebuild for another model: app/documents/rebuild.py)."""

@@ -63,7 +63,8 @@ def test_the_same_document_id_in_two_collections_is_two_documents(store):
 
 def test_chunks_are_paged_by_row_id_and_retokenized_in_one_write(store):
     """iter_chunks: every chunk once, by row id, across collections and pages; set_chunk_tokens: new token
-    ids and KV keys for chunks by id (what a rebuild for another model writes), nothing else changed."""
+    ids and KV keys for chunks by id (what a rebuild for another model writes), nothing else changed;
+    set_chunk_embeddings: new vectors by row id (another embedder's), the others kept."""
     store.create_collection(_collection("hr"))
     store.put_document("a", None, {}, 9, [_chunk("one", "k1"), _chunk("two", "k2"), _chunk("three", "k3")])
     store.put_document("b", None, {}, 4, [_chunk("four", "k4")], collection="hr")
@@ -78,6 +79,10 @@ def test_chunks_are_paged_by_row_id_and_retokenized_in_one_write(store):
     assert (after["hr/b#0"].token_ids, after["hr/b#0"].kv_key) == ((9,), "k4-new")
     assert (after["a#0"].token_ids, after["a#0"].kv_key) == ((1, 2, 3), "k1")
     assert store.kv_keys() == {"k1", "k2-new", "k3", "k4-new"} and store.num_chunk_tokens() == 3 + 2 + 3 + 1
+    row_ids = [after["a#0"].row_id, after["hr/b#0"].row_id]
+    store.set_chunk_embeddings(row_ids, np.array([[1, 0], [0, 1]], dtype=np.float32))  # another embedder's
+    assert [store.embeddings_of([i]).vectors.tolist() for i in row_ids] == [[[1.0, 0.0]], [[0.0, 1.0]]]
+    assert store.embeddings_of([after["a#1"].row_id]).vectors.tolist() == [[0.5] * 4]
 
 
 def test_a_collection_goes_whole_with_its_documents_chunks_and_key_grants(store):

