@@ -25,11 +25,11 @@ def resolve_model_path(name: str) -> Path:
 
 
 def _files_digest(directory: Path) -> str:
-    """A cheap identity of a model directory's files (their paths, sizes and times, not their bytes)."""
+    """A cheap identity of a model directory's files: their paths and sizes (not their times: a package
+    installed again, or a directory copied, is the same model; not their bytes: read at every start)."""
     h = hashlib.sha256()
     for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-        stat = path.stat()
-        h.update(f"{path.relative_to(directory)}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+        h.update(f"{path.relative_to(directory)}:{path.stat().st_size}".encode())
     return h.hexdigest()[:16]
 
 
