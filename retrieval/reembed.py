@@ -30,14 +30,16 @@ def is_embedded_otherwise(store: DocumentStore, embedder: Embedder) -> bool:
     that order, so one it left half done shows at the end) are not `embedder`'s for their texts."""
     row_ids = sorted(store.row_ids())
     sample = sorted(set(row_ids[:NUM_SAMPLES] + row_ids[-NUM_SAMPLES:]))
-    if not sample:
-        return False
     chunks = store.chunks_by_row_ids(sample)
-    stored = store.embeddings_of(sample)  # [n, stored dim], by row id
-    if stored.vectors.shape[1] != embedder.dim:
+    # one row at a time: a run killed half way leaves vectors of two dimensions, which one batch cannot hold
+    stored = {i: store.embeddings_of([i]).vectors for i in chunks}  # [1, stored dim] each
+    if any(v.shape != (1, embedder.dim) for v in stored.values()):
         return True
-    fresh = embedder.encode([chunks[int(i)].text for i in stored.row_ids])  # [n, dim] unit vectors
-    return bool(np.min(np.sum(fresh * stored.vectors, axis=1)) < MIN_COSINE)
+    if not stored:
+        return False  # no chunks
+    ids = sorted(stored)
+    fresh = embedder.encode([chunks[i].text for i in ids])  # [n, dim] unit vectors
+    return bool(np.min(np.sum(fresh * np.concatenate([stored[i] for i in ids]), axis=1)) < MIN_COSINE)
 
 
 def reembed(store: DocumentStore, embedder: Embedder, batch_size: int = 256) -> int:

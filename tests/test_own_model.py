@@ -219,6 +219,7 @@ def test_chunks_stored_by_one_embedder_are_embedded_again_by_another(tmp_path, o
     vector indexes rebuilt: a question embedded by the new one finds its chunk. Before, one of the same
     dimension ranked the old vectors silently, one of another failed at start-up."""
     from retrieval.config import RetrievalConfig
+    from retrieval.embedder import Embedder
     from retrieval.retriever import Retriever
     from retrieval.store_types import NewChunk
 
@@ -248,5 +249,13 @@ def test_chunks_stored_by_one_embedder_are_embedded_again_by_another(tmp_path, o
     third = Retriever.open(tmp_path, RetrievalConfig(embedder=str(other)))  # at rest: nothing done again
     try:
         assert third.index.num_vectors == 3 and third.reconcile().is_rebuilt is False
+        # a re-embedding killed half way: the first chunk back to MiniLM's vector (of 384 dimensions)
+        first_id = min(c.row_id for c in chunks.values())
+        third.store.set_chunk_embeddings([first_id], Embedder.from_name("all-minilm-l6-v2").encode([texts["vault"]]))
     finally:
         third.close()
+    fourth = Retriever.open(tmp_path, RetrievalConfig(embedder=str(other)))  # finds it, embeds again
+    try:
+        assert np.allclose(fourth.store.embeddings_of([first_id]).vectors, fresh[:1], atol=1e-5)
+    finally:
+        fourth.close()
