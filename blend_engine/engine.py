@@ -151,7 +151,17 @@ class BlendEngine:
 
     @property
     def max_context(self) -> int:
-        return int(self.model.config.max_position_embeddings)
+        """Tokens a prompt and its answer may hold: the model's positions, and no more than its sliding
+        attention window where it has one (Mistral's 4 096, a Qwen config with sliding layers): this
+        engine lets every token attend to all earlier ones, which past the window is not the model's
+        attention."""
+        config = self.model.config
+        limit = int(config.max_position_embeddings)
+        window = getattr(config, "sliding_window", None)
+        layer_types = getattr(config, "layer_types", None)
+        is_sliding = ("sliding_attention" in layer_types if layer_types is not None
+                      else getattr(config, "use_sliding_window", True))
+        return min(limit, int(window)) if window and is_sliding else limit
 
     # --- prompts ----------------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:

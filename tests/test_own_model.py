@@ -259,3 +259,22 @@ def test_chunks_stored_by_one_embedder_are_embedded_again_by_another(tmp_path, o
         assert np.allclose(fourth.store.embeddings_of([first_id]).vectors, fresh[:1], atol=1e-5)
     finally:
         fourth.close()
+
+
+def test_a_sliding_window_bounds_the_context():
+    """Past its sliding window a Mistral attends to fewer tokens than this engine would: the prompt and
+    answer are held within the window, as within the positions of a model without one."""
+    from transformers import (
+        LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+    )
+
+    from blend_engine.engine import BlendEngine
+
+    shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512)
+    mistral = MistralForCausalLM(MistralConfig(**shape, sliding_window=64)).eval()
+    assert BlendEngine.from_model(mistral, tokenizer=None, name="tiny-mistral").max_context == 64
+    llama = LlamaForCausalLM(LlamaConfig(**shape)).eval()
+    assert BlendEngine.from_model(llama, tokenizer=None, name="tiny-llama").max_context == 512
+    qwen2 = Qwen2ForCausalLM(Qwen2Config(**shape, sliding_window=64)).eval()  # use_sliding_window off: all full
+    assert BlendEngine.from_model(qwen2, tokenizer=None, name="tiny-qwen2").max_context == 512
