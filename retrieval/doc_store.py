@@ -284,9 +284,9 @@ class SqliteDocumentStore(DocumentStore):
     def _rare_terms(self, terms: list[str]) -> list[str]:
         """The `terms` found in at most COMMON_TERM_SHARE of the chunks; if none, those in at most
         MOST_TERM_SHARE; if none, all of them: as Postgres's search leaves the others out. A word's share
-        is its index terms' (FTS5 stems "one" to "on", which is in most chunks): the word is tokenized by the index's own tokenizer, in a
-        temporary FTS5 table, and its terms' document counts read from the index's vocabulary. A word
-        is kept if any of its terms is rare ("dir_mode" is two)."""
+        is its index terms' (FTS5 stems "one" to "on", which is in most chunks): the word is tokenized by
+        the index's own tokenizer, in a temporary FTS5 table, and its terms' document counts read from
+        the index's vocabulary. A word is kept if any of its terms is rare ("dir_mode" is two)."""
         self._conn.execute("DELETE FROM temp.question_words")
         self._conn.executemany("INSERT INTO temp.question_words (rowid, text) VALUES (?, ?)", enumerate(terms))
         stems = self._conn.execute("SELECT doc, term FROM temp.question_words_vocab").fetchall()
@@ -352,15 +352,15 @@ class SqliteDocumentStore(DocumentStore):
 
     def iter_chunks(self, batch_size: int = 1024) -> Iterator[list[StoredChunk]]:
         last = 0
-        while True:
+        while True:  # keyset pages, one query each (as the Postgres store's): the lock is not held between
             with self._lock:
-                row_ids = [int(r[0]) for r in self._conn.execute(
-                    "SELECT row_id FROM chunks WHERE row_id > ? ORDER BY row_id LIMIT ?", (last, batch_size))]
-            if not row_ids:
+                chunks = self._chunks_where("c.row_id IN (SELECT row_id FROM chunks WHERE row_id > ?"
+                                            " ORDER BY row_id LIMIT ?)", (last, batch_size))
+            if not chunks:
                 return
-            last = row_ids[-1]
-            chunks = self.chunks_by_row_ids(row_ids)
-            yield [chunks[i] for i in row_ids if i in chunks]  # a chunk deleted between the reads is left out
+            chunks.sort(key=lambda c: c.row_id)
+            last = chunks[-1].row_id
+            yield chunks
 
     def set_chunk_embeddings(self, row_ids: Sequence[int], vectors: np.ndarray) -> None:
         rows = [(np.asarray(v, dtype=np.float32).tobytes(), int(i)) for i, v in zip(row_ids, vectors)]
