@@ -113,6 +113,14 @@ def test_a_gguf_file_given_by_its_path_loads_as_the_embedded_one_does():
     assert loaded.tokenizer("The blue vault")["input_ids"]
 
 
+def wait_for_kv(kv_store, keys: list[str], timeout_s: float = 60.0) -> None:
+    """Until every one of `keys` is readable in the KV store (a repair computes it in the background)."""
+    deadline = time.monotonic() + timeout_s
+    while not all(kv_store.readable_many(keys)):
+        assert time.monotonic() < deadline, "the chunks' KV was not computed under the new config"
+        time.sleep(0.1)
+
+
 def test_documents_ingested_under_one_model_are_served_by_another_with_its_own_tokens(model_dir, tmp_path):
     """Started again over the same data with a model of another tokenizer (MiniLM's WordPiece, no chat
     template), the server tokenizes the stored chunks again and keys their KV anew: the new model reads
@@ -141,10 +149,7 @@ def test_documents_ingested_under_one_model_are_served_by_another_with_its_own_t
             assert not first_keys & store.kv_keys() and not any(kv_store.readable_many(sorted(first_keys)))
             answered = http.post("/v1/query", json=question)
             assert answered.status_code == 200 and answered.json()["sources"][0]["document_id"] == "vault"
-            deadline = time.monotonic() + 60  # the missing KV is computed in the background after that question
-            while not all(kv_store.readable_many([c.kv_key for c in chunks])):
-                assert time.monotonic() < deadline, "the chunks' KV was not computed for the new model"
-                time.sleep(0.1)
+            wait_for_kv(kv_store, [c.kv_key for c in chunks])  # computed in the background after that question
             again = http.post("/v1/query", json={**question, "mode": "blend"}).json()
             assert again["mode"] == "blend" and again["usage"]["reused_tokens"] > 0
 
@@ -185,10 +190,7 @@ def test_a_kv_format_change_rekeys_the_stored_chunks_and_their_kv_comes_back(tmp
             assert after.keys() == before.keys()
             assert all(after[i].token_ids == before[i].token_ids and after[i].kv_key != before[i].kv_key for i in after)
             http.post("/v1/query", json=question)  # finds the KV missing: computed in the background
-            deadline = time.monotonic() + 60
-            while not all(kv_store.readable_many([c.kv_key for c in after.values()])):
-                assert time.monotonic() < deadline, "the chunks' KV was not computed in the new format"
-                time.sleep(0.1)
+            wait_for_kv(kv_store, [c.kv_key for c in after.values()])
             assert http.post("/v1/query", json=question).json()["usage"]["reused_tokens"] > 0
 
 
