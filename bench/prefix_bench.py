@@ -4,7 +4,8 @@ Ingests each question's MuSiQue passages (one passage, one chunk, KV precomputed
 through /v1/chat/completions with `chunk_ids` set to its passages, streaming, greedy:
 - `blend, cache off`: the question (`prefix_cache: false`): a fresh prefill as the server plans it;
 - `no match`: the same prompt with the prefix cache on, the first time it is seen (a lookup that finds
-  only the system prompt, then the prompt kept): the cost of the cache where nothing matches;
+  only the system prompt, reused only where computing the rest is predicted sooner than blending it,
+  then the prompt kept): the cost of the cache where nothing matches;
 - `exact repeat`: the same prompt again (kept whole: nothing computed);
 - `follow-up`: the conversation going on over the same passages (the question, the `no match` answer,
   then `--follow-up`): the kept prompt reused, only the answer and the new question computed;

@@ -23,7 +23,7 @@ first token is out (`keep`), and a later prompt first looks for its longest kept
 - a prefix kept (a chat's follow-up over the same documents: the earlier turn's whole prompt): its KV
   is copied and only the rest is fed over it (`BlendEngine.forward_tokens`, in token chunks as a full
   prefill), when the loading planner predicts that sooner than the plan it would run otherwise (a
-  prompt sharing only the system prompt: today's plan);
+  RAG prompt sharing only the system prompt: today's plan, its documents blended);
 - a kept prompt serves only requests asking for the same prefill (mode, ratio and selection, as asked:
   a full prefill's serves full requests, a blend's blend requests), so an answer never comes from KV
   computed otherwise than it asked; requests of another `namespace` never meet."""
@@ -182,7 +182,8 @@ class PrefillExecutor:
         result.stats = PrefillStats(kept.mode, num_prompt_tokens=num_tokens, num_recomputed_tokens=num_computed,
                                     num_prefix_cached_tokens=num_cached, compute_ms=elapsed_s * 1000,
                                     prefill_ms=elapsed_s * 1000)
-        self.kv_store.planner.observe(PrefillShape(num_tokens, num_computed, num_cached, 1.0), elapsed_s)
+        # as the planner predicts it: the kept tokens copied, not laid out (LoadPlanner.prefix_cached)
+        self.kv_store.planner.observe(PrefillShape(num_tokens, num_computed, 0, 1.0), elapsed_s)
         self.prefix_cache.record(match, num_cached)
         report = PlanReport.of(plan, 0, 0.0, result.stats)
         logger.info("load plan %s", report)

@@ -210,7 +210,7 @@ def test_a_cached_prefix_is_planned_where_computing_the_rest_is_sooner():
     follow_up = PlanRequest(stored, n, 70, first_reused_layer=1, num_layers=NUM_LAYERS, num_prefix_cached_tokens=n - 60)
     plan = planner.plan(follow_up, {})
     assert plan.kind is PlanKind.PREFIX_CACHE and plan.ratio is None and plan.predicted_load_ms == 0
-    expected = measured(PrefillShape(n, 60, n - 60, 1.0)) * 1000
+    expected = measured(PrefillShape(n, 60, 0, 1.0)) * 1000
     assert plan.predicted_compute_ms == pytest.approx(expected, rel=1e-3)
     assert planner.plan(follow_up, {}, is_blend_only=True).kind is PlanKind.PREFIX_CACHE
     system_only = PlanRequest(stored, n, 70, first_reused_layer=1, num_layers=NUM_LAYERS, num_prefix_cached_tokens=30)
@@ -219,3 +219,22 @@ def test_a_cached_prefix_is_planned_where_computing_the_rest_is_sooner():
     assert planner.plan(base, {}).kind is PlanKind.BLEND  # nothing cached: the chunks' plan, as before
     with pytest.raises(ValueError, match="leaves nothing or everything"):
         planner.prefix_cached(PlanRequest(stored, n, 70, 1, NUM_LAYERS, num_prefix_cached_tokens=n))
+
+
+@pytest.mark.parametrize("reused_weight", [0.0, 1e-6, 1e-4])
+def test_a_follow_up_is_planned_from_its_kept_prompt_whatever_a_reused_token_costs(reused_weight):
+    """A follow-up's new tokens are computed by any plan; blending the whole prompt again computes them
+    and more. So the kept prompt wins however high blends fitted the reused-token term (counted for
+    the kept tokens too, it flipped follow-ups to blend: tests/test_prefix_server.py was flaky)."""
+    weights = (*TRUE_WEIGHTS[:3], reused_weight)
+    planner = LoadPlanner(min_ratio=0.15)
+    for shape in (PrefillShape(64, 64, 0, 0.0), PrefillShape(256, 256, 0, 0.0), PrefillShape(1024, 1024, 0, 0.0),
+                  PrefillShape(1040, 40, 1000, 31 / 32), PrefillShape(2040, 300, 2000, 31 / 32),
+                  PrefillShape(3000, 30, 0, 1.0)):
+        planner.observe(shape, sum(w * x for w, x in zip(weights, shape.features())))
+    stored = chunks([Tier.MEMORY] * 2, num_tokens=30)
+    n = 135  # system prompt and history fresh, two small chunks, 33 new tokens after the kept turn
+    follow_up = PlanRequest(stored, n, n - 60, first_reused_layer=1, num_layers=NUM_LAYERS,
+                            num_prefix_cached_tokens=n - 33)
+    assert planner.plan(follow_up, {}).kind is PlanKind.PREFIX_CACHE
+    assert planner.plan(follow_up, {}, is_blend_only=True).kind is PlanKind.PREFIX_CACHE

@@ -139,7 +139,9 @@ def test_bench_prefix_runs_its_rows_side_by_side_and_writes_json(server, tmp_pat
     assert list(rows) == ["blend, cache off", "no match", "exact repeat", "follow-up", "follow-up, cache off"]
     assert all(len(r["ttft_ms"]) == 2 and r["ttft_p50_ms"] > 0 for r in rows.values())
     assert rows["blend, cache off"]["prefix_cached_tokens_p50"] == 0 == rows["follow-up, cache off"]["prefix_cached_tokens_p50"]
-    assert rows["no match"]["prefix_cached_tokens_p50"] == 0
+    # a first ask shares at most the system prompt with the prompts kept before it (used where the planner
+    # predicts computing the rest sooner than blending: on these short prompts it may), never its passages
+    assert rows["no match"]["prefix_cached_tokens_p50"] < rows["no match"]["prompt_tokens_p50"] / 2
     assert rows["exact repeat"]["prefix_cached_tokens_p50"] == rows["exact repeat"]["prompt_tokens_p50"] > 0
     assert 0 < rows["follow-up"]["prefix_cached_tokens_p50"] < rows["follow-up"]["prompt_tokens_p50"]
     assert rows["follow-up"]["plans"] == ["prefix_cache"]
