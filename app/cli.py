@@ -38,6 +38,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("collections",): ("app.commands.collections", "create, list or delete knowledge bases on a running server"),
     ("keys",): ("app.commands.keys", "create, list or revoke scoped API keys on a running server"),
     ("bench", "engine"): ("bench.engine_bench", "engine benchmark: TTFT and fidelity per prefill mode"),
+    ("bench", "attention-dtype"): ("bench.attention_dtype_bench", "a prefill's attention in the model's dtype "
+                                   "against bf16, side by side: full and blend TTFT, KL against float32's full"),
     ("bench", "kv"): ("bench.kv_bench", "KV store benchmark: blend TTFT per tier, pipelined or not"),
     ("bench", "server"): ("bench.server_bench", "concurrent streaming clients against servers, side by side with a "
                           "one-sequence-at-a-time baseline: TTFT, inter-token latency, aggregate tok/s"),

@@ -55,6 +55,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     # blend's scaled attention to reused tokens (docs/decisions/0003: 0.5, chosen on MuSiQue's KL; 1 = none)
     Setting("attention-scale=1", server={"blend": {"reused_attention_scale": 1.0}}),
     Setting("attention-scale=0.75", server={"blend": {"reused_attention_scale": 0.75}}),
+    # a prefill's attention in the model's dtype (float32) instead of auto's bf16 (docs/decisions/0023)
+    Setting("attention-fp32", server={"model": {"attention_dtype": "model"}}),
+    Setting("full-attention-fp32", request={"mode": "full"}, server={"model": {"attention_dtype": "model"}}),
     Setting("top_k=2", request={"top_k": 2}),
     Setting("top_k=10", request={"top_k": 10}),
     # repetition control and the stop (docs/decisions/0021): each of today's defaults taken away, and a penalty

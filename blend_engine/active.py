@@ -76,7 +76,7 @@ class ActiveContext:
     backend: AttentionBackend
     num_query_groups: int  # query heads per KV head
     device: torch.device
-    dtype: torch.dtype  # the attention's (for additive masks)
+    dtype: torch.dtype  # what the attention computes in, its additive masks too (ModelConfig.attention_dtype)
     blend: BlendConfig
     scale: float  # the model's attention scaling
     cached_pos: torch.Tensor  # [M] plan.cached_pos on the device
@@ -108,7 +108,7 @@ def initial_active(ctx: ActiveContext) -> ActiveSet:
     if plan.check_layers or not plan.cached_pos:
         pos = torch.arange(num_tokens, device=device)
         return ActiveSet(pos, _tensor(plan.fresh_pos, device), _tensor(plan.cached_pos, device),
-                         ctx.rope.cos, ctx.rope.sin, ctx.rope.signed_sin, causal_meta(num_tokens), slice(0, num_tokens))
+                         ctx.rope.cos, ctx.rope.sin, ctx.rope.signed_sin, causal_meta(num_tokens, ctx.dtype), slice(0, num_tokens))
     pos = _tensor(plan.fresh_pos, device)
     rows = torch.arange(len(plan.fresh_pos), device=device)
     meta, biased = _metas(ctx, pos, list(plan.fresh_pos), ctx.column_bias)  # reuse: every reused token biased
@@ -143,7 +143,7 @@ def last_token_shift(ctx: ActiveContext, active: ActiveSet, layer: int, q: torch
     keys = torch.where(is_cached[None, :, None], cache.keys[layer][:, :num_tokens], k)  # [H_kv, N, D]
     values = torch.where(is_cached[None, :, None], cache.values[layer][:, :num_tokens], v)
     q_last = apply_rope(q[:, -1:], active.cos[-1:], active.sin[-1:])
-    meta = last_meta(num_tokens)
+    meta = last_meta(num_tokens, dtype=ctx.dtype)
     fresh = attend(q_last, k, v, meta, ctx.scale)  # [1, H*D]
     fused = attend(q_last, keys, values, meta, ctx.scale)
     return (fused - fresh).float().norm() / fresh.float().norm().clamp_min(1e-30)

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from blend_engine.decode_cache import SCALE_DTYPE, Int8Heads, Int8Layer
+from blend_engine.int4 import gemm_dtype
+from configs.enums import AttentionDtype
 
 MAX_QUERY_GROUPS = 8
 MIN_QUERIES_PER_GROUP = 64
@@ -58,6 +60,9 @@ class AttentionMeta:
     # LAST: None, or the column bias [1, num_keys] (see `attend`)
     mask: torch.Tensor | None = None
     groups: tuple[QueryGroup, ...] = ()  # SUBSET + GROUPED
+    # what SDPA computes in: q, k and v are cast to it per call (ModelConfig.attention_dtype: bf16 attention
+    # of an fp32 model on a CPU with AMX), the output cast back to q's; None: q's own dtype
+    dtype: torch.dtype | None = None
 
 
 def avoid_cudnn_attention() -> None:
@@ -67,6 +72,19 @@ def avoid_cudnn_attention() -> None:
     at a prompt length the process had not run took 263 ms with it, 34 ms at a length it had; with
     flash / memory-efficient kernels, which need no plan, 46 and 43 ms."""
     torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+def resolve_attention_dtype(choice: AttentionDtype, device: torch.device, model_dtype: torch.dtype,
+                            is_quantized: bool) -> torch.dtype:
+    """What a prefill's attention computes in (ModelConfig.attention_dtype). AUTO takes bf16 where the
+    prefill's GEMMs already run in it (quantized weights multiply a bf16 copy on CPUs with native bf16:
+    blend_engine/int4.py `gemm_dtype`); an fp32 model kept in fp32 weights stays exact."""
+    if choice == AttentionDtype.BFLOAT16:
+        return torch.bfloat16
+    if choice == AttentionDtype.AUTO and device.type == "cpu" and model_dtype == torch.float32 and is_quantized \
+            and gemm_dtype(device) == torch.bfloat16:
+        return torch.bfloat16
+    return model_dtype
 
 
 def causal_mask(query_pos: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -91,13 +109,15 @@ def additive_causal_mask(query_pos: torch.Tensor, num_keys: int, num_repeats: in
     return mask if bias is None else mask.add_(bias[:num_keys].to(dtype))
 
 
-def causal_meta(num_tokens: int) -> AttentionMeta:
-    return AttentionMeta(AttentionLayout.CAUSAL, num_tokens)
+def causal_meta(num_tokens: int, dtype: torch.dtype | None = None) -> AttentionMeta:
+    return AttentionMeta(AttentionLayout.CAUSAL, num_tokens, dtype=dtype)
 
 
-def last_meta(num_keys: int, bias: torch.Tensor | None = None) -> AttentionMeta:
+def last_meta(num_keys: int, bias: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> AttentionMeta:
     """Queries that see every key; `bias` [>= num_keys]: a column bias (see `attend`)."""
-    return AttentionMeta(AttentionLayout.LAST, num_keys, mask=None if bias is None else bias[None, :num_keys])
+    mask = None if bias is None else bias[None, :num_keys]
+    return AttentionMeta(AttentionLayout.LAST, num_keys, mask=mask if mask is None or dtype is None else mask.to(dtype),
+                         dtype=dtype)
 
 
 def subset_meta(
@@ -106,19 +126,20 @@ def subset_meta(
     backend: AttentionBackend,
     num_groups_per_kv: int,
     query_pos_host: list[int] | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     bias: torch.Tensor | None = None,
 ) -> AttentionMeta:
     """Metadata for ascending `query_pos` [A] over keys 0..num_keys-1, with the column `bias`
-    [>= num_keys] (see `attend`) if given.
+    [>= num_keys] (see `attend`) if given; the attention computes in `dtype` (its masks are built in it).
 
     GROUPED needs the positions on the host; pass `query_pos_host` when the caller has them already,
     else they are read back here (once per active set).
     """
+    mask_dtype = torch.float32 if dtype is None else dtype
     if backend == AttentionBackend.MASKED:
         # fold: the G query heads sharing a KV head become G blocks of rows
-        mask = additive_causal_mask(query_pos, num_keys, num_groups_per_kv, dtype, bias)  # [G*A, N]
-        return AttentionMeta(AttentionLayout.SUBSET, num_keys, mask=mask)
+        mask = additive_causal_mask(query_pos, num_keys, num_groups_per_kv, mask_dtype, bias)  # [G*A, N]
+        return AttentionMeta(AttentionLayout.SUBSET, num_keys, mask=mask, dtype=dtype)
     host = query_pos_host if query_pos_host is not None else query_pos.tolist()
     num_queries = len(host)
     num_groups = max(1, min(MAX_QUERY_GROUPS, num_queries // MIN_QUERIES_PER_GROUP))
@@ -128,9 +149,9 @@ def subset_meta(
         num_group_keys = host[end - 1] + 1
         mask = causal_mask(query_pos[start:end], num_group_keys)  # [rows, keys] bool
         if bias is not None:
-            mask = torch.where(mask, bias[:num_group_keys].to(dtype), float("-inf")).to(dtype)
+            mask = torch.where(mask, bias[:num_group_keys].to(mask_dtype), float("-inf")).to(mask_dtype)
         groups.append(QueryGroup(slice(start, end), num_group_keys, mask))
-    return AttentionMeta(AttentionLayout.SUBSET, num_keys, groups=tuple(groups))
+    return AttentionMeta(AttentionLayout.SUBSET, num_keys, groups=tuple(groups), dtype=dtype)
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: AttentionMeta, scale: float) -> torch.Tensor:
@@ -148,6 +169,14 @@ def attend_heads(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta
     """`attend` before its heads are laid side by side: q [H, A, D] -> [H, A, D] (a caller that
     copies the output into a buffer of its own does it in one copy: blend_engine/prefill_graph.py)."""
     keys, values = keys[:, : meta.num_keys], values[:, : meta.num_keys]
+    if meta.dtype is None or meta.dtype == q.dtype:
+        return _attend_heads(q, keys, values, meta, scale)
+    out = _attend_heads(q.to(meta.dtype), keys.to(meta.dtype), values.to(meta.dtype), meta, scale)
+    return out.to(q.dtype)
+
+
+def _attend_heads(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: AttentionMeta,
+                  scale: float) -> torch.Tensor:
     if meta.layout == AttentionLayout.SUBSET and meta.mask is not None:
         return _folded(q, keys, values, meta.mask, scale)
     if meta.layout == AttentionLayout.SUBSET:

@@ -9,7 +9,8 @@ from typing import Callable, Generator, Iterator, Sequence, TypeVar
 
 import torch
 
-from blend_engine.attention import AttentionBackend, attend, avoid_cudnn_attention, causal_meta, last_meta, subset_meta
+from blend_engine.attention import (AttentionBackend, attend, avoid_cudnn_attention, causal_meta, last_meta,
+                                    resolve_attention_dtype, subset_meta)
 from blend_engine.batch_decode import DecodeBuckets, batch_step
 from blend_engine.decode import Decoder
 from blend_engine.decode_cache import resolve_decode_cache
@@ -26,7 +27,7 @@ from blend_engine.types import BlendConfig, Delta, PrefillMode, PrefillResult, S
 from blend_engine.weights import weight_format
 from blend_engine.weights_id import engine_fingerprint
 from blend_engine.config import ModelConfig
-from configs.enums import ChunkOrder, DecodeCache, SinkMode, WeightFormat
+from configs.enums import AttentionDtype, ChunkOrder, DecodeCache, SinkMode, WeightFormat
 
 _Job = TypeVar("_Job", bound=Callable)
 MAX_CACHED_PREFIXES = 16
@@ -79,6 +80,7 @@ class BlendEngine:
         prefill_graphs: bool = ModelConfig.prefill_graphs,
         answer_instruction: str = ModelConfig.answer_instruction,
         chunk_order: ChunkOrder = ModelConfig.chunk_order,
+        attention_dtype: AttentionDtype = ModelConfig.attention_dtype,
     ):
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -88,6 +90,9 @@ class BlendEngine:
         self.blend = blend.fitted(self.runner.num_layers)
         self.weights = weight_format(self.model)  # what the linear layers hold (fp32: as loaded)
         self.attention_backend = AttentionBackend.for_device(self.runner.device)
+        # what prefill attention computes in (ModelConfig.attention_dtype); decode keeps its own format
+        self.attention_dtype = resolve_attention_dtype(AttentionDtype(attention_dtype), self.runner.device,
+                                                       self.runner.dtype, self.weights != WeightFormat.FP32)
         if self.runner.device.type == "cuda":
             avoid_cudnn_attention()  # a plan per prompt length: see there
         self.is_decode_graphed = self.runner.device.type == "cuda"  # CUDA-graph the decode step
@@ -117,7 +122,8 @@ class BlendEngine:
     def from_config(cls, model: ModelConfig, blend: BlendConfig = BlendConfig(),
                     max_cpu_threads: int | None = None) -> BlendEngine:
         return cls(load_model(model), blend, model.system_prompt, model.cpu_threads, model.decode_cache,
-                   max_cpu_threads, model.prefill_graphs, model.answer_instruction, model.chunk_order)
+                   max_cpu_threads, model.prefill_graphs, model.answer_instruction, model.chunk_order,
+                   model.attention_dtype)
 
     @classmethod
     def from_model(cls, model, tokenizer=None, name: str = "custom", **kwargs) -> BlendEngine:
@@ -212,7 +218,8 @@ class BlendEngine:
                 keys[layer], values[layer] = k[:, n_ctx:], v[:, n_ctx:]
                 if layer == runner.num_layers - 1:
                     break  # the last layer's output feeds nothing stored
-                out = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, causal_meta(ids.numel()), runner.scaling)
+                meta = causal_meta(ids.numel(), self.attention_dtype)
+                out = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, meta, runner.scaling)
                 hidden = runner.finish(layer, hidden, out)
         return ChunkKV(token_ids, context_ids, keys, values)
 
@@ -266,7 +273,7 @@ class BlendEngine:
             source = MergedKVSource(caches, kv_source, self.device, self.dtype)
         parts = prefill_steps(self.runner, plan, blend, source, max_new_tokens, self.attention_backend, is_profiled,
                               self.is_bulk_layout, max_step_token_layers,
-                              self.prefill_graphs if self.is_prefill_graphed else None)
+                              self.prefill_graphs if self.is_prefill_graphed else None, self.attention_dtype)
         try:
             for part in parts:
                 if part is not None:
@@ -293,9 +300,9 @@ class BlendEngine:
         cos, sin = runner.rope(positions)
 
         def meta_with(bias: torch.Tensor | None):
-            return last_meta(start + 1, bias) if num_new == 1 else subset_meta(
+            return last_meta(start + 1, bias, self.attention_dtype) if num_new == 1 else subset_meta(
                 positions, start + num_new, self.attention_backend, runner.num_heads // runner.num_kv_heads,
-                list(range(start, start + num_new)), self.dtype, bias)
+                list(range(start, start + num_new)), self.attention_dtype, bias)
 
         # a prefill that scaled the reused tokens' attention left its column bias on the cache
         plain = meta_with(None)

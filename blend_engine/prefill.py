@@ -67,7 +67,8 @@ def last_part(parts: Generator[PrefillResult | None, None, None]) -> PrefillResu
 def prefill_steps(runner: ModelRunner, plan: PrefillPlan, blend: BlendConfig, source: LayerKVSource | None,
                   max_new_tokens: int, backend: AttentionBackend, is_profiled: bool = False,
                   is_bulk_layout: bool = False, max_step_token_layers: int | None = None,
-                  graphs: PrefillGraphs | None = None) -> Generator[PrefillResult | None, None, None]:
+                  graphs: PrefillGraphs | None = None,
+                  attention_dtype: torch.dtype | None = None) -> Generator[PrefillResult | None, None, None]:
     """The prefill cut by layers: None after each group of layers, then the PrefillResult.
 
     The step budget counts token-layers: each layer adds the tokens active at its start (all of them in
@@ -80,7 +81,7 @@ def prefill_steps(runner: ModelRunner, plan: PrefillPlan, blend: BlendConfig, so
     (`_part_target`), rather than full parts and a small last one. Every op runs as in one go, in the
     same order: the result is the same. `prefill_ms` counts the parts' own time, not the pauses
     between them. The caller owns `source` and closes it, also when it abandons the generator midway
-    (`close()`).
+    (`close()`). Attention computes in `attention_dtype` (None: the model's).
 
     With `graphs`, the layers past the last check layer (every layer where there is none) run their
     linear parts as a bucket's CUDA graphs (blend_engine/prefill_graph.py; off CUDA, the same static
@@ -96,8 +97,8 @@ def prefill_steps(runner: ModelRunner, plan: PrefillPlan, blend: BlendConfig, so
     cache = KVCache(runner.num_layers, runner.num_kv_heads, runner.head_dim, capacity, device, runner.dtype)
     cache.extend(num_tokens)
     rope = RopeTable(*runner.rope(torch.arange(num_tokens, device=device)))  # [N, D] each
-    ctx = active_context(plan, rope, backend, runner.num_heads // runner.num_kv_heads, device, runner.dtype, blend,
-                         runner.scaling)
+    ctx = active_context(plan, rope, backend, runner.num_heads // runner.num_kv_heads, device,
+                         attention_dtype or runner.dtype, blend, runner.scaling)
     is_whole = is_bulk_layout and isinstance(source, WholeKVSource)
     if plan.cached_pos and is_whole:
         with timer.stage("rope"):
@@ -137,7 +138,8 @@ def prefill_steps(runner: ModelRunner, plan: PrefillPlan, blend: BlendConfig, so
     with timer.stage("compute"):
         logits = runner.logits(state.hidden[-1:])[0]  # [vocab]
     if state.active.bias is not None:  # scoring and decoding attend to the reused tokens as the prefill did
-        cache.column_bias = ColumnBias(F.pad(state.active.bias, (0, capacity - num_tokens)), plan.first_scaled_layer)
+        bias = F.pad(state.active.bias, (0, capacity - num_tokens)).to(cache.keys.dtype)  # decode: the cache's dtype
+        cache.column_bias = ColumnBias(bias, plan.first_scaled_layer)
     selected, unselected, last_shift = _read_back(state)
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # prefill_ms ends when the logits exist, not when they were queued
@@ -200,7 +202,7 @@ def _graphed_layer_step(runner: ModelRunner, ctx: ActiveContext, cache: KVCache,
             meta = active.attention_at(layer, plan.first_scaled_layer)
             bucket.finish(layer, attend_heads(q, keys, values, meta, runner.scaling))
             return
-        meta = last_meta(plan.num_tokens, active.bias_at(layer, plan.first_scaled_layer))
+        meta = last_meta(plan.num_tokens, active.bias_at(layer, plan.first_scaled_layer), ctx.dtype)
         out = attend(q[:, -1:], keys, values, meta, runner.scaling)  # [1, H*D]
         hidden = bucket.output()[-1:]
         graphs.release(bucket)
@@ -243,7 +245,7 @@ def _layer_step(runner: ModelRunner, ctx: ActiveContext, blend: BlendConfig, cac
             state.active = active
         cos, sin, meta = active.cos, active.sin, active.attention_at(layer, plan.first_scaled_layer)
         if layer == runner.num_layers - 1:  # only the last token's output matters now
-            meta = last_meta(plan.num_tokens, active.bias_at(layer, plan.first_scaled_layer))
+            meta = last_meta(plan.num_tokens, active.bias_at(layer, plan.first_scaled_layer), ctx.dtype)
             q, hidden, cos, sin = q[:, -1:], hidden[-1:], cos[-1:], sin[-1:]
         if is_check:
             q = apply_rope(q, cos, sin)

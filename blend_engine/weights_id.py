@@ -77,4 +77,6 @@ def engine_fingerprint(engine) -> str:
         "format": KV_FORMAT_VERSION,
         "weight_format": engine.weights.value,  # int8 weights make other KV than fp32 ones
     }
+    if engine.attention_dtype != engine.dtype:  # only then: the KV of an unchanged config keeps its key
+        parts["attention"] = str(engine.attention_dtype)
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]

@@ -109,6 +109,14 @@ class DecodeCache(str, Enum):
     INT8 = "int8"  # keys and values int8 with a scale per token and KV head (CPU)
 
 
+class AttentionDtype(str, Enum):
+    """What a prefill's attention computes in (blend_engine/attention.py `resolve_attention_dtype`)."""
+
+    AUTO = "auto"  # bf16 where the prefill's GEMMs already are (quantized weights, a CPU with native bf16), else model
+    MODEL = "model"  # the model's dtype (float32 on CPU)
+    BFLOAT16 = "bfloat16"  # q, k and v cast to bf16 per call, the output cast back
+
+
 class IndexKind(str, Enum):
     """FAISS index over normalised embeddings (inner product = cosine)."""
 

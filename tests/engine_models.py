@@ -59,7 +59,7 @@ cpu_exact = pytest.mark.skipif(os.environ.get("RAGBLEND_TEST_DEVICE", "cpu") != 
                                reason="exact fp32 comparison (token choices, bit equality): CPU only")
 
 
-def build_engine(name: str, seed: int = 0) -> BlendEngine:
+def build_engine(name: str, seed: int = 0, **engine_options) -> BlendEngine:
     torch.manual_seed(seed)
     model = MODEL_BUILDERS[name]().eval()
     if hasattr(model, "model") and name == "qwen2-bias":
@@ -70,7 +70,7 @@ def build_engine(name: str, seed: int = 0) -> BlendEngine:
     device = test_device()
     if device.type == "cuda":
         model = model.to(device, dtype=torch.bfloat16)
-    return BlendEngine.from_model(model, tokenizer=None, name=name, blend=BlendConfig.cacheblend())
+    return BlendEngine.from_model(model, tokenizer=None, name=name, blend=BlendConfig.cacheblend(), **engine_options)
 
 
 def random_ids(n: int, seed: int) -> tuple[int, ...]:
