@@ -9,8 +9,8 @@ from typing import Callable, Generator, Iterator, Sequence, TypeVar
 
 import torch
 
-from blend_engine.attention import (AttentionBackend, attend, avoid_cudnn_attention, causal_meta, last_meta,
-                                    resolve_attention_dtype, subset_meta)
+from blend_engine.attention import (BF16_MIN_KEYS, AttentionBackend, attend, avoid_cudnn_attention, causal_meta,
+                                    last_meta, resolve_attention_dtype, subset_meta)
 from blend_engine.batch_decode import DecodeBuckets, batch_step
 from blend_engine.decode import Decoder
 from blend_engine.decode_cache import resolve_decode_cache
@@ -91,8 +91,10 @@ class BlendEngine:
         self.weights = weight_format(self.model)  # what the linear layers hold (fp32: as loaded)
         self.attention_backend = AttentionBackend.for_device(self.runner.device)
         # what prefill attention computes in (ModelConfig.attention_dtype); decode keeps its own format
-        self.attention_dtype = resolve_attention_dtype(AttentionDtype(attention_dtype), self.runner.device,
-                                                       self.runner.dtype, self.weights != WeightFormat.FP32)
+        choice = AttentionDtype(attention_dtype)
+        self.attention_dtype = resolve_attention_dtype(choice, self.runner.device, self.runner.dtype,
+                                                       self.weights != WeightFormat.FP32)
+        self.min_cast_keys = BF16_MIN_KEYS if choice == AttentionDtype.AUTO else 0  # auto: long prefills only
         if self.runner.device.type == "cuda":
             avoid_cudnn_attention()  # a plan per prompt length: see there
         self.is_decode_graphed = self.runner.device.type == "cuda"  # CUDA-graph the decode step
@@ -137,6 +139,11 @@ class BlendEngine:
     @property
     def dtype(self) -> torch.dtype:
         return self.runner.dtype
+
+    def attention_dtype_for(self, num_keys: int) -> torch.dtype:
+        """What a prefill over `num_keys` keys attends in: `attention_dtype`, or under auto below
+        BF16_MIN_KEYS the model's dtype."""
+        return self.attention_dtype if num_keys >= self.min_cast_keys else self.dtype
 
     @property
     def num_layers(self) -> int:
@@ -218,7 +225,7 @@ class BlendEngine:
                 keys[layer], values[layer] = k[:, n_ctx:], v[:, n_ctx:]
                 if layer == runner.num_layers - 1:
                     break  # the last layer's output feeds nothing stored
-                meta = causal_meta(ids.numel(), self.attention_dtype)
+                meta = causal_meta(ids.numel(), self.attention_dtype_for(ids.numel()))
                 out = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, meta, runner.scaling)
                 hidden = runner.finish(layer, hidden, out)
         return ChunkKV(token_ids, context_ids, keys, values)
@@ -273,7 +280,8 @@ class BlendEngine:
             source = MergedKVSource(caches, kv_source, self.device, self.dtype)
         parts = prefill_steps(self.runner, plan, blend, source, max_new_tokens, self.attention_backend, is_profiled,
                               self.is_bulk_layout, max_step_token_layers,
-                              self.prefill_graphs if self.is_prefill_graphed else None, self.attention_dtype)
+                              self.prefill_graphs if self.is_prefill_graphed else None,
+                              self.attention_dtype_for(plan.num_tokens))
         try:
             for part in parts:
                 if part is not None:
@@ -299,10 +307,12 @@ class BlendEngine:
         hidden = runner.embed(torch.tensor(list(token_ids), dtype=torch.long, device=self.device))
         cos, sin = runner.rope(positions)
 
+        dtype = self.attention_dtype_for(start + num_new)
+
         def meta_with(bias: torch.Tensor | None):
-            return last_meta(start + 1, bias, self.attention_dtype) if num_new == 1 else subset_meta(
+            return last_meta(start + 1, bias, dtype) if num_new == 1 else subset_meta(
                 positions, start + num_new, self.attention_backend, runner.num_heads // runner.num_kv_heads,
-                list(range(start, start + num_new)), self.attention_dtype, bias)
+                list(range(start, start + num_new)), dtype, bias)
 
         # a prefill that scaled the reused tokens' attention left its column bias on the cache
         plain = meta_with(None)

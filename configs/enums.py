@@ -112,7 +112,7 @@ class DecodeCache(str, Enum):
 class AttentionDtype(str, Enum):
     """What a prefill's attention computes in (blend_engine/attention.py `resolve_attention_dtype`)."""
 
-    AUTO = "auto"  # bf16 where the prefill's GEMMs already are (quantized weights, a CPU with native bf16), else model
+    AUTO = "auto"  # bf16 from 1 024 keys where the prefill's GEMMs already are (quantized weights, native bf16)
     MODEL = "model"  # the model's dtype (float32 on CPU)
     BFLOAT16 = "bfloat16"  # q, k and v cast to bf16 per call, the output cast back
 

@@ -7,6 +7,7 @@ import torch
 from engine_models import build_engine, random_ids
 
 from blend_engine.attention import (
+    BF16_MIN_KEYS,
     AttentionBackend,
     attend,
     causal_meta,
@@ -114,4 +115,22 @@ def test_auto_takes_bf16_where_the_prefill_gemms_already_run_in_it():
     assert build_engine("llama-gqa").attention_dtype == torch.float32
     engine = build_engine("llama-gqa")
     convert_linears(engine.model, WeightFormat.INT4)
-    assert BlendEngine.from_model(engine.model, name="int4").attention_dtype == native
+    auto = BlendEngine.from_model(engine.model, name="int4", attention_dtype="auto")
+    assert auto.attention_dtype == native
+    # auto casts long prefills only; an explicit bfloat16 casts every one
+    assert auto.attention_dtype_for(BF16_MIN_KEYS - 1) == torch.float32
+    assert auto.attention_dtype_for(BF16_MIN_KEYS) == native
+    assert build_engine("llama-gqa", attention_dtype="bfloat16").attention_dtype_for(8) == torch.bfloat16
+
+
+def test_auto_leaves_a_short_prefill_exactly_as_the_model_dtype_computes_it():
+    """Under auto a prompt below BF16_MIN_KEYS attends in the model's dtype: the same logits, bit for bit,
+    as an engine told `model` (a long one is past the tiny models' 512 positions: `attention_dtype_for`
+    says what it gets, and the bfloat16 engines above what bf16 attention computes)."""
+    engines = {}
+    for choice in ("auto", "model"):
+        engine = build_engine("llama-gqa")
+        convert_linears(engine.model, WeightFormat.INT4)
+        engines[choice] = BlendEngine.from_model(engine.model, name="int4", attention_dtype=choice)
+    short = [engines[c].prefill(prompt(engines[c]), PrefillMode.BLEND, BlendConfig.cacheblend()) for c in engines]
+    assert torch.equal(short[0].logits, short[1].logits)
