@@ -23,7 +23,7 @@ from bench.engine_bench import DEFAULT_DATA, greedy_ids, model_overrides, prompt
 from bench.engine_variants import Variant
 from bench.metrics import argmax_agreement, mean_kl, safe_mean, safe_median
 from bench.musique import load_questions
-from bench.output import emit_summary
+from bench.output import cpu_name, emit_summary
 from blend_engine.engine import BlendEngine
 from blend_engine.types import PrefillMode
 from configs.settings import load_settings
@@ -102,7 +102,7 @@ def _summary(rows: dict[tuple[str, str], list[dict]], args: argparse.Namespace, 
     blend_over_full = {d: median(f / b for f, b in zip(ttfts(d, "full"), ttfts(d, "blend"))) for d in DTYPES}
     return {
         "bench": "attention-dtype", "model": engine.model_name, "weights": engine.weights.value,
-        "device": str(engine.device), "machine": platform.machine(), "processor": _cpu_name(),
+        "device": str(engine.device), "machine": platform.machine(), "processor": cpu_name(),
         "threads": torch.get_num_threads(), "questions": len(rows["model", "full"]),
         "first_question": args.first_question, "passages": args.passages, "recompute_ratio": ratio,
         "prompt_tokens_p50": safe_median(r["prompt_tokens"] for r in rows["model", "full"]),
@@ -110,14 +110,6 @@ def _summary(rows: dict[tuple[str, str], list[dict]], args: argparse.Namespace, 
         "bf16_speedup": ratios,  # per mode: median over questions of TTFT(model) / TTFT(bf16)
         "blend_over_full": blend_over_full,  # per attention dtype: median of full's TTFT / blend's
     }
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return platform.processor()
 
 
 def _print(summary: dict) -> None:

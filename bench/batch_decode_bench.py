@@ -31,6 +31,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 
 from bench.engine_bench import model_overrides  # noqa: E402
+from bench.output import cpu_name  # noqa: E402
 from blend_engine.batch_decode import StaticBatch, batch_step  # noqa: E402
 from blend_engine.decode import Decoder  # noqa: E402
 from blend_engine.engine import BlendEngine  # noqa: E402
@@ -285,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{'' if speedup is None else f'{speedup:.2f}x'} | {'' if one is None else f'{ms / one:.2f}x'} |")
     if args.out is not None:
         figures = {
-            "machine": {"cpu": _cpu_name(), "num_cpus": os.cpu_count(), "platform": platform.platform(),
+            "machine": {"cpu": cpu_name(), "num_cpus": os.cpu_count(), "platform": platform.platform(),
                         "torch": torch.__version__, "load_avg_1m_at_end": os.getloadavg()[0]},
             "model": engine.model_name, "weights": engine.weights.value, "decode_cache": engine.decode_cache.value,
             "threads": args.threads, "context_tokens": args.context,
@@ -300,13 +301,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _gpu_name(device: torch.device) -> str | None:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else None
-
-
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -4,8 +4,20 @@ the same object written to `--out` when given."""
 from __future__ import annotations
 
 import json
+import platform
 from pathlib import Path
 from typing import Any, Callable
+
+
+def cpu_name() -> str:
+    """The CPU's model name (what a summary says the figures were taken on)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 def emit_summary(summary: dict[str, Any], out: str | Path | None, indent: int | None = None,

@@ -31,6 +31,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from bench.output import cpu_name  # noqa: E402
 from blend_engine.engine import BlendEngine  # noqa: E402
 from blend_engine.types import SamplingParams  # noqa: E402
 from configs.settings import load_settings  # noqa: E402
@@ -162,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({
             "bench": "prefill_stall", "args": {k: str(v) for k, v in vars(args).items()},
-            "machine": {"processor": _cpu_name(), "num_cpus": os.cpu_count(), "torch": torch.__version__,
+            "machine": {"processor": cpu_name(), "num_cpus": os.cpu_count(), "torch": torch.__version__,
                         "platform": platform.platform()},
             "model": engine.model_name, "num_layers": engine.num_layers, "weights": str(engine.weights),
             "num_prompt_tokens": num_prompt_tokens, "summary": summary, "rounds": results,
@@ -171,14 +172,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def main() -> int:
