@@ -78,5 +78,6 @@ def engine_fingerprint(engine) -> str:
         "weight_format": engine.weights.value,  # int8 weights make other KV than fp32 ones
     }
     if engine.attention_dtype != engine.dtype:  # only then: the KV of an unchanged config keeps its key
-        parts["attention"] = str(engine.attention_dtype)
+        # and from which length on (BF16_MIN_KEYS under auto): a chunk between two thresholds differs
+        parts["attention"] = f"{engine.attention_dtype} from {engine.min_cast_keys} keys"
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
