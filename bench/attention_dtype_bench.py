@@ -77,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
             ref_logits = reference.score(results["model", "full"], ref_ids)
             for (d, mode), result in results.items():
                 logits = engines[d].score(result, ref_ids)
-                rows[d, mode][-1].update(tf_kl=mean_kl(ref_logits, logits), tf_agreement=argmax_agreement(logits, ref_ids))
+                rows[d, mode][-1].update(tf_kl=mean_kl(ref_logits, logits),
+                                         tf_agreement=argmax_agreement(logits, ref_ids))
         print(f"question {qi + 1}/{len(questions)} done", flush=True)
     summary = _summary(rows, args, ratio, engines["model"])
     _print(summary)

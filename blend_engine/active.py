@@ -107,8 +107,8 @@ def initial_active(ctx: ActiveContext) -> ActiveSet:
     num_tokens = plan.num_tokens
     if plan.check_layers or not plan.cached_pos:
         pos = torch.arange(num_tokens, device=device)
-        return ActiveSet(pos, _tensor(plan.fresh_pos, device), _tensor(plan.cached_pos, device),
-                         ctx.rope.cos, ctx.rope.sin, ctx.rope.signed_sin, causal_meta(num_tokens, ctx.dtype), slice(0, num_tokens))
+        return ActiveSet(pos, _tensor(plan.fresh_pos, device), _tensor(plan.cached_pos, device), ctx.rope.cos,
+                         ctx.rope.sin, ctx.rope.signed_sin, causal_meta(num_tokens, ctx.dtype), slice(0, num_tokens))
     pos = _tensor(plan.fresh_pos, device)
     rows = torch.arange(len(plan.fresh_pos), device=device)
     meta, biased = _metas(ctx, pos, list(plan.fresh_pos), ctx.column_bias)  # reuse: every reused token biased

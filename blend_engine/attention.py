@@ -28,8 +28,8 @@ from configs.enums import AttentionDtype
 
 MAX_QUERY_GROUPS = 8
 # AttentionDtype.AUTO casts a prefill to bf16 from this many keys: below it a new shape's bf16 kernels cost
-# their setup (oneDNN JIT, per shape) about what they save. Server, 2-core Xeon with AMX, blend prefill
-# fp32 / bf16: 1.01x at ~660 tokens, 1.19x at ~1 270, 1.46x at ~3 060 (docs/decisions/0023)
+# their setup (oneDNN JIT, per shape) about what they save. Server, 2-core Xeon with AMX, bf16 at every
+# length, blend prefill fp32 / bf16: 1.01x at ~660 tokens, 1.19x at ~1 270, 1.46x at ~3 060 (decision 0023)
 BF16_MIN_KEYS = 1024
 MIN_QUERIES_PER_GROUP = 64
 

@@ -61,8 +61,8 @@ class ModelConfig:
         "prefills; decode is unchanged): auto (bfloat16 for a prompt of 1 024 tokens or more where the prefill's "
         "GEMMs already run in bf16: quantized weights on a CPU with native bf16, AVX512-BF16 or AMX; else model) | "
         "model (the model's dtype: float32 on CPU) | bfloat16 (q, k and v cast per call, whatever the length). "
-        "Measured through the server on a 2-core Xeon with AMX: blend's prefill 1.46x and full's 1.48x faster at "
-        "~3 060 tokens, no faster under ~700; blend's KL unchanged (docs/decisions/0023). Part of the KV's "
+        "Measured through the server on a 2-core Xeon with AMX: blend's prefill 1.46-1.50x and full's 1.41-1.48x "
+        "faster at ~3 060 tokens, no faster under ~700; blend's KL unchanged (docs/decisions/0023). Part of the KV's "
         "identity: stored chunks are re-keyed at start-up when it changes.")] = AttentionDtype.AUTO
     prefill_graphs: Annotated[bool, Field(
         description="CUDA: a prefill's layers past blend's last check layer (every layer in reuse, prefix and full "
