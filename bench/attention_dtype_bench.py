@@ -12,7 +12,6 @@ teacher-forced KL(full, float32 || row) over its greedy answer (`--answer-tokens
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import platform
 from dataclasses import replace
 from statistics import median
@@ -55,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     ratio = args.ratio if args.ratio is not None else settings.blend.recompute_ratio
     variants = {"full": Variant("full", PrefillMode.FULL, sink),
                 "blend": Variant(f"blend@{ratio:.2f}", PrefillMode.BLEND, sink,
-                                 dataclasses.replace(engines["model"].blend, recompute_ratio=ratio))}
+                                 replace(engines["model"].blend, recompute_ratio=ratio))}
     questions = load_questions(args.data, args.first_question + args.questions, args.passages)[args.first_question:]
     caches: dict[str, list[dict]] = {d: [{} for _ in questions] for d in DTYPES}
     for d in DTYPES:  # warm-up: the first prefill of each engine pays one-time costs
