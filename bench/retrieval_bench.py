@@ -28,7 +28,7 @@ import numpy as np
 from app.commands.exit_codes import ExitCode
 from bench.answers_set import DEFAULT_SET, load_set
 from bench.output import emit_summary
-from configs.enums import RetrievalMode
+from configs.enums import EmbedderRuntime, RetrievalMode
 
 ROOT = Path(__file__).resolve().parent.parent
 CHUNKS_PER_DOCUMENT = 10
@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--search-threads", default=None,
                         help="FAISS threads of a search (retrieval.search_threads); several, comma-separated "
                              "(e.g. 1,2): each mode is timed under each in turn, reported as MODE@N")
+    parser.add_argument("--embedder-runtimes", default=None,
+                        help="what runs the question's embedding (retrieval.embedder_runtime): several, comma-separated "
+                             "(e.g. torch,onnx): each mode is timed under each in turn, reported as MODE/RUNTIME")
     parser.add_argument("--out", type=Path)
 
 
@@ -112,32 +115,40 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 def measure(retriever, asked: Sequence[str], modes: Sequence[RetrievalMode], top_k: int, num_candidates: int,
-            num_queries: int, search_threads: Sequence[int] = ()) -> dict[str, Any]:
+            num_queries: int, search_threads: Sequence[int] = (), embedders: dict[str, Any] | None = None
+            ) -> dict[str, Any]:
     """Per mode: the whole search (as the server runs it), and its parts, the modes taking turns per question;
-    with several `search_threads`, each mode under each FAISS thread count in turn (keys MODE@N)."""
-    runs = [(m, n) for m in modes for n in (search_threads if len(search_threads) > 1 else [None])]
-    names = {run: run[0].value if run[1] is None else f"{run[0].value}@{run[1]}" for run in runs}
+    with several `search_threads`, each mode under each FAISS thread count in turn (keys MODE@N); with
+    several `embedders` (runtime -> Embedder), each under each in turn (keys MODE/RUNTIME, parts embed/RUNTIME)."""
+    embedders = embedders if embedders and len(embedders) > 1 else {None: retriever.embedder}
+    runs = [(m, n, e) for m in modes for n in (search_threads if len(search_threads) > 1 else [None])
+            for e in embedders]
+    names = {run: run[0].value + ("" if run[1] is None else f"@{run[1]}") + ("" if run[2] is None else f"/{run[2]}")
+             for run in runs}
     samples: dict[str, list[float]] = {name: [] for name in names.values()}
     after_embedding: dict[str, list[float]] = {name: [] for name in names.values()}
-    parts: dict[str, list[float]] = {"embed": [], "dense_index": [], "lexical_store": []}
-    threads_set = retriever.index.search_threads
+    embed_parts = {e: "embed" if e is None else f"embed/{e}" for e in embedders}
+    parts: dict[str, list[float]] = {**{name: [] for name in embed_parts.values()}, "dense_index": [], "lexical_store": []}
+    threads_set, embedder_set = retriever.index.search_threads, retriever.embedder
     for number in range(num_queries + 20):
         question = asked[number % len(asked)]
         is_warm = number >= 20
-        vector = retriever.embedder.encode_one(question)
-        for mode, threads in runs[number % len(runs):] + runs[: number % len(runs)]:
+        vector = embedder_set.encode_one(question)
+        for mode, threads, runtime in runs[number % len(runs):] + runs[: number % len(runs)]:
             retriever.index.search_threads = threads_set if threads is None else threads
+            retriever.embedder = embedders[runtime]
             took = timed(lambda: retriever.search(question, top_k, ALL, mode, num_candidates))
             given = timed(lambda: retriever.search(question, top_k, ALL, mode, num_candidates, vector=vector))
             if is_warm:
-                samples[names[mode, threads]].append(took)
-                after_embedding[names[mode, threads]].append(given)
-        retriever.index.search_threads = threads_set
-        embed = timed(lambda: retriever.embedder.encode_one(question))
+                samples[names[mode, threads, runtime]].append(took)
+                after_embedding[names[mode, threads, runtime]].append(given)
+        retriever.index.search_threads, retriever.embedder = threads_set, embedder_set
+        embeds = {name: timed(lambda: embedders[e].encode_one(question)) for e, name in embed_parts.items()}
         dense = timed(lambda: retriever.index.search(vector, max(top_k, num_candidates), ALL))
         lexical = timed(lambda: retriever.store.lexical_search(question, max(top_k, num_candidates), ALL))
         if is_warm:
-            parts["embed"].append(embed)
+            for name, took in embeds.items():
+                parts[name].append(took)
             parts["dense_index"].append(dense)
             parts["lexical_store"].append(lexical)
     return {"search": {mode: percentiles(s) for mode, s in samples.items()},
@@ -147,6 +158,7 @@ def measure(retriever, asked: Sequence[str], modes: Sequence[RetrievalMode], top
 
 def run_store(kind: str, database_url: str | None, texts: Sequence[str], asked: Sequence[str], args) -> dict[str, Any]:
     from retrieval.config import RetrievalConfig
+    from retrieval.embedder import Embedder
     from retrieval.retriever import Retriever
 
     with tempfile.TemporaryDirectory(prefix="ragblend-retrieval-bench-") as tmp:
@@ -156,15 +168,18 @@ def run_store(kind: str, database_url: str | None, texts: Sequence[str], asked: 
 
             empty_database(database_url)
             store = PostgresDocumentStore(database_url)
-        threads = _threads(args.search_threads)
-        config = RetrievalConfig() if not threads else RetrievalConfig(search_threads=threads[0])
+        threads, runtimes = _threads(args.search_threads), _runtimes(args.embedder_runtimes)
+        config = RetrievalConfig(**({"search_threads": threads[0]} if threads else {}),
+                                 **({"embedder_runtime": runtimes[0]} if runtimes else {}))
         retriever = Retriever.open(Path(tmp), config, store)
         try:
+            embedders = {r.value: retriever.embedder if r is config.embedder_runtime else Embedder.from_name(
+                config.embedder, runtime=r, cache_dir=Path(tmp) / "embedder") for r in runtimes}
             fill_s = fill(retriever, texts, args.random_vectors, random.Random(args.seed))
             if kind == "postgres":
                 settle(database_url)
             modes = [RetrievalMode(m.strip()) for m in args.modes.split(",")]
-            result = measure(retriever, asked, modes, args.top_k, args.num_candidates, args.queries, threads)
+            result = measure(retriever, asked, modes, args.top_k, args.num_candidates, args.queries, threads, embedders)
             return {"store": kind, "num_chunks": retriever.store.num_chunks(), "fill_s": fill_s, **result}
         finally:
             retriever.close()
@@ -186,6 +201,12 @@ def run(args: argparse.Namespace) -> int:
     if args.chunks < 1 or args.queries < 1:
         print("ragblend bench retrieval: --chunks and --queries must be >= 1", file=sys.stderr)
         return ExitCode.USAGE
+    try:
+        _runtimes(args.embedder_runtimes)
+    except ValueError:
+        print(f"ragblend bench retrieval: --embedder-runtimes takes {', '.join(r.value for r in EmbedderRuntime)}",
+              file=sys.stderr)
+        return ExitCode.USAGE
     rng = random.Random(args.seed)
     texts = chunk_texts(sentences(args.musique_data), args.chunks, rng)
     asked = questions(args.musique_data)
@@ -195,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
     print_table(rows)
     emit_summary({"bench": "retrieval", "chunks": args.chunks, "queries": args.queries, "top_k": args.top_k,
                   "search_threads": _threads(args.search_threads) or None,
+                  "embedder_runtimes": [r.value for r in _runtimes(args.embedder_runtimes)] or None,
                   "num_candidates": args.num_candidates, "random_vectors": args.random_vectors, "seed": args.seed,
                   "num_questions": len(asked), "results": rows}, args.out, indent=2)
     return ExitCode.OK
@@ -202,6 +224,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _threads(text: str | None) -> list[int]:
     return [] if not text else [int(x) for x in text.split(",") if x.strip()]
+
+
+def _runtimes(text: str | None) -> list[EmbedderRuntime]:
+    return [] if not text else [EmbedderRuntime(x.strip()) for x in text.split(",") if x.strip()]
 
 
 def settle(url: str) -> None:

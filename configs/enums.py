@@ -132,6 +132,13 @@ class RetrievalMode(str, Enum):
     HYBRID = "hybrid"  # both, fused by reciprocal rank
 
 
+class EmbedderRuntime(str, Enum):
+    """What runs the embedder's modules (retrieval/embedder.py)."""
+
+    TORCH = "torch"  # sentence-transformers' modules in torch
+    ONNX = "onnx"  # the same modules exported once to ONNX (torch.onnx), run by ONNX Runtime on the CPU
+
+
 class ChunkingMode(str, Enum):
     TOKENS = "tokens"  # split by the LLM's tokens at sentence/paragraph boundaries
     STRUCTURE = "structure"  # the document's blocks kept whole, headings start chunks, never across pages

@@ -8,7 +8,7 @@ from typing import Annotated
 from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass
 
-from configs.enums import ChunkingMode, IndexKind, RetrievalMode
+from configs.enums import ChunkingMode, EmbedderRuntime, IndexKind, RetrievalMode
 
 _CONFIG = ConfigDict(extra="forbid", validate_default=True)
 
@@ -17,6 +17,12 @@ _CONFIG = ConfigDict(extra="forbid", validate_default=True)
 class RetrievalConfig:
     embedder: Annotated[str, Field(
         description="'all-minilm-l6-v2' (packaged) or a local model dir.")] = "all-minilm-l6-v2"
+    embedder_runtime: Annotated[EmbedderRuntime, Field(
+        description="What runs the embedder on the CPU: torch (sentence-transformers' modules) or onnx (the same "
+        "modules exported once to ONNX under the data directory's embedder/, run by ONNX Runtime: a question's "
+        "embedding ~9.8 -> ~6.0 ms p50 and ~15-17 -> ~8 ms p99 on 2 cores, for ~40-100 MB more resident memory; "
+        "docs/decisions/0024). The same vectors either way (within 1e-6); onnx falls back to torch, with a "
+        "warning, where it cannot export or load.")] = EmbedderRuntime.TORCH
     chunking: Annotated[ChunkingMode, Field(description="Default chunking of ingested documents: structure (the document's blocks, "
         "headings and pages), tokens (sentences) or none (one passage, one chunk).")] = ChunkingMode.STRUCTURE
     chunk_tokens: Annotated[int, Field(ge=16, le=4096, description="Target chunk size in LLM tokens (docs/decisions/0022).")] = 192

@@ -20,8 +20,8 @@ import numpy as np
 from retrieval.lexical import COMMON_TERM_SHARE, MOST_TERM_SHARE, fts5_query, query_terms
 from retrieval.store_types import (
     DEFAULT_COLLECTION, Changes, ChunkTokens, CollectionCounts, CollectionExistsError, CollectionNotFoundError,
-    CollectionRow, DocumentStore, DocumentSummaryRow, EmbeddingBatch, ExportedDocument, KeyRow, NewChunk, PutResult,
-    StoredChunk, StoredDocument, chunk_id_of, chunk_pages,
+    CollectionRow, DocumentStore, DocumentSummaryRow, EmbeddingBatch, ExportedDocument, FusedHit, KeyRow, NewChunk,
+    PutResult, StoredChunk, StoredDocument, chunk_id_of, chunk_pages, fuse_rankings,
 )
 
 __all__ = ["Changes", "DocumentStore", "DocumentSummaryRow", "ExportedDocument", "NewChunk", "PutResult",
@@ -342,6 +342,10 @@ class SqliteDocumentStore(DocumentStore):
 
     def chunks_by_row_ids(self, row_ids: Sequence[int]) -> dict[int, StoredChunk]:
         return {c.row_id: c for c in self._chunks_in("row_id", list(row_ids))}
+
+    def fused_search(self, question: str, dense: Sequence[int], depth: int, top_k: int, rrf_k: int,
+                     collections: Sequence[str]) -> list[FusedHit]:
+        return fuse_rankings(self, question, dense, depth, top_k, rrf_k, collections)  # in process: no round trips
 
     def chunks_by_ids(self, chunk_ids: Sequence[str], collections: Sequence[str] | None = None) -> dict[str, StoredChunk]:
         found = {c.id: c for c in self._chunks_in("id", list(chunk_ids))}

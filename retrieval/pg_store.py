@@ -27,8 +27,8 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from retrieval.lexical import COMMON_TERM_SHARE, MOST_TERM_SHARE
 from retrieval.store_types import (
     DEFAULT_COLLECTION, Changes, ChunkTokens, CollectionCounts, CollectionExistsError, CollectionNotFoundError,
-    CollectionRow, DocumentStore, DocumentSummaryRow, EmbeddingBatch, ExportedDocument, KeyRow, NewChunk, PutResult,
-    StoredChunk, StoredDocument, StoreUnavailableError, chunk_id_of, chunk_pages,
+    CollectionRow, DocumentStore, DocumentSummaryRow, EmbeddingBatch, ExportedDocument, FusedHit, KeyRow, NewChunk,
+    PutResult, StoredChunk, StoredDocument, StoreUnavailableError, chunk_id_of, chunk_pages,
 )
 
 logger = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ _MIGRATIONS: dict[int, str] = {
 }
 SCHEMA_VERSION = max(_MIGRATIONS)
 
-_LEXICAL_SEARCH = """
+_LEXICAL_TERMS = """
 WITH stats AS (
     SELECT most_common_elems::text::text[] AS elems, most_common_elem_freqs AS freqs
     FROM pg_stats WHERE schemaname = current_schema() AND tablename = 'chunks' AND attname = 'text_tsv'),
@@ -139,9 +139,30 @@ hits AS MATERIALIZED (
 df AS (SELECT term, count(*)::float8 AS n FROM hits GROUP BY term),
 total AS (SELECT GREATEST((SELECT reltuples::float8 FROM pg_class WHERE oid = 'chunks'::regclass),
                           (SELECT max(n) FROM df)) AS n)
+"""
+_LEXICAL_RANKING = """
 SELECT h.row_id, sum(ln((total.n - df.n + 0.5) / (df.n + 0.5) + 1.0)) AS score
 FROM hits h JOIN df USING (term), total
 GROUP BY h.row_id ORDER BY score DESC, h.row_id LIMIT %(limit)s
+"""
+_LEXICAL_SEARCH = _LEXICAL_TERMS + _LEXICAL_RANKING
+# Hybrid's ranking in one round trip (retrieval.store_types.fuse_rankings's result, as one statement): the
+# lexical ranking above, reciprocal rank fusion with the dense ranking passed in, the top_k best chunks'
+# rows, and the embeddings of those the dense ranking did not hold. Ties go as fuse_rankings's: the dense
+# ranking's order first, then the lexical one's (`first`); a score is the same sum of 1 / (k + rank) in
+# float8 (two terms at most: the order of the addition does not change it).
+_FUSED_SEARCH = _LEXICAL_TERMS + ",\nlexical AS (" + _LEXICAL_RANKING + """),
+ranks AS (
+    SELECT d.row_id, d.rank, d.rank AS first FROM unnest(%(dense)s::bigint[]) WITH ORDINALITY AS d(row_id, rank)
+    UNION ALL
+    SELECT l.row_id, l.rank, cardinality(%(dense)s::bigint[]) + l.rank AS first
+    FROM (SELECT row_id, row_number() OVER (ORDER BY score DESC, row_id) AS rank FROM lexical) l),
+fused AS (
+    SELECT row_id, sum(1.0::float8 / (%(rrf_k)s + rank)) AS score, min(first) AS first
+    FROM ranks GROUP BY row_id ORDER BY score DESC, first LIMIT %(top_k)s)
+SELECT f.score, CASE WHEN f.row_id = ANY(%(dense)s::bigint[]) THEN NULL ELSE c.embedding END, {columns}
+FROM fused f JOIN chunks c ON c.row_id = f.row_id JOIN documents d ON d.collection = c.collection AND d.id = c.document_id
+ORDER BY f.score DESC, f.first
 """
 
 # an uploaded PDF's pages per chunk (metadata.chunk_pages / chunk_last_pages, by position)
@@ -149,6 +170,7 @@ _CHUNK_COLUMNS = ("c.row_id, c.id, c.document_id, c.position, c.text, c.token_id
                   " d.metadata->'chunk_pages'->c.position, d.metadata->'chunk_last_pages'->c.position, c.collection")
 _DOCUMENT_COLUMNS = "id, title, metadata, num_chars, created_at, content_hash, collection"
 _JOIN = "chunks c JOIN documents d ON d.collection = c.collection AND d.id = c.document_id"
+_FUSED_SEARCH_SQL = _FUSED_SEARCH.format(columns=_CHUNK_COLUMNS)
 
 
 class PostgresDocumentStore(DocumentStore):
@@ -337,6 +359,18 @@ class PostgresDocumentStore(DocumentStore):
                                                   "most": MOST_TERM_SHARE, "limit": limit,
                                                   "collections": list(collections)}).fetchall()
         return [(int(r[0]), float(r[1])) for r in rows]
+
+    def fused_search(self, question: str, dense: Sequence[int], depth: int, top_k: int, rrf_k: int,
+                     collections: Sequence[str]) -> list[FusedHit]:
+        """`fuse_rankings`'s result in one statement: the lexical ranking, the fusion and the rows in one
+        round trip instead of three (docs/benchmarks/retrieval.md)."""
+        with self._connection() as conn:
+            rows = conn.execute(_FUSED_SEARCH_SQL, {
+                "question": question, "common": COMMON_TERM_SHARE, "most": MOST_TERM_SHARE, "limit": depth,
+                "collections": list(collections), "dense": [int(i) for i in dense], "rrf_k": rrf_k,
+                "top_k": top_k}).fetchall()
+        return [FusedHit(_chunk(r[2:]), float(r[0]), None if r[1] is None else np.frombuffer(r[1], dtype=np.float32))
+                for r in rows]
 
     def iter_chunks(self, batch_size: int = 1024) -> Iterator[list[StoredChunk]]:
         last = 0
@@ -540,8 +574,12 @@ class PostgresDocumentStore(DocumentStore):
             f"SELECT {_CHUNK_COLUMNS} FROM {_JOIN} WHERE {where} ORDER BY c.collection, c.document_id, c.position",
             params,
         ).fetchall()
-        return [StoredChunk(int(r[0]), r[1], r[2], r[3], r[4], tuple(r[5]), r[6], r[7], chunk_pages(r[8], r[9]), r[10])
-                for r in rows]
+        return [_chunk(r) for r in rows]
+
+
+def _chunk(r: Sequence[Any]) -> StoredChunk:
+    """A chunk from a row of _CHUNK_COLUMNS."""
+    return StoredChunk(int(r[0]), r[1], r[2], r[3], r[4], tuple(r[5]), r[6], r[7], chunk_pages(r[8], r[9]), r[10])
 
 
 _COLLECTION_COLUMNS = "name, description, created_at, kv_salt, shares_kv, kv_budget_bytes"

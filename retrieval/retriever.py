@@ -17,7 +17,6 @@ from retrieval.store_types import DocumentStore, StoredChunk
 from retrieval.embedder import Embedder
 from retrieval.reembed import reembed_if_changed
 from retrieval.index import CollectionIndexes
-from retrieval.lexical import reciprocal_rank_fusion
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +82,8 @@ class Retriever:
         """Open the store (default: SQLite under `data_dir`) and the collections' indexes under
         `data_dir/index/`; reconcile them with the store by id sets (rebuilt if stale or unreadable). A
         data directory's single `index.faiss` from before collections becomes the default collection's."""
-        embedder = Embedder.from_name(settings.embedder, batch_size=settings.embed_batch_size)
+        embedder = Embedder.from_name(settings.embedder, batch_size=settings.embed_batch_size,
+                                      runtime=settings.embedder_runtime, cache_dir=data_dir / "embedder")
         store = store if store is not None else SqliteDocumentStore(data_dir / "documents.sqlite3")
         try:
             num_reembedded = reembed_if_changed(store, embedder)
@@ -138,25 +138,25 @@ class Retriever:
         least top_k), by reciprocal rank with constant `rrf_k`. `vector`: the question's embedding, if
         already made."""
         vector = self.embedder.encode_one(question) if vector is None else vector
-        depth = max(top_k, num_candidates) if mode is RetrievalMode.HYBRID else top_k
-        dense: list[tuple[int, float]] = []
-        lexical: list[tuple[int, float]] = []
-        if mode is not RetrievalMode.LEXICAL:
-            dense = [(h.row_id, h.score) for h in self.index.search(vector, depth, collections)]
-        if mode is not RetrievalMode.DENSE:
-            lexical = self.store.lexical_search(question, depth, collections)
+        allowed = set(collections)  # the store's word, not the index's, on where a chunk lives
         if mode is RetrievalMode.HYBRID:
-            ranked = reciprocal_rank_fusion([[i for i, _ in dense], [i for i, _ in lexical]], rrf_k)[:top_k]
+            depth = max(top_k, num_candidates)
+            dense = {h.row_id: h.score for h in self.index.search(vector, depth, collections)}  # best first
+            fused = self.store.fused_search(question, list(dense), depth, top_k, rrf_k, collections)
+            # a lexical hit the dense ranking did not reach: its cosine from its stored embedding
+            return [ScoredChunk(hit.chunk, dense.get(hit.chunk.row_id) if hit.embedding is None
+                                else float(hit.embedding @ vector), hit.rank_score)
+                    for hit in fused if hit.chunk.collection in allowed]
+        if mode is RetrievalMode.DENSE:
+            ranked = [(h.row_id, h.score) for h in self.index.search(vector, top_k, collections)]
         else:
-            ranked = (dense or lexical)[:top_k]
-        row_ids = [row_id for row_id, _ in ranked]
-        chunks = self.store.chunks_by_row_ids(row_ids)
-        cosines = dict(dense)
-        unscored = [i for i in row_ids if i not in cosines]
-        if unscored:  # lexical hits the dense ranking did not reach: their cosine from the stored embedding
+            ranked = self.store.lexical_search(question, top_k, collections)
+        chunks = self.store.chunks_by_row_ids([row_id for row_id, _ in ranked])
+        cosines = dict(ranked) if mode is RetrievalMode.DENSE else {}
+        unscored = [row_id for row_id, _ in ranked if row_id not in cosines and row_id in chunks]
+        if unscored:  # lexical: the chunks' cosines from their stored embeddings
             batch = self.store.embeddings_of(unscored)
             cosines.update(zip(batch.row_ids.tolist(), (batch.vectors @ vector).tolist() if len(batch.row_ids) else []))
-        allowed = set(collections)  # the store's word, not the index's, on where a chunk lives
         return [ScoredChunk(chunks[i], cosines.get(i), rank_score) for i, rank_score in ranked
                 if i in chunks and chunks[i].collection in allowed]
 

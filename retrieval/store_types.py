@@ -8,6 +8,8 @@ from typing import Any, Iterator, NamedTuple, Protocol, Sequence, runtime_checka
 
 import numpy as np
 
+from retrieval.lexical import reciprocal_rank_fusion
+
 # Every document belongs to exactly one collection (a knowledge base); documents sent without one, and
 # every document of a store made before collections, are in this one. It cannot be deleted.
 DEFAULT_COLLECTION = "default"
@@ -74,6 +76,15 @@ class EmbeddingBatch(NamedTuple):
     row_ids: np.ndarray  # [n] int64
     vectors: np.ndarray  # [n, dim] float32
     collections: tuple[str, ...]  # [n]: each chunk's collection (its vector index)
+
+
+@dataclass(frozen=True)
+class FusedHit:
+    """One chunk of a hybrid ranking (DocumentStore.fused_search)."""
+
+    chunk: StoredChunk
+    rank_score: float  # its reciprocal rank fusion score
+    embedding: np.ndarray | None  # [dim] float32 where the dense ranking did not hold it (its cosine is made from it)
 
 
 @dataclass(frozen=True)
@@ -217,6 +228,13 @@ class DocumentStore(Protocol):
         same transaction as the chunks."""
         ...
 
+    def fused_search(self, question: str, dense: Sequence[int], depth: int, top_k: int, rrf_k: int,
+                     collections: Sequence[str]) -> list[FusedHit]:
+        """Hybrid retrieval's ranking: the dense ranking (row ids, best first) fused with `lexical_search`'s
+        (`depth` deep) by `fuse_rankings`, the `top_k` best with their rows, best first. SQLite composes its
+        own calls (`fuse_rankings`); Postgres runs it as one statement (one round trip instead of three)."""
+        ...
+
     def iter_chunks(self, batch_size: int = 1024) -> Iterator[list[StoredChunk]]:
         """Every chunk, by row id, a page of `batch_size` at a time (nothing held between pages)."""
         ...
@@ -328,3 +346,18 @@ def chunk_pages(first: Any, last: Any) -> tuple[int, int] | None:
     if not isinstance(first, int) or isinstance(first, bool):
         return None
     return (first, last if isinstance(last, int) and not isinstance(last, bool) and last >= first else first)
+
+
+def fuse_rankings(store: DocumentStore, question: str, dense: Sequence[int], depth: int, top_k: int, rrf_k: int,
+                  collections: Sequence[str]) -> list[FusedHit]:
+    """`DocumentStore.fused_search` by the store's own calls: its lexical ranking, reciprocal rank fusion
+    with the dense one (dense first: it wins ties), the `top_k` best's rows, and the embeddings of those
+    the dense ranking did not hold. A chunk gone between the rankings and the rows is left out."""
+    lexical = [row_id for row_id, _ in store.lexical_search(question, depth, collections)]
+    ranked = reciprocal_rank_fusion([list(dense), lexical], rrf_k)[:top_k]
+    chunks = store.chunks_by_row_ids([row_id for row_id, _ in ranked])
+    is_dense = set(dense)
+    unscored = [row_id for row_id, _ in ranked if row_id not in is_dense and row_id in chunks]
+    batch = store.embeddings_of(unscored) if unscored else None
+    vectors = {} if batch is None else dict(zip(batch.row_ids.tolist(), batch.vectors))
+    return [FusedHit(chunks[row_id], score, vectors.get(row_id)) for row_id, score in ranked if row_id in chunks]

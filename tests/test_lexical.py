@@ -25,7 +25,9 @@ from retrieval.doc_store import SqliteDocumentStore
 from retrieval.lexical import fts5_query, query_terms, reciprocal_rank_fusion
 from retrieval.pg_store import SCHEMA_VERSION, PostgresDocumentStore
 from retrieval.retriever import RelevanceFloor, Retriever, ScoredChunk
-from retrieval.store_types import DEFAULT_COLLECTION, CollectionRow, DocumentStore, NewChunk, StoredChunk
+from retrieval.store_types import (
+    DEFAULT_COLLECTION, CollectionRow, DocumentStore, NewChunk, StoredChunk, fuse_rankings,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 ALL = (DEFAULT_COLLECTION,)  # the collections searched
@@ -113,6 +115,49 @@ def test_reciprocal_rank_fusion_against_a_hand_computation():
     assert [key for key, _ in fused_k1] == ["a", "c", "b", "e", "d"]
     assert dict(fused_k1)["a"] == pytest.approx(1 / 2 + 1 / 4)
     assert reciprocal_rank_fusion([[], []], k=60) == []
+
+
+def test_postgres_fuses_in_one_statement_as_the_stores_calls_do(postgres):
+    """Postgres's `fused_search` (the lexical ranking, the fusion and the rows in one statement) against
+    `fuse_rankings` (lexical_search, reciprocal_rank_fusion, chunks_by_row_ids, embeddings_of) on the same
+    store: the same chunks in the same order, the same scores to the bit, the same embeddings for the
+    chunks the dense ranking did not hold. Random dense rankings make many ties (a dense-only and a
+    lexical-only chunk at the same rank): the dense one goes first in both."""
+    import random
+
+    from bench.answers_set import DEFAULT_SET, load_set
+
+    rng = random.Random(7)
+    store = PostgresDocumentStore(postgres.new_database())
+    try:
+        lines = [" ".join(line.split()) for path in sorted((ROOT / "bench" / "data" / "answers" / "docs").glob("*"))
+                 if path.suffix in (".txt", ".md") for line in path.read_text(errors="replace").splitlines()]
+        texts = [t for t in dict.fromkeys(lines) if len(t) > 30]
+        for first in range(0, len(texts), 10):
+            part = texts[first : first + 10]
+            vectors = np.asarray([rng.gauss(0, 1) for _ in range(4 * len(part))], np.float32).reshape(len(part), 4)
+            store.put_document(f"d{first}", None, {}, 1, [NewChunk(t, (1,), v) for t, v in zip(part, vectors)])
+        with psycopg.connect(store.url, autocommit=True) as conn:
+            conn.execute("ANALYZE chunks")  # the common words' statistics, as autovacuum leaves them
+        row_ids = sorted(store.row_ids())
+        questions = [q.question for q in load_set(DEFAULT_SET).questions] + ["what is the", "", "zzqx unknownword"]
+        num_lexical_only = 0
+        for number, question in enumerate(questions):
+            dense = rng.sample(row_ids, 20) if number % 7 else []  # some questions with no dense ranking
+            if number % 5 == 0:
+                dense[:1] = [max(row_ids) + 1000]  # a chunk gone since the index saw it
+            expected = fuse_rankings(store, question, dense, 20, 10, 60, ALL)
+            fused = store.fused_search(question, dense, 20, 10, 60, ALL)
+            assert [h.chunk for h in fused] == [h.chunk for h in expected], question
+            assert [h.rank_score for h in fused] == [h.rank_score for h in expected], question
+            for got, want in zip(fused, expected):
+                assert (got.embedding is None) == (want.embedding is None)
+                assert got.embedding is None or np.array_equal(got.embedding, want.embedding)
+                num_lexical_only += got.embedding is not None
+        assert num_lexical_only > 50  # the lexical side did reach the results
+        assert store.fused_search("gzip", [], 20, 10, 60, ["no-such-collection"]) == []
+    finally:
+        store.close()
 
 
 def test_query_terms_drop_question_words_and_quote_everything():
