@@ -160,7 +160,7 @@ ranks AS (
 fused AS (
     SELECT row_id, sum(1.0::float8 / (%(rrf_k)s + rank)) AS score, min(first) AS first
     FROM ranks GROUP BY row_id ORDER BY score DESC, first LIMIT %(top_k)s)
-SELECT f.score, CASE WHEN f.row_id = ANY(%(dense)s::bigint[]) THEN NULL ELSE c.embedding END, {columns}
+SELECT f.score, CASE WHEN f.row_id = ANY(%(dense)s::bigint[]) THEN NULL ELSE c.embedding END, <columns>
 FROM fused f JOIN chunks c ON c.row_id = f.row_id JOIN documents d ON d.collection = c.collection AND d.id = c.document_id
 ORDER BY f.score DESC, f.first
 """
@@ -170,7 +170,7 @@ _CHUNK_COLUMNS = ("c.row_id, c.id, c.document_id, c.position, c.text, c.token_id
                   " d.metadata->'chunk_pages'->c.position, d.metadata->'chunk_last_pages'->c.position, c.collection")
 _DOCUMENT_COLUMNS = "id, title, metadata, num_chars, created_at, content_hash, collection"
 _JOIN = "chunks c JOIN documents d ON d.collection = c.collection AND d.id = c.document_id"
-_FUSED_SEARCH_SQL = _FUSED_SEARCH.format(columns=_CHUNK_COLUMNS)
+_FUSED_SEARCH_SQL = _FUSED_SEARCH.replace("<columns>", _CHUNK_COLUMNS)
 
 
 class PostgresDocumentStore(DocumentStore):
