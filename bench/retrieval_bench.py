@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -29,6 +29,9 @@ from app.commands.exit_codes import ExitCode
 from bench.answers_set import DEFAULT_SET, load_set
 from bench.output import emit_summary
 from configs.enums import EmbedderRuntime, RetrievalMode
+
+if TYPE_CHECKING:
+    from retrieval.embedder import Embedder
 
 ROOT = Path(__file__).resolve().parent.parent
 CHUNKS_PER_DOCUMENT = 10
@@ -53,8 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="FAISS threads of a search (retrieval.search_threads); several, comma-separated "
                              "(e.g. 1,2): each mode is timed under each in turn, reported as MODE@N")
     parser.add_argument("--embedder-runtimes", default=None,
-                        help="what runs the question's embedding (retrieval.embedder_runtime): several, comma-separated "
-                             "(e.g. torch,onnx): each mode is timed under each in turn, reported as MODE/RUNTIME")
+                        help="what runs the question's embedding (retrieval.embedder_runtime): several, "
+                             "comma-separated (e.g. torch,onnx): each mode is timed under each in turn, reported "
+                             "as MODE/RUNTIME")
     parser.add_argument("--out", type=Path)
 
 
@@ -115,7 +119,7 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 def measure(retriever, asked: Sequence[str], modes: Sequence[RetrievalMode], top_k: int, num_candidates: int,
-            num_queries: int, search_threads: Sequence[int] = (), embedders: dict[str, Any] | None = None
+            num_queries: int, search_threads: Sequence[int] = (), embedders: dict[str, Embedder] | None = None
             ) -> dict[str, Any]:
     """Per mode: the whole search (as the server runs it), and its parts, the modes taking turns per question;
     with several `search_threads`, each mode under each FAISS thread count in turn (keys MODE@N); with
@@ -128,7 +132,8 @@ def measure(retriever, asked: Sequence[str], modes: Sequence[RetrievalMode], top
     samples: dict[str, list[float]] = {name: [] for name in names.values()}
     after_embedding: dict[str, list[float]] = {name: [] for name in names.values()}
     embed_parts = {e: "embed" if e is None else f"embed/{e}" for e in embedders}
-    parts: dict[str, list[float]] = {**{name: [] for name in embed_parts.values()}, "dense_index": [], "lexical_store": []}
+    parts: dict[str, list[float]] = {**{name: [] for name in embed_parts.values()},
+                                     "dense_index": [], "lexical_store": []}
     threads_set, embedder_set = retriever.index.search_threads, retriever.embedder
     for number in range(num_queries + 20):
         question = asked[number % len(asked)]

@@ -12,7 +12,7 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
@@ -68,7 +68,7 @@ class Embedder:
         self._prepare = getattr(self._model, "preprocess", None) or self._model.tokenize  # older releases: tokenize
         self._session: onnxruntime.InferenceSession | None = None
         if runtime is EmbedderRuntime.ONNX and device == "cpu":
-            self._session = _onnx_session(self._model, self.identity, cache_dir)
+            self._session = _onnx_session(self._model, self._prepare, self.identity, cache_dir)
             if self._session is not None:
                 self._model.to("meta")  # ONNX Runtime holds its own copy of the weights: torch's are not run again
         self.runtime = EmbedderRuntime.TORCH if self._session is None else EmbedderRuntime.ONNX
@@ -119,7 +119,8 @@ class Embedder:
         return np.ascontiguousarray(self._session.run(None, feeds)[0], dtype=np.float32)
 
 
-def _onnx_session(model: SentenceTransformer, identity: str, cache_dir: Path | None) -> onnxruntime.InferenceSession | None:
+def _onnx_session(model: SentenceTransformer, prepare: Callable[[list[str]], dict], identity: str,
+                  cache_dir: Path | None) -> onnxruntime.InferenceSession | None:
     """An ONNX Runtime session of `model`'s modules, exported to `cache_dir` unless already there (a
     temporary directory where none is given or it cannot be written); None, with a warning, where ONNX
     Runtime is missing or the export fails."""
@@ -151,12 +152,12 @@ def _onnx_session(model: SentenceTransformer, identity: str, cache_dir: Path | N
                     logger.warning("the embedder's ONNX export %s does not load (%s); exporting it again",
                                    exported, exc)
             try:
-                _export_onnx(model, exported)
+                _export_onnx(model, prepare, exported)
             except OSError as exc:
                 logger.warning("cannot write the embedder's ONNX export under %s (%s); exported to a temporary "
                                "directory", cache_dir, exc)
                 exported = Path(scratch) / name
-                _export_onnx(model, exported)
+                _export_onnx(model, prepare, exported)
             # the weights are mapped from the file, not read (a mapping outlives the scratch directory's removal)
             return onnxruntime.InferenceSession(str(exported / ONNX_GRAPH), options, providers=["CPUExecutionProvider"])
         except Exception as exc:  # noqa: BLE001 - any export or load failure leaves the torch modules running
@@ -165,7 +166,7 @@ def _onnx_session(model: SentenceTransformer, identity: str, cache_dir: Path | N
             return None
 
 
-def _export_onnx(model: SentenceTransformer, directory: Path) -> None:
+def _export_onnx(model: SentenceTransformer, prepare: Callable[[list[str]], dict], directory: Path) -> None:
     """Write `model`'s modules as an ONNX graph, `directory/ONNX_GRAPH`, its weights beside it in
     `ONNX_WEIGHTS` (ONNX's external data: ONNX Runtime maps that file rather than copying it, so the word
     embeddings' rows no question uses are never resident: 44 MB less than the weights inside the graph).
@@ -179,8 +180,7 @@ def _export_onnx(model: SentenceTransformer, directory: Path) -> None:
     import onnx
     import torch
 
-    sample = model.preprocess(["a question", "a longer text than the question, so that one is padded"]) \
-        if hasattr(model, "preprocess") else model.tokenize(["a question", "a longer text, so that one is padded"])
+    sample = prepare(["a question", "a longer text than the question, so that one is padded"])  # the Embedder's own
     names = [k for k, v in sample.items() if isinstance(v, torch.Tensor)]
     constants = {k: v for k, v in sample.items() if not isinstance(v, torch.Tensor)}  # e.g. the modality
 

@@ -161,7 +161,8 @@ fused AS (
     SELECT row_id, sum(1.0::float8 / (%(rrf_k)s + rank)) AS score, min(first) AS first
     FROM ranks GROUP BY row_id ORDER BY score DESC, first LIMIT %(top_k)s)
 SELECT f.score, CASE WHEN f.row_id = ANY(%(dense)s::bigint[]) THEN NULL ELSE c.embedding END, <columns>
-FROM fused f JOIN chunks c ON c.row_id = f.row_id JOIN documents d ON d.collection = c.collection AND d.id = c.document_id
+FROM fused f JOIN chunks c ON c.row_id = f.row_id
+JOIN documents d ON d.collection = c.collection AND d.id = c.document_id
 ORDER BY f.score DESC, f.first
 """
 
