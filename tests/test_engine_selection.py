@@ -168,13 +168,23 @@ def test_probe_ranks_by_the_questions_attention_at_the_probe_layer(heads, span):
     assert result.stats.selected_positions == sorted(cached[i] for i in top.tolist())
 
 
-def test_probe_layer_must_follow_the_check_and_fit_the_model():
+def test_probe_layer_must_follow_the_check_and_is_fitted_to_the_model():
+    """A probe past the model's last layer is fitted to it by the engine, as its own default is (a config
+    built from BlendConfig's defaults probes at layer 8: it runs on a 4-layer model, and ranks as the
+    fitted config does); a check layer past the last is refused."""
     with pytest.raises(ValueError, match="probe_layer"):
         BlendConfig.cacheblend(check_layers=(2,), probe_layer=2)
     engine = build_engine("llama-gqa")
-    with pytest.raises(ValueError, match="probe layer"):
-        engine.prefill(rag_prompt(engine), PrefillMode.BLEND,
-                       BlendConfig.cacheblend(selection=SelectionKind.QUERY, probe_layer=engine.num_layers))
+    segments = rag_prompt(engine)
+    for config in (BlendConfig(recompute_ratio=0.15, check_layers=(1,)),
+                   BlendConfig.cacheblend(selection=SelectionKind.QUERY, probe_layer=engine.num_layers)):
+        assert config.probe_layer >= engine.num_layers
+        result = engine.prefill(segments, PrefillMode.BLEND, config)
+        fitted = engine.prefill(segments, PrefillMode.BLEND, config.fitted(engine.num_layers))
+        assert fitted.stats.selected_positions == result.stats.selected_positions
+        assert torch.equal(fitted.logits, result.logits)
+    with pytest.raises(ValueError, match="check layer"):
+        engine.prefill(segments, PrefillMode.BLEND, BlendConfig.cacheblend(check_layers=(engine.num_layers,)))
 
 
 def test_rank_sum_combines_the_two_rankings():
