@@ -76,6 +76,7 @@ def run_steps(executor, request):
 
 
 def test_a_long_blend_prefill_is_cut_by_layers_and_answers_like_one_prefill(engine, store):
+    before = prefetch_threads()  # another test's loader may still wait for the collector: not this one's
     request = stored_request(engine, store, RequestMode.BLEND)
     num_parts, cut = run_steps(executor_for(engine, store), request)
     num_whole, whole = run_steps(executor_for(engine, store, chunk_tokens=100_000), request)
@@ -90,7 +91,7 @@ def test_a_long_blend_prefill_is_cut_by_layers_and_answers_like_one_prefill(engi
     assert (a.stats.num_cached_tokens, a.stats.num_reused_tokens, a.stats.num_recomputed_tokens) == (
         b.stats.num_cached_tokens, b.stats.num_reused_tokens, b.stats.num_recomputed_tokens)
     assert len(cut.handles) == len(TOPICS) and all(h.tier is Tier.DISK for h in cut.handles)
-    assert prefetch_threads() == []
+    assert prefetch_threads() == before
 
 
 def test_abandoning_a_prefill_between_its_parts_closes_its_store_source(engine, store):
