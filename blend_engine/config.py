@@ -195,10 +195,15 @@ class BlendConfig:
             checks = tuple(sorted({max(1, layer) for layer in config.check_layers}))
             probe = config.probe_layer if config.probe_layer is None or config.probe_layer > 1 else None
             config = replace(config, check_layers=checks, probe_layer=probe)
-        if config.probe_layer is not None and config.probe_layer >= num_layers:
-            last = num_layers - 1
-            config = replace(config, probe_layer=last if last > config.first_check_layer else None)
-        return config
+        return config.probe_fitted(num_layers)
+
+    def probe_fitted(self, num_layers: int) -> BlendConfig:
+        """This config with a probe past the last of `num_layers` layers probing at the last one (none where
+        that is not after the first check); what the engine's prefill does to any config it is given."""
+        if self.probe_layer is None or self.probe_layer < num_layers:
+            return self
+        last = num_layers - 1
+        return replace(self, probe_layer=last if last > self.first_check_layer else None)
 
     @property
     def first_check_layer(self) -> int:

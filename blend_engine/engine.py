@@ -266,9 +266,9 @@ class BlendEngine:
         generator is closed midway (`close()`: a cancelled request); `kv_source` stays the caller's
         to close, after the generator ends or is closed.
         """
-        # a config is fitted to the model it runs on (BlendConfig.fitted; idempotent): a caller's own config
-        # built from the defaults (probe at layer 8) runs on a smaller model as the engine's default does
-        segments, blend = list(segments), (blend or self.blend).fitted(self.num_layers)
+        # a caller's own config built from the defaults (probe at layer 8) runs on a smaller model, probing at
+        # its last layer as the engine's default does; the rest of the config is run as given
+        segments, blend = list(segments), (blend or self.blend).probe_fitted(self.num_layers)
         plan = plan_prefill(segments, PrefillMode(mode), blend, self.num_layers)
         if plan.num_tokens + max_new_tokens > self.max_context:
             raise ValueError(f"prompt of {plan.num_tokens} tokens + {max_new_tokens} new exceeds "

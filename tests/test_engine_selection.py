@@ -171,7 +171,7 @@ def test_probe_ranks_by_the_questions_attention_at_the_probe_layer(heads, span):
 def test_probe_layer_must_follow_the_check_and_is_fitted_to_the_model():
     """A probe past the model's last layer is fitted to it by the engine, as its own default is (a config
     built from BlendConfig's defaults probes at layer 8: it runs on a 4-layer model, and ranks as the
-    fitted config does); a check layer past the last is refused."""
+    config with its probe at the last layer does); a check layer past the last is refused."""
     with pytest.raises(ValueError, match="probe_layer"):
         BlendConfig.cacheblend(check_layers=(2,), probe_layer=2)
     engine = build_engine("llama-gqa")
@@ -180,7 +180,7 @@ def test_probe_layer_must_follow_the_check_and_is_fitted_to_the_model():
                    BlendConfig.cacheblend(selection=SelectionKind.QUERY, probe_layer=engine.num_layers)):
         assert config.probe_layer >= engine.num_layers
         result = engine.prefill(segments, PrefillMode.BLEND, config)
-        fitted = engine.prefill(segments, PrefillMode.BLEND, config.fitted(engine.num_layers))
+        fitted = engine.prefill(segments, PrefillMode.BLEND, config.probe_fitted(engine.num_layers))
         assert fitted.stats.selected_positions == result.stats.selected_positions
         assert torch.equal(fitted.logits, result.logits)
     with pytest.raises(ValueError, match="check layer"):
