@@ -31,7 +31,13 @@ MAX_QUERY_GROUPS = 8
 # their setup (oneDNN JIT, per shape) about what they save. Server, 2-core Xeon with AMX, bf16 at every
 # length, blend prefill fp32 / bf16: 1.01x at ~660 tokens, 1.19x at ~1 270, 1.46x at ~3 060 (decision 0023)
 BF16_MIN_KEYS = 1024
-MIN_QUERIES_PER_GROUP = 64
+# GROUPED cuts a subset's queries into groups of whole 64-row blocks, about this many rows each (up to
+# MAX_QUERY_GROUPS): torch's CPU flash kernel runs a call's queries in blocks of 32 rows (64 from 192 rows),
+# so the groups of 65 rows cut before ran three blocks each, the last of one row. Measured (2-core Xeon, bf16,
+# 9 heads over 3, one layer's attention): 521 queries over 3 125 keys 7.0 ms against 8.6 ms, 900 over
+# 6 000 18.7 against 19.5, 250 over 1 500 1.64 against 1.74 (docs/benchmarks/engine.md, stop 50)
+QUERY_GROUP_ROWS = 192
+QUERY_BLOCK_ROWS = 64
 
 
 class AttentionBackend(str, Enum):
@@ -145,9 +151,7 @@ def subset_meta(
         mask = additive_causal_mask(query_pos, num_keys, num_groups_per_kv, mask_dtype, bias)  # [G*A, N]
         return AttentionMeta(AttentionLayout.SUBSET, num_keys, mask=mask, dtype=dtype)
     host = query_pos_host if query_pos_host is not None else query_pos.tolist()
-    num_queries = len(host)
-    num_groups = max(1, min(MAX_QUERY_GROUPS, num_queries // MIN_QUERIES_PER_GROUP))
-    bounds = [num_queries * i // num_groups for i in range(num_groups + 1)]
+    bounds = query_group_bounds(len(host))
     groups = []
     for start, end in zip(bounds, bounds[1:]):
         num_group_keys = host[end - 1] + 1
@@ -156,6 +160,16 @@ def subset_meta(
             mask = torch.where(mask, bias[:num_group_keys].to(mask_dtype), float("-inf")).to(mask_dtype)
         groups.append(QueryGroup(slice(start, end), num_group_keys, mask))
     return AttentionMeta(AttentionLayout.SUBSET, num_keys, groups=tuple(groups), dtype=dtype)
+
+
+def query_group_bounds(num_queries: int) -> list[int]:
+    """GROUPED's groups of a subset's `num_queries` queries, as row bounds [0, ..., num_queries]: at most
+    MAX_QUERY_GROUPS of about QUERY_GROUP_ROWS rows, each but the last a whole number of QUERY_BLOCK_ROWS."""
+    num_groups = max(1, min(MAX_QUERY_GROUPS, -(-num_queries // QUERY_GROUP_ROWS)))
+    if num_groups == 1:
+        return [0, num_queries]
+    rows = -(-num_queries // (num_groups * QUERY_BLOCK_ROWS)) * QUERY_BLOCK_ROWS
+    return list(range(0, num_queries, rows)) + [num_queries]
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: AttentionMeta, scale: float) -> torch.Tensor:

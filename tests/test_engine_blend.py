@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from blend_engine.attention import AttentionBackend, attend, causal_mask, subset_meta
+from blend_engine.attention import (MAX_QUERY_GROUPS, QUERY_BLOCK_ROWS, AttentionBackend, attend, causal_mask,
+                                   query_group_bounds, subset_meta)
 from blend_engine.runner import ModelRunner
 from blend_engine.selector import select_top, token_deviation
 from blend_engine.types import BlendConfig, DeviationKind, PrefillMode, Segment
@@ -160,6 +161,17 @@ def test_attention_mask_matches_brute_force_reference(num_queries, backend):
             torch.testing.assert_close(out[i, h], ref, **tol(1e-5))
     mask = causal_mask(query_pos, num_keys)
     assert mask.sum(1).tolist() == [p + 1 for p in query_pos.tolist()]
+
+
+def test_grouped_attention_cuts_queries_in_whole_blocks():
+    """The CPU backend's query groups cover every query once, at most MAX_QUERY_GROUPS of them, each but the
+    last a whole number of the flash kernel's 64-row blocks (a group of 65 rows ran a block of one row)."""
+    for num_queries in [1, 63, 64, 65, 191, 192, 193, 300, 521, 900, 1600, 5000]:
+        bounds = query_group_bounds(num_queries)
+        sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+        assert bounds[0] == 0 and bounds[-1] == num_queries and all(size > 0 for size in sizes)
+        assert len(sizes) <= MAX_QUERY_GROUPS and all(size % QUERY_BLOCK_ROWS == 0 for size in sizes[:-1])
+    assert query_group_bounds(521) == [0, 192, 384, 521] and query_group_bounds(150) == [0, 150]
 
 
 def test_recomputed_tokens_never_see_later_positions():
