@@ -12,7 +12,7 @@ import torch
 
 from blend_engine.kv import KVCache
 from blend_engine.plan import PrefillPlan
-from blend_engine.runner import apply_rope
+from blend_engine.runner import rope_into
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -46,5 +46,5 @@ def _write(keys: torch.Tensor, values: torch.Tensor, plan: PrefillPlan, pairs: P
         if k.shape[-2] != span.num_tokens or v.shape[-2] != span.num_tokens:
             raise ValueError(f"KV source gave {k.shape[-2]} tokens for a segment of {span.num_tokens}")
         k = k.to(keys.device, keys.dtype)  # a no-op when the chunk is already there
-        keys[..., span.start : span.end, :] = apply_rope(k, cos[span.start : span.end], sin[span.start : span.end])
+        rope_into(keys[..., span.start : span.end, :], k, cos[span.start : span.end], sin[span.start : span.end])
         values[..., span.start : span.end, :] = v
