@@ -40,6 +40,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "engine"): ("bench.engine_bench", "engine benchmark: TTFT and fidelity per prefill mode"),
     ("bench", "attention-dtype"): ("bench.attention_dtype_bench", "a prefill's attention in the model's dtype "
                                    "against bf16, side by side: full and blend TTFT, KL against float32's full"),
+    ("bench", "attention-groups"): ("bench.attention_groups_bench", "one layer's subset attention on the CPU: the "
+                                    "engine's query groups against the grouping before and one call"),
     ("bench", "kv"): ("bench.kv_bench", "KV store benchmark: blend TTFT per tier, pipelined or not"),
     ("bench", "server"): ("bench.server_bench", "concurrent streaming clients against servers, side by side with a "
                           "one-sequence-at-a-time baseline: TTFT, inter-token latency, aggregate tok/s"),
