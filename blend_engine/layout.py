@@ -12,15 +12,15 @@ import torch
 
 from blend_engine.kv import KVCache
 from blend_engine.plan import PrefillPlan
-from blend_engine.runner import rope_into
+from blend_engine.layer import rotate_into
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def layout_all(cache: KVCache, plan: PrefillPlan, chunks: Pairs, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def layout_all(cache: KVCache, plan: PrefillPlan, chunks: Pairs, cos: torch.Tensor, sin_signed: torch.Tensor) -> None:
     """chunks: per cached segment, (K pre-RoPE, V) [L', H_kv, n, D] for layers first_reused_layer.. ."""
     first = plan.first_reused_layer
-    _write(cache.keys[first:], cache.values[first:], plan, chunks, cos, sin)
+    _write(cache.keys[first:], cache.values[first:], plan, chunks, cos, sin_signed)
     scaled_from = max(first, plan.first_scaled_layer)
     for span in plan.spans:
         if plan.is_scaled(span, scaled_from):
@@ -28,17 +28,18 @@ def layout_all(cache: KVCache, plan: PrefillPlan, chunks: Pairs, cos: torch.Tens
 
 
 def layout_layer(cache: KVCache, plan: PrefillPlan, layer: int, pairs: Pairs, cos: torch.Tensor,
-                 sin: torch.Tensor) -> None:
+                 sin_signed: torch.Tensor) -> None:
     """pairs: one layer's (K pre-RoPE, V) [H_kv, n, D] per cached segment, as a LayerKVSource gives them."""
-    _write(cache.keys[layer], cache.values[layer], plan, pairs, cos, sin)
+    _write(cache.keys[layer], cache.values[layer], plan, pairs, cos, sin_signed)
     for span in plan.spans:
         if plan.is_scaled(span, layer):
             cache.keys[layer, :, span.start : span.end].mul_(plan.reused_key_scale)
 
 
 def _write(keys: torch.Tensor, values: torch.Tensor, plan: PrefillPlan, pairs: Pairs, cos: torch.Tensor,
-           sin: torch.Tensor) -> None:
-    """keys/values [..., H_kv, capacity, D] views of the cache; pairs for every cached segment, in order."""
+           sin_signed: torch.Tensor) -> None:
+    """keys/values [..., H_kv, capacity, D] views of the cache; pairs for every cached segment, in order;
+    cos, sin_signed [N, D] the prompt's RoPE tables (`RopeTable.signed_sin`)."""
     if len(pairs) != len(plan.is_source_used):
         raise ValueError(f"KV source gave {len(pairs)} caches for {len(plan.is_source_used)} cached segments")
     used = [pair for pair, is_used in zip(pairs, plan.is_source_used) if is_used]
@@ -46,5 +47,6 @@ def _write(keys: torch.Tensor, values: torch.Tensor, plan: PrefillPlan, pairs: P
         if k.shape[-2] != span.num_tokens or v.shape[-2] != span.num_tokens:
             raise ValueError(f"KV source gave {k.shape[-2]} tokens for a segment of {span.num_tokens}")
         k = k.to(keys.device, keys.dtype)  # a no-op when the chunk is already there
-        rope_into(keys[..., span.start : span.end, :], k, cos[span.start : span.end], sin[span.start : span.end])
+        rotate_into(keys[..., span.start : span.end, :], k, cos[span.start : span.end],
+                    sin_signed[span.start : span.end])
         values[..., span.start : span.end, :] = v

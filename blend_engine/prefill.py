@@ -102,7 +102,7 @@ def prefill_steps(runner: ModelRunner, plan: PrefillPlan, blend: BlendConfig, so
     is_whole = is_bulk_layout and isinstance(source, WholeKVSource)
     if plan.cached_pos and is_whole:
         with timer.stage("rope"):
-            layout_all(cache, plan, source.layers_from(plan.first_reused_layer), rope.cos, rope.sin)
+            layout_all(cache, plan, source.layers_from(plan.first_reused_layer), rope.cos, rope.signed_sin)
     with timer.stage("compute"):
         active = initial_active(ctx)
         ids = torch.tensor(plan.token_ids, dtype=torch.long, device=device)  # [N]
@@ -165,7 +165,7 @@ def _stream_layer(cache: KVCache, plan: PrefillPlan, layer: int, source: LayerKV
     pairs = source.layer(layer)  # blocks until the loader has this layer
     wait_ms = host_ms(t0)
     with timer.stage("rope"):
-        layout_layer(cache, plan, layer, pairs, rope.cos, rope.sin)
+        layout_layer(cache, plan, layer, pairs, rope.cos, rope.signed_sin)
     return wait_ms
 
 

@@ -28,19 +28,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-def rope_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """`out[...] = apply_rope(x, cos, sin)` bit for bit (x [..., n, D], cos / sin [n, D]; `out` a view, e.g. a
-    span of the cache), with one temporary of half x's size instead of five of its size: laying out a
-    prompt's reused keys, 30 layers of a 620-token chunk, took 15 ms with apply_rope and 4.3 ms so (2-core
-    Xeon). Exact: x1 cos1 - x2 sin1 equals x1 cos1 + (-x2) sin1, negation being exact."""
-    half = x.shape[-1] // 2
-    torch.mul(x, cos, out=out)
-    part = torch.mul(x[..., half:], sin[..., :half])  # [..., n, D/2]
-    out[..., :half].sub_(part)
-    torch.mul(x[..., :half], sin[..., half:], out=part)
-    out[..., half:].add_(part)
-
-
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
     """sin [n, D] with its first half negated: the table `rotate` takes."""
     half = sin.shape[-1] // 2

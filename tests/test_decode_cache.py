@@ -7,8 +7,8 @@ import torch
 from blend_engine.attention import attend, attend_int8_heads, attend_last_int8, fold_int8_queries, last_meta
 from blend_engine.decode_cache import Int8KVCache, Int8Layer, quantize_rows, resolve_decode_cache, write_rows
 from blend_engine.kv import KVCache
-from blend_engine.layer import rotate
-from blend_engine.runner import apply_rope, rope_into, signed_sin
+from blend_engine.layer import rotate, rotate_into
+from blend_engine.runner import apply_rope, signed_sin
 from blend_engine.types import PrefillMode
 from configs.enums import DecodeCache, WeightFormat
 from configs.settings import load_settings
@@ -145,13 +145,13 @@ def test_rotate_equals_apply_rope_bit_for_bit():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_into_equals_apply_rope_bit_for_bit(dtype):
+def test_rotate_into_equals_apply_rope_bit_for_bit(dtype):
     """Laying out reused keys rotates them into a span of the cache (a strided view) in place."""
     torch.manual_seed(3)
     x = torch.randn(4, 3, 50, 64).to(dtype)  # [L, H_kv, n, D]
     cos, sin = torch.randn(50, 64).to(dtype), torch.randn(50, 64).to(dtype)
     cache = torch.zeros(4, 3, 80, 64, dtype=dtype)
-    rope_into(cache[..., 20:70, :], x, cos, sin)
+    rotate_into(cache[..., 20:70, :], x, cos, signed_sin(sin))
     assert torch.equal(cache[..., 20:70, :], apply_rope(x, cos, sin))
     assert not cache[..., :20, :].any() and not cache[..., 70:, :].any()
 
