@@ -13,6 +13,7 @@ Random tensors of SmolLM2's head layout (9 query heads over 3 KV heads of 64), n
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import platform
 import time
@@ -55,7 +56,7 @@ def query_positions(num_queries: int, num_keys: int, tail_share: float, generato
 def make_groups(bounds: Sequence[int], pos: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) -> Groups:
     host = pos.tolist()
     groups = []
-    for start, end in zip(bounds, bounds[1:]):
+    for start, end in itertools.pairwise(bounds):
         num_keys = host[end - 1] + 1
         seen = pos[start:end, None] >= torch.arange(num_keys)[None, :]  # [rows, keys]
         groups.append((slice(start, end), num_keys, torch.where(seen, bias[:num_keys], -math.inf).to(dtype)))
@@ -93,9 +94,9 @@ def bench_shape(num_queries: int, num_keys: int, tail_share: float, heads: tuple
     times: dict[str, list[float]] = {name: [] for name in made}
     for _ in range(rounds):
         for name, groups in made.items():
-            times[name].append(timed(lambda: attend(q, k, v, groups, scale)))
+            times[name].append(timed(lambda groups=groups: attend(q, k, v, groups, scale)))
     return {"queries": num_queries, "keys": num_keys, "tail_share": tail_share,
-            "groups": {name: [b - a for a, b in zip(bounds, bounds[1:])] for name, bounds in groupings.items()},
+            "groups": {name: [b - a for a, b in itertools.pairwise(bounds)] for name, bounds in groupings.items()},
             "median_ms": {name: median(values) for name, values in times.items()},
             "grouped_over_before": median(g / b for g, b in zip(times["grouped"], times["before"])),
             "max_abs_diff_vs_before": max_diff}

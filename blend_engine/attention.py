@@ -15,6 +15,7 @@ A query at absolute position p sees keys 0..p, whatever the other queries are. T
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -33,9 +34,9 @@ MAX_QUERY_GROUPS = 8
 BF16_MIN_KEYS = 1024
 # GROUPED cuts a subset's queries into groups of whole 64-row blocks, about this many rows each (up to
 # MAX_QUERY_GROUPS): torch's CPU flash kernel runs a call's queries in blocks of 32 rows (64 from 192 rows),
-# so the groups of 65 rows cut before ran three blocks each, the last of one row. Measured (2-core Xeon, bf16,
-# 9 heads over 3, one layer's attention): 521 queries over 3 125 keys 7.0 ms against 8.6 ms, 900 over
-# 6 000 18.7 against 19.5, 250 over 1 500 1.64 against 1.74 (docs/benchmarks/engine.md, stop 50)
+# so the groups of 65 rows cut before ran three blocks each, the last of one row. Measured (`ragblend bench
+# attention-groups`: 2-core Xeon, bf16, 9 heads over 3, one layer): 521 queries over 3 125 keys 7.2 ms against
+# 9.2 ms, 900 over 6 000 19.6 against 21.7, 250 over 1 500 1.74 either way (docs/benchmarks/engine.md, stop 50)
 QUERY_GROUP_ROWS = 192
 QUERY_BLOCK_ROWS = 64
 
@@ -153,7 +154,7 @@ def subset_meta(
     host = query_pos_host if query_pos_host is not None else query_pos.tolist()
     bounds = query_group_bounds(len(host))
     groups = []
-    for start, end in zip(bounds, bounds[1:]):
+    for start, end in itertools.pairwise(bounds):
         num_group_keys = host[end - 1] + 1
         mask = causal_mask(query_pos[start:end], num_group_keys)  # [rows, keys] bool
         if bias is not None:

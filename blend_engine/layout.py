@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from blend_engine.kv import KVCache
-from blend_engine.plan import PrefillPlan
 from blend_engine.layer import rotate_into
+from blend_engine.plan import PrefillPlan
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]
 

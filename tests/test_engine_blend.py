@@ -1,5 +1,7 @@
 """Fused prefill against a full prefill: equivalence at r=1, exact prefixes, selection, masking."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -168,7 +170,7 @@ def test_grouped_attention_cuts_queries_in_whole_blocks():
     last a whole number of the flash kernel's 64-row blocks (a group of 65 rows ran a block of one row)."""
     for num_queries in [1, 63, 64, 65, 191, 192, 193, 300, 521, 900, 1600, 5000]:
         bounds = query_group_bounds(num_queries)
-        sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+        sizes = [b - a for a, b in itertools.pairwise(bounds)]
         assert bounds[0] == 0 and bounds[-1] == num_queries and all(size > 0 for size in sizes)
         assert len(sizes) <= MAX_QUERY_GROUPS and all(size % QUERY_BLOCK_ROWS == 0 for size in sizes[:-1])
     assert query_group_bounds(521) == [0, 192, 384, 521] and query_group_bounds(150) == [0, 150]
