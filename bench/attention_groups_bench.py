@@ -1,5 +1,6 @@
 """`ragblend bench attention-groups`: one layer's subset attention on the CPU, grouped as the engine groups
-its queries (`attention.query_group_bounds`) against the grouping before stop 50 (8 groups of
+its queries (`attention.query_group_bounds`), through the engine's own metadata and call (`grouped_meta`,
+`attend_heads`), against the grouping before stop 50 (8 groups of
 num_queries / 8 rows) and one masked call over every key.
 
 A blend prefill's recomputed tokens attend over the whole prompt, each up to its own position, with the
@@ -17,18 +18,16 @@ import itertools
 import math
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from statistics import median
 
 import torch
-import torch.nn.functional as F
 
 from bench.output import cpu_name, emit_summary
-from blend_engine.attention import query_group_bounds
+from blend_engine.attention import AttentionMeta, attend_heads, grouped_meta, query_group_bounds
 
 # (queries, keys, share of the queries in the prompt's last queries-worth of positions)
 SHAPES = ((521, 3125, 0.8), (521, 3125, 0.0), (900, 6000, 0.3), (250, 1500, 0.5), (130, 400, 0.2))
-Groups = list[tuple[slice, int, torch.Tensor]]  # rows, keys seen, mask [rows, keys]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,23 +52,6 @@ def query_positions(num_queries: int, num_keys: int, tail_share: float, generato
     return torch.cat([spread, torch.arange(num_keys - num_tail, num_keys)]).sort().values
 
 
-def make_groups(bounds: Sequence[int], pos: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) -> Groups:
-    host = pos.tolist()
-    groups = []
-    for start, end in itertools.pairwise(bounds):
-        num_keys = host[end - 1] + 1
-        seen = pos[start:end, None] >= torch.arange(num_keys)[None, :]  # [rows, keys]
-        groups.append((slice(start, end), num_keys, torch.where(seen, bias[:num_keys], -math.inf).to(dtype)))
-    return groups
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Groups, scale: float) -> torch.Tensor:
-    """q [H, A, D] over k, v [H_kv, N, D] -> [H, A, D], one SDPA call per group (as the engine's GROUPED)."""
-    outs = [F.scaled_dot_product_attention(q[None, :, rows], k[None, :, :n], v[None, :, :n], attn_mask=mask,
-                                           scale=scale, enable_gqa=True)[0] for rows, n, mask in groups]
-    return torch.cat(outs, dim=1)
-
-
 def timed(fn: Callable[[], torch.Tensor]) -> float:
     start = time.perf_counter()
     fn()
@@ -87,14 +69,18 @@ def bench_shape(num_queries: int, num_keys: int, tail_share: float, heads: tuple
     bias = torch.where(torch.rand(num_keys, generator=g) < 0.8, math.log(0.5), 0.0)
     groupings = {"before": old_bounds(num_queries), "grouped": query_group_bounds(num_queries),
                  "one call": [0, num_queries]}
-    made = {name: make_groups(bounds, pos, bias, dtype) for name, bounds in groupings.items()}
+    host = pos.tolist()
+    # the engine's own metadata and attention call (blend_engine/attention.py), cut at each grouping's bounds
+    metas: dict[str, AttentionMeta] = {name: grouped_meta(pos, host, bounds, num_keys, dtype, bias)
+                                       for name, bounds in groupings.items()}
     scale = head_dim ** -0.5
-    reference = attend(q, k, v, made["before"], scale).float()
-    max_diff = {name: float((attend(q, k, v, groups, scale).float() - reference).abs().max()) for name, groups in made.items()}
-    times: dict[str, list[float]] = {name: [] for name in made}
+    reference = attend_heads(q, k, v, metas["before"], scale).float()  # [H, A, D]
+    max_diff = {name: float((attend_heads(q, k, v, meta, scale).float() - reference).abs().max())
+                for name, meta in metas.items()}
+    times: dict[str, list[float]] = {name: [] for name in metas}
     for _ in range(rounds):
-        for name, groups in made.items():
-            times[name].append(timed(lambda groups=groups: attend(q, k, v, groups, scale)))
+        for name, meta in metas.items():
+            times[name].append(timed(lambda meta=meta: attend_heads(q, k, v, meta, scale)))
     return {"queries": num_queries, "keys": num_keys, "tail_share": tail_share,
             "groups": {name: [b - a for a, b in itertools.pairwise(bounds)] for name, bounds in groupings.items()},
             "median_ms": {name: median(values) for name, values in times.items()},

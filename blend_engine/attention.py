@@ -152,10 +152,18 @@ def subset_meta(
         mask = additive_causal_mask(query_pos, num_keys, num_groups_per_kv, mask_dtype, bias)  # [G*A, N]
         return AttentionMeta(AttentionLayout.SUBSET, num_keys, mask=mask, dtype=dtype)
     host = query_pos_host if query_pos_host is not None else query_pos.tolist()
-    bounds = query_group_bounds(len(host))
+    return grouped_meta(query_pos, host, query_group_bounds(len(host)), num_keys, dtype, bias)
+
+
+def grouped_meta(query_pos: torch.Tensor, query_pos_host: Sequence[int], bounds: Sequence[int], num_keys: int,
+                 dtype: torch.dtype | None = None, bias: torch.Tensor | None = None) -> AttentionMeta:
+    """GROUPED's metadata for ascending `query_pos` [A] (and the same on the host) cut at the row `bounds`
+    [0, ..., A], each group over the keys up to its last position (`subset_meta` cuts at
+    `query_group_bounds`; `ragblend bench attention-groups` at others, to compare)."""
+    mask_dtype = torch.float32 if dtype is None else dtype
     groups = []
     for start, end in itertools.pairwise(bounds):
-        num_group_keys = host[end - 1] + 1
+        num_group_keys = query_pos_host[end - 1] + 1
         mask = causal_mask(query_pos[start:end], num_group_keys)  # [rows, keys] bool
         if bias is not None:
             mask = torch.where(mask, bias[:num_group_keys].to(mask_dtype), float("-inf")).to(mask_dtype)
