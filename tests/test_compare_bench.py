@@ -180,3 +180,47 @@ def test_a_worktree_deleted_by_hand_is_made_again(tmp_path):
         assert compare_build.git(path, "rev-parse", "HEAD") == sha
     finally:
         compare_build.remove_worktree(path)
+
+
+def test_unmet_requirements_names_what_this_interpreter_lacks(tmp_path):
+    """REV's declared dependencies against this interpreter's distributions: markers evaluated, versions
+    compared, a missing package or file said so."""
+    import numpy
+
+    (tmp_path / "pyproject.toml").write_text(
+        '[project]\nname = "x"\ndependencies = [\n'
+        '  "numpy",\n'  # met
+        '  "packaging>=1",\n'  # met
+        '  "numpy<1",\n'  # installed, too new
+        '  "no-such-distribution-anywhere>=1",\n'  # not installed
+        '  "another-missing-one; python_version < \'3\'",\n'  # a marker false here: not asked for
+        ']\n')
+    assert compare_build.unmet_requirements(tmp_path) == [
+        f"numpy<1 ({numpy.__version__} installed)", "no-such-distribution-anywhere>=1 (not installed)"]
+    assert "no readable [project]" in compare_build.unmet_requirements(tmp_path / "nowhere")[0]
+
+
+def test_rev_shares_this_interpreter_unless_it_lacks_revs_dependencies(head_worktree, tmp_path, capsys):
+    """--venv shared (the default): HEAD, whose requirements this interpreter has, runs under it and no
+    venv is made; a requirement it lacks (or --venv own) asks for REV's own venv, which --skip-build
+    refuses to make; the JSON's description says which ran it and why."""
+    sha, root = head_worktree
+    cache = tmp_path / "cache"
+    shared = compare_build.build("HEAD", cache, is_skipping_build=True)
+    assert (shared.python, shared.interpreter, shared.unmet) == (Path(sys.executable),
+                                                                 compare_build.Interpreter.SHARED, ())
+    assert shared.describe()["interpreter"] == "shared" and not (cache / sha / "venv").exists()
+    with pytest.raises(compare_build.BuildError, match="no finished venv"):
+        compare_build.build("HEAD", cache, is_skipping_build=True, interpreter=compare_build.Interpreter.OWN)
+    pyproject = root / "pyproject.toml"
+    missing = '    "no-such-distribution-anywhere>=1",\n'
+    pyproject.write_text(pyproject.read_text().replace("dependencies = [\n", "dependencies = [\n" + missing, 1))
+    capsys.readouterr()
+    with pytest.raises(compare_build.BuildError, match="no finished venv"):
+        compare_build.build("HEAD", cache, is_skipping_build=True)
+    assert "lacks no-such-distribution-anywhere>=1 (not installed)" in capsys.readouterr().err
+    (cache / sha / "venv" / "bin").mkdir(parents=True)
+    (cache / sha / "venv" / compare_build.STAMP).write_text("built\n")
+    own = compare_build.build("HEAD", cache, is_skipping_build=True)
+    assert own.python == cache / sha / "venv" / "bin" / "python" and own.interpreter is compare_build.Interpreter.OWN
+    assert own.describe()["unmet"] == ["no-such-distribution-anywhere>=1 (not installed)"]
