@@ -179,7 +179,7 @@ def run_store(kind: str, database_url: str | None, texts: Sequence[str], asked: 
         retriever = Retriever.open(Path(tmp), config, store)
         try:
             embedders = {r.value: retriever.embedder if r is config.embedder_runtime else Embedder.from_name(
-                config.embedder, runtime=r, cache_dir=Path(tmp) / "embedder") for r in runtimes}
+                config.embedder, runtime=r, cache_dir=config.embedder_cache_dir) for r in runtimes}
             fill_s = fill(retriever, texts, args.random_vectors, random.Random(args.seed))
             if kind == "postgres":
                 settle(database_url)

@@ -3,9 +3,10 @@ defaults live."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator
 from pydantic.dataclasses import dataclass
 
 from configs.enums import ChunkingMode, EmbedderRuntime, IndexKind, RetrievalMode
@@ -18,11 +19,16 @@ class RetrievalConfig:
     embedder: Annotated[str, Field(
         description="'all-minilm-l6-v2' (packaged) or a local model dir.")] = "all-minilm-l6-v2"
     embedder_runtime: Annotated[EmbedderRuntime, Field(
-        description="What runs the embedder on the CPU: torch (sentence-transformers' modules) or onnx (the same "
-        "modules exported once to ONNX under the data directory's embedder/, run by ONNX Runtime: a question's "
-        "embedding ~9.8 -> ~6.0 ms p50 and ~15-17 -> ~8 ms p99 on 2 cores, for ~40-100 MB more resident memory; "
-        "docs/decisions/0024). The same vectors either way (within 1e-6); onnx falls back to torch, with a "
-        "warning, where it cannot export or load.")] = EmbedderRuntime.TORCH
+        description="What runs the embedder on the CPU: onnx (sentence-transformers' modules exported once to ONNX "
+        "by a child process, under embedder_cache_dir, and run by ONNX Runtime: a question's embedding ~9.8 -> "
+        "~6.0 ms p50 and ~15-17 -> ~8 ms p99 on 2 cores, and ~8 MB less resident than torch, sentence-transformers "
+        "never imported) or torch (sentence-transformers' modules; docs/decisions/0024). The same vectors either "
+        "way (within 1e-5); onnx falls back to torch, with a warning, where it cannot export or load.")] = (
+        EmbedderRuntime.ONNX)
+    embedder_cache_dir: Annotated[Path, Field(
+        description="Where the onnx runtime's exports are kept (keyed by the embedder's files and the torch / "
+        "transformers versions that exported it; shared by the servers of a machine, as model.cache_dir).")] = (
+        Path("~/.cache/ragblend/embedder"))
     chunking: Annotated[ChunkingMode, Field(description="Default chunking of ingested documents: structure (the document's blocks, "
         "headings and pages), tokens (sentences) or none (one passage, one chunk).")] = ChunkingMode.STRUCTURE
     chunk_tokens: Annotated[int, Field(ge=16, le=4096, description="Target chunk size in LLM tokens (docs/decisions/0022).")] = 192
@@ -62,6 +68,11 @@ class RetrievalConfig:
         ge=0, description="Documents up to this size get their chunks' KV precomputed before the ingest answers; "
         "larger ones are committed at once and their KV computed in the background, one chunk at a time between "
         "questions (kv_cached fills in).")] = 20_000
+
+    @field_validator("embedder_cache_dir")
+    @classmethod
+    def _expand(cls, value: Path) -> Path:
+        return value.expanduser()
 
 
 @dataclass(frozen=True, config=_CONFIG)

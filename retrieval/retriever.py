@@ -83,7 +83,7 @@ class Retriever:
         `data_dir/index/`; reconcile them with the store by id sets (rebuilt if stale or unreadable). A
         data directory's single `index.faiss` from before collections becomes the default collection's."""
         embedder = Embedder.from_name(settings.embedder, batch_size=settings.embed_batch_size,
-                                      runtime=settings.embedder_runtime, cache_dir=data_dir / "embedder")
+                                      runtime=settings.embedder_runtime, cache_dir=settings.embedder_cache_dir)
         store = store if store is not None else SqliteDocumentStore(data_dir / "documents.sqlite3")
         try:
             num_reembedded = reembed_if_changed(store, embedder)

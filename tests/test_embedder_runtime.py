@@ -1,19 +1,26 @@
-"""The embedder in ONNX Runtime (`retrieval.embedder_runtime: onnx`) against the same model in
-torch: the same vectors for a question, a padded batch, a text past the model's length and other scripts;
-its exported file cached and exported again when damaged; a cache directory that cannot be written, and
-the torch setting."""
+"""The embedder in ONNX Runtime (`retrieval.embedder_runtime: onnx`, the default) against the same model
+in torch: the same vectors for a question, a padded batch, a text past the model's length and other
+scripts; its export (made by a child process, sentence-transformers never imported by the server) cached,
+made again when damaged, kept when another process made it, refused for good when its check failed; a
+cache directory that cannot be written, and the torch setting."""
 
 from __future__ import annotations
 
+import json
 import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from configs.enums import EmbedderRuntime
 from retrieval.config import RetrievalConfig
-from retrieval.embedder import Embedder
+from retrieval.embedder import EXPORT_META, Embedder, export, resolve_model_path
 from retrieval.retriever import Retriever
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 TEXTS = [
     "What is the default compression level of gzip?",
@@ -84,16 +91,64 @@ def test_a_cache_directory_that_cannot_be_written_exports_to_a_temporary_file(tm
     assert embedder.encode_one("still answers").shape == (embedder.dim,)
 
 
-def test_the_setting_picks_the_runtime_and_onnx_caches_under_the_data_directory(tmp_path):
-    retriever = Retriever.open(tmp_path / "onnx", RetrievalConfig(embedder_runtime=EmbedderRuntime.ONNX))
+def test_the_setting_picks_the_runtime_and_onnx_caches_under_its_cache_dir(tmp_path):
+    retriever = Retriever.open(tmp_path / "onnx", RetrievalConfig(embedder_cache_dir=tmp_path / "cache"))  # default
     try:
         assert retriever.embedder.runtime is EmbedderRuntime.ONNX
-        assert len(list((tmp_path / "onnx" / "embedder").glob("*/model.onnx"))) == 1
+        assert len(list((tmp_path / "cache").glob("*/model.onnx"))) == 1
+        assert not (tmp_path / "onnx" / "embedder").exists()  # a machine's cache, not a data directory's
     finally:
         retriever.close()
-    retriever = Retriever.open(tmp_path / "torch", RetrievalConfig())  # the default: memory (docs/decisions/0024)
+    retriever = Retriever.open(tmp_path / "torch", RetrievalConfig(embedder_runtime=EmbedderRuntime.TORCH,
+                                                                   embedder_cache_dir=tmp_path / "unused"))
     try:
         assert retriever.embedder.runtime is EmbedderRuntime.TORCH
-        assert not (tmp_path / "torch" / "embedder").exists()
+        assert not (tmp_path / "unused").exists()
     finally:
         retriever.close()
+
+
+def test_onnx_never_imports_sentence_transformers_and_its_export_was_checked(tmp_path):
+    """The point of exporting in a child: sentence-transformers and what it pulls in (scikit-learn, ~60-90
+    MB resident) are never imported by the server, on the first start (exported now) or a later one."""
+    script = (
+        "import json, sys\n"
+        "from pathlib import Path\n"
+        "from configs.enums import EmbedderRuntime\n"
+        "from retrieval.embedder import Embedder\n"
+        f"e = Embedder.from_name('all-minilm-l6-v2', runtime=EmbedderRuntime.ONNX, cache_dir=Path({str(tmp_path)!r}))\n"
+        "v = e.encode_one('a question')\n"
+        "print(json.dumps({'runtime': e.runtime.value, 'norm': float((v * v).sum()), "
+        "'imported': sorted(m for m in ('sentence_transformers', 'sklearn') if m in sys.modules)}))\n")
+    for _start in ("first", "cached"):
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO_ROOT,
+                                check=False)
+        assert result.returncode == 0, result.stderr[-2000:]
+        out = json.loads(result.stdout.strip().splitlines()[-1])
+        assert out["runtime"] == "onnx" and out["imported"] == [] and abs(out["norm"] - 1) < 1e-5
+    [meta] = list(tmp_path.glob(f"*/{EXPORT_META}"))
+    recorded = json.loads(meta.read_text())
+    assert recorded["is_checked"] and recorded["dim"] == 384 and recorded["max_length"] == 256
+
+
+def test_an_export_that_failed_its_check_runs_torch_and_is_not_made_again(tmp_path, caplog):
+    Embedder.from_name("all-minilm-l6-v2", runtime=EmbedderRuntime.ONNX, cache_dir=tmp_path)
+    [meta] = list(tmp_path.glob(f"*/{EXPORT_META}"))
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "is_checked": False, "check": "max 0.1"}))
+    stamp = meta.stat().st_mtime_ns
+    with caplog.at_level(logging.WARNING, logger="retrieval.embedder"):
+        embedder = Embedder.from_name("all-minilm-l6-v2", runtime=EmbedderRuntime.ONNX, cache_dir=tmp_path)
+    assert embedder.runtime is EmbedderRuntime.TORCH and "differs from sentence-transformers'" in caplog.text
+    assert meta.stat().st_mtime_ns == stamp  # not exported again at every start
+
+
+def test_a_whole_export_already_there_is_kept_unless_replacing(tmp_path):
+    """Servers sharing the cache may export at once: the second to finish keeps the first's."""
+    Embedder.from_name("all-minilm-l6-v2", runtime=EmbedderRuntime.ONNX, cache_dir=tmp_path)
+    [meta] = list(tmp_path.glob(f"*/{EXPORT_META}"))
+    stamp = meta.stat().st_mtime_ns
+    model = resolve_model_path("all-minilm-l6-v2")
+    export(model, meta.parent)
+    assert meta.stat().st_mtime_ns == stamp
+    export(model, meta.parent, is_replacing=True)
+    assert meta.stat().st_mtime_ns != stamp and not list(tmp_path.glob("*.partial"))
