@@ -67,7 +67,8 @@ def _files_digest(directory: Path) -> str:
 
 class Embedder:
     """`runtime` ONNX: the model's modules (transformer, pooling, normalisation) are exported once to
-    `cache_dir` (keyed by the model's identity and the exporting torch / transformers versions) by a child
+    `cache_dir` (keyed by the model's directory, its files' sizes and times, and the exporting torch /
+    transformers versions) by a child
     process, with the tokenizer sentence-transformers prepares their inputs with, and run by ONNX Runtime:
     this process never imports sentence-transformers (its modules and those it pulls in, scikit-learn
     among them, held ~60-90 MB: docs/benchmarks/memory.md). Where ONNX Runtime is missing, the export
@@ -170,7 +171,11 @@ class _OnnxEmbedding:
         except ImportError as exc:
             logger.warning("retrieval.embedder_runtime is onnx but %s; the embedder runs in torch", exc)
             return None
-        key = hashlib.sha256(f"{identity}|torch {torch.__version__}|transformers {transformers.__version__}".encode())
+        # the cache is a machine's: the directory and its files' times too, not only the identity's names and
+        # sizes (two fine-tunes of one model have the same; an index may share them, an export may not)
+        stamps = ",".join(f"{p.stat().st_mtime_ns}" for p in sorted(model_path.rglob("*")) if p.is_file())
+        key = hashlib.sha256(f"{identity}|{model_path.resolve()}|{stamps}|torch {torch.__version__}|"
+                             f"transformers {transformers.__version__}".encode())
         name = key.hexdigest()[:16]
         with tempfile.TemporaryDirectory(prefix="ragblend-embedder-") as scratch:
             exported = (cache_dir if cache_dir is not None else Path(scratch)) / name

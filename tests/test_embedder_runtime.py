@@ -152,3 +152,15 @@ def test_a_whole_export_already_there_is_kept_unless_replacing(tmp_path):
     assert meta.stat().st_mtime_ns == stamp
     export(model, meta.parent, is_replacing=True)
     assert meta.stat().st_mtime_ns != stamp and not list(tmp_path.glob("*.partial"))
+
+
+def test_two_copies_of_a_model_get_exports_of_their_own(tmp_path):
+    """The cache is a machine's: a fine-tune beside its base (the same names and sizes) must not be
+    served the other's export."""
+    import shutil
+
+    source = resolve_model_path("all-minilm-l6-v2")
+    copies = [shutil.copytree(source, tmp_path / side / "minilm") for side in ("a", "b")]
+    made = [Embedder(Path(c), runtime=EmbedderRuntime.ONNX, cache_dir=tmp_path / "cache") for c in copies]
+    assert all(e.runtime is EmbedderRuntime.ONNX for e in made) and made[0].identity == made[1].identity
+    assert len(list((tmp_path / "cache").glob(f"*/{EXPORT_META}"))) == 2
