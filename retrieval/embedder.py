@@ -75,8 +75,9 @@ class Embedder:
     fails or its check against sentence-transformers' own output does not pass, the torch modules run,
     with a warning that says why (`runtime` tells which runs)."""
 
-    def __init__(self, model_path: Path, batch_size: int = 32, device: str = "cpu",
-                 runtime: EmbedderRuntime = EmbedderRuntime.TORCH, cache_dir: Path | None = None):
+    def __init__(self, model_path: Path, *, runtime: EmbedderRuntime, batch_size: int = 32, device: str = "cpu",
+                 cache_dir: Path | None = None):
+        # `runtime` has no default here: the server's is RetrievalConfig's (one place)
         self.batch_size = batch_size
         self.name = model_path.parent.name if model_path.name == "model" else model_path.name
         digest = _files_digest(model_path)
@@ -97,7 +98,7 @@ class Embedder:
         self.runtime = EmbedderRuntime.TORCH if self._onnx is None else EmbedderRuntime.ONNX
 
     @classmethod
-    def from_name(cls, name: str, batch_size: int = 32, runtime: EmbedderRuntime = EmbedderRuntime.TORCH,
+    def from_name(cls, name: str, *, runtime: EmbedderRuntime, batch_size: int = 32,
                   cache_dir: Path | None = None) -> Embedder:
         return cls(resolve_model_path(name), batch_size=batch_size, runtime=runtime, cache_dir=cache_dir)
 

@@ -93,9 +93,10 @@ def test_the_pack_holds_the_tokenizer_the_embedder_config_and_the_data_and_its_s
     # the embedder the server loads there: random weights from the packed configuration
     made = tmp_path / "embedder"
     assert device_pack(["embedder", "--pack", str(pack), "--out", str(made)]) == 0
+    from configs.enums import EmbedderRuntime
     from retrieval.embedder import Embedder
 
-    vectors = Embedder(made).encode(["a harbour lantern", "an orchard"])
+    vectors = Embedder(made, runtime=EmbedderRuntime.TORCH).encode(["a harbour lantern", "an orchard"])
     assert vectors.shape == (2, 384)
 
 

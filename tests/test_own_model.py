@@ -221,6 +221,7 @@ def test_chunks_stored_by_one_embedder_are_embedded_again_by_another(tmp_path, o
     vector indexes rebuilt: a question embedded by the new one finds its chunk. Before, one of the same
     dimension ranked the old vectors silently, one of another failed at start-up."""
     from retrieval.config import RetrievalConfig
+    from configs.enums import EmbedderRuntime
     from retrieval.embedder import Embedder
     from retrieval.retriever import Retriever
     from retrieval.store_types import NewChunk
@@ -253,7 +254,8 @@ def test_chunks_stored_by_one_embedder_are_embedded_again_by_another(tmp_path, o
         assert third.index.num_vectors == 3 and third.reconcile().is_rebuilt is False
         # a re-embedding killed half way: the first chunk back to MiniLM's vector (of 384 dimensions)
         first_id = min(c.row_id for c in chunks.values())
-        third.store.set_chunk_embeddings([first_id], Embedder.from_name("all-minilm-l6-v2").encode([texts["vault"]]))
+        minilm = Embedder.from_name("all-minilm-l6-v2", runtime=EmbedderRuntime.TORCH)
+        third.store.set_chunk_embeddings([first_id], minilm.encode([texts["vault"]]))
     finally:
         third.close()
     fourth = Retriever.open(tmp_path, RetrievalConfig(embedder=str(other)))  # finds it, embeds again
