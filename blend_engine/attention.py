@@ -146,9 +146,9 @@ def subset_meta(
     GROUPED needs the positions on the host; pass `query_pos_host` when the caller has them already,
     else they are read back here (once per active set).
     """
-    mask_dtype = torch.float32 if dtype is None else dtype
     if backend == AttentionBackend.MASKED:
         # fold: the G query heads sharing a KV head become G blocks of rows
+        mask_dtype = torch.float32 if dtype is None else dtype
         mask = additive_causal_mask(query_pos, num_keys, num_groups_per_kv, mask_dtype, bias)  # [G*A, N]
         return AttentionMeta(AttentionLayout.SUBSET, num_keys, mask=mask, dtype=dtype)
     host = query_pos_host if query_pos_host is not None else query_pos.tolist()
