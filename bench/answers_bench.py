@@ -31,6 +31,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import httpx
 import yaml
+from scipy.stats import binomtest
 
 from app.commands.client import error_message
 from app.commands.exit_codes import ExitCode
@@ -336,6 +337,44 @@ def results(records: Sequence[dict[str, Any]], settings: Sequence[Setting]) -> d
     return out
 
 
+def paired_row(records: Sequence[dict[str, Any]], against: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One setting's right answers against another's on the same questions (and repeats): both asked, in
+    scope and answered without error. Only the questions one gets right and the other wrong tell them
+    apart; `p_value` is the exact two-sided sign test over those (McNemar's exact test): the chance of a
+    split at least this uneven were both settings equally right. At 26 questions a few answers either way
+    are within it."""
+    def keyed(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any]]:
+        return {(r["question"], r["repeat"]): r for r in rows if r["error"] is None and not r.get("out_of_scope")}
+
+    mine, theirs = keyed(records), keyed(against)
+    pairs = [(mine[k], theirs[k]) for k in mine.keys() & theirs.keys()]
+    only_this = sum(a["right"] and not b["right"] for a, b in pairs)
+    only_against = sum(b["right"] and not a["right"] for a, b in pairs)
+    discordant = only_this + only_against
+    return {
+        "num_pairs": len(pairs), "both_right": sum(a["right"] and b["right"] for a, b in pairs),
+        "only_this": only_this, "only_against": only_against,
+        "neither": sum(not a["right"] and not b["right"] for a, b in pairs),
+        "same_answer": sum(a["answer"] == b["answer"] for a, b in pairs),
+        "p_value": float(binomtest(only_this, discordant, 0.5).pvalue) if discordant else 1.0,
+    }
+
+
+def paired(records: Sequence[dict[str, Any]], settings: Sequence[Setting]) -> dict[str, dict[str, Any]]:
+    """part -> {"against": the first setting, "settings": every other setting -> its paired_row}."""
+    if len(settings) < 2:
+        return {}
+    first, out = settings[0].name, {}
+    for part in PARTS:
+        in_part = [r for r in records if r["part"] == part]
+        if not in_part:
+            continue
+        against = [r for r in in_part if r["setting"] == first]
+        out[part] = {"against": first, "settings": {
+            s.name: paired_row([r for r in in_part if r["setting"] == s.name], against) for s in settings[1:]}}
+    return out
+
+
 def _count(num: int, row: dict[str, Any], denominator: str = "num_answers") -> str:
     return f"{num}/{row[denominator]}" if row[denominator] else "-"
 
@@ -359,6 +398,12 @@ def print_tables(summary: dict[str, Any]) -> None:
                   f"{_count(any_, row, 'num_source_scored'):>9}{_count(row['num_ran_to_cap'], row):>8}"
                   f"{_count(row['num_refused'], row):>9}{_count(row['num_oos_refused'], row, 'num_out_of_scope'):>8}"
                   f"{prompt:>8}{ttft:>10}{row['num_errors']:>8}")
+        pairs = summary.get("paired", {}).get(part)
+        if pairs:
+            print(f"paired against {pairs['against']} (right only here / only there, sign test p; answers alike):")
+            for name, pair in pairs["settings"].items():
+                print(f"  {name:<14}+{pair['only_this']} / -{pair['only_against']}, p {pair['p_value']:.2f}; "
+                      f"alike {pair['same_answer']}/{pair['num_pairs']}")
 
 
 # ---- the command ---------------------------------------------------------------------------------
@@ -455,6 +500,7 @@ def run(args: argparse.Namespace) -> int:
                     "ingest_s": measured["musique_ingest_s"]} if musique else None,
         "servers": measured["servers"],
         "results": results(records, settings),
+        "paired": paired(records, settings),
         "answers": records,
     }
     print_tables(summary)

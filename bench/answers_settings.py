@@ -41,6 +41,8 @@ S192_PROMPT = {"retrieval": {"chunking": "structure", "chunk_tokens": 192, "min_
 BEFORE = {"retrieval": {"chunking": "tokens", "chunk_tokens": 384, "mode": "dense", "top_k": 5, "min_score": -1.0,
                         "score_margin": 2.0}}
 
+EXACT_WORDS = "Answer briefly in the documents' exact words and cite your source."
+
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("default"),  # today's defaults: nothing added to the request, the server as shipped
     Setting("before", server=BEFORE),  # the defaults before docs/decisions/0021
@@ -67,6 +69,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("repetition=1.2", request={"repetition_penalty": 1.2}),  # CTRL's penalty over the answer
     Setting("best-first", server={"model": {"chunk_order": "best_first"}}),  # [1] first in the prompt, as before 0021
     Setting("answer-briefly", server={"model": {"answer_instruction": "Answer briefly."}}),  # no ask to cite
+    # stop 52, blend's copying of numbers and paths: the instruction asks for the documents' own words
+    Setting("exact-words", server={"model": {"answer_instruction": EXACT_WORDS}}),
+    Setting("exact-words-full", request={"mode": "full"}, server={"model": {"answer_instruction": EXACT_WORDS}}),
     # issue 36 item 2 (context that holds the answer): chunking, ranking, relevance floor (docs/decisions/0022)
     Setting("s192-hybrid-k3", request={"retrieval": "hybrid", "top_k": 3}, server=S192_FLOOR),
     Setting("s192-hybrid-k2", request={"retrieval": "hybrid", "top_k": 2}, server=S192_FLOOR),

@@ -15,7 +15,8 @@ from app.extract.dispatch import extract_file
 from app.config import LimitsConfig
 from app.extract.types import ExtractionLimits
 from bench import answers_bench, answers_settings
-from bench.answers_bench import in_turn, part_row, pick_questions, score_document_answer, score_musique_answer
+from bench.answers_bench import (in_turn, paired, paired_row, part_row, pick_questions, score_document_answer,
+                                 score_musique_answer)
 from bench.answers_set import DEFAULT_SET, collapse, contains_gold, load_set
 from bench.answers_settings import Setting, settings_named
 from bench.server_client import StreamedAnswer
@@ -172,6 +173,27 @@ def test_a_setting_row_on_known_records():
     assert row["server_ttft_p50_ms"] == 190.0 and row["errors"] == ["QueryFailed: queue full"]
 
 
+def test_settings_are_paired_on_the_same_questions_with_a_sign_test():
+    def record(setting, question, right, answer="x", repeat=0, error=None, oos=False):
+        return {"part": "docs_test", "setting": setting, "question": question, "repeat": repeat, "right": right,
+                "answer": answer, "error": error, "out_of_scope": oos}
+
+    full = [record("full", f"q{i}", i < 8) for i in range(10)] + [record("full", "oos", True, oos=True)]
+    blend = ([record("default", f"q{i}", i in (0, 1, 8)) for i in range(9)]  # q9 not answered: no pair
+             + [record("default", "q9", True, error="QueryFailed"), record("default", "oos", False, oos=True)])
+    blend[0]["answer"] = "different"
+    row = paired_row(full, blend)
+    # full right alone on q2-q7 (6), blend alone on q8 (1): 7 discordant, of 9 pairs (q9 failed, oos apart)
+    assert row == {"num_pairs": 9, "both_right": 2, "only_this": 6, "only_against": 1, "neither": 0,
+                   "same_answer": 8, "p_value": pytest.approx(0.125)}  # 2 * (1 + 7) / 2**7
+    assert paired_row(blend, blend)["p_value"] == 1.0  # no discordant pair: nothing tells them apart
+    swapped = paired_row(blend, full)
+    assert (swapped["only_this"], swapped["only_against"]) == (1, 6) and swapped["p_value"] == row["p_value"]
+    out = paired(full + blend, [Setting("default"), Setting("full")])
+    assert out == {"docs_test": {"against": "default", "settings": {"full": row}}}
+    assert paired(full, [Setting("full")]) == {}  # one setting: nothing to pair
+
+
 def test_settings_take_turns_and_quick_checks_spread_over_documents():
     a, b, c = (Setting(n) for n in "abc")
     assert [in_turn([a, b, c], t) for t in range(4)] == [[a, b, c], [b, c, a], [c, a, b], [a, b, c]]
@@ -292,9 +314,18 @@ def test_bench_answers_end_to_end_on_a_tiny_model(tmp_path, capsys, monkeypatch)
             mi = a["question"].split("-")[1]
             assert all(s.startswith(f"musique-{mi}-") for s in a["sources"]) and a["num_gold_passages"] == 1
             assert a["source_any"] == (f"musique-{mi}-0" in a["sources"]) == a["inside"]
+    # each part: the other settings paired against the first on the same questions and repeats
+    assert list(summary["paired"]) == ["docs_test", "docs_dev", "musique"]
+    for part, pairs in summary["paired"].items():
+        assert pairs["against"] == "default" and list(pairs["settings"]) == ["full", "top1-server"]
+        for pair in pairs["settings"].values():
+            assert pair["num_pairs"] == summary["results"][part]["default"]["num_answers"]
+            assert pair["both_right"] + pair["only_this"] + pair["only_against"] + pair["neither"] == pair["num_pairs"]
+            assert 0 < pair["p_value"] <= 1
     table = "\n".join(lines[:-1])
     assert "documents, test half (2 questions)" in table and "MuSiQue (2 questions)" in table
     assert re.search(r"top1-server\s+\d/2\s+\d/2", table)
+    assert re.search(r"paired against default.*\n  full +\+\d / -\d, p [01]\.\d\d; alike \d/2", table)
 
 
 def test_bench_answers_bad_arguments(tmp_path, capsys):
