@@ -385,7 +385,8 @@ def print_tables(summary: dict[str, Any]) -> None:
     for part, rows in summary["results"].items():
         first = next(iter(rows.values()))
         print(f"\n{PARTS[part]} ({first['num_questions']} questions)")
-        print(f"{'setting':<16}{'right':>8}{'inside':>8}{'right|in':>9}{'top src':>9}{'any src':>9}{'to cap':>8}"
+        width = max(16, *(len(name) + 2 for name in rows))
+        print(f"{'setting':<{width}}{'right':>8}{'inside':>8}{'right|in':>9}{'top src':>9}{'any src':>9}{'to cap':>8}"
               f"{'refused':>9}{'oos ok':>8}{'prompt':>8}{'TTFT p50':>10}{'errors':>8}")
         for name, row in rows.items():
             top = round((row["source_top"] or 0) * row["num_source_scored"])
@@ -393,7 +394,7 @@ def print_tables(summary: dict[str, Any]) -> None:
             when_in = round((row["right_when_inside"] or 0) * row["num_inside"])
             ttft = f"{row['ttft_p50_ms']:.0f} ms" if row["ttft_p50_ms"] is not None else "-"
             prompt = f"{row['prompt_tokens_mean']:.0f}" if row["prompt_tokens_mean"] is not None else "-"
-            print(f"{name:<16}{_count(row['num_right'], row):>8}{_count(row['num_inside'], row):>8}"
+            print(f"{name:<{width}}{_count(row['num_right'], row):>8}{_count(row['num_inside'], row):>8}"
                   f"{_count(when_in, row, 'num_inside'):>9}{_count(top, row, 'num_source_scored'):>9}"
                   f"{_count(any_, row, 'num_source_scored'):>9}{_count(row['num_ran_to_cap'], row):>8}"
                   f"{_count(row['num_refused'], row):>9}{_count(row['num_oos_refused'], row, 'num_out_of_scope'):>8}"
@@ -402,7 +403,7 @@ def print_tables(summary: dict[str, Any]) -> None:
         if pairs:
             print(f"paired against {pairs['against']} (right only here / only there, sign test p; answers alike):")
             for name, pair in pairs["settings"].items():
-                print(f"  {name:<14}+{pair['only_this']} / -{pair['only_against']}, p {pair['p_value']:.2f}; "
+                print(f"  {name:<{width - 2}} +{pair['only_this']} / -{pair['only_against']}, p {pair['p_value']:.2f}; "
                       f"alike {pair['same_answer']}/{pair['num_pairs']}")
 
 

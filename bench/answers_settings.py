@@ -69,6 +69,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("repetition=1.2", request={"repetition_penalty": 1.2}),  # CTRL's penalty over the answer
     Setting("best-first", server={"model": {"chunk_order": "best_first"}}),  # [1] first in the prompt, as before 0021
     Setting("answer-briefly", server={"model": {"answer_instruction": "Answer briefly."}}),  # no ask to cite
+    # blend's selection (docs/decisions/0002: query attention at a probe, chosen on MuSiQue's KL): the others
+    Setting("select-deviation", request={"selection": "deviation"}),  # CacheBlend's own ranking (checks at layer 1)
+    Setting("select-query-deviation", request={"selection": "query_deviation"}),
+    Setting("select-query-chunk-start", request={"selection": "query_chunk_start"}),
     # stop 52, blend's copying of numbers and paths: the instruction asks for the documents' own words
     Setting("exact-words", server={"model": {"answer_instruction": EXACT_WORDS}}),
     Setting("exact-words-full", request={"mode": "full"}, server={"model": {"answer_instruction": EXACT_WORDS}}),
