@@ -206,8 +206,6 @@ class _OnnxEmbedding:
 
     @classmethod
     def _open(cls, exported: Path, onnxruntime: ModuleType, num_threads: int) -> _OnnxEmbedding:
-        from transformers import AutoTokenizer
-
         meta = json.loads((exported / EXPORT_META).read_text())
         if not meta["is_checked"]:
             raise ExportMismatchError(f"the export's output differs from sentence-transformers' ({meta['check']})")
@@ -219,8 +217,17 @@ class _OnnxEmbedding:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         # no arena: it kept an ingestion batch's peak (~0.5 GB for 64 texts of 256 tokens) for the server's life
         options.enable_cpu_mem_arena = False
-        session = onnxruntime.InferenceSession(str(exported / ONNX_GRAPH), options, providers=["CPUExecutionProvider"])
-        tokenizer = AutoTokenizer.from_pretrained(str(exported / EXPORT_TOKENIZER), local_files_only=True)
+        return cls.from_files(exported, onnxruntime, meta, options)
+
+    @classmethod
+    def from_files(cls, directory: Path, onnxruntime: ModuleType, meta: dict,
+                   options: onnxruntime.SessionOptions | None = None) -> _OnnxEmbedding:
+        """The graph and tokenizer in `directory`, with what `meta` records (the server's, once checked; the
+        export's own check, before it is)."""
+        from transformers import AutoTokenizer
+
+        session = onnxruntime.InferenceSession(str(directory / ONNX_GRAPH), options, providers=["CPUExecutionProvider"])
+        tokenizer = AutoTokenizer.from_pretrained(str(directory / EXPORT_TOKENIZER), local_files_only=True)
         return cls(session, tokenizer, int(meta["dim"]), meta["max_length"], bool(meta["is_lower_case"]))
 
 
@@ -265,11 +272,7 @@ def export(model_path: Path, directory: Path, is_replacing: bool = False) -> Non
         first.tokenizer.save_pretrained(str(partial / EXPORT_TOKENIZER))
         meta = {"dim": int(model.get_embedding_dimension()), "max_length": model.max_seq_length,
                 "is_lower_case": bool(getattr(first, "do_lower_case", False))}
-        session = onnxruntime.InferenceSession(str(partial / ONNX_GRAPH), providers=["CPUExecutionProvider"])
-        from transformers import AutoTokenizer
-
-        mine = _OnnxEmbedding(session, AutoTokenizer.from_pretrained(str(partial / EXPORT_TOKENIZER)),
-                              meta["dim"], meta["max_length"], meta["is_lower_case"])
+        mine = _OnnxEmbedding.from_files(partial, onnxruntime, meta)
         with torch.inference_mode():
             expected = model.encode(CHECK_TEXTS, normalize_embeddings=True, convert_to_numpy=True)
         error = max(float(np.abs(mine.run(CHECK_TEXTS) - expected).max()),
