@@ -5,9 +5,10 @@ Decode reads every weight once per token, so int4 reads half of int8's bytes. Sm
 Q4_1 GGUF: its weights are already 16 levels per group of 32, which this format holds again with
 only its scale and zero rounded to bf16. The kernel's fast path takes bf16 activations only (fp32 and
 fp16 inputs measured ~60x slower), and it loses to a bf16 GEMM above a few dozen rows, so prefill
-multiplies by a bf16 copy of the dequantized weight as Int8Linear does. On a CPU without native bf16
-GEMMs (AVX2 only: ~19 GFLOP/s against fp32's ~145, measured) that copy is held in fp32 instead (the
-same bf16-rounded values): 4x the prefill speed measured, for twice the copy's memory.
+multiplies by a bf16 copy of the dequantized weight as Int8Linear does. Where bf16 GEMMs are not the
+faster (AVX2 only: ~19 GFLOP/s against fp32's ~145; AVX512-BF16 without AMX on a Xeon VM: 1.6-1.9x
+slower, measured) that copy is held in fp32 instead (the same bf16-rounded values): 4x and ~1.7x the
+GEMMs' speed, for twice the copy's memory. blend_engine/cpu_gemm.py measures which, once per machine.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from blend_engine import cpu_gemm
 
 GROUP_SIZE = 32  # inputs per (scale, zero): Q4_1's block
 NUM_ROWS_PER_BLOCK = 64  # the CPU packing interleaves rows in blocks of 64 (row slices of other sizes are no views)
@@ -24,8 +27,13 @@ _COMPUTE = torch.bfloat16
 
 
 def gemm_dtype(device: torch.device) -> torch.dtype:
-    """bf16 where its GEMMs are native (CUDA, CPUs with AVX512-BF16/AMX), else fp32."""
-    return _COMPUTE if device.type != "cpu" or torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    """What prefill multiplies quantized weights' copies in: bf16 on CUDA, and on a CPU with native bf16
+    (AVX512-BF16 or AMX) where its GEMMs measured clearly faster than fp32's (cpu_gemm); else fp32."""
+    if device.type != "cpu":
+        return _COMPUTE
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.float32
+    return _COMPUTE if cpu_gemm.bf16_gemm_timing().is_bf16_faster else torch.float32
 
 
 def _pack(q: torch.Tensor) -> torch.Tensor:

@@ -15,10 +15,12 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from blend_engine import cpu_gemm
 from blend_engine.embedding import Int8BlockEmbedding, compact_embedding
 from blend_engine.int4 import Int4Linear
 from blend_engine.weights import Bf16Linear, Int8Linear, convert_linears, resolve_weight_format
 from blend_engine.config import ModelConfig
+from configs.enums import WeightFormat
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +89,11 @@ def load_model(settings: ModelConfig) -> LoadedModel:
     """The model with its linear layers in `settings.weights`' format (resolved for the device)."""
     loaded = _load(settings)
     fmt = resolve_weight_format(settings.weights, loaded.model.device, loaded.model)
+    if (fmt != WeightFormat.FP32 and loaded.model.device.type == "cpu"
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        # bf16 or fp32 prefill copies: measured once per machine and kept beside the converted models, so
+        # that every start of this machine computes chunks' KV alike (blend_engine/cpu_gemm.py)
+        cpu_gemm.bf16_gemm_timing(settings.cache_dir)
     num = convert_linears(loaded.model, fmt)
     if num and not loaded.is_random:  # loaded from a checkpoint, and most of it converted
         is_compact = compact_embedding(loaded.model)

@@ -1,0 +1,87 @@
+"""The prefill copies' dtype on CPU is measured once per machine and kept (blend_engine/cpu_gemm.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from blend_engine import cpu_gemm
+from blend_engine.config import ModelConfig
+from blend_engine.int4 import Int4Linear, gemm_dtype
+from blend_engine.loader import load_model
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """No answer resolved yet in this process, and a native-bf16 CPU as far as torch's flag says."""
+    monkeypatch.setattr(cpu_gemm, "_resolved", {})
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+
+
+def timing(fp32_ms: float, bf16_ms: float) -> cpu_gemm.GemmTiming:
+    return cpu_gemm.GemmTiming(fp32_ms=fp32_ms, bf16_ms=bf16_ms, num_threads=2)
+
+
+@pytest.mark.parametrize(("bf16_ms", "expected"), [(2.0, torch.bfloat16), (8.5, torch.float32), (6.6, torch.float32)])
+def test_the_copy_is_bf16_only_where_its_gemms_measured_clearly_faster(fresh, monkeypatch, bf16_ms, expected):
+    """AMX: bf16 several times faster; a Xeon VM with AVX512-BF16 but no AMX: 1.7x slower; about even: fp32."""
+    monkeypatch.setattr(cpu_gemm, "measure", lambda: timing(7.0, bf16_ms))
+    assert gemm_dtype(torch.device("cpu")) == expected
+    linear = Int4Linear.from_weight(torch.randn(64, 64) * 0.05)
+    assert linear.gemm_weight.dtype == expected
+    assert torch.equal(linear.gemm_weight.float(), linear.dequantized().bfloat16().float())  # the same values
+
+
+def test_a_cpu_without_native_bf16_never_measures(monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "_resolved", {})
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    monkeypatch.setattr(cpu_gemm, "measure", lambda: pytest.fail("measured on an AVX2-only CPU"))
+    assert gemm_dtype(torch.device("cpu")) == torch.float32
+
+
+def test_the_measurement_is_kept_per_machine_and_read_back(fresh, monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(cpu_gemm, "measure", lambda: calls.append(1) or timing(7.0, 2.0))
+    first = cpu_gemm.bf16_gemm_timing(tmp_path)
+    assert first.is_bf16_faster and len(calls) == 1
+    records = json.loads((tmp_path / cpu_gemm.CACHE_FILE).read_text())
+    assert records == {cpu_gemm.machine_key(): {"fp32_ms": 7.0, "bf16_ms": 2.0, "num_threads": 2}}
+    # the process holds its first answer whatever is measured later
+    assert cpu_gemm.bf16_gemm_timing(tmp_path) == first and len(calls) == 1
+    # a new process on this machine reads it back: a busy machine at restart cannot flip the choice
+    monkeypatch.setattr(cpu_gemm, "_resolved", {})
+    monkeypatch.setattr(cpu_gemm, "measure", lambda: pytest.fail("measured again"))
+    assert cpu_gemm.bf16_gemm_timing(tmp_path) == first
+    # another machine's record beside it is kept
+    monkeypatch.setattr(cpu_gemm, "_resolved", {})
+    monkeypatch.setattr(cpu_gemm, "machine_key", lambda: "other cpu")
+    monkeypatch.setattr(cpu_gemm, "measure", lambda: timing(3.0, 5.0))
+    assert not cpu_gemm.bf16_gemm_timing(tmp_path).is_bf16_faster
+    assert set(json.loads((tmp_path / cpu_gemm.CACHE_FILE).read_text())) == {"other cpu", *records}
+
+
+def test_an_unreadable_record_is_measured_again_and_an_unwritable_directory_still_answers(fresh, monkeypatch,
+                                                                                          tmp_path):
+    (tmp_path / cpu_gemm.CACHE_FILE).write_text("{not json")
+    monkeypatch.setattr(cpu_gemm, "measure", lambda: timing(7.0, 9.0))
+    assert cpu_gemm.bf16_gemm_timing(tmp_path) == timing(7.0, 9.0)
+    assert json.loads((tmp_path / cpu_gemm.CACHE_FILE).read_text())[cpu_gemm.machine_key()]["bf16_ms"] == 9.0
+    monkeypatch.setattr(cpu_gemm, "_resolved", {})
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    assert cpu_gemm.bf16_gemm_timing(blocked / "cache") == timing(7.0, 9.0)  # a warning, not a failure
+
+
+def test_loading_a_quantized_model_resolves_the_choice_into_its_cache_dir(fresh, monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_gemm, "measure", lambda: timing(7.0, 12.0))
+    loaded = load_model(ModelConfig(name="random:tiny-llama", device="cpu", cache_dir=tmp_path))
+    assert (tmp_path / cpu_gemm.CACHE_FILE).is_file()
+    copies = {m.gemm_weight.dtype for m in loaded.model.modules() if isinstance(m, Int4Linear)}
+    assert copies == {torch.float32}
+
+
+def test_a_real_measurement_times_both_dtypes():
+    measured = cpu_gemm.measure()
+    assert measured.fp32_ms > 0 and measured.bf16_ms > 0 and measured.num_threads == torch.get_num_threads()
