@@ -47,6 +47,12 @@ class ModelConfig:
     weights: Annotated[WeightFormat, Field(
         description="Linear layers' weights: auto (int4 on CPU, int8 where a shape does not fit int4) | fp32 "
         "(as loaded) | bf16 | int8 | int4 (CPU).")] = WeightFormat.AUTO
+    gemm_dtype: Annotated[Literal["auto", "float32", "bfloat16"], Field(
+        description="CPU, quantized weights: what prefill multiplies their dequantized copy in. auto: bfloat16 where "
+        "bf16 GEMMs measured clearly faster than fp32 ones on this CPU (once per machine, kept in cache_dir: "
+        "blend_engine/cpu_gemm.py), else float32; float32 holds the copy at twice bf16's memory (SmolLM2: ~180 MB "
+        "more resident) for 1.3-1.5x faster prefills where bf16 is not native or not fast (docs/decisions/0025). "
+        "auto attention follows it.")] = "auto"
     cpu_threads: Annotated[int, Field(
         ge=0, le=1024,
         description="CPU threads of each engine job and decode step. 0: as many as the cores other processes "
@@ -59,7 +65,8 @@ class ModelConfig:
     attention_dtype: Annotated[AttentionDtype, Field(
         description="What a prefill's attention computes in (chunks' KV at ingestion, full, blend and reuse "
         "prefills; decode is unchanged): auto (bfloat16 for a prompt of 1 024 tokens or more where the prefill's "
-        "GEMMs already run in bf16: quantized weights on a CPU with native bf16, AVX512-BF16 or AMX; else model) | "
+        "GEMMs already run in bf16 (gemm_dtype): quantized weights on a CPU where bf16 GEMMs are the faster; else "
+        "model) | "
         "model (the model's dtype: float32 on CPU) | bfloat16 (q, k and v cast per call, whatever the length). "
         "Measured through the server on a 2-core Xeon with AMX: blend's prefill 1.46-1.50x and full's 1.41-1.48x "
         "faster at ~3 060 tokens, no faster under ~700; blend's KL unchanged (docs/decisions/0023). Part of the KV's "
@@ -69,7 +76,8 @@ class ModelConfig:
         "modes) run their linear parts as CUDA graphs captured per token-count bucket, the K/V writes and the "
         "attention eagerly (docs/benchmarks/gpu.md); false: every layer eagerly. No effect on CPU.")] = True
     cache_dir: Annotated[Path, Field(
-        description="Where a GGUF model's converted copy (safetensors + tokenizer) is kept for warm starts.")] = (
+        description="Where a GGUF model's converted copy (safetensors + tokenizer) is kept for warm starts, and this "
+        "machine's measured bf16 and fp32 GEMM speeds (cpu-gemm.json: gemm_dtype auto).")] = (
         Path("~/.cache/ragblend/models"))
     system_prompt: Annotated[str, Field(description="System message of every RAG prompt.")] = (
         "You are a helpful assistant. Answer the question using the documents.")

@@ -49,6 +49,18 @@ class GemmTiming:
 
 
 _resolved: dict[str, GemmTiming] = {}  # per process, by machine: the first answer holds for the process
+# ModelConfig.gemm_dtype where not auto, set for the process by the loader before it converts the weights (the
+# modules read the choice as they are made, as torch's own backend flags are read)
+_forced: list[torch.dtype] = []
+
+
+def force(dtype: torch.dtype | None) -> None:
+    """Prefill copies in `dtype` on CPU from now on in this process (None: measured again, auto)."""
+    _forced[:] = [] if dtype is None else [dtype]
+
+
+def forced() -> torch.dtype | None:
+    return _forced[0] if _forced else None
 
 
 def machine_key() -> str:

@@ -27,10 +27,13 @@ _COMPUTE = torch.bfloat16
 
 
 def gemm_dtype(device: torch.device) -> torch.dtype:
-    """What prefill multiplies quantized weights' copies in: bf16 on CUDA, and on a CPU with native bf16
-    (AVX512-BF16 or AMX) where its GEMMs measured clearly faster than fp32's (cpu_gemm); else fp32."""
+    """What prefill multiplies quantized weights' copies in: bf16 on CUDA; on CPU ModelConfig.gemm_dtype, which
+    under auto is bf16 where bf16 is native (AVX512-BF16 or AMX) and its GEMMs measured clearly faster than
+    fp32's (cpu_gemm), else fp32."""
     if device.type != "cpu":
         return _COMPUTE
+    if cpu_gemm.forced() is not None:  # ModelConfig.gemm_dtype, where not auto
+        return cpu_gemm.forced()
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return torch.float32
     return _COMPUTE if cpu_gemm.bf16_gemm_timing().is_bf16_faster else torch.float32

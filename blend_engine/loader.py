@@ -89,7 +89,8 @@ def load_model(settings: ModelConfig) -> LoadedModel:
     """The model with its linear layers in `settings.weights`' format (resolved for the device)."""
     loaded = _load(settings)
     fmt = resolve_weight_format(settings.weights, loaded.model.device, loaded.model)
-    if (fmt != WeightFormat.FP32 and loaded.model.device.type == "cpu"
+    cpu_gemm.force(None if settings.gemm_dtype == "auto" else getattr(torch, settings.gemm_dtype))
+    if (fmt != WeightFormat.FP32 and loaded.model.device.type == "cpu" and settings.gemm_dtype == "auto"
             and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         # bf16 or fp32 prefill copies: measured once per machine and kept beside the converted models, so
         # that every start of this machine computes chunks' KV alike (blend_engine/cpu_gemm.py)

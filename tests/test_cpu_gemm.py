@@ -17,6 +17,7 @@ from blend_engine.loader import load_model
 def fresh(monkeypatch):
     """No answer resolved yet in this process, and a native-bf16 CPU as far as torch's flag says."""
     monkeypatch.setattr(cpu_gemm, "_resolved", {})
+    monkeypatch.setattr(cpu_gemm, "_forced", [])
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
 
 
@@ -36,6 +37,7 @@ def test_the_copy_is_bf16_only_where_its_gemms_measured_clearly_faster(fresh, mo
 
 def test_a_cpu_without_native_bf16_never_measures(monkeypatch):
     monkeypatch.setattr(cpu_gemm, "_resolved", {})
+    monkeypatch.setattr(cpu_gemm, "_forced", [])
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     monkeypatch.setattr(cpu_gemm, "measure", lambda: pytest.fail("measured on an AVX2-only CPU"))
     assert gemm_dtype(torch.device("cpu")) == torch.float32
@@ -80,6 +82,21 @@ def test_loading_a_quantized_model_resolves_the_choice_into_its_cache_dir(fresh,
     assert (tmp_path / cpu_gemm.CACHE_FILE).is_file()
     copies = {m.gemm_weight.dtype for m in loaded.model.modules() if isinstance(m, Int4Linear)}
     assert copies == {torch.float32}
+
+
+@pytest.mark.parametrize("choice", ["float32", "bfloat16"])
+def test_a_configured_gemm_dtype_is_taken_without_measuring(fresh, monkeypatch, tmp_path, choice):
+    """model.gemm_dtype: bfloat16 keeps the smaller copy where fp32 would be faster (memory first), float32
+    the faster one; neither measures, and auto afterwards measures again."""
+    monkeypatch.setattr(cpu_gemm, "measure", lambda: pytest.fail("measured a configured choice"))
+    loaded = load_model(ModelConfig(name="random:tiny-llama", device="cpu", cache_dir=tmp_path, gemm_dtype=choice))
+    copies = {m.gemm_weight.dtype for m in loaded.model.modules() if isinstance(m, Int4Linear)}
+    assert copies == {getattr(torch, choice)} and not (tmp_path / cpu_gemm.CACHE_FILE).exists()
+    monkeypatch.setattr(cpu_gemm, "measure", lambda: timing(7.0, 2.0))
+    load_model(ModelConfig(name="random:tiny-llama", device="cpu", cache_dir=tmp_path))
+    assert cpu_gemm.forced() is None and gemm_dtype(torch.device("cpu")) == torch.bfloat16
+    with pytest.raises(ValueError):
+        ModelConfig(gemm_dtype="float16")
 
 
 def test_a_real_measurement_times_both_dtypes():
