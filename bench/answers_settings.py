@@ -43,6 +43,17 @@ BEFORE = {"retrieval": {"chunking": "tokens", "chunk_tokens": 384, "mode": "dens
 
 EXACT_WORDS = "Answer briefly in the documents' exact words and cite your source."
 
+# stop 53: a worked example in the system prompt (part of the prefix the chunks are precomputed behind, so the
+# prefix cache and the chunks' stored KV carry it: no extra prefill per question), showing a terse answer copied
+# from the documents with its number
+ONE_SHOT = ("You are a helpful assistant. Answer the question using the documents: reply with the words of the "
+            "document that answer it, then its number.\n\nExample:\nDocuments:\n\n[1] The server listens on "
+            "port 8080 unless PORT is set in /etc/server.conf.\n\nQuestion: Which port does the server listen "
+            "on by default?\nAnswer: 8080 [1]")
+TWO_SHOT = ONE_SHOT + ("\n\nExample:\nDocuments:\n\n[2] Logs older than 14 days are removed.\n\n[1] "
+                       "Settings are read from /etc/server.conf, then from ~/.server.conf.\n\nQuestion: Which "
+                       "file is read first for the settings?\nAnswer: /etc/server.conf [1]")
+
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("default"),  # today's defaults: nothing added to the request, the server as shipped
     Setting("before", server=BEFORE),  # the defaults before docs/decisions/0021
@@ -76,6 +87,11 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     # stop 52, blend's copying of numbers and paths: the instruction asks for the documents' own words
     Setting("exact-words", server={"model": {"answer_instruction": EXACT_WORDS}}),
     Setting("exact-words-full", request={"mode": "full"}, server={"model": {"answer_instruction": EXACT_WORDS}}),
+    # stop 53: worked examples in the system prompt, blend and full
+    Setting("one-shot", server={"model": {"system_prompt": ONE_SHOT}}),
+    Setting("one-shot-full", request={"mode": "full"}, server={"model": {"system_prompt": ONE_SHOT}}),
+    Setting("two-shot", server={"model": {"system_prompt": TWO_SHOT}}),
+    Setting("two-shot-full", request={"mode": "full"}, server={"model": {"system_prompt": TWO_SHOT}}),
     # issue 36 item 2 (context that holds the answer): chunking, ranking, relevance floor (docs/decisions/0022)
     Setting("s192-hybrid-k3", request={"retrieval": "hybrid", "top_k": 3}, server=S192_FLOOR),
     Setting("s192-hybrid-k2", request={"retrieval": "hybrid", "top_k": 2}, server=S192_FLOOR),

@@ -17,7 +17,7 @@ from app.extract.types import ExtractionLimits
 from bench import answers_bench, answers_settings
 from bench.answers_bench import (in_turn, paired, paired_row, part_row, pick_questions, score_document_answer,
                                  score_musique_answer)
-from bench.answers_set import DEFAULT_SET, collapse, contains_gold, load_set
+from bench.answers_set import DEFAULT_SET, HOLDOUT_SET, collapse, contains_gold, load_set
 from bench.answers_settings import Setting, settings_named
 from bench.server_client import StreamedAnswer
 from tests.docgen import make_pdf
@@ -45,8 +45,9 @@ def extracted_texts(qset) -> dict[str, str]:
     return texts
 
 
-def test_every_question_is_stated_in_its_document_as_extracted():
-    qset = load_set(DEFAULT_SET)
+@pytest.mark.parametrize("path", [DEFAULT_SET, HOLDOUT_SET], ids=["set", "holdout"])
+def test_every_question_is_stated_in_its_document_as_extracted(path):
+    qset = load_set(path)
     texts = extracted_texts(qset)
     for q in qset.questions:
         if q.is_out_of_scope:  # nothing states it: the right answer is a refusal, never a fact from a document
@@ -76,6 +77,21 @@ def test_the_set_real_documents_several_formats_and_disjoint_halves():
     out_of_scope = [q for q in qset.questions if q.is_out_of_scope]
     assert len(out_of_scope) >= 8 and {q.split for q in out_of_scope} == {"dev", "test"}
     assert all(q.evidence is None for q in out_of_scope)
+
+
+def test_the_holdout_set_is_another_set_of_real_documents():
+    """A second set nothing is tuned on (`--set bench/data/answers_holdout/questions.json`): other documents,
+    the same rules, out-of-scope questions too."""
+    qset, main_set = load_set(HOLDOUT_SET), load_set(DEFAULT_SET)
+    assert len(qset.documents) >= 6 and len(qset.questions) >= 40
+    assert {"pdf", "html", "markdown", "text"} <= {d.format for d in qset.documents}
+    assert not {d.origin for d in qset.documents} & {d.origin for d in main_set.documents}
+    assert not any(re.search(r"tasn1|shared-mime|redis|postgres|nginx", f"{d.origin} {d.package}", re.I)
+                   for d in qset.documents)
+    assert all(d.path.stat().st_size < 300_000 for d in qset.documents)
+    for doc_id, counts in qset.counts().items():
+        assert counts["dev"] >= 3 and counts["test"] >= 3, doc_id
+    assert {q.split for q in qset.questions if q.is_out_of_scope} == {"dev", "test"}
 
 
 def test_load_set_refuses_a_broken_set(tmp_path):
@@ -123,6 +139,10 @@ def test_document_answers_are_scored_by_pattern_evidence_and_source():
     assert wrong == {"right": False, "inside": False, "source_top": False, "source_any": True, "refused": False,
                      "out_of_scope": False}
     assert score_document_answer(q, streamed("level 6", []))["source_any"] is False
+    # a citation is not an answer: "[6]" names a chunk, not the level (nor "[1, 6]")
+    assert not score_document_answer(q, streamed("The default level is 9 [6].", []))["right"]
+    assert not score_document_answer(q, streamed("Level 1 [1, 6]", []))["right"]
+    assert score_document_answer(q, streamed("-6 [1]", []))["right"]
     assert score_document_answer(q, streamed("I could not find this in the documents.", []))["refused"] is True
 
 
