@@ -71,6 +71,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     # a prefill's attention in the model's dtype (float32) instead of auto's bf16 (docs/decisions/0023)
     Setting("attention-fp32", server={"model": {"attention_dtype": "model"}}),
     Setting("full-attention-fp32", request={"mode": "full"}, server={"model": {"attention_dtype": "model"}}),
+    # the prefill copies' dtype forced to bf16 (docs/decisions/0025: auto measures which is faster per machine)
+    Setting("gemm-bf16", server={"model": {"gemm_dtype": "bfloat16"}}),
+    Setting("gemm-bf16-full", request={"mode": "full"}, server={"model": {"gemm_dtype": "bfloat16"}}),
     Setting("top_k=2", request={"top_k": 2}),
     Setting("top_k=10", request={"top_k": 10}),
     # repetition control and the stop (docs/decisions/0021): each of today's defaults taken away, and a penalty
