@@ -5,7 +5,7 @@ Quantized weights are multiplied, at prefill, by a dequantized copy kept in bf16
 The CPU's flags do not tell which is faster. With AMX, bf16 GEMMs ran several times faster than fp32
 (stops 48-52). On a VM of the same Xeon generation (model 207) that exposed AVX512-BF16 but not AMX,
 oneDNN's bf16 GEMMs ran 1.6-1.9x *slower* than fp32 ones and bf16 attention 1.6x slower at 3 000
-tokens (stop 53: docs/decisions/0004). So the choice is measured: a few GEMMs of a prefill's size in
+tokens (stop 53: docs/decisions/0025). So the choice is measured: a few GEMMs of a prefill's size in
 each dtype, about 0.1 s once. The result is kept per machine (the CPU's model and flags, torch's
 version) in the model cache directory, so that a restart on a busy machine cannot flip it: the
 choice is part of what a chunk's stored KV was computed with.
