@@ -13,6 +13,7 @@ choice is part of what a chunk's stored KV was computed with.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -105,8 +106,8 @@ def bf16_gemm_timing(cache_dir: Path | None = None) -> GemmTiming:
     timing = _read(cache_dir, key) if cache_dir is not None else None
     if timing is None:
         timing = measure()
-        if cache_dir is not None:
-            _write(cache_dir, key, timing)
+        if cache_dir is not None:  # another process's record, written meanwhile, wins: one choice per machine
+            timing = _keep_first(cache_dir, key, timing)
         log.info("CPU GEMMs measured (%s): fp32 %.2f ms, bf16 %.2f ms on %d threads: prefill multiplies in %s",
                  key, timing.fp32_ms, timing.bf16_ms, timing.num_threads,
                  "bf16" if timing.is_bf16_faster else "fp32")
@@ -122,20 +123,30 @@ def _read(cache_dir: Path, key: str) -> GemmTiming | None:
         return None
 
 
-def _write(cache_dir: Path, key: str, timing: GemmTiming) -> None:
-    """Merged into the file (other machines' records kept), replaced atomically; a directory that
-    cannot be written leaves the measurement to this process."""
+def _keep_first(cache_dir: Path, key: str, timing: GemmTiming) -> GemmTiming:
+    """The machine's record: one already in the file (replicas starting together measure at once, and
+    the first to write wins for all), else `timing`, merged into the file beside other machines' records
+    and replaced atomically, under a lock. A directory that cannot be written leaves `timing` to this
+    process."""
     path = cache_dir / CACHE_FILE
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            records = json.loads(path.read_text())
-        except (OSError, ValueError):
-            records = {}
-        records[key] = asdict(timing)
-        fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".cpu-gemm-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(records, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        with open(cache_dir / f".{CACHE_FILE}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                records = json.loads(path.read_text())
+            except (OSError, ValueError):
+                records = {}
+            if key in records:
+                try:
+                    return GemmTiming(**records[key])
+                except TypeError:  # a record of another shape: replaced
+                    pass
+            records[key] = asdict(timing)
+            fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".cpu-gemm-")
+            with os.fdopen(fd, "w") as f:
+                json.dump(records, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
     except OSError as exc:
         log.warning("could not keep the CPU GEMM measurement in %s: %s", path, exc)
+    return timing

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -62,6 +63,16 @@ def test_the_measurement_is_kept_per_machine_and_read_back(fresh, monkeypatch, t
     monkeypatch.setattr(cpu_gemm, "measure", lambda: timing(3.0, 5.0))
     assert not cpu_gemm.bf16_gemm_timing(tmp_path).is_bf16_faster
     assert set(json.loads((tmp_path / cpu_gemm.CACHE_FILE).read_text())) == {"other cpu", *records}
+
+
+def test_a_record_written_meanwhile_by_another_process_wins(fresh, monkeypatch, tmp_path):
+    """Two replicas starting together both measure; the first to write decides for both."""
+    def measure_while_another_writes():
+        (tmp_path / cpu_gemm.CACHE_FILE).write_text(json.dumps({cpu_gemm.machine_key(): asdict(timing(7.0, 2.0))}))
+        return timing(7.0, 9.0)
+
+    monkeypatch.setattr(cpu_gemm, "measure", measure_while_another_writes)
+    assert cpu_gemm.bf16_gemm_timing(tmp_path) == timing(7.0, 2.0)
 
 
 def test_an_unreadable_record_is_measured_again_and_an_unwritable_directory_still_answers(fresh, monkeypatch,
