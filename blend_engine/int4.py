@@ -7,11 +7,15 @@ only its scale and zero rounded to bf16. The kernel's fast path takes bf16 activ
 fp16 inputs measured ~60x slower), and it loses to a bf16 GEMM above a few dozen rows, so prefill
 multiplies by a bf16 copy of the dequantized weight as Int8Linear does. Where bf16 GEMMs are not the
 faster (AVX2 only: ~19 GFLOP/s against fp32's ~145; AVX512-BF16 without AMX on a Xeon VM: 1.6-1.9x
-slower, measured) that copy is held in fp32 instead (the same bf16-rounded values): 4x and ~1.7x the
-GEMMs' speed, for twice the copy's memory. blend_engine/cpu_gemm.py measures which, once per machine.
+slower, measured; blend_engine/cpu_gemm.py measures which, once per machine) the product is taken in
+fp32: the bf16 copy is widened at each call into a per-thread fp32 scratch the size of the largest layer
+(0.23 ms for a 3 072 x 576 layer, against 4-5 ms saved on its 430-row GEMM), so the copy keeps bf16's
+memory; an fp32 copy kept per layer ran no faster and held ~180 MB more (stop 53).
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +43,19 @@ def gemm_dtype(device: torch.device) -> torch.dtype:
     return _COMPUTE if cpu_gemm.bf16_gemm_timing().is_bf16_faster else torch.float32
 
 
+_scratch = threading.local()  # .buffer: this thread's fp32 scratch, grown to the largest layer widened in it
+
+
+def widened(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] as fp32, in this thread's scratch: valid until this thread's next call (a GEMM uses it
+    at once, and prefills on different threads get scratches of their own)."""
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.numel() < weight.numel():
+        with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode alike
+            buffer = _scratch.buffer = torch.empty(weight.numel(), dtype=torch.float32, device=weight.device)
+    return buffer[: weight.numel()].view(weight.shape).copy_(weight)
+
+
 def _pack(q: torch.Tensor) -> torch.Tensor:
     """q [out, in] int32 in 0..15 -> the kernel's packed layout [out, in / 2] uint8."""
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
@@ -56,8 +73,9 @@ class Int4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         dequantized = ((q.float() - 8).reshape(num_out, -1, GROUP_SIZE) * self._per_row(0)
                        + self._per_row(1)).reshape(num_out, num_in)
-        weight = dequantized.to(_COMPUTE).to(gemm_dtype(q.device))  # bf16-rounded values either way
-        self.register_buffer("gemm_weight", weight, persistent=False)  # [out, in] bf16 (fp32 on AVX2 CPUs)
+        # prefill's GEMMs in fp32 where bf16 ones are not the faster: the bf16 copy widened at each call
+        self.is_widened = gemm_dtype(q.device) == torch.float32
+        self.register_buffer("gemm_weight", dequantized.to(_COMPUTE), persistent=False)  # [out, in] bf16
 
     def _per_row(self, index: int) -> torch.Tensor:
         return self.scales_zeros[..., index].t().float()[..., None]  # [out, in / 32, 1]
@@ -104,8 +122,10 @@ class Int4Linear(nn.Module):
         if rows.shape[0] <= MAX_PACKED_ROWS:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(_COMPUTE).contiguous(), self.packed, GROUP_SIZE,
                                                               self.scales_zeros)
+        elif self.is_widened:
+            out = F.linear(rows.float(), widened(self.gemm_weight))
         else:
-            out = F.linear(rows.to(self.gemm_weight.dtype), self.gemm_weight)
+            out = F.linear(rows.to(_COMPUTE), self.gemm_weight)
         out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import asdict
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from blend_engine import cpu_gemm
 from blend_engine.config import ModelConfig
-from blend_engine.int4 import Int4Linear, gemm_dtype
+from blend_engine.int4 import MAX_PACKED_ROWS, Int4Linear, gemm_dtype, widened
 from blend_engine.loader import load_model
 
 
@@ -32,8 +33,32 @@ def test_the_copy_is_bf16_only_where_its_gemms_measured_clearly_faster(fresh, mo
     monkeypatch.setattr(cpu_gemm, "measure", lambda: timing(7.0, bf16_ms))
     assert gemm_dtype(torch.device("cpu")) == expected
     linear = Int4Linear.from_weight(torch.randn(64, 64) * 0.05)
-    assert linear.gemm_weight.dtype == expected
+    # the copy is bf16 either way (its memory); an fp32 product widens it per call into a per-thread scratch
+    assert linear.gemm_weight.dtype == torch.bfloat16 and linear.is_widened == (expected == torch.float32)
     assert torch.equal(linear.gemm_weight.float(), linear.dequantized().bfloat16().float())  # the same values
+    x = torch.randn(MAX_PACKED_ROWS + 8, 64)
+    exact = torch.nn.functional.linear(x, linear.gemm_weight.float())  # the copy's (bf16-rounded) weights
+    scale = float(exact.abs().max())
+    if expected == torch.float32:  # fp32 activations over the copy's weights: fp32's own rounding only
+        torch.testing.assert_close(linear(x), exact, atol=scale * 1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(linear(x), exact, atol=scale * 2**-7, rtol=2**-7)
+
+
+def test_widened_weights_share_one_scratch_per_thread():
+    small, large = torch.randn(16, 32).bfloat16(), torch.randn(64, 96).bfloat16()
+    first = widened(large)
+    assert first.dtype == torch.float32 and torch.equal(first, large.float())
+    again = widened(small)
+    assert torch.equal(again, small.float()) and again.data_ptr() == first.data_ptr()  # no new memory
+    with torch.inference_mode():  # made or written in inference mode (a prefill) or out of it (HF's forward)
+        assert torch.equal(widened(large), large.float())
+    assert torch.equal(widened(small), small.float())
+    other: list[torch.Tensor] = []
+    thread = threading.Thread(target=lambda: other.append(widened(small)))
+    thread.start()
+    thread.join()
+    assert other[0].data_ptr() != first.data_ptr()  # another thread's prefill: a scratch of its own
 
 
 def test_a_cpu_without_native_bf16_never_measures(monkeypatch):
@@ -91,8 +116,8 @@ def test_loading_a_quantized_model_resolves_the_choice_into_its_cache_dir(fresh,
     monkeypatch.setattr(cpu_gemm, "measure", lambda: timing(7.0, 12.0))
     loaded = load_model(ModelConfig(name="random:tiny-llama", device="cpu", cache_dir=tmp_path))
     assert (tmp_path / cpu_gemm.CACHE_FILE).is_file()
-    copies = {m.gemm_weight.dtype for m in loaded.model.modules() if isinstance(m, Int4Linear)}
-    assert copies == {torch.float32}
+    widened_layers = {m.is_widened for m in loaded.model.modules() if isinstance(m, Int4Linear)}
+    assert widened_layers == {True}
 
 
 @pytest.mark.parametrize("choice", ["float32", "bfloat16"])
@@ -101,8 +126,8 @@ def test_a_configured_gemm_dtype_is_taken_without_measuring(fresh, monkeypatch, 
     the faster one; neither measures, and auto afterwards measures again."""
     monkeypatch.setattr(cpu_gemm, "measure", lambda: pytest.fail("measured a configured choice"))
     loaded = load_model(ModelConfig(name="random:tiny-llama", device="cpu", cache_dir=tmp_path, gemm_dtype=choice))
-    copies = {m.gemm_weight.dtype for m in loaded.model.modules() if isinstance(m, Int4Linear)}
-    assert copies == {getattr(torch, choice)} and not (tmp_path / cpu_gemm.CACHE_FILE).exists()
+    widened_layers = {m.is_widened for m in loaded.model.modules() if isinstance(m, Int4Linear)}
+    assert widened_layers == {choice == "float32"} and not (tmp_path / cpu_gemm.CACHE_FILE).exists()
     monkeypatch.setattr(cpu_gemm, "measure", lambda: timing(7.0, 2.0))
     load_model(ModelConfig(name="random:tiny-llama", device="cpu", cache_dir=tmp_path))
     assert cpu_gemm.forced() is None and gemm_dtype(torch.device("cpu")) == torch.bfloat16

@@ -58,8 +58,8 @@ def test_int4_linear_matches_its_dequantized_weight(num_rows):
 
 @pytest.mark.parametrize("is_bf16_native", [True, False])
 def test_int4_gemm_copy_is_fp32_where_bf16_gemms_are_not_native(monkeypatch, is_bf16_native):
-    """An AVX2-only CPU multiplies bf16 at ~1/8 of fp32's speed: the prefill copy is then fp32,
-    holding the same (bf16-rounded) values, and the results agree with the bf16 path's. (Where bf16 is
+    """An AVX2-only CPU multiplies bf16 at ~1/8 of fp32's speed: the prefill copy (bf16) is then widened to
+    fp32 at each call, and the results agree with the bf16 path's. (Where bf16 is
     native, whether it is also faster is measured: tests/test_cpu_gemm.py; here it is.)"""
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: is_bf16_native)
     monkeypatch.setattr(cpu_gemm, "_resolved", {})
@@ -67,7 +67,7 @@ def test_int4_gemm_copy_is_fp32_where_bf16_gemms_are_not_native(monkeypatch, is_
     torch.manual_seed(0)
     weight = torch.randn(96, 64) * 0.05
     linear = Int4Linear.from_weight(weight)
-    assert linear.gemm_weight.dtype == (torch.bfloat16 if is_bf16_native else torch.float32)
+    assert linear.gemm_weight.dtype == torch.bfloat16 and linear.is_widened == (not is_bf16_native)
     assert torch.equal(linear.gemm_weight.float(), linear.dequantized().bfloat16().float())
     x = torch.randn(MAX_PACKED_ROWS + 8, 64)
     ref = F.linear(x, linear.dequantized())
