@@ -50,9 +50,9 @@ class ModelConfig:
     gemm_dtype: Annotated[Literal["auto", "float32", "bfloat16"], Field(
         description="CPU, quantized weights: what prefill multiplies their dequantized copy in. auto: bfloat16 where "
         "bf16 GEMMs measured clearly faster than fp32 ones on this CPU (once per machine, kept in cache_dir: "
-        "blend_engine/cpu_gemm.py), else float32; float32 holds the copy at twice bf16's memory (SmolLM2: ~180 MB "
-        "more resident) for 1.3-1.5x faster prefills where bf16 is not native or not fast (docs/decisions/0025). "
-        "auto attention follows it.")] = "auto"
+        "blend_engine/cpu_gemm.py), else float32 (the bf16 copy widened per call into a per-thread scratch: fp32's "
+        "speed at bf16's memory; 1.3-1.4x faster prefills where bf16 GEMMs are slow, docs/decisions/0025). auto "
+        "attention follows it.")] = "auto"
     cpu_threads: Annotated[int, Field(
         ge=0, le=1024,
         description="CPU threads of each engine job and decode step. 0: as many as the cores other processes "
