@@ -10,7 +10,8 @@ faster (AVX2 only: ~19 GFLOP/s against fp32's ~145; AVX512-BF16 without AMX on a
 slower, measured; blend_engine/cpu_gemm.py measures which, once per machine) the product is taken in
 fp32: the bf16 copy is widened at each call into a per-thread fp32 scratch the size of the largest layer
 (0.23 ms for a 3 072 x 576 layer, against 4-5 ms saved on its 430-row GEMM), so the copy keeps bf16's
-memory; an fp32 copy kept per layer ran no faster and held ~180 MB more (stop 53).
+memory; an fp32 copy kept per layer held ~180 MB more for about the same speed (server TTFT 0.66-0.74x
+of bf16 GEMMs' against 0.74-0.78x widened, two runs on that VM; docs/decisions/0025).
 """
 
 from __future__ import annotations
