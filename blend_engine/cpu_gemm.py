@@ -14,6 +14,7 @@ choice is part of what a chunk's stored KV was computed with.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -64,6 +65,7 @@ def forced() -> torch.dtype | None:
     return _forced[0] if _forced else None
 
 
+@functools.cache  # read once: every quantized layer made asks for the choice
 def machine_key() -> str:
     """The CPU's model name and flags, and torch's version: what the measurement depends on."""
     fields: dict[str, str] = {}
@@ -95,6 +97,17 @@ def measure() -> GemmTiming:
                     times[dtype].append((time.perf_counter() - start) * 1e3)
     return GemmTiming(statistics.median(times[torch.float32]), statistics.median(times[torch.bfloat16]),
                       torch.get_num_threads())
+
+
+def prefill_dtype(cache_dir: Path | None = None) -> torch.dtype:
+    """What prefill multiplies quantized weights in on this CPU: ModelConfig.gemm_dtype where set (`force`),
+    else bf16 where native (AVX512-BF16 or AMX) and measured clearly faster than fp32, else fp32. `cache_dir`:
+    where this machine's measurement is kept (the loader's; other callers read the process's answer)."""
+    if _forced:
+        return _forced[0]
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():  # AVX2 only: never measured
+        return torch.float32
+    return torch.bfloat16 if bf16_gemm_timing(cache_dir).is_bf16_faster else torch.float32
 
 
 def bf16_gemm_timing(cache_dir: Path | None = None) -> GemmTiming:

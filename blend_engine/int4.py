@@ -35,13 +35,7 @@ def gemm_dtype(device: torch.device) -> torch.dtype:
     """What prefill multiplies quantized weights' copies in: bf16 on CUDA; on CPU ModelConfig.gemm_dtype, which
     under auto is bf16 where bf16 is native (AVX512-BF16 or AMX) and its GEMMs measured clearly faster than
     fp32's (cpu_gemm), else fp32."""
-    if device.type != "cpu":
-        return _COMPUTE
-    if cpu_gemm.forced() is not None:  # ModelConfig.gemm_dtype, where not auto
-        return cpu_gemm.forced()
-    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return torch.float32
-    return _COMPUTE if cpu_gemm.bf16_gemm_timing().is_bf16_faster else torch.float32
+    return _COMPUTE if device.type != "cpu" else cpu_gemm.prefill_dtype()
 
 
 _scratch = threading.local()  # .buffer: this thread's fp32 scratch, grown to the largest layer widened in it

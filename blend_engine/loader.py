@@ -90,11 +90,10 @@ def load_model(settings: ModelConfig) -> LoadedModel:
     loaded = _load(settings)
     fmt = resolve_weight_format(settings.weights, loaded.model.device, loaded.model)
     cpu_gemm.force(None if settings.gemm_dtype == "auto" else getattr(torch, settings.gemm_dtype))
-    if (fmt != WeightFormat.FP32 and loaded.model.device.type == "cpu" and settings.gemm_dtype == "auto"
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-        # bf16 or fp32 prefill GEMMs: measured once per machine and kept beside the converted models, so
-        # that every start of this machine computes chunks' KV alike (blend_engine/cpu_gemm.py)
-        cpu_gemm.bf16_gemm_timing(settings.cache_dir)
+    if fmt != WeightFormat.FP32 and loaded.model.device.type == "cpu":
+        # bf16 or fp32 prefill GEMMs: under auto measured once per machine and kept beside the converted models,
+        # so that every start of this machine computes chunks' KV alike (blend_engine/cpu_gemm.py)
+        cpu_gemm.prefill_dtype(settings.cache_dir)
     num = convert_linears(loaded.model, fmt)
     if num and not loaded.is_random:  # loaded from a checkpoint, and most of it converted
         is_compact = compact_embedding(loaded.model)
