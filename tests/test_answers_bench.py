@@ -17,7 +17,7 @@ from app.extract.types import ExtractionLimits
 from bench import answers_bench, answers_settings
 from bench.answers_bench import (in_turn, paired, paired_row, part_row, pick_questions, score_document_answer,
                                  score_musique_answer)
-from bench.answers_set import DEFAULT_SET, HOLDOUT_SET, collapse, contains_gold, load_set
+from bench.answers_set import DEFAULT_SET, HOLDOUT2_SET, HOLDOUT_SET, collapse, contains_gold, load_set
 from bench.answers_settings import Setting, settings_named
 from bench.server_client import StreamedAnswer
 from tests.docgen import make_pdf
@@ -45,7 +45,7 @@ def extracted_texts(qset) -> dict[str, str]:
     return texts
 
 
-@pytest.mark.parametrize("path", [DEFAULT_SET, HOLDOUT_SET], ids=["set", "holdout"])
+@pytest.mark.parametrize("path", [DEFAULT_SET, HOLDOUT_SET, HOLDOUT2_SET], ids=["set", "holdout", "holdout2"])
 def test_every_question_is_stated_in_its_document_as_extracted(path):
     qset = load_set(path)
     texts = extracted_texts(qset)
@@ -92,6 +92,25 @@ def test_the_holdout_set_is_another_set_of_real_documents():
     for doc_id, counts in qset.counts().items():
         assert counts["dev"] >= 3 and counts["test"] >= 3, doc_id
     assert {q.split for q in qset.questions if q.is_out_of_scope} == {"dev", "test"}
+
+
+def test_the_second_holdout_set_is_a_third_set_of_real_documents_all_for_reporting():
+    """A third set, for reporting only (`--set bench/data/answers_holdout2/questions.json`): documents in neither
+    other set, the same rules, every question in the test split, out-of-scope questions too."""
+    qset = load_set(HOLDOUT2_SET)
+    others = {d.origin for path in (DEFAULT_SET, HOLDOUT_SET) for d in load_set(path).documents}
+    assert len(qset.documents) >= 8 and len([q for q in qset.questions if not q.is_out_of_scope]) >= 48
+    formats = Counter(d.format for d in qset.documents)
+    assert formats["pdf"] >= 2 and formats["html"] >= 1 and formats["markdown"] >= 1 and formats["text"] >= 2
+    assert not {d.origin for d in qset.documents} & others
+    assert not any(re.search(r"tasn1|shared-mime|redis|postgres|nginx", f"{d.origin} {d.package}", re.I)
+                   for d in qset.documents)
+    assert all(d.path.stat().st_size < 300_000 for d in qset.documents)
+    assert {q.split for q in qset.questions} == {"test"} and qset.split("dev") == []
+    for doc_id, counts in qset.counts().items():
+        assert counts["test"] >= 6, doc_id
+    out_of_scope = [q for q in qset.questions if q.is_out_of_scope]
+    assert len(out_of_scope) >= 4 and all(q.evidence is None for q in out_of_scope)
 
 
 def test_load_set_refuses_a_broken_set(tmp_path):
