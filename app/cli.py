@@ -56,6 +56,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "replicas"): ("bench.replicas_bench", "Postgres vs SQLite store: query TTFT, ingest, change propagation"),
     ("bench", "answers"): ("bench.answers_bench", "answer quality of the whole pipeline on real documents and MuSiQue, "
                            "settings side by side: right, inside the retrieved text, source, ran to the cap, TTFT"),
+    ("bench", "answers-pool"): ("bench.answers_pool", "several answers runs (other question sets) read as one: "
+                                "each part pooled over them, settings paired against the first"),
     ("bench", "retrieval"): ("bench.retrieval_bench", "retrieval latency per ranking mode (dense, lexical, hybrid) "
                              "and store (SQLite, Postgres) at a given number of chunks: p50/p99"),
     ("bench", "retrieval-quality"): ("bench.retrieval_quality", "retrieval alone on the answers set (no LLM): inside, "
