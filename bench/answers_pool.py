@@ -12,8 +12,9 @@ test halves together are 92.
 
 Only runs' answers are read: nothing is asked again. A question is keyed by its run's set and its id, so
 two sets may use the same ids. The settings are those every run asked (`--settings` picks and orders
-them; the first is the one the others are paired against). TTFTs pool runs taken at different times:
-compare a setting's against another's, both asked in turn in each run, rather than across stops.
+them; the first is the one the others are paired against). A setting is known by its name: pool runs of
+one build, one model and one `--max-tokens` (other models or caps are refused). TTFTs pool runs taken at
+different times: compare a setting's against another's, both asked in turn in each run.
 """
 
 from __future__ import annotations
@@ -74,6 +75,18 @@ def pooled_records(runs: list[dict[str, Any]], names: list[str]) -> list[dict[st
     return out
 
 
+def mismatched(runs: list[dict[str, Any]], sets: list[str]) -> str | None:
+    """Why these runs cannot be pooled (None: they can): a set given twice would count its questions
+    twice; answers of another model, or capped at another length, are not the same measurement."""
+    if len(set(sets)) < len(sets):
+        return f"a set appears twice ({', '.join(sets)}): its questions would count twice"
+    for key, what in (("model", "models"), ("max_tokens", "max_tokens")):
+        values = {str(r[key]) for r in runs}
+        if len(values) > 1:
+            return f"the runs' {what} differ ({', '.join(sorted(values))}): not one measurement"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         runs = [load_run(path) for path in args.runs]
@@ -82,17 +95,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"ragblend bench answers-pool: {exc}", file=sys.stderr)
         return ExitCode.USAGE
     sets = [Path(r["set"]).parent.name for r in runs]
-    if len(set(sets)) < len(sets):
-        print(f"ragblend bench answers-pool: a set appears twice ({', '.join(sets)}): its questions would count "
-              "twice", file=sys.stderr)
+    mismatch = mismatched(runs, sets)
+    if mismatch:
+        print(f"ragblend bench answers-pool: {mismatch}", file=sys.stderr)
         return ExitCode.USAGE
     records = pooled_records(runs, names)
     settings = [Setting(name) for name in names]
     summary = {
         "bench": "answers-pool", "runs": [str(p) for p in args.runs], "sets": sets,
-        "model": ", ".join(sorted({r["model"] for r in runs})),
-        "settings": names, "repeats": max(r["repeats"] for r in runs),
-        "max_tokens": runs[0]["max_tokens"] if all(r["max_tokens"] == runs[0]["max_tokens"] for r in runs) else None,
+        "model": runs[0]["model"], "settings": names, "repeats": max(r["repeats"] for r in runs),
+        "max_tokens": runs[0]["max_tokens"],
         "documents": {f"{s}:{d}": doc for s, r in zip(sets, runs) for d, doc in r["documents"].items()},
         "results": results(records, settings),
         "paired": paired(records, settings),

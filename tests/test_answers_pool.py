@@ -16,10 +16,11 @@ def answer(question: str, setting: str, right: bool, part: str = "docs_test", ou
             "source_any": None if out_of_scope else True, "refused": False, "out_of_scope": out_of_scope}
 
 
-def write_run(path, set_name: str, answers: list[dict], settings=("default", "full")) -> str:
+def write_run(path, set_name: str, answers: list[dict], settings=("default", "full"), model: str = "m",
+              max_tokens: int | None = None) -> str:
     path.write_text(json.dumps({
-        "bench": "answers", "set": f"bench/data/{set_name}/questions.json", "model": "m", "split": "all",
-        "settings": [{"name": s} for s in settings], "repeats": 1, "max_tokens": None,
+        "bench": "answers", "set": f"bench/data/{set_name}/questions.json", "model": model, "split": "all",
+        "settings": [{"name": s} for s in settings], "repeats": 1, "max_tokens": max_tokens,
         "documents": {"d": {"file": "d.md"}}, "answers": answers}))
     return str(path)
 
@@ -71,6 +72,10 @@ def test_what_cannot_be_pooled_is_refused_with_its_reason(tmp_path, capsys):
         ([good, other], "no setting in common"),
         ([good, "--settings", "full"], "not asked by every run: full"),
         ([good, good], "a set appears twice"),
+        ([good, write_run(tmp_path / "d.json", "set_d", [], settings=("default",), model="other")],
+         "the runs' models differ (m, other)"),
+        ([good, write_run(tmp_path / "e.json", "set_e", [], settings=("default",), max_tokens=64)],
+         "the runs' max_tokens differ (64, None)"),
     ]
     for argv, message in cases:
         assert main(["bench", "answers-pool", *argv]) == 2, message
