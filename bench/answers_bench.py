@@ -199,7 +199,10 @@ def answer_record(streamed: StreamedAnswer) -> dict[str, Any]:
             "server_ttft_ms": streamed.timings.get("ttft_ms"), "mode": streamed.done.get("mode"),
             "completion_tokens": streamed.num_completion_tokens, "prompt_tokens": streamed.usage.get("prompt_tokens"),
             "sources": [s["document_id"] for s in streamed.sources],
-            "chunks": [s["chunk_id"] for s in streamed.sources]}
+            "chunks": [s["chunk_id"] for s in streamed.sources],
+            # each source's cosine similarity to the question (the relevance floor's measure): how close an
+            # out-of-scope question's best chunk comes to an in-scope one's
+            "scores": [s.get("score") for s in streamed.sources]}
 
 
 def score_document_answer(question: SetQuestion, streamed: StreamedAnswer) -> dict[str, Any]:

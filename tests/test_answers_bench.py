@@ -28,8 +28,8 @@ ROW_KEYS = {"num_questions", "num_answers", "num_errors", "errors", "right", "nu
             "ttft_p50_ms", "ttft_p90_ms", "server_ttft_p50_ms", "completion_tokens_mean", "modes", "refused",
             "num_refused", "num_out_of_scope", "oos_refused", "num_oos_refused", "prompt_tokens_mean"}
 ANSWER_KEYS = {"part", "question", "setting", "repeat", "error", "answer", "finish_reason", "ran_to_cap", "ttft_ms",
-               "server_ttft_ms", "mode", "completion_tokens", "prompt_tokens", "sources", "chunks", "right", "inside",
-               "source_top", "source_any", "refused"}
+               "server_ttft_ms", "mode", "completion_tokens", "prompt_tokens", "sources", "chunks", "scores", "right",
+               "inside", "source_top", "source_any", "refused"}
 
 
 # ---- the committed set ---------------------------------------------------------------------------
@@ -343,6 +343,7 @@ def test_bench_answers_end_to_end_on_a_tiny_model(tmp_path, capsys, monkeypatch)
         # (auto, the default, may plan a full prefill too; a question the floor refuses runs no prefill)
         assert a["mode"] == "full" or a["setting"] != "full" or (a["refused"] and a["mode"] is None)
         assert len(a["sources"]) <= 1 if a["setting"] == "top1-server" else len(a["sources"]) <= 3
+        assert len(a["scores"]) == len(a["sources"]) and all(-1.0 <= x <= 1.0 for x in a["scores"])
         expected = {"vault-1": "vault", "bridge-1": "bridge"}.get(a["question"])
         if expected:  # one small chunk per page or file: the fact's chunk in a top-3 prompt
             assert a["source_top"] == (a["sources"][0] == expected) and a["source_any"] == (expected in a["sources"])
