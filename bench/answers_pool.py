@@ -65,14 +65,10 @@ def pooled_settings(runs: list[dict[str, Any]], asked: str | None) -> list[str]:
     return named
 
 
-def pooled_records(runs: list[dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
-    """Every run's answers in the settings `names`, each question keyed `set:id` (run i's set)."""
-    out = []
-    for run in runs:
-        set_name = Path(run["set"]).parent.name
-        out += [{**r, "set": set_name, "question": f"{set_name}:{r['question']}"}
-                for r in run["answers"] if r["setting"] in names]
-    return out
+def pooled_records(runs: list[dict[str, Any]], sets: list[str], names: list[str]) -> list[dict[str, Any]]:
+    """Every run's answers in the settings `names`, each question keyed `set:id` (sets[i]: run i's set)."""
+    return [{**r, "set": name, "question": f"{name}:{r['question']}"}
+            for run, name in zip(runs, sets) for r in run["answers"] if r["setting"] in names]
 
 
 def mismatched(runs: list[dict[str, Any]], sets: list[str]) -> str | None:
@@ -94,12 +90,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"ragblend bench answers-pool: {exc}", file=sys.stderr)
         return ExitCode.USAGE
-    sets = [Path(r["set"]).parent.name for r in runs]
+    sets = [Path(r["set"]).parent.name for r in runs]  # each run's question set, by its folder
     mismatch = mismatched(runs, sets)
     if mismatch:
         print(f"ragblend bench answers-pool: {mismatch}", file=sys.stderr)
         return ExitCode.USAGE
-    records = pooled_records(runs, names)
+    records = pooled_records(runs, sets, names)
     settings = [Setting(name) for name in names]
     summary = {
         "bench": "answers-pool", "runs": [str(p) for p in args.runs], "sets": sets,

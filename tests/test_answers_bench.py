@@ -45,6 +45,14 @@ def extracted_texts(qset) -> dict[str, str]:
     return texts
 
 
+def assert_kept_out_and_small(qset) -> None:
+    """None of the set's documents comes from what is kept for an independent check (the PDF manuals Debian
+    installs here, the configuration files Redis, PostgreSQL and nginx ship); each is under 300 kB."""
+    assert not any(re.search(r"tasn1|shared-mime|redis|postgres|nginx", f"{d.origin} {d.package}", re.I)
+                   for d in qset.documents)
+    assert all(d.path.stat().st_size < 300_000 for d in qset.documents)
+
+
 @pytest.mark.parametrize("path", [DEFAULT_SET, HOLDOUT_SET, HOLDOUT2_SET], ids=["set", "holdout", "holdout2"])
 def test_every_question_is_stated_in_its_document_as_extracted(path):
     qset = load_set(path)
@@ -64,10 +72,7 @@ def test_the_set_real_documents_several_formats_and_disjoint_halves():
     qset = load_set(DEFAULT_SET)
     assert len(qset.documents) >= 6 and len(qset.questions) >= 40
     assert {"pdf", "html", "markdown", "text"} <= {d.format for d in qset.documents}
-    # kept out for an independent check: the PDF manuals Debian installs here, Redis/PostgreSQL/nginx configs
-    assert not any(re.search(r"tasn1|shared-mime|redis|postgres|nginx", f"{d.origin} {d.package}", re.I)
-                   for d in qset.documents)
-    assert all(d.path.stat().st_size < 300_000 for d in qset.documents)
+    assert_kept_out_and_small(qset)
     dev, test = ({q.id for q in qset.split(s)} for s in ("dev", "test"))
     assert dev and test and not dev & test and dev | test == {q.id for q in qset.questions}
     assert qset.split("all") == list(qset.questions)
@@ -86,9 +91,7 @@ def test_the_holdout_set_is_another_set_of_real_documents():
     assert len(qset.documents) >= 6 and len(qset.questions) >= 40
     assert {"pdf", "html", "markdown", "text"} <= {d.format for d in qset.documents}
     assert not {d.origin for d in qset.documents} & {d.origin for d in main_set.documents}
-    assert not any(re.search(r"tasn1|shared-mime|redis|postgres|nginx", f"{d.origin} {d.package}", re.I)
-                   for d in qset.documents)
-    assert all(d.path.stat().st_size < 300_000 for d in qset.documents)
+    assert_kept_out_and_small(qset)
     for doc_id, counts in qset.counts().items():
         assert counts["dev"] >= 3 and counts["test"] >= 3, doc_id
     assert {q.split for q in qset.questions if q.is_out_of_scope} == {"dev", "test"}
@@ -103,9 +106,7 @@ def test_the_second_holdout_set_is_a_third_set_of_real_documents_all_for_reporti
     formats = Counter(d.format for d in qset.documents)
     assert formats["pdf"] >= 2 and formats["html"] >= 1 and formats["markdown"] >= 1 and formats["text"] >= 2
     assert not {d.origin for d in qset.documents} & others
-    assert not any(re.search(r"tasn1|shared-mime|redis|postgres|nginx", f"{d.origin} {d.package}", re.I)
-                   for d in qset.documents)
-    assert all(d.path.stat().st_size < 300_000 for d in qset.documents)
+    assert_kept_out_and_small(qset)
     assert {q.split for q in qset.questions} == {"test"} and qset.split("dev") == []
     for doc_id, counts in qset.counts().items():
         assert counts["test"] >= 6, doc_id

@@ -100,9 +100,9 @@ def test_a_client_that_disconnects_mid_stream_frees_the_worker(server):
 @pytest.mark.parametrize("path", ["/v1/query", "/v1/chat/completions"])
 def test_a_non_streaming_client_that_gives_up_cancels_its_generation(server, path):
     before = engine_jobs(server.url)
-    body = LONG_STORY if path == "/v1/query" else {
-        "messages": [{"role": "user", "content": LONG_STORY["question"]}], "max_tokens": 1000, "temperature": 1.0,
-        "seed": 1, "ignore_eos": True}
+    body = LONG_STORY if path == "/v1/query" else {  # the same request as a chat message
+        "messages": [{"role": "user", "content": LONG_STORY["question"]}],
+        **{k: v for k, v in LONG_STORY.items() if k != "question"}}
     with pytest.raises(httpx.ReadTimeout):  # the client hangs up after 1.5 s, mid-generation
         httpx.post(f"{server.url}{path}", json=body, timeout=httpx.Timeout(120, read=1.5))
     after = wait_for_cancel(server.url, before)
