@@ -39,7 +39,7 @@ S192_PROMPT = {"retrieval": {"chunking": "structure", "chunk_tokens": 192, "min_
 # The retrieval defaults before issue 36's item 2 (main at 27ff4d7): sentence chunks of 384 tokens, dense, top 5,
 # no relevance floor
 BEFORE = {"retrieval": {"chunking": "tokens", "chunk_tokens": 384, "mode": "dense", "top_k": 5, "min_score": -1.0,
-                        "score_margin": 2.0}}
+                        "score_margin": 2.0, "refuse_unmentioned_names": False}}
 
 EXACT_WORDS = "Answer briefly in the documents' exact words and cite your source."
 
@@ -59,6 +59,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("before", server=BEFORE),  # the defaults before docs/decisions/0021
     Setting("before-k3", request={"top_k": 3}, server=BEFORE),
     Setting("default-k5", request={"top_k": 5}),
+    # stop 55: questions naming what no document mentions answered by the model, as before the rule
+    Setting("names-off", server={"retrieval": {"refuse_unmentioned_names": False}}),
     Setting("dense", request={"retrieval": "dense"}),
     Setting("lexical", request={"retrieval": "lexical"}),
     Setting("full", request={"mode": "full"}),  # a full prefill: reads every retrieved chunk again

@@ -128,6 +128,19 @@ def evaluate(retriever, questions: Sequence[SetQuestion], modes: Sequence[Retrie
     return rows
 
 
+def unmentioned_names(retriever, questions: Sequence[SetQuestion]) -> dict[str, dict[str, list[str]]]:
+    """The questions retrieval.refuse_unmentioned_names refuses (whatever the ranking, top k or floor), in
+    scope (wrongly) and out of scope (rightly): question id -> the names no chunk mentions."""
+    from retrieval.store_types import DEFAULT_COLLECTION
+
+    out: dict[str, dict[str, list[str]]] = {"in_scope": {}, "out_of_scope": {}}
+    for q in questions:
+        names = retriever.unmentioned_names(q.question, (DEFAULT_COLLECTION,))
+        if names:
+            out["out_of_scope" if q.is_out_of_scope else "in_scope"][q.id] = names
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         qset = load_set(args.set)
@@ -148,10 +161,14 @@ def run(args: argparse.Namespace) -> int:
             try:
                 num_chunks = retriever.store.num_chunks()
                 rows = evaluate(retriever, questions, modes, top_ks, floors, args.num_candidates, args.rrf_k)
+                unmentioned = unmentioned_names(retriever, questions)
             finally:
                 retriever.close()
-        results[chunking.name] = {"num_chunks": num_chunks, "rows": rows}
+        results[chunking.name] = {"num_chunks": num_chunks, "rows": rows, "unmentioned_names": unmentioned}
         print(f"\n{chunking.name}: {num_chunks} chunks; {len(questions)} questions ({args.split})")
+        for kind, found in unmentioned.items():
+            print(f"  names no chunk mentions, {kind}: {len(found)} refused"
+                  + "".join(f"; {qid}: {', '.join(names)}" for qid, names in found.items()))
         print(f"{'mode':<9}{'top_k':>6}{'floor':>12}{'inside':>8}{'top src':>8}{'tokens':>8}{'refused':>8}{'oos ok':>8}")
         for row in rows:
             floor = "-" if row["floor"] is None else f"{row['floor'][0]:g}:{row['floor'][1]:g}"

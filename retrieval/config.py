@@ -57,6 +57,12 @@ class RetrievalConfig:
     score_margin: Annotated[float, Field(
         ge=0.0, le=2.0, description="Relevance floor: retrieved chunks whose cosine similarity is more than this "
         "below the best one's are left out of the prompt. 2: off.")] = 0.15
+    refuse_unmentioned_names: Annotated[bool, Field(
+        description="When the question names something (a word with a digit among its letters, two capitals or "
+        "more, joined by . _ - / or =, or capitalised after the first word: 'CUPS', 'bzip2', 'core.autocrlf', "
+        "'Redis') that no chunk of the searched collections mentions, the answer is not_found_answer with a "
+        "warning naming it, and the model is not asked (a small model answers a question next to the documents "
+        "with a fact it makes up: docs/benchmarks/answers.md). Named chunks (chunk_ids) are never refused.")] = True
     not_found_answer: Annotated[str, Field(
         min_length=1, description="The answer when nothing stored is relevant to the question (min_score).")] = (
         "I could not find this in the documents.")

@@ -281,6 +281,16 @@ class SqliteDocumentStore(DocumentStore):
                 (fts5_query(terms), *collections, limit)).fetchall()
         return [(int(r[0]), -float(r[1])) for r in rows]  # FTS5's rank (its bm25) is negated
 
+    def missing_words(self, words: Sequence[str], collections: Sequence[str]) -> list[str]:
+        """The `words` no chunk of `collections` holds (each one FTS5 query, stemmed as the index is)."""
+        if not words or not collections:
+            return list(words)
+        marks = ",".join("?" * len(collections))
+        query = ("SELECT 1 FROM chunks_fts f JOIN chunks c ON c.row_id = f.rowid"
+                 f" WHERE chunks_fts MATCH ? AND c.collection IN ({marks}) LIMIT 1")
+        with self._lock:
+            return [w for w in words if self._conn.execute(query, (fts5_query([w]), *collections)).fetchone() is None]
+
     def _rare_terms(self, terms: list[str]) -> list[str]:
         """The `terms` found in at most COMMON_TERM_SHARE of the chunks; if none, those in at most
         MOST_TERM_SHARE; if none, all of them: as Postgres's search leaves the others out. A word's share

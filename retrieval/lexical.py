@@ -36,6 +36,38 @@ def query_terms(question: str, max_terms: int = 32) -> list[str]:
     return [w for w in words if w not in STOP_WORDS][:max_terms]
 
 
+# A question's tokens, as written: split at spaces and at quotes, brackets and the punctuation that ends or
+# separates words, so "core.autocrlf", "systemd-timesyncd", "X11" and "OnBootSec=" stay whole
+_TOKEN = re.compile(r"[^\s\"'`“”‘’()\[\]{}<>,;:!?]+")
+_POSSESSIVE = re.compile(r"['’]s\b")
+_PART = re.compile(r"[^\W_]+")
+
+
+def named_words(question: str, max_words: int = 16) -> list[str]:
+    """The question's words that name something (a program, an option, a file, an acronym, a version):
+    with a digit among letters ("bzip2", "X11"), two capitals or more ("CUPS", "OpenSSH"), joined by ".",
+    "_", "-", "/" or "=" ("core.autocrlf", "systemd-timesyncd"), or capitalised after the question's first
+    word ("Redis"). Ordinary words and numbers are left out: a question's wording need not be the
+    documents', but what it names is what it is about. Distinct, as written, stop words left out."""
+    words = []
+    for position, token in enumerate(_TOKEN.findall(_POSSESSIVE.sub("", question))):
+        word = token.strip(".-_/=")  # a sentence's full stop, an option's dashes ("--repeat") or "="
+        letters = sum(ch.isalpha() for ch in word)
+        if letters < 2 or word.lower() in STOP_WORDS:
+            continue
+        is_named = (any(ch.isdigit() for ch in word) or sum(ch.isupper() for ch in word) >= 2
+                    or any(ch in "._-/=" for ch in word) or (position > 0 and word[0].isupper()))
+        if is_named and word not in words:
+            words.append(word)
+    return words[:max_words]
+
+
+def word_parts(word: str) -> list[str]:
+    """A named word's parts as both stores index them: letters and digits, lower case, stop words left out
+    ("systemd-timesyncd": systemd, timesyncd; "CMAKE_BUILD_TYPE": cmake, build, type)."""
+    return [p for p in dict.fromkeys(_PART.findall(word.lower())) if p not in STOP_WORDS]
+
+
 def fts5_query(terms: Sequence[str]) -> str:
     """An FTS5 MATCH expression: any of the terms, each a quoted string (so no word is read as an
     operator; FTS5 tokenizes inside the quotes as it tokenized the chunks)."""

@@ -146,6 +146,12 @@ FROM hits h JOIN df USING (term), total
 GROUP BY h.row_id ORDER BY score DESC, h.row_id LIMIT %(limit)s
 """
 _LEXICAL_SEARCH = _LEXICAL_TERMS + _LEXICAL_RANKING
+_MISSING_WORDS = """
+SELECT w FROM unnest(%(words)s::text[]) AS w
+WHERE numnode(plainto_tsquery('english', w)) > 0
+  AND NOT EXISTS (SELECT 1 FROM chunks c WHERE c.collection = ANY(%(collections)s)
+                  AND c.text_tsv @@ plainto_tsquery('english', w))
+"""
 # Hybrid's ranking in one round trip (retrieval.store_types.fuse_rankings's result, as one statement): the
 # lexical ranking above, reciprocal rank fusion with the dense ranking passed in, the top_k best chunks'
 # rows, and the embeddings of those the dense ranking did not hold. Ties go as fuse_rankings's: the dense
@@ -360,6 +366,16 @@ class PostgresDocumentStore(DocumentStore):
                                                   "most": MOST_TERM_SHARE, "limit": limit,
                                                   "collections": list(collections)}).fetchall()
         return [(int(r[0]), float(r[1])) for r in rows]
+
+    def missing_words(self, words: Sequence[str], collections: Sequence[str]) -> list[str]:
+        """The `words` no chunk of `collections` holds, by the tsvector index (English stems; a stop word,
+        which the index drops, counts as held), in one statement."""
+        if not words:
+            return []
+        with self._connection() as conn:
+            missing = {r[0] for r in conn.execute(_MISSING_WORDS, {"words": list(words),
+                                                                   "collections": list(collections)}).fetchall()}
+        return [w for w in words if w in missing]
 
     def fused_search(self, question: str, dense: Sequence[int], depth: int, top_k: int, rrf_k: int,
                      collections: Sequence[str]) -> list[FusedHit]:

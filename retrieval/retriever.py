@@ -17,6 +17,7 @@ from retrieval.store_types import DocumentStore, StoredChunk
 from retrieval.embedder import Embedder
 from retrieval.reembed import reembed_if_changed
 from retrieval.index import CollectionIndexes
+from retrieval.lexical import named_words, word_parts
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +160,14 @@ class Retriever:
             cosines.update(zip(batch.row_ids.tolist(), (batch.vectors @ vector).tolist() if len(batch.row_ids) else []))
         return [ScoredChunk(chunks[i], cosines.get(i), rank_score) for i, rank_score in ranked
                 if i in chunks and chunks[i].collection in allowed]
+
+    def unmentioned_names(self, question: str, collections: Sequence[str]) -> list[str]:
+        """What the question names (`named_words`: "CUPS", "bzip2", "core.autocrlf") that no chunk of
+        `collections` mentions: a name is mentioned when each of its parts is somewhere in them."""
+        names = {name: word_parts(name) for name in named_words(question)}
+        parts = list(dict.fromkeys(p for name_parts in names.values() for p in name_parts))
+        missing = set(self.store.missing_words(parts, collections)) if parts else set()
+        return [name for name, name_parts in names.items() if any(p in missing for p in name_parts)]
 
     def named(self, chunk_ids: Sequence[str], collections: Sequence[str]) -> tuple[list[ScoredChunk], list[str]]:
         """The chunks of `collections` with these ids in this order, and the ids that are not there

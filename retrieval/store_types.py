@@ -228,6 +228,11 @@ class DocumentStore(Protocol):
         same transaction as the chunks."""
         ...
 
+    def missing_words(self, words: Sequence[str], collections: Sequence[str]) -> list[str]:
+        """The `words` (single words: letters and digits) that no chunk of `collections` holds, by the
+        full-text index (stemmed as it stems; a word the index drops as a stop word counts as held)."""
+        ...
+
     def fused_search(self, question: str, dense: Sequence[int], depth: int, top_k: int, rrf_k: int,
                      collections: Sequence[str]) -> list[FusedHit]:
         """Hybrid retrieval's ranking: the dense ranking (row ids, best first) fused with `lexical_search`'s

@@ -30,9 +30,10 @@ def server(request, tmp_path_factory):
     settings = load_settings(
         data_dir=tmp_path_factory.mktemp(f"isolation-{request.param}"), model={"name": "random:tiny-llama", "device": "cpu"},
         server={"api_key": "the-server-key"}, generation={"max_tokens": 1},
-        # no relevance floor: a question about another collection's text still gets the key's own chunks
-        # (what is checked here is whose chunks a key can see, not their relevance)
-        retrieval={"chunking": "none", "min_score": -1.0, "score_margin": 2.0},
+        # no relevance floor, nor a refusal of names no searched chunk mentions (tests/test_lexical.py): a
+        # question about another collection's text still gets the key's own chunks (what is checked here is
+        # whose chunks a key can see, not their relevance)
+        retrieval={"chunking": "none", "min_score": -1.0, "score_margin": 2.0, "refuse_unmentioned_names": False},
         database=database)
     with LiveServer(settings) as live, httpx.Client(base_url=live.url, headers=ADMIN, timeout=120) as admin:
         live.keys = {}

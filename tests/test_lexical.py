@@ -22,7 +22,7 @@ import pytest
 from configs.enums import RetrievalMode
 from retrieval.config import RetrievalConfig
 from retrieval.doc_store import SqliteDocumentStore
-from retrieval.lexical import fts5_query, query_terms, reciprocal_rank_fusion
+from retrieval.lexical import fts5_query, named_words, query_terms, reciprocal_rank_fusion, word_parts
 from retrieval.pg_store import SCHEMA_VERSION, PostgresDocumentStore
 from retrieval.retriever import RelevanceFloor, Retriever, ScoredChunk
 from retrieval.store_types import (
@@ -165,6 +165,40 @@ def test_query_terms_drop_question_words_and_quote_everything():
         "default", "first_uid", "adduser", "configuration", "don", "guess"]  # no "s" nor "t": in most chunks
     assert query_terms("What is it?") == []
     assert fts5_query(["a", 'b"c']) == '"a" OR "b""c"'
+
+
+def test_named_words_are_what_a_question_names_not_its_wording():
+    assert named_words("Which TCP port does the CUPS print server listen on by default?") == ["TCP", "CUPS"]
+    assert named_words("What is the default compression level of bzip2?") == ["bzip2"]  # a digit among letters
+    assert named_words("Which file holds the OpenSSH server daemon's configuration?") == ["OpenSSH"]
+    assert named_words("What is the default value of the git setting core.autocrlf?") == ["core.autocrlf"]
+    assert named_words("Which file sets the servers that systemd-timesyncd uses?") == ["systemd-timesyncd"]
+    assert named_words("Who painted the Mona Lisa?") == ["Mona", "Lisa"]  # capitalised after the first word
+    assert named_words("What is the default LineMax= in journald's config, and what does --repeat do?") == [
+        "LineMax"]  # "=" and an option's dashes are stripped; "--repeat" is then an ordinary word
+    # the wording (plain words, numbers, a capitalised first word, single letters, stop words) names nothing
+    assert named_words("How many seconds does a user have to complete a login, at most 60?") == []
+    assert named_words("Where does a file X go in 1.5.1, and is IT set?") == []
+    assert word_parts("CMAKE_BUILD_TYPE") == ["cmake", "build", "type"]
+    assert word_parts("systemd-timesyncd") == ["systemd", "timesyncd"] and word_parts("The.The") == []
+
+
+def test_a_name_no_chunk_of_the_collections_mentions_is_unmentioned(open_store, tmp_path):
+    store = open_store()
+    store.create_collection(CollectionRow("other", "", 0.0, "salt-other"))
+    retriever = Retriever.open(tmp_path, RetrievalConfig(), store)
+    _put(retriever, "coast", COAST + ["The systemd-journald daemon compresses logs with gzip."])
+    vectors = retriever.embedder.encode([RARE])
+    result = store.put_document("town", None, {}, len(RARE), [NewChunk(RARE, (1,), vectors[0])], collection="other")
+    retriever.follow([], result.document.chunks, list(vectors))
+    assert store.missing_words(["gzip", "compressed", "bzip2", "zanthorpe", "the"], ALL) == ["bzip2", "zanthorpe"]
+    assert store.missing_words(["zanthorpe"], ("other",)) == []  # another collection's word: missing here only
+    assert retriever.unmentioned_names("Does systemd-journald use bzip2 like Zanthorpe?", ALL) == ["bzip2", "Zanthorpe"]
+    assert retriever.unmentioned_names("Which daemon compresses logs with GZIP?", ALL) == []  # stems, any case
+    # a name is mentioned when each of its parts is somewhere: the parts of systemd-timesyncd are not all there
+    assert retriever.unmentioned_names("Which daemon is systemd-timesyncd?", ALL) == ["systemd-timesyncd"]
+    assert retriever.unmentioned_names("Is Zanthorpe coastal?", ("other",)) == []
+    retriever.close()
 
 
 def test_a_word_in_most_chunks_is_matched_only_when_nothing_else_is_left(tmp_path):

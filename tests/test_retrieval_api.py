@@ -1,7 +1,8 @@
 """Retrieval through the API, on live servers (tiny random model, real MiniLM): the per-request
 `retrieval` mode on /v1/query and /v1/chat/completions (422 for an unknown one), the relevance floor
 dropping a far-below chunk, an out-of-scope question answered with the fixed not-found answer and no
-sources (JSON and both streams, without the model), `structure` chunking of an uploaded PDF (no chunk
+sources (JSON and both streams, without the model), as is one naming what no document mentions (with a
+warning naming it), `structure` chunking of an uploaded PDF (no chunk
 spans two pages), and the warnings bad input gets: blank and unreadable PDF pages, another language."""
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ def _server(tmp_path_factory, name: str, **retrieval):
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
-    """No relevance floor."""
-    with _server(tmp_path_factory, "plain", min_score=-1.0, score_margin=2.0) as live, httpx.Client(base_url=live.url, timeout=120) as http:
+    """No relevance floor, and questions naming what no document mentions answered too."""
+    with _server(tmp_path_factory, "plain", min_score=-1.0, score_margin=2.0, refuse_unmentioned_names=False) as live, httpx.Client(base_url=live.url, timeout=120) as http:
         assert http.post("/v1/documents", json={"documents": DOCUMENTS}).status_code == 201
         yield http
 
@@ -112,6 +113,30 @@ def test_an_out_of_scope_question_gets_the_not_found_answer_and_no_sources(floor
     # named chunks are never refused: the caller chose them
     named = floored.post("/v1/query", json={"question": question, "chunk_ids": ["bread#0"], "max_tokens": 1}).json()
     assert [s["chunk_id"] for s in named["sources"]] == ["bread#0"] and named["mode"] is not None
+
+
+def test_a_question_naming_what_no_document_mentions_is_not_found_with_a_warning(floored, plain):
+    question = "What is the secret code of the blue vault in OpenVault2?"  # the vault's chunk is close; the name is not
+    warning = "no document in the searched collections mentions 'OpenVault2': answered as not found"
+    answer = floored.post("/v1/query", json={"question": question}).json()
+    assert answer["answer"] == NOT_FOUND and answer["sources"] == [] and answer["mode"] is None
+    assert answer["warnings"] == [warning] and answer["usage"]["prompt_tokens"] == 0
+    chat = floored.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": question}]}).json()
+    assert chat["choices"][0]["message"]["content"] == NOT_FOUND and chat["sources"] == [] and chat["warnings"] == [warning]
+    with floored.stream("POST", "/v1/query", json={"question": question, "stream": True}) as streamed:
+        events = [json.loads(line[5:]) for line in streamed.iter_lines() if line.startswith("data:")]
+    assert events[0]["sources"] == [] and events[0]["warnings"] == [warning] and events[1] == {"text": NOT_FOUND}
+    with floored.stream("POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": question}],
+                                                              "stream": True}) as streamed:
+        chunks = [json.loads(line[5:]) for line in streamed.iter_lines() if line.startswith("data:") and "[DONE]" not in line]
+    assert chunks[0]["warnings"] == [warning]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == NOT_FOUND
+    # a name the documents hold, in another case, is no reason: the vault's chunk answers
+    assert _query_docs(floored, question="What is the secret code of the BLUE VAULT?", top_k=1) == ["vault"]
+    # off (refuse_unmentioned_names: false), or with named chunks, the model answers over what was found
+    assert _query_docs(plain, question=question, top_k=1) == ["vault"]
+    named = floored.post("/v1/query", json={"question": question, "chunk_ids": ["vault#0"], "max_tokens": 1}).json()
+    assert [s["chunk_id"] for s in named["sources"]] == ["vault#0"] and named["warnings"] == []
 
 
 def _damaged_page(pdf: bytes, line: str) -> bytes:

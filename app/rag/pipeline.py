@@ -34,6 +34,10 @@ class RagPipeline:
     async def retrieve(self, request: RagRequest) -> RagContext:
         start = time.perf_counter()
         epoch = self.kv_store.prompts.epoch  # before the chunks are read: a change from now on is seen
+        unmentioned = await anyio.to_thread.run_sync(self._unmentioned_names, request)
+        if unmentioned:  # about something the documents never name: not found, without searching
+            return RagContext([], [], (time.perf_counter() - start) * 1000, prefix_cache_epoch=epoch,
+                              is_nothing_relevant=True, unmentioned_names=unmentioned)
         scored, is_nothing_relevant = await anyio.to_thread.run_sync(self._scored_chunks, request)
         sources = self._within_budget([_source(s) for s in scored])
         kept, dropped, num_tokens = await anyio.to_thread.run_sync(self._fit_context, request, sources)
@@ -48,6 +52,13 @@ class RagPipeline:
         (collections sharing KV have one salt, so they share kept prompts too)."""
         rows = (self.retriever.store.get_collection(name) for name in request.collections)
         return "|".join(sorted({row.kv_salt for row in rows if row is not None}))
+
+    def _unmentioned_names(self, request: RagRequest) -> tuple[str, ...]:
+        """What the question names that no chunk of its collections mentions (retrieval.refuse_unmentioned_names;
+        never for named chunks: the caller chose them)."""
+        if request.chunk_ids is not None or not self.settings.retrieval.refuse_unmentioned_names:
+            return ()
+        return tuple(self.retriever.unmentioned_names(request.question, request.collections))
 
     def _scored_chunks(self, request: RagRequest) -> tuple[list[ScoredChunk], bool]:
         """The chunks for the prompt, and whether retrieval found nothing relevant (the relevance floor

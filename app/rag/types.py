@@ -54,14 +54,19 @@ class RagContext:
     prefix_cache_epoch: int | None = None  # the prefix cache's epoch before the chunks were chosen
     namespace: str = ""  # the prefix cache's: the request's collections' KV salts (a prompt kept for one set of
     # collections serves that set only, as their chunks' KV is theirs)
-    is_nothing_relevant: bool = False  # retrieval ran and no chunk passed the relevance floor: no prompt
+    is_nothing_relevant: bool = False  # no chunk passed the relevance floor, or a name is unmentioned: no prompt
+    unmentioned_names: tuple[str, ...] = ()  # what the question names that no searched chunk mentions
 
     @property
     def warnings(self) -> list[str]:
-        if not self.dropped_chunk_ids:
-            return []
-        return [f"dropped {len(self.dropped_chunk_ids)} lowest-ranked chunk(s) to fit the model's context: "
-                + ", ".join(self.dropped_chunk_ids)]
+        out = []
+        if self.unmentioned_names:
+            out.append("no document in the searched collections mentions "
+                       + ", ".join(f"'{name}'" for name in self.unmentioned_names) + ": answered as not found")
+        if self.dropped_chunk_ids:
+            out.append(f"dropped {len(self.dropped_chunk_ids)} lowest-ranked chunk(s) to fit the model's context: "
+                       + ", ".join(self.dropped_chunk_ids))
+        return out
 
 
 class AnswerStream(Protocol):
