@@ -59,8 +59,8 @@ class RetrievalConfig:
         "below the best one's are left out of the prompt. 2: off.")] = 0.15
     refuse_unmentioned_names: Annotated[bool, Field(
         description="When the question names something (a word with a digit among its letters, two capitals or "
-        "more, joined by . _ - / or =, or capitalised after the first word: 'CUPS', 'bzip2', 'core.autocrlf', "
-        "'Redis') that no chunk of the searched collections mentions, the answer is not_found_answer with a "
+        "more, or joined by . _ - / or =: 'bzip2', 'CUPS', 'core.autocrlf') that no chunk of the searched "
+        "collections mentions, the answer is not_found_answer with a "
         "warning naming it, and the model is not asked (a small model answers a question next to the documents "
         "with a fact it makes up: docs/benchmarks/answers.md). Named chunks (chunk_ids) are never refused.")] = True
     not_found_answer: Annotated[str, Field(

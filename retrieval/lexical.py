@@ -45,18 +45,18 @@ _PART = re.compile(r"[^\W_]+")
 
 def named_words(question: str, max_words: int = 16) -> list[str]:
     """The question's words that name something (a program, an option, a file, an acronym, a version):
-    with a digit among letters ("bzip2", "X11"), two capitals or more ("CUPS", "OpenSSH"), joined by ".",
-    "_", "-", "/" or "=" ("core.autocrlf", "systemd-timesyncd"), or capitalised after the question's first
-    word ("Redis"). Ordinary words and numbers are left out: a question's wording need not be the
-    documents', but what it names is what it is about. Distinct, as written, stop words left out."""
-    words = []
-    for position, token in enumerate(_TOKEN.findall(_POSSESSIVE.sub("", question))):
+    with a digit among letters ("bzip2", "X11"), two capitals or more ("CUPS", "OpenSSH"), or joined by
+    ".", "_", "-", "/" or "=" ("core.autocrlf", "systemd-timesyncd"). Ordinary words, numbers and words
+    merely capitalised are left out: a question's wording need not be the documents', and a capitalised
+    name has other names (MuSiQue asks about "Burma" over passages saying "Myanmar"); an identifier has
+    one. Distinct, as written, stop words left out."""
+    words: list[str] = []
+    for token in _TOKEN.findall(_POSSESSIVE.sub("", question)):
         word = token.strip(".-_/=")  # a sentence's full stop, an option's dashes ("--repeat") or "="
-        letters = sum(ch.isalpha() for ch in word)
-        if letters < 2 or word.lower() in STOP_WORDS:
+        if len(word) < 2 or not any(ch.isalpha() for ch in word) or word.lower() in STOP_WORDS:
             continue
         is_named = (any(ch.isdigit() for ch in word) or sum(ch.isupper() for ch in word) >= 2
-                    or any(ch in "._-/=" for ch in word) or (position > 0 and word[0].isupper()))
+                    or any(ch in "._-/=" for ch in word))
         if is_named and word not in words:
             words.append(word)
     return words[:max_words]
