@@ -1,6 +1,7 @@
 """`ragblend bench retrieval`: how long retrieval takes per ranking mode (dense, lexical, hybrid) and store
 (SQLite, Postgres with --database-url) at a given number of chunks; p50 and p99 per mode, with its parts
-(embedding the question, the FAISS search, the full-text search).
+(embedding the question, the FAISS search, the full-text search) and the check that runs before any
+ranking (the names no chunk mentions, retrieval.refuse_unmentioned_names).
 
 The chunks are real-ish text: sentences of the MuSiQue passages (Wikipedia), of the answers bench's
 documents (man pages, configuration files, FAQs) and of this project's docs, drawn at random (seeded)
@@ -133,7 +134,7 @@ def measure(retriever, asked: Sequence[str], modes: Sequence[RetrievalMode], top
     after_embedding: dict[str, list[float]] = {name: [] for name in names.values()}
     embed_parts = {e: "embed" if e is None else f"embed/{e}" for e in embedders}
     parts: dict[str, list[float]] = {**{name: [] for name in embed_parts.values()},
-                                     "dense_index": [], "lexical_store": []}
+                                     "dense_index": [], "lexical_store": [], "unmentioned_names": []}
     threads_set, embedder_set = retriever.index.search_threads, retriever.embedder
     for number in range(num_queries + 20):
         question = asked[number % len(asked)]
@@ -151,7 +152,10 @@ def measure(retriever, asked: Sequence[str], modes: Sequence[RetrievalMode], top
         embeds = {name: timed(lambda: embedders[e].encode_one(question)) for e, name in embed_parts.items()}
         dense = timed(lambda: retriever.index.search(vector, max(top_k, num_candidates), ALL))
         lexical = timed(lambda: retriever.store.lexical_search(question, max(top_k, num_candidates), ALL))
+        # the server's check before ranking (retrieval.refuse_unmentioned_names): added to every search's time
+        unmentioned = timed(lambda: retriever.unmentioned_names(question, ALL))
         if is_warm:
+            parts["unmentioned_names"].append(unmentioned)
             for name, took in embeds.items():
                 parts[name].append(took)
             parts["dense_index"].append(dense)
