@@ -23,6 +23,15 @@ from runtime.loop import EngineLoop
 from runtime.types import PrefillRequest, PromptChunk
 
 
+@dataclass(frozen=True)
+class Retrieved:
+    """What retrieval found for a request: the chunks, or none and why."""
+
+    chunks: list[ScoredChunk]
+    is_nothing_relevant: bool = False  # no chunk passed the relevance floor, or a name is unmentioned
+    unmentioned_names: tuple[str, ...] = ()  # what the question names that no searched chunk mentions
+
+
 @dataclass
 class RagPipeline:
     settings: Settings
@@ -34,18 +43,14 @@ class RagPipeline:
     async def retrieve(self, request: RagRequest) -> RagContext:
         start = time.perf_counter()
         epoch = self.kv_store.prompts.epoch  # before the chunks are read: a change from now on is seen
-        unmentioned = await anyio.to_thread.run_sync(self._unmentioned_names, request)
-        if unmentioned:  # about something the documents never name: not found, without searching
-            return RagContext([], [], (time.perf_counter() - start) * 1000, prefix_cache_epoch=epoch,
-                              is_nothing_relevant=True, unmentioned_names=unmentioned)
-        scored, is_nothing_relevant = await anyio.to_thread.run_sync(self._scored_chunks, request)
-        sources = self._within_budget([_source(s) for s in scored])
+        found = await anyio.to_thread.run_sync(self._retrieved, request)
+        sources = self._within_budget([_source(s) for s in found.chunks])
         kept, dropped, num_tokens = await anyio.to_thread.run_sync(self._fit_context, request, sources)
         if request.mode is not RequestMode.FULL:  # start moving their KV up while the request queues
             await anyio.to_thread.run_sync(self.kv_store.prefetch, [s.kv_key for s in kept if s.kv_key])
         namespace = await anyio.to_thread.run_sync(self._namespace, request)
         return RagContext(kept, dropped, (time.perf_counter() - start) * 1000, num_tokens, epoch, namespace,
-                          is_nothing_relevant)
+                          found.is_nothing_relevant, found.unmentioned_names)
 
     def _namespace(self, request: RagRequest) -> str:
         """The request's collections' KV salts: its prompt is kept for, and served to, that set alone
@@ -53,28 +58,25 @@ class RagPipeline:
         rows = (self.retriever.store.get_collection(name) for name in request.collections)
         return "|".join(sorted({row.kv_salt for row in rows if row is not None}))
 
-    def _unmentioned_names(self, request: RagRequest) -> tuple[str, ...]:
-        """What the question names that no chunk of its collections mentions (retrieval.refuse_unmentioned_names;
-        never for named chunks: the caller chose them)."""
-        if request.chunk_ids is not None or not self.settings.retrieval.refuse_unmentioned_names:
-            return ()
-        return tuple(self.retriever.unmentioned_names(request.question, request.collections))
-
-    def _scored_chunks(self, request: RagRequest) -> tuple[list[ScoredChunk], bool]:
-        """The chunks for the prompt, and whether retrieval found nothing relevant (the relevance floor
-        left none: the answer is then the fixed not-found answer)."""
+    def _retrieved(self, request: RagRequest) -> Retrieved:
+        """The chunks for the prompt, or none and why (the answer is then the fixed not-found answer)."""
         pin_one_thread()  # the query's embedding runs torch on this worker thread: one thread, no pool
         if request.chunk_ids is None:
             config = self.settings.retrieval
+            if config.refuse_unmentioned_names:
+                unmentioned = tuple(self.retriever.unmentioned_names(request.question, request.collections))
+                if unmentioned:  # about something no document names: not found, without ranking
+                    return Retrieved([], is_nothing_relevant=True, unmentioned_names=unmentioned)
             scored = self.retriever.search(request.question, request.top_k, request.collections, request.retrieval,
                                            config.num_candidates, config.rrf_k)
             relevant = RelevanceFloor(config.min_score, config.score_margin).apply(scored)
             # with min_score off (-1) nothing is refused: a store with no chunks is answered as before
-            return relevant, not relevant and config.min_score > -1.0
+            return Retrieved(relevant, is_nothing_relevant=not relevant and config.min_score > -1.0)
+        # named chunks are never refused: the caller chose them
         found, missing = self.retriever.named(request.chunk_ids, request.collections)
         if missing:
             raise NotFoundError(f"unknown chunk id(s): {', '.join(missing[:10])}")
-        return found, False
+        return Retrieved(found)
 
     def _within_budget(self, sources: list[Source]) -> list[Source]:
         """The best-ranked sources whose tokens fit retrieval.context_tokens (the first always)."""
