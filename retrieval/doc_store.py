@@ -165,6 +165,15 @@ def add_lexical_index(conn: sqlite3.Connection) -> int:
                         " WHERE row_id NOT IN (SELECT rowid FROM chunks_fts)").rowcount
 
 
+def missing_word_query(num_collections: int) -> str:
+    """One word's test for `missing_words`: a row if any chunk of the collections holds it. CROSS JOIN keeps
+    the index's matches the outer loop: joined the other way round, SQLite walked every chunk of the
+    collections and probed the match per row (p99 ~170 ms at 10 000 chunks, `ragblend bench retrieval`)."""
+    marks = ",".join("?" * num_collections)
+    return ("SELECT 1 FROM chunks_fts f CROSS JOIN chunks c ON c.row_id = f.rowid"
+            f" WHERE chunks_fts MATCH ? AND c.collection IN ({marks}) LIMIT 1")
+
+
 def _create_question_tables(conn: sqlite3.Connection) -> None:
     """This connection's temporary tables for `_rare_terms`: the index's vocabulary (term, chunks
     holding it), and a scratch FTS5 table with the index's tokenizer whose vocabulary gives a
@@ -285,9 +294,7 @@ class SqliteDocumentStore(DocumentStore):
         """The `words` no chunk of `collections` holds (each one FTS5 query, stemmed as the index is)."""
         if not words or not collections:
             return list(words)
-        marks = ",".join("?" * len(collections))
-        query = ("SELECT 1 FROM chunks_fts f JOIN chunks c ON c.row_id = f.rowid"
-                 f" WHERE chunks_fts MATCH ? AND c.collection IN ({marks}) LIMIT 1")
+        query = missing_word_query(len(collections))
         with self._lock:
             return [w for w in words if self._conn.execute(query, (fts5_query([w]), *collections)).fetchone() is None]
 
