@@ -64,7 +64,8 @@ class RetrievalConfig:
         "warning naming it, and the model is not asked (a small model answers a question next to the documents "
         "with a fact it makes up: docs/benchmarks/answers.md). Named chunks (chunk_ids) are never refused.")] = True
     not_found_answer: Annotated[str, Field(
-        min_length=1, description="The answer when nothing stored is relevant to the question (min_score).")] = (
+        min_length=1, description="The answer when nothing stored is relevant to the question (min_score, "
+        "refuse_unmentioned_names).")] = (
         "I could not find this in the documents.")
     context_tokens: Annotated[int, Field(
         ge=0, description="Most tokens of retrieved chunks one prompt holds: the lowest-ranked chunks past it are "
