@@ -166,7 +166,7 @@ class Retriever:
         `collections` mentions: a name is mentioned when each of its parts is somewhere in them."""
         names = {name: word_parts(name) for name in named_words(question)}
         parts = list(dict.fromkeys(p for name_parts in names.values() for p in name_parts))
-        missing = set(self.store.missing_words(parts, collections)) if parts else set()
+        missing = set(self.store.missing_words(parts, collections))  # no parts: no query, both stores
         return [name for name, name_parts in names.items() if any(p in missing for p in name_parts)]
 
     def named(self, chunk_ids: Sequence[str], collections: Sequence[str]) -> tuple[list[ScoredChunk], list[str]]:
