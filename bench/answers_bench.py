@@ -202,7 +202,10 @@ def answer_record(streamed: StreamedAnswer) -> dict[str, Any]:
             "chunks": [s["chunk_id"] for s in streamed.sources],
             # each source's cosine similarity to the question (the relevance floor's measure): how close an
             # out-of-scope question's best chunk comes to an in-scope one's
-            "scores": [s.get("score") for s in streamed.sources]}
+            "scores": [s.get("score") for s in streamed.sources],
+            # the answer's numbers and names no source holds (app/rag/grounding.py); None: the server
+            # does not check (a build before the check)
+            "unsupported": streamed.done.get("unsupported")}
 
 
 def score_document_answer(question: SetQuestion, streamed: StreamedAnswer) -> dict[str, Any]:
@@ -303,7 +306,10 @@ def share(flags: Sequence[bool | None]) -> float | None:
 def part_row(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One setting's figures over one part's answers (failed requests counted apart, in no rate). Right,
     inside and sources are over the in-scope questions; the out-of-scope ones count apart (`oos_refused`:
-    answered with a refusal, as they should be), and `refused` is the share of in-scope ones refused."""
+    answered with a refusal, as they should be), and `refused` is the share of in-scope ones refused.
+    `flagged`: answers warned of a number or name no source holds (in scope: how many, and how many of
+    them right; out of scope: how many of those not refused; `num_oos_unwarned`: neither refused nor
+    warned, a made-up answer presented as found)."""
     done = [r for r in records if r["error"] is None]
     ok = [r for r in done if not r.get("out_of_scope")]
     oos = [r for r in done if r.get("out_of_scope")]
@@ -321,6 +327,9 @@ def part_row(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "refused": share([r.get("refused", False) for r in ok]), "num_refused": sum(r.get("refused", False) for r in ok),
         "num_out_of_scope": len(oos), "oos_refused": share([r["right"] for r in oos]),
         "num_oos_refused": sum(r["right"] for r in oos),
+        "num_flagged": _num_flagged(ok), "num_right_flagged": _num_flagged([r for r in ok if r["right"]]),
+        "num_oos_flagged": _num_flagged(oos),
+        "num_oos_unwarned": sum(not r["right"] and not r.get("unsupported") for r in oos),
         "ttft_p50_ms": safe_median(ttfts),
         "ttft_p90_ms": statistics.quantiles(ttfts, n=10, method="inclusive")[-1] if len(ttfts) > 1 else safe_median(ttfts),
         "server_ttft_p50_ms": safe_median(r["server_ttft_ms"] for r in ok if r["server_ttft_ms"] is not None),
@@ -328,6 +337,10 @@ def part_row(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "prompt_tokens_mean": share([r["prompt_tokens"] for r in ok if r.get("prompt_tokens") is not None]),
         "modes": dict(Counter(r["mode"] for r in ok)),
     }
+
+
+def _num_flagged(records: Sequence[dict[str, Any]]) -> int:
+    return sum(bool(r.get("unsupported")) for r in records)
 
 
 def results(records: Sequence[dict[str, Any]], settings: Sequence[Setting]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -390,7 +403,8 @@ def print_tables(summary: dict[str, Any]) -> None:
         print(f"\n{PARTS[part]} ({first['num_questions']} questions)")
         width = max(16, *(len(name) + 2 for name in rows))
         print(f"{'setting':<{width}}{'right':>8}{'inside':>8}{'right|in':>9}{'top src':>9}{'any src':>9}{'to cap':>8}"
-              f"{'refused':>9}{'oos ok':>8}{'prompt':>8}{'TTFT p50':>10}{'errors':>8}")
+              f"{'refused':>9}{'oos ok':>8}{'flagged':>9}{'right fl':>9}{'oos fl':>8}{'prompt':>8}{'TTFT p50':>10}"
+              f"{'errors':>8}")
         for name, row in rows.items():
             top = round((row["source_top"] or 0) * row["num_source_scored"])
             any_ = round((row["source_any"] or 0) * row["num_source_scored"])
@@ -401,6 +415,8 @@ def print_tables(summary: dict[str, Any]) -> None:
                   f"{_count(when_in, row, 'num_inside'):>9}{_count(top, row, 'num_source_scored'):>9}"
                   f"{_count(any_, row, 'num_source_scored'):>9}{_count(row['num_ran_to_cap'], row):>8}"
                   f"{_count(row['num_refused'], row):>9}{_count(row['num_oos_refused'], row, 'num_out_of_scope'):>8}"
+                  f"{_count(row.get('num_flagged', 0), row):>9}{row.get('num_right_flagged', 0):>9}"
+                  f"{_count(row.get('num_oos_flagged', 0), row, 'num_out_of_scope'):>8}"
                   f"{prompt:>8}{ttft:>10}{row['num_errors']:>8}")
         pairs = summary.get("paired", {}).get(part)
         if pairs:

@@ -63,6 +63,11 @@ class RetrievalConfig:
         "collections mentions, the answer is not_found_answer with a "
         "warning naming it, and the model is not asked (a small model answers a question next to the documents "
         "with a fact it makes up: docs/benchmarks/answers.md). Named chunks (chunk_ids) are never refused.")] = True
+    flag_unsupported_terms: Annotated[bool, Field(
+        description="An answer stating a number or a name (as refuse_unmentioned_names reads names) that none of "
+        "its sources, the question or the chat's earlier messages contains gets a warning naming it, and lists it "
+        "in `unsupported` (a small model answers a detail the documents are silent on with a value it makes up: "
+        "docs/benchmarks/answers.md). The answer itself is kept.")] = True
     not_found_answer: Annotated[str, Field(
         min_length=1, description="The answer when nothing stored is relevant to the question (min_score, "
         "refuse_unmentioned_names).")] = (

@@ -43,17 +43,21 @@ _POSSESSIVE = re.compile(r"['’]s\b")
 _PART = re.compile(r"[^\W_]+")
 
 
-def named_words(question: str, max_words: int = 16) -> list[str]:
+def named_words(question: str, max_words: int = 16, with_numbers: bool = False) -> list[str]:
     """The question's words that name something (a program, an option, a file, an acronym, a version):
     with a digit among letters ("bzip2", "X11"), two capitals or more ("CUPS", "OpenSSH"), or joined by
     ".", "_", "-", "/" or "=" ("core.autocrlf", "systemd-timesyncd"). Ordinary words, numbers and words
     merely capitalised are left out: a question's wording need not be the documents', and a capitalised
     name has other names (MuSiQue asks about "Burma" over passages saying "Myanmar"); an identifier has
-    one. Distinct, as written, stop words left out."""
+    one. Distinct, as written, stop words left out. `with_numbers`: numbers too ("8080", "1.5")."""
     words: list[str] = []
     for token in _TOKEN.findall(_POSSESSIVE.sub("", question)):
         word = token.strip(".-_/=")  # a sentence's full stop, an option's dashes ("--repeat") or "="
-        if len(word) < 2 or not any(ch.isalpha() for ch in word) or word.lower() in STOP_WORDS:
+        if not any(ch.isalpha() for ch in word):
+            if with_numbers and any(ch.isdigit() for ch in word) and word not in words:
+                words.append(word)
+            continue
+        if len(word) < 2 or word.lower() in STOP_WORDS:
             continue
         is_named = (any(ch.isdigit() for ch in word) or sum(ch.isupper() for ch in word) >= 2
                     or any(ch in "._-/=" for ch in word))

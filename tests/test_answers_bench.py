@@ -26,10 +26,11 @@ TINY_CONFIG = 'model: {"name": "random:tiny-llama", "device": "cpu"}\n'
 ROW_KEYS = {"num_questions", "num_answers", "num_errors", "errors", "right", "num_right", "inside", "num_inside",
             "right_when_inside", "source_top", "source_any", "num_source_scored", "ran_to_cap", "num_ran_to_cap",
             "ttft_p50_ms", "ttft_p90_ms", "server_ttft_p50_ms", "completion_tokens_mean", "modes", "refused",
-            "num_refused", "num_out_of_scope", "oos_refused", "num_oos_refused", "prompt_tokens_mean"}
+            "num_refused", "num_out_of_scope", "oos_refused", "num_oos_refused", "prompt_tokens_mean", "num_flagged", "num_right_flagged", "num_oos_flagged",
+            "num_oos_unwarned"}
 ANSWER_KEYS = {"part", "question", "setting", "repeat", "error", "answer", "finish_reason", "ran_to_cap", "ttft_ms",
                "server_ttft_ms", "mode", "completion_tokens", "prompt_tokens", "sources", "chunks", "scores", "right",
-               "inside", "source_top", "source_any", "refused"}
+               "inside", "source_top", "source_any", "refused", "unsupported"}
 
 
 # ---- the committed set ---------------------------------------------------------------------------
@@ -198,15 +199,20 @@ def test_a_setting_row_on_known_records():
                                    "completion_tokens": 4, "mode": "blend"}
 
     oos = [{**record(True, None, None, 5.0), "out_of_scope": True, "refused": True},
-           {**record(False, None, None, 900.0), "out_of_scope": True, "refused": False}]
-    rows = [record(True, True, True, 100.0), record(False, True, None, 300.0, cap=True),
+           {**record(False, None, None, 900.0), "out_of_scope": True, "refused": False},
+           {**record(False, None, None, 800.0), "out_of_scope": True, "refused": False, "unsupported": ["10"]}]
+    rows = [{**record(True, True, True, 100.0), "unsupported": ["22"]},
+            {**record(False, True, None, 300.0, cap=True), "unsupported": ["x.conf"]},
             {**record(False, False, False, 200.0), "refused": True},
             record(None, None, None, 0, error="QueryFailed: queue full"), *oos]
     row = part_row(rows)
     assert set(row) == ROW_KEYS
-    assert row["num_questions"] == 6 and row["num_answers"] == 3 and row["num_errors"] == 1
-    # out-of-scope answers count apart: one refused of two; no in-scope rate or TTFT includes them
-    assert row["num_out_of_scope"] == 2 and row["num_oos_refused"] == 1 and row["oos_refused"] == 0.5
+    assert row["num_questions"] == 7 and row["num_answers"] == 3 and row["num_errors"] == 1
+    # out-of-scope answers count apart: one refused of three; no in-scope rate or TTFT includes them
+    assert row["num_out_of_scope"] == 3 and row["num_oos_refused"] == 1 and row["oos_refused"] == pytest.approx(1 / 3)
+    # warned of an unsupported term: two in scope (one right), one out of scope; one made up and unwarned
+    assert row["num_flagged"] == 2 and row["num_right_flagged"] == 1
+    assert row["num_oos_flagged"] == 1 and row["num_oos_unwarned"] == 1
     assert row["num_refused"] == 1 and row["refused"] == pytest.approx(1 / 3)
     assert row["right"] == pytest.approx(1 / 3) and row["inside"] == pytest.approx(2 / 3)
     assert row["right_when_inside"] == 0.5 and row["num_source_scored"] == 2 and row["source_top"] == 0.5

@@ -184,10 +184,14 @@ def sse_body(chunks: list[dict]) -> str:
     return "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n"
 
 
+UNSUPPORTED_WARNING = "the answer states '9', which no source (nor the question) contains"
+
+
 def test_each_cited_number_links_to_its_source_and_an_unknown_one_stays_text(page, server):
     """The answer's [n] that the last chunk's `citations` maps become links opening their source; [n]
-    naming no source ([9]) and an index in code (argv[1]) stay text. The stream is the server's shape,
-    written out here: what a model cites cannot be chosen."""
+    naming no source ([9]) and an index in code (argv[1]) stay text; the last chunk's warning (an unsupported
+    term) shows under the answer. The stream is the server's shape, written out here: what a model cites
+    cannot be chosen."""
     with api(server) as client:
         vault = next(c for c in client.get("/v1/documents/vault.pdf").json()["chunks"] if "7391" in c["text"])
         bridge = client.get("/v1/documents/bridges.html").json()["chunks"][0]
@@ -203,7 +207,8 @@ def test_each_cited_number_links_to_its_source_and_an_unknown_one_stays_text(pag
         {**head, "choices": [{"index": 0, "delta": {"content": "The code is 7391 [1]. Run argv[1] "}}]},
         {**head, "choices": [{"index": 0, "delta": {"content": "by the red bridge [2, 9], not [9]."}}]},
         {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "usage": usage, "citations": citations,
-         "timings": {"retrieval_ms": 1, "kv_load_ms": 0, "prefill_ms": 1, "ttft_ms": 2, "total_ms": 3}, "mode": "blend"},
+         "timings": {"retrieval_ms": 1, "kv_load_ms": 0, "prefill_ms": 1, "ttft_ms": 2, "total_ms": 3}, "mode": "blend",
+         "unsupported": ["9"], "warnings": [UNSUPPORTED_WARNING]},  # the answer's own warning, at its end
     ])
     page.route("**/v1/chat/completions", lambda route: route.fulfill(
         status=200, headers={"Content-Type": "text/event-stream"}, body=body))
@@ -216,6 +221,7 @@ def test_each_cited_number_links_to_its_source_and_an_unknown_one_stays_text(pag
         assert answer.inner_text() == "The code is 7391 [1]. Run argv[1] by the red bridge [2, 9], not [9]."
         assert answer.locator("a.cite").all_inner_texts() == ["1", "2"]
         assert last.locator(".citation.cited").count() == 2
+        assert last.locator(".note").all_inner_texts() == [UNSUPPORTED_WARNING]
         answer.locator("a.cite", has_text="1").click()
         page.wait_for_selector("#viewer[open]")
         assert "7391" in page.inner_text("#viewer-chunk")

@@ -17,6 +17,7 @@ from app.cli import main
 from app.commands.ask import iter_events
 from app.query.serving import citations_out
 from app.rag.citations import citations
+from app.rag.grounding import unsupported_terms
 from app.chat.serving import ChatCall, ChatService
 from app.completions.serving import CompletionService
 from app.query.serving import QueryService
@@ -129,6 +130,8 @@ def test_every_response_shape_carries_the_answers_citations(http):
     body = {"chunk_ids": ["harbour.pdf#0"], "max_tokens": 24, "temperature": 1.5, "seed": 1}
     query = http.post("/v1/query", json={"question": "harbour?", **body}).json()
     assert query["citations"] == expected_citations(query["answer"], query["sources"])
+    # the pipeline hands the question and the sources to the answer's check (tests/test_grounding.py)
+    assert query["unsupported"] == unsupported_terms(query["answer"], [s["text"] for s in query["sources"]] + ["harbour?"])
     with http.stream("POST", "/v1/query", json={"question": "harbour?", "stream": True, **body}) as streamed:
         events = list(iter_events(streamed.iter_lines()))
     answer = "".join(data["text"] for kind, data in events if kind == "token")
@@ -136,6 +139,8 @@ def test_every_response_shape_carries_the_answers_citations(http):
     messages = [{"role": "user", "content": "harbour?"}]
     chat = http.post("/v1/chat/completions", json={"messages": messages, **body}).json()
     assert chat["citations"] == expected_citations(chat["choices"][0]["message"]["content"], chat["sources"])
+    assert chat["unsupported"] == unsupported_terms(chat["choices"][0]["message"]["content"],
+                                                    [s["text"] for s in chat["sources"]] + ["harbour?"])
     with http.stream("POST", "/v1/chat/completions", json={"messages": messages, "stream": True, **body}) as streamed:
         chunks = [json.loads(line[5:]) for line in streamed.iter_lines() if line.startswith("data:") and "[DONE]" not in line]
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)

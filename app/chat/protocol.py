@@ -96,6 +96,7 @@ class ChatCompletionResponse(BaseModel):
     recompute_ratio: float | None = None
     quality_guarded: bool = False  # the quality guard raised the recompute ratio
     plan: PlanOut | None = None  # the loading planner's choice (mode 'auto')
+    unsupported: list[str] = []  # the answer's numbers and names no source, nor the question, contains
     warnings: list[str] = []
 
 
@@ -124,4 +125,5 @@ class ChatCompletionChunk(BaseModel):
     mode: str | None = None  # on the last chunk: the prefill mode used
     quality_guarded: bool | None = None  # on the last chunk
     plan: PlanOut | None = None  # on the last chunk
-    warnings: list[str] | None = None
+    unsupported: list[str] | None = None  # on the last chunk: the answer's numbers and names no source contains
+    warnings: list[str] | None = None  # on the first chunk: retrieval's; on the last: the answer's (unsupported)

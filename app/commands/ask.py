@@ -75,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
                 usage, timings = data["usage"], data["timings"]
                 cached = usage.get("prefix_cached_tokens", 0)
                 cited = {citation["number"] for citation in data.get("citations", [])}
+                for warning in data.get("warnings", []):  # the answer's own: a number or name no source holds
+                    print(f"\n[warning] {warning}", file=sys.stderr)
                 print(f"\n\n[{data['mode'] or 'no prefill'}] ttft {timings['ttft_ms']:.0f} ms, total {timings['total_ms']:.0f} ms, "
                       f"{usage['reused_tokens']} reused / {usage['recomputed_tokens']} recomputed prompt tokens"
                       + (f", {cached} from the prefix cache" if cached else ""))

@@ -53,4 +53,5 @@ class CompletionResponse(BaseModel):
     recompute_ratio: float | None = None
     quality_guarded: bool | None = None  # the quality guard raised the recompute ratio
     plan: PlanOut | None = None
+    unsupported: list[str] | None = None  # the answer's numbers and names no source, nor the question, contains
     warnings: list[str] | None = None

@@ -13,8 +13,9 @@ from app.collections.scope import Scopes
 from app.completions.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from app.errors import InvalidRequestError, stream_error_body
 from app.openai_compat import requested_collections
-from app.query.serving import answer_fields, build_rag_request, sources_out
+from app.query.serving import AnswerFields, answer_fields, build_rag_request, sources_out
 from app.rag.collect import IsDisconnected, collect
+from app.rag.grounding import unsupported_warnings
 from app.rag.pipeline import RagPipeline
 from app.rag.types import TokenEvent
 from app.sse import sse
@@ -44,11 +45,12 @@ class CompletionService:
 
     async def complete(self, call: ChatCall, is_disconnected: IsDisconnected) -> CompletionResponse:
         answer, done = await collect(call.stream, is_disconnected)
+        fields = answer_fields(answer, call.context, done)
         return CompletionResponse(
             id=call.id, created=call.created, model=call.model,
             choices=[CompletionChoice(text=answer, finish_reason=finish_reason(done))], usage=chat_usage(done),
-            sources=sources_out(call.context.sources), warnings=call.context.warnings,
-            **answer_fields(answer, call.context.sources, done),
+            sources=sources_out(call.context.sources), 
+            warnings=call.context.warnings + unsupported_warnings(fields["unsupported"]), **fields,
         )
 
     async def chunks(self, call: ChatCall) -> AsyncIterator[str]:
@@ -70,7 +72,7 @@ class CompletionService:
                     yield chunk(event.text)
                 else:
                     yield chunk("", finish_reason(event), usage=None if call.include_usage else chat_usage(event),
-                                **answer_fields("".join(pieces), call.context.sources, event))
+                                **_finish_fields(answer_fields("".join(pieces), call.context, event)))
                     if call.include_usage:
                         usage = CompletionResponse(id=call.id, created=call.created, model=call.model, choices=[],
                                                    usage=chat_usage(event))
@@ -80,3 +82,8 @@ class CompletionService:
             yield sse(stream_error_body(exc))
         finally:
             call.stream.cancel()
+
+
+def _finish_fields(fields: AnswerFields) -> dict:
+    """The finish chunk's answer fields, with the warning its unsupported terms carry (none: no field)."""
+    return {**fields, "warnings": unsupported_warnings(fields["unsupported"]) or None}

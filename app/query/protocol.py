@@ -187,4 +187,7 @@ class QueryResponse(BaseModel):
         "is left out.")
     usage: UsageOut
     timings: TimingsOut
+    unsupported: list[str] = Field(
+        [], description="The answer's numbers and names that none of its sources, nor the question, contains "
+        "(retrieval.flag_unsupported_terms); `warnings` then says so.")
     warnings: list[str] = []

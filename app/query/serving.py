@@ -14,6 +14,7 @@ from app.query.protocol import (
 )
 from app.rag.citations import citations
 from app.rag.collect import IsDisconnected, collect
+from app.rag.grounding import unsupported_in, unsupported_warnings
 from app.rag.pipeline import RagPipeline
 from app.rag.types import AnswerStream, DoneEvent, RagContext, RagRequest, Source, TokenEvent
 from app.sse import sse
@@ -102,13 +103,16 @@ class AnswerFields(TypedDict):
     recompute_ratio: float | None
     quality_guarded: bool
     plan: PlanOut | None
+    unsupported: list[str]
 
 
-def answer_fields(answer: str, sources: Sequence[Source], done: DoneEvent) -> AnswerFields:
-    """The fields of `AnswerFields` for `answer` (the whole text: its [n] are mapped to `sources`)."""
-    return AnswerFields(citations=citations_out(answer, sources), timings=TimingsOut(**asdict(done.timings)),
+def answer_fields(answer: str, context: RagContext, done: DoneEvent) -> AnswerFields:
+    """The fields of `AnswerFields` for `answer` (the whole text: its [n] are mapped to the context's
+    sources, its numbers and names checked against them: app/rag/grounding.py)."""
+    return AnswerFields(citations=citations_out(answer, context.sources), timings=TimingsOut(**asdict(done.timings)),
                         mode=done.mode.value if done.mode else None, recompute_ratio=done.recompute_ratio,
-                        quality_guarded=done.is_guarded, plan=plan_out(done))
+                        quality_guarded=done.is_guarded, plan=plan_out(done),
+                        unsupported=unsupported_in(context, answer))
 
 
 def citations_out(answer: str, sources: Sequence[Source]) -> list[CitationOut]:
@@ -145,7 +149,8 @@ class QueryService:
         return _response(answer, context, done)
 
     async def events(self, context: RagContext, stream: AnswerStream) -> AsyncIterator[str]:
-        """SSE: `sources`, then `token` events, then `done` (usage, timings, citations) or `error`."""
+        """SSE: `sources` (with the retrieval's warnings), then `token` events, then `done` (usage, timings,
+        citations, the answer's unsupported terms and their warning) or `error`."""
         try:
             yield sse({"sources": [s.model_dump() for s in sources_out(context.sources)],
                        "warnings": context.warnings}, event="sources")
@@ -155,8 +160,11 @@ class QueryService:
                     pieces.append(event.text)
                     yield sse({"text": event.text}, event="token")
                 else:
-                    cited = citations_out("".join(pieces), context.sources)
-                    yield sse({**_done_payload(event), "citations": [c.model_dump() for c in cited]}, event="done")
+                    answer = "".join(pieces)
+                    cited = citations_out(answer, context.sources)
+                    unsupported = unsupported_in(context, answer)
+                    yield sse({**_done_payload(event), "citations": [c.model_dump() for c in cited],
+                               "unsupported": unsupported, "warnings": unsupported_warnings(unsupported)}, event="done")
         except Exception as exc:  # the headers are out: report in-band
             yield sse(stream_error_body(exc), event="error")
         finally:
@@ -171,9 +179,11 @@ def _done_payload(done: DoneEvent) -> dict:
 
 
 def _response(answer: str, context: RagContext, done: DoneEvent) -> QueryResponse:
+    unsupported = unsupported_in(context, answer)
     return QueryResponse(
         answer=answer, mode=done.mode, finish_reason=done.finish_reason.value if done.finish_reason else None,
         recompute_ratio=done.recompute_ratio, quality_guarded=done.is_guarded, plan=plan_out(done),
         sources=sources_out(context.sources), citations=citations_out(answer, context.sources),
-        usage=UsageOut(**asdict(done.usage)), timings=TimingsOut(**asdict(done.timings)), warnings=context.warnings,
+        usage=UsageOut(**asdict(done.usage)), timings=TimingsOut(**asdict(done.timings)),
+        unsupported=unsupported, warnings=context.warnings + unsupported_warnings(unsupported),
     )

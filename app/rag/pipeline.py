@@ -49,8 +49,10 @@ class RagPipeline:
         if request.mode is not RequestMode.FULL:  # start moving their KV up while the request queues
             await anyio.to_thread.run_sync(self.kv_store.prefetch, [s.kv_key for s in kept if s.kv_key])
         namespace = await anyio.to_thread.run_sync(self._namespace, request)
+        asked = (request.question, *(message["content"] for message in request.history))
         return RagContext(kept, dropped, (time.perf_counter() - start) * 1000, num_tokens, epoch, namespace,
-                          found.is_nothing_relevant, found.unmentioned_names)
+                          found.is_nothing_relevant, found.unmentioned_names, asked,
+                          self.settings.retrieval.flag_unsupported_terms)
 
     def _namespace(self, request: RagRequest) -> str:
         """The request's collections' KV salts: its prompt is kept for, and served to, that set alone

@@ -56,6 +56,8 @@ class RagContext:
     # collections serves that set only, as their chunks' KV is theirs)
     is_nothing_relevant: bool = False  # no chunk passed the relevance floor, or a name is unmentioned: no prompt
     unmentioned_names: tuple[str, ...] = ()  # what the question names that no searched chunk mentions
+    asked: tuple[str, ...] = ()  # the question and the chat's earlier messages: an answer may repeat what they say
+    is_support_checked: bool = False  # retrieval.flag_unsupported_terms: app/rag/grounding.py
 
     @property
     def warnings(self) -> list[str]:
