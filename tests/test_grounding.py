@@ -26,6 +26,7 @@ CHUNK = ("Wget reads /etc/wgetrc, then $HOME/.wgetrc. read_timeout = 900 sets th
     ("The read timeout is 10 seconds [1].", ["10"]),  # made up
     ("Wget tries 2 times.", ["2"]),  # "20" does not hold "2"
     ("Wget tries 20 times; it is version 1.21.3.", []),  # "v1.21.3" holds the number
+    ("It is version 21 or 3.", ["21", "3"]),  # not held by "1.21.3": a digit and a point before them
     ("It reads /etc/wgetrc and READ_TIMEOUT.", []),  # paths and names without case
     ("It reads /etc/wgetrc.d/main and `connect_timeout`.", ["etc/wgetrc.d/main", "connect_timeout"]),
     ("It speaks **HTTP/1.1** per RFC 2616.", []),  # Markdown emphasis is not part of the name

@@ -7,7 +7,6 @@ in its own words what a chunk says, while a number or an identifier has one spel
 
 from __future__ import annotations
 
-import re
 from typing import Iterable
 
 from app.rag.citations import CITATION
@@ -30,11 +29,24 @@ def unsupported_terms(answer: str, texts: Iterable[str]) -> list[str]:
 
 
 def _holds(haystack: str, term: str) -> bool:
-    if any(ch.isalpha() for ch in term):
-        pattern = r"(?<![^\W_])" + re.escape(term) + r"(?![^\W_])"
-    else:
-        pattern = r"(?<![0-9])(?<![0-9]\.)" + re.escape(term) + r"(?![0-9])"
-    return re.search(pattern, haystack) is not None
+    """`term` in `haystack` as a whole word; by str.find, not a regular expression per term: the answer's
+    terms are looked up in the prompt's text after the last token, and a search per term over ~15 KB cost
+    ~0.4 ms (an answer of 64 terms: 24 ms; by find: 0.7 ms)."""
+    is_number = not any(ch.isalpha() for ch in term)
+    start = haystack.find(term)
+    while start != -1:
+        end = start + len(term)
+        before = haystack[start - 1] if start > 0 else " "
+        after = haystack[end] if end < len(haystack) else " "
+        if is_number:  # no digit next to it, nor a digit and a point before it ("1.10" does not hold "10")
+            is_whole = not (before.isdigit() or after.isdigit()
+                            or (before == "." and start > 1 and haystack[start - 2].isdigit()))
+        else:
+            is_whole = not (before.isalnum() or after.isalnum())
+        if is_whole:
+            return True
+        start = haystack.find(term, start + 1)
+    return False
 
 
 def unsupported_in(context: RagContext, answer: str) -> list[str]:
