@@ -107,3 +107,21 @@ def test_every_response_shape_carries_the_unsupported_terms_and_their_warning(is
         assert all("unsupported" not in data(line) for line in lines[1:-2])
     if is_support_checked:
         assert "'10', 'OpenSSL'" in extra[0]
+
+
+def test_ragblend_ask_prints_both_warnings_and_the_answer(capsys):
+    """`ragblend ask` prints retrieval's warnings (the `sources` event) and the answer's own (`done`) on
+    stderr, the answer on stdout: the stream as /v1/query sends it (tests/test_citations.py runs the
+    command against a live server)."""
+    from app.commands.ask import show_events
+
+    done = {"mode": "blend", "usage": {"reused_tokens": 9, "recomputed_tokens": 2}, "timings": {"ttft_ms": 5, "total_ms": 9},
+            "citations": [{"number": 1}], "unsupported": ["10"], "warnings": unsupported_warnings(["10"])}
+    events = [("sources", {"sources": [{"chunk_id": "wgetrc#0"}], "warnings": ["dropped 1 chunk"]}),
+              ("token", {"text": "It is 10 "}), ("token", {"text": "seconds [1]."}), ("done", done)]
+    sources, cited = show_events(events)
+    out, err = capsys.readouterr()
+    assert sources == [{"chunk_id": "wgetrc#0"}] and cited == {1}
+    assert out.startswith("It is 10 seconds [1].") and "[blend] ttft 5 ms" in out
+    assert err.splitlines() == ["[warning] dropped 1 chunk", f"[warning] {unsupported_warnings(['10'])[0]}"]
+    assert show_events([("error", {"error": {"message": "boom"}})]) is None

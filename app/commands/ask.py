@@ -57,32 +57,15 @@ def page_label(pages: list[int] | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    sources: list[dict] = []
-    cited: set[int] = set()
     with make_client(args) as client, client.stream("POST", "/v1/query", json=request_body(args)) as response:
         if response.status_code != 200:
             response.read()
             print(error_message(response), file=sys.stderr)
             return ExitCode.FAILED
-        for event, data in iter_events(response.iter_lines()):
-            if event == "sources":
-                sources = data["sources"]
-                for warning in data.get("warnings", []):
-                    print(f"[warning] {warning}", file=sys.stderr)
-            elif event == "token":
-                print(data["text"], end="", flush=True)
-            elif event == "done":
-                usage, timings = data["usage"], data["timings"]
-                cached = usage.get("prefix_cached_tokens", 0)
-                cited = {citation["number"] for citation in data.get("citations", [])}
-                for warning in data.get("warnings", []):  # the answer's own: a number or name no source holds
-                    print(f"\n[warning] {warning}", file=sys.stderr)
-                print(f"\n\n[{data['mode'] or 'no prefill'}] ttft {timings['ttft_ms']:.0f} ms, total {timings['total_ms']:.0f} ms, "
-                      f"{usage['reused_tokens']} reused / {usage['recomputed_tokens']} recomputed prompt tokens"
-                      + (f", {cached} from the prefix cache" if cached else ""))
-            elif event == "error":
-                print(f"\nerror: {data['error']['message']}", file=sys.stderr)
-                return ExitCode.FAILED
+        shown = show_events(iter_events(response.iter_lines()))
+    if shown is None:
+        return ExitCode.FAILED
+    sources, cited = shown
     print("\nSources:" if sources else "\nSources: none")
     for number, source in enumerate(sources, 1):
         score = "" if source["score"] is None else f" (score {source['score']:.3f})"
@@ -91,3 +74,31 @@ def run(args: argparse.Namespace) -> int:
         print(f"  [{number}]{mark} {source['chunk_id']}{title}{page_label(source.get('pages'))}{score}: "
               f"{source['text'][:120]!r}")
     return ExitCode.OK
+
+
+def show_events(events: Iterable[tuple[str, dict]]) -> tuple[list[dict], set[int]] | None:
+    """Print a /v1/query stream as it comes: retrieval's warnings (stderr), the answer's tokens, the usage
+    line, then the answer's own warnings (stderr: a number or name no source holds); the sources and the
+    numbers the answer cites, or None after an `error` event (printed)."""
+    sources: list[dict] = []
+    cited: set[int] = set()
+    for event, data in events:
+        if event == "sources":
+            sources = data["sources"]
+            for warning in data.get("warnings", []):
+                print(f"[warning] {warning}", file=sys.stderr)
+        elif event == "token":
+            print(data["text"], end="", flush=True)
+        elif event == "done":
+            usage, timings = data["usage"], data["timings"]
+            cached = usage.get("prefix_cached_tokens", 0)
+            cited = {citation["number"] for citation in data.get("citations", [])}
+            print(f"\n\n[{data['mode'] or 'no prefill'}] ttft {timings['ttft_ms']:.0f} ms, total {timings['total_ms']:.0f} ms, "
+                  f"{usage['reused_tokens']} reused / {usage['recomputed_tokens']} recomputed prompt tokens"
+                  + (f", {cached} from the prefix cache" if cached else ""))
+            for warning in data.get("warnings", []):
+                print(f"[warning] {warning}", file=sys.stderr)
+        elif event == "error":
+            print(f"\nerror: {data['error']['message']}", file=sys.stderr)
+            return None
+    return sources, cited
