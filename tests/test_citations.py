@@ -206,3 +206,18 @@ def test_each_response_shape_maps_the_whole_answers_citations():
     assert text.choices[0].text == "".join(PIECES) and [c.model_dump() for c in text.citations] == CITED
     last = json.loads(text_chunks[-2].split("data: ", 1)[1])
     assert last["citations"] == without_nulls(CITED) and all("citations" not in c for c in text_chunks[:-2])
+
+
+def test_the_pipeline_hands_the_question_and_the_history_to_the_answers_check(server, http):
+    """What an answer may repeat without a source: the question and every earlier message, as the live
+    pipeline builds the context (the check itself: tests/test_grounding.py)."""
+    from app.query.protocol import QueryRequest
+    from app.query.serving import build_rag_request
+    from app.rag.grounding import unsupported_in
+
+    history = [{"role": "user", "content": "Is the code 4812?"}, {"role": "assistant", "content": "It is, per RFC-9."}]
+    request = build_rag_request(server.components.settings, "harbour?",
+                                QueryRequest(question="harbour?", chunk_ids=["harbour.pdf#0"]), history=history)
+    context = asyncio.run(server.components.pipeline.retrieve(request))
+    assert context.asked == ("harbour?", "Is the code 4812?", "It is, per RFC-9.") and context.is_support_checked
+    assert unsupported_in(context, "The code 4812 per RFC-9 and X11, at line 3 of the harbour.") == ["X11"]
