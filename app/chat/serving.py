@@ -66,7 +66,7 @@ class ChatService:
         return ChatCompletionResponse(
             id=call.id, created=call.created, model=call.model,
             choices=[Choice(message=AssistantMessage(content=answer), finish_reason=finish_reason(done))],
-            usage=chat_usage(done), sources=sources_out(call.context.sources), 
+            usage=chat_usage(done), sources=sources_out(call.context.sources),
             warnings=call.context.warnings + unsupported_warnings(fields["unsupported"]), **fields,
         )
 

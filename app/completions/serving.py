@@ -49,7 +49,7 @@ class CompletionService:
         return CompletionResponse(
             id=call.id, created=call.created, model=call.model,
             choices=[CompletionChoice(text=answer, finish_reason=finish_reason(done))], usage=chat_usage(done),
-            sources=sources_out(call.context.sources), 
+            sources=sources_out(call.context.sources),
             warnings=call.context.warnings + unsupported_warnings(fields["unsupported"]), **fields,
         )
 
