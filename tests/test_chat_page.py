@@ -184,13 +184,13 @@ def sse_body(chunks: list[dict]) -> str:
     return "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n"
 
 
-UNSUPPORTED_WARNING = "the answer states '9', which no source (nor the question) contains"
+UNSUPPORTED_WARNING = "the answer states 'ACME-7', which no source (nor the question) contains"
 
 
 def test_each_cited_number_links_to_its_source_and_an_unknown_one_stays_text(page, server):
     """The answer's [n] that the last chunk's `citations` maps become links opening their source; [n]
     naming no source ([9]) and an index in code (argv[1]) stay text; the last chunk's warning (an unsupported
-    term) shows under the answer. The stream is the server's shape, written out here: what a model cites
+    term) shows under the answer, and the term is marked in it. The stream is the server's shape, written out here: what a model cites
     cannot be chosen."""
     with api(server) as client:
         vault = next(c for c in client.get("/v1/documents/vault.pdf").json()["chunks"] if "7391" in c["text"])
@@ -205,10 +205,10 @@ def test_each_cited_number_links_to_its_source_and_an_unknown_one_stays_text(pag
     body = sse_body([
         {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}], "sources": sources},
         {**head, "choices": [{"index": 0, "delta": {"content": "The code is 7391 [1]. Run argv[1] "}}]},
-        {**head, "choices": [{"index": 0, "delta": {"content": "by the red bridge [2, 9], not [9]."}}]},
+        {**head, "choices": [{"index": 0, "delta": {"content": "by the red bridge [2, 9], not [9]. ACME-7 built it; acme-7s"}}]},
         {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "usage": usage, "citations": citations,
          "timings": {"retrieval_ms": 1, "kv_load_ms": 0, "prefill_ms": 1, "ttft_ms": 2, "total_ms": 3}, "mode": "blend",
-         "unsupported": ["9"], "warnings": [UNSUPPORTED_WARNING]},  # the answer's own warning, at its end
+         "unsupported": ["ACME-7"], "warnings": [UNSUPPORTED_WARNING]},  # the answer's own warning, at its end
     ])
     page.route("**/v1/chat/completions", lambda route: route.fulfill(
         status=200, headers={"Content-Type": "text/event-stream"}, body=body))
@@ -218,10 +218,13 @@ def test_each_cited_number_links_to_its_source_and_an_unknown_one_stays_text(pag
         last = page.locator(".msg.assistant").last
         last.locator(".stats").wait_for(timeout=60_000)
         answer = last.locator(".answer")
-        assert answer.inner_text() == "The code is 7391 [1]. Run argv[1] by the red bridge [2, 9], not [9]."
+        assert answer.inner_text() == ("The code is 7391 [1]. Run argv[1] by the red bridge [2, 9], not [9]. "
+                                       "ACME-7 built it; acme-7s")
         assert answer.locator("a.cite").all_inner_texts() == ["1", "2"]
         assert last.locator(".citation.cited").count() == 2
         assert last.locator(".note").all_inner_texts() == [UNSUPPORTED_WARNING]
+        # the unsupported term is marked where it stands, as a whole word only ("acme-7s" is another word)
+        assert answer.locator("mark.unsupported").all_inner_texts() == ["ACME-7"]
         answer.locator("a.cite", has_text="1").click()
         page.wait_for_selector("#viewer[open]")
         assert "7391" in page.inner_text("#viewer-chunk")

@@ -68,7 +68,7 @@ async function ask(question) {
         box.scrollIntoView({ block: "end" });
       }
       if (chunk.usage) last = chunk;
-      if (chunk.citations) renderCited(box, answer, text, sources, chunk.citations);
+      if (chunk.citations) renderCited(box, answer, text, sources, chunk.citations, chunk.unsupported || []);
     });
     chat.history.push({ role: "user", content: question }, { role: "assistant", content: text });
     renderStats(box, firstTokenMs, performance.now() - started, last);
@@ -89,15 +89,17 @@ async function ask(question) {
 
 // The answer's text with each [n] the server mapped to a source (`citations`) as a link to it; a number
 // naming no source stays plain text. The sources the answer cites are marked in the sources row.
-function renderCited(box, answer, text, sources, citations) {
+function renderCited(box, answer, text, sources, citations, unsupported) {
   const cited = new Set(citations.map((c) => c.number).filter((n) => n >= 1 && n <= sources.length));
   const open = (n) => { const s = sources[n - 1]; docs.open(s.document_id, s.chunk_id, s.text); };
   const nodes = [];
   let end = 0;
   for (const match of text.matchAll(CITATION)) {
+    nodes.push(...marked(text.slice(end, match.index), unsupported));
+    end = match.index + match[0].length;
     const numbers = match[1].split(/[,;]/).map((part) => Number(part.trim()));
-    if (!numbers.some((n) => cited.has(n))) continue;
-    nodes.push(text.slice(end, match.index), "[");
+    if (!numbers.some((n) => cited.has(n))) { nodes.push(match[0]); continue; }  // a citation: never marked
+    nodes.push("[");
     numbers.forEach((n, i) => {
       if (i) nodes.push(", ");
       if (!cited.has(n)) { nodes.push(String(n)); return; }
@@ -106,10 +108,26 @@ function renderCited(box, answer, text, sources, citations) {
         onclick: (e) => { e.preventDefault(); open(n); } }));
     });
     nodes.push("]");
+  }
+  answer.replaceChildren(...nodes, ...marked(text.slice(end), unsupported));
+  box.querySelectorAll(".citation").forEach((chip, i) => chip.classList.toggle("cited", cited.has(i + 1)));
+}
+
+// The answer's terms no source holds (the server's `unsupported`), marked where they stand as whole
+// words, any case, as the server looked them up: the warning under the answer names them too
+function marked(text, terms) {
+  if (!terms.length || !text) return [text];
+  const escaped = terms.map((t) => t.replace(/[.*+?^${}()|[\]\\]/g, "\\$&")).sort((a, b) => b.length - a.length);
+  const pattern = new RegExp(`(?<![\\p{L}\\p{N}])(?:${escaped.join("|")})(?![\\p{L}\\p{N}])`, "giu");
+  const nodes = [];
+  let end = 0;
+  for (const match of text.matchAll(pattern)) {
+    nodes.push(text.slice(end, match.index),
+      el("mark", { className: "unsupported", textContent: match[0], title: "no source contains this: it may be made up" }));
     end = match.index + match[0].length;
   }
-  answer.replaceChildren(...nodes, text.slice(end));
-  box.querySelectorAll(".citation").forEach((chip, i) => chip.classList.toggle("cited", cited.has(i + 1)));
+  nodes.push(text.slice(end));
+  return nodes;
 }
 
 async function renderCitations(box, sources) {
