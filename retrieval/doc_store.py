@@ -165,6 +165,16 @@ def add_lexical_index(conn: sqlite3.Connection) -> int:
                         " WHERE row_id NOT IN (SELECT rowid FROM chunks_fts)").rowcount
 
 
+def lexical_query(num_collections: int) -> str:
+    """`lexical_search`'s statement: the index's matches ranked by BM25, kept if their chunk is in one of
+    the collections. Ordered by the index's rank, SQLite takes the matches as the outer loop and looks
+    each chunk up by its key (tests/test_lexical.py asserts the plan; `missing_word_query` needed CROSS
+    JOIN for that, having no ORDER BY)."""
+    marks = ",".join("?" * num_collections)
+    return ("SELECT f.rowid, f.rank FROM chunks_fts f JOIN chunks c ON c.row_id = f.rowid"
+            f" WHERE chunks_fts MATCH ? AND c.collection IN ({marks}) ORDER BY f.rank LIMIT ?")
+
+
 def missing_word_query(num_collections: int) -> str:
     """One word's test for `missing_words`: a row if any chunk of the collections holds it. CROSS JOIN keeps
     the index's matches the outer loop: joined the other way round, SQLite walked every chunk of the
@@ -281,13 +291,10 @@ class SqliteDocumentStore(DocumentStore):
         terms = query_terms(question)
         if not terms or not collections:
             return []
-        marks = ",".join("?" * len(collections))
         with self._lock:
             terms = self._rare_terms(terms)
-            rows = self._conn.execute(
-                "SELECT f.rowid, f.rank FROM chunks_fts f JOIN chunks c ON c.row_id = f.rowid"
-                f" WHERE chunks_fts MATCH ? AND c.collection IN ({marks}) ORDER BY f.rank LIMIT ?",
-                (fts5_query(terms), *collections, limit)).fetchall()
+            rows = self._conn.execute(lexical_query(len(collections)),
+                                      (fts5_query(terms), *collections, limit)).fetchall()
         return [(int(r[0]), -float(r[1])) for r in rows]  # FTS5's rank (its bm25) is negated
 
     def missing_words(self, words: Sequence[str], collections: Sequence[str]) -> list[str]:

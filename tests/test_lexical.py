@@ -21,7 +21,7 @@ import pytest
 
 from configs.enums import RetrievalMode
 from retrieval.config import RetrievalConfig
-from retrieval.doc_store import SqliteDocumentStore, missing_word_query
+from retrieval.doc_store import SqliteDocumentStore, lexical_query, missing_word_query
 from retrieval.lexical import fts5_query, named_words, query_terms, reciprocal_rank_fusion, word_parts
 from retrieval.pg_store import SCHEMA_VERSION, PostgresDocumentStore
 from retrieval.retriever import RelevanceFloor, Retriever, ScoredChunk
@@ -204,14 +204,16 @@ def test_a_name_no_chunk_of_the_collections_mentions_is_unmentioned(open_store, 
 
 def test_sqlite_looks_a_word_up_in_the_index_not_chunk_by_chunk(tmp_path):
     """A word in no chunk is the case the names check refuses on: found through the index's matches, not
-    by walking every chunk of the collections (which cost ~170 ms at 10 000 chunks)."""
+    by walking every chunk of the collections (which cost ~170 ms at 10 000 chunks); the lexical ranking's
+    statement is planned the same way."""
     store = SqliteDocumentStore(tmp_path / "docs.db")
     vector = np.zeros(4, dtype=np.float32)
     for d in range(3):  # with chunks stored, a plain JOIN is planned chunk by chunk (the collection's index first)
         store.put_document(f"d{d}", None, {}, 10, [NewChunk(f"word{d} text {i}", (1,), vector) for i in range(4)])
-    plan = store._conn.execute("EXPLAIN QUERY PLAN " + missing_word_query(1), ('"bzip2"', DEFAULT_COLLECTION)).fetchall()
-    details = [row[-1] for row in plan]
-    assert details[0].startswith("SCAN f VIRTUAL TABLE") and "SEARCH c USING" in details[1], details
+    for query, params in ((missing_word_query(1), ('"bzip2"', DEFAULT_COLLECTION)),
+                          (lexical_query(1), ('"bzip2"', DEFAULT_COLLECTION, 20))):  # lexical_search's too
+        details = [row[-1] for row in store._conn.execute("EXPLAIN QUERY PLAN " + query, params).fetchall()]
+        assert details[0].startswith("SCAN f VIRTUAL TABLE") and "SEARCH c USING" in details[1], details
     store.close()
 
 
