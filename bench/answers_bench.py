@@ -415,8 +415,8 @@ def print_tables(summary: dict[str, Any]) -> None:
                   f"{_count(when_in, row, 'num_inside'):>9}{_count(top, row, 'num_source_scored'):>9}"
                   f"{_count(any_, row, 'num_source_scored'):>9}{_count(row['num_ran_to_cap'], row):>8}"
                   f"{_count(row['num_refused'], row):>9}{_count(row['num_oos_refused'], row, 'num_out_of_scope'):>8}"
-                  f"{_count(row.get('num_flagged', 0), row):>9}{row.get('num_right_flagged', 0):>9}"
-                  f"{_count(row.get('num_oos_flagged', 0), row, 'num_out_of_scope'):>8}"
+                  f"{_count(row['num_flagged'], row):>9}{row['num_right_flagged']:>9}"
+                  f"{_count(row['num_oos_flagged'], row, 'num_out_of_scope'):>8}"
                   f"{prompt:>8}{ttft:>10}{row['num_errors']:>8}")
         pairs = summary.get("paired", {}).get(part)
         if pairs:

@@ -53,14 +53,13 @@ def named_words(question: str, max_words: int = 16, with_numbers: bool = False) 
     words: list[str] = []
     for token in _TOKEN.findall(_POSSESSIVE.sub("", question)):
         word = token.strip(".-_/=")  # a sentence's full stop, an option's dashes ("--repeat") or "="
-        if not any(ch.isalpha() for ch in word):
-            if with_numbers and any(ch.isdigit() for ch in word) and word not in words:
-                words.append(word)
+        if not any(ch.isalpha() for ch in word):  # a number, or punctuation alone
+            is_named = with_numbers and any(ch.isdigit() for ch in word)
+        elif len(word) < 2 or word.lower() in STOP_WORDS:
             continue
-        if len(word) < 2 or word.lower() in STOP_WORDS:
-            continue
-        is_named = (any(ch.isdigit() for ch in word) or sum(ch.isupper() for ch in word) >= 2
-                    or any(ch in "._-/=" for ch in word))
+        else:
+            is_named = (any(ch.isdigit() for ch in word) or sum(ch.isupper() for ch in word) >= 2
+                        or any(ch in "._-/=" for ch in word))
         if is_named and word not in words:
             words.append(word)
     return words[:max_words]

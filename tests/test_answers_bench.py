@@ -26,8 +26,8 @@ TINY_CONFIG = 'model: {"name": "random:tiny-llama", "device": "cpu"}\n'
 ROW_KEYS = {"num_questions", "num_answers", "num_errors", "errors", "right", "num_right", "inside", "num_inside",
             "right_when_inside", "source_top", "source_any", "num_source_scored", "ran_to_cap", "num_ran_to_cap",
             "ttft_p50_ms", "ttft_p90_ms", "server_ttft_p50_ms", "completion_tokens_mean", "modes", "refused",
-            "num_refused", "num_out_of_scope", "oos_refused", "num_oos_refused", "prompt_tokens_mean", "num_flagged", "num_right_flagged", "num_oos_flagged",
-            "num_oos_unwarned"}
+            "num_refused", "num_out_of_scope", "oos_refused", "num_oos_refused", "prompt_tokens_mean",
+            "num_flagged", "num_right_flagged", "num_oos_flagged", "num_oos_unwarned"}
 ANSWER_KEYS = {"part", "question", "setting", "repeat", "error", "answer", "finish_reason", "ran_to_cap", "ttft_ms",
                "server_ttft_ms", "mode", "completion_tokens", "prompt_tokens", "sources", "chunks", "scores", "right",
                "inside", "source_top", "source_any", "refused", "unsupported"}

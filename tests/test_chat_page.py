@@ -190,8 +190,8 @@ UNSUPPORTED_WARNING = "the answer states 'ACME-7', which no source (nor the ques
 def test_each_cited_number_links_to_its_source_and_an_unknown_one_stays_text(page, server):
     """The answer's [n] that the last chunk's `citations` maps become links opening their source; [n]
     naming no source ([9]) and an index in code (argv[1]) stay text; the last chunk's warning (an unsupported
-    term) shows under the answer, and the term is marked in it. The stream is the server's shape, written out here: what a model cites
-    cannot be chosen."""
+    term) shows under the answer, and the term is marked in it. The stream is the server's shape, written
+    out here: what a model cites cannot be chosen."""
     with api(server) as client:
         vault = next(c for c in client.get("/v1/documents/vault.pdf").json()["chunks"] if "7391" in c["text"])
         bridge = client.get("/v1/documents/bridges.html").json()["chunks"][0]
@@ -205,7 +205,8 @@ def test_each_cited_number_links_to_its_source_and_an_unknown_one_stays_text(pag
     body = sse_body([
         {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}], "sources": sources},
         {**head, "choices": [{"index": 0, "delta": {"content": "The code is 7391 [1]. Run argv[1] "}}]},
-        {**head, "choices": [{"index": 0, "delta": {"content": "by the red bridge [2, 9], not [9]. ACME-7 built it; acme-7s"}}]},
+        {**head, "choices": [{"index": 0,
+                              "delta": {"content": "by the red bridge [2, 9], not [9]. ACME-7 built it; acme-7s"}}]},
         {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "usage": usage, "citations": citations,
          "timings": {"retrieval_ms": 1, "kv_load_ms": 0, "prefill_ms": 1, "ttft_ms": 2, "total_ms": 3}, "mode": "blend",
          "unsupported": ["ACME-7"], "warnings": [UNSUPPORTED_WARNING]},  # the answer's own warning, at its end

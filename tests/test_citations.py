@@ -131,7 +131,8 @@ def test_every_response_shape_carries_the_answers_citations(http):
     query = http.post("/v1/query", json={"question": "harbour?", **body}).json()
     assert query["citations"] == expected_citations(query["answer"], query["sources"])
     # the pipeline hands the question and the sources to the answer's check (tests/test_grounding.py)
-    assert query["unsupported"] == unsupported_terms(query["answer"], [s["text"] for s in query["sources"]] + ["harbour?"])
+    assert query["unsupported"] == unsupported_terms(query["answer"],
+                                                     [s["text"] for s in query["sources"]] + ["harbour?"])
     with http.stream("POST", "/v1/query", json={"question": "harbour?", "stream": True, **body}) as streamed:
         events = list(iter_events(streamed.iter_lines()))
     answer = "".join(data["text"] for kind, data in events if kind == "token")

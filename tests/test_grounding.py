@@ -115,7 +115,8 @@ def test_ragblend_ask_prints_both_warnings_and_the_answer(capsys):
     command against a live server)."""
     from app.commands.ask import show_events
 
-    done = {"mode": "blend", "usage": {"reused_tokens": 9, "recomputed_tokens": 2}, "timings": {"ttft_ms": 5, "total_ms": 9},
+    done = {"mode": "blend", "usage": {"reused_tokens": 9, "recomputed_tokens": 2},
+            "timings": {"ttft_ms": 5, "total_ms": 9},
             "citations": [{"number": 1}], "unsupported": ["10"], "warnings": unsupported_warnings(["10"])}
     events = [("sources", {"sources": [{"chunk_id": "wgetrc#0"}], "warnings": ["dropped 1 chunk"]}),
               ("token", {"text": "It is 10 "}), ("token", {"text": "seconds [1]."}), ("done", done)]

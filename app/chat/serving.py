@@ -15,9 +15,8 @@ from app.auth.principal import Principal
 from app.collections.scope import Scopes
 from app.errors import InvalidRequestError, stream_error_body
 from app.openai_compat import requested_collections
-from app.query.serving import AnswerFields, answer_fields, build_rag_request, sources_out
+from app.query.serving import answer_fields, build_rag_request, finish_fields, response_warnings, sources_out
 from app.rag.collect import IsDisconnected, collect
-from app.rag.grounding import unsupported_warnings
 from app.rag.pipeline import RagPipeline
 from app.rag.types import AnswerStream, DoneEvent, RagContext, RagRequest, TokenEvent
 from app.sse import sse
@@ -67,7 +66,7 @@ class ChatService:
             id=call.id, created=call.created, model=call.model,
             choices=[Choice(message=AssistantMessage(content=answer), finish_reason=finish_reason(done))],
             usage=chat_usage(done), sources=sources_out(call.context.sources),
-            warnings=call.context.warnings + unsupported_warnings(fields["unsupported"]), **fields,
+            warnings=response_warnings(call.context, fields["unsupported"]), **fields,
         )
 
     async def chunks(self, call: ChatCall) -> AsyncIterator[str]:
@@ -92,7 +91,7 @@ class ChatService:
                 else:
                     yield chunk(DeltaMessage(), finish=finish_reason(event),
                                 usage=None if call.include_usage else chat_usage(event),
-                                **_finish_fields(answer_fields("".join(pieces), call.context, event)))
+                                **finish_fields("".join(pieces), call.context, event))
                     if call.include_usage:
                         usage = ChatCompletionChunk(id=call.id, created=call.created, model=call.model, choices=[],
                                                     usage=chat_usage(event))
@@ -115,7 +114,3 @@ def chat_usage(done: DoneEvent) -> ChatUsage:
                      recomputed_tokens=u.recomputed_tokens, prefix_cached_tokens=u.prefix_cached_tokens,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=u.prefix_cached_tokens))
 
-
-def _finish_fields(fields: AnswerFields) -> dict:
-    """The finish chunk's answer fields, with the warning its unsupported terms carry (none: no field)."""
-    return {**fields, "warnings": unsupported_warnings(fields["unsupported"]) or None}

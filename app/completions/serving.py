@@ -13,9 +13,8 @@ from app.collections.scope import Scopes
 from app.completions.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from app.errors import InvalidRequestError, stream_error_body
 from app.openai_compat import requested_collections
-from app.query.serving import AnswerFields, answer_fields, build_rag_request, sources_out
+from app.query.serving import answer_fields, build_rag_request, finish_fields, response_warnings, sources_out
 from app.rag.collect import IsDisconnected, collect
-from app.rag.grounding import unsupported_warnings
 from app.rag.pipeline import RagPipeline
 from app.rag.types import TokenEvent
 from app.sse import sse
@@ -50,7 +49,7 @@ class CompletionService:
             id=call.id, created=call.created, model=call.model,
             choices=[CompletionChoice(text=answer, finish_reason=finish_reason(done))], usage=chat_usage(done),
             sources=sources_out(call.context.sources),
-            warnings=call.context.warnings + unsupported_warnings(fields["unsupported"]), **fields,
+            warnings=response_warnings(call.context, fields["unsupported"]), **fields,
         )
 
     async def chunks(self, call: ChatCall) -> AsyncIterator[str]:
@@ -72,7 +71,7 @@ class CompletionService:
                     yield chunk(event.text)
                 else:
                     yield chunk("", finish_reason(event), usage=None if call.include_usage else chat_usage(event),
-                                **_finish_fields(answer_fields("".join(pieces), call.context, event)))
+                                **finish_fields("".join(pieces), call.context, event))
                     if call.include_usage:
                         usage = CompletionResponse(id=call.id, created=call.created, model=call.model, choices=[],
                                                    usage=chat_usage(event))
@@ -83,7 +82,3 @@ class CompletionService:
         finally:
             call.stream.cancel()
 
-
-def _finish_fields(fields: AnswerFields) -> dict:
-    """The finish chunk's answer fields, with the warning its unsupported terms carry (none: no field)."""
-    return {**fields, "warnings": unsupported_warnings(fields["unsupported"]) or None}

@@ -115,6 +115,18 @@ def answer_fields(answer: str, context: RagContext, done: DoneEvent) -> AnswerFi
                         unsupported=unsupported_in(context, answer))
 
 
+def finish_fields(answer: str, context: RagContext, done: DoneEvent) -> dict:
+    """An OpenAI-shaped stream's finish chunk (chat and completions): `answer_fields` with the answer's own
+    warnings (retrieval's went out on the first chunk); None when it has none (the chunk leaves it out)."""
+    fields = answer_fields(answer, context, done)
+    return {**fields, "warnings": unsupported_warnings(fields["unsupported"]) or None}
+
+
+def response_warnings(context: RagContext, unsupported: list[str]) -> list[str]:
+    """A whole response's warnings: retrieval's, then the answer's own (its unsupported terms)."""
+    return context.warnings + unsupported_warnings(unsupported)
+
+
 def citations_out(answer: str, sources: Sequence[Source]) -> list[CitationOut]:
     """The sources `answer` cites as [n] (app/rag/citations.py), as the API returns them."""
     return [CitationOut(number=c.number, chunk_id=c.source.chunk_id, document_id=c.source.document_id,
@@ -185,5 +197,5 @@ def _response(answer: str, context: RagContext, done: DoneEvent) -> QueryRespons
         recompute_ratio=done.recompute_ratio, quality_guarded=done.is_guarded, plan=plan_out(done),
         sources=sources_out(context.sources), citations=citations_out(answer, context.sources),
         usage=UsageOut(**asdict(done.usage)), timings=TimingsOut(**asdict(done.timings)),
-        unsupported=unsupported, warnings=context.warnings + unsupported_warnings(unsupported),
+        unsupported=unsupported, warnings=response_warnings(context, unsupported),
     )
