@@ -9,7 +9,9 @@ token received), decode tokens/s, answer agreement with `full`, token F1 vs the 
 Throughput: `--throughput-rounds` rounds; in each, every `--throughput-modes` mode in turn (who goes
 first alternating from round to round) gets `--concurrency` streaming clients started at once, each its
 own question (the same questions for every mode of a round), every answer `--max-tokens` long
-(`ignore_eos`: each mode does the same decode work, so requests/s weighs the prefills). Per mode:
+(`ignore_eos`: each mode does the same decode work, so requests/s weighs the prefills), or with
+`--throughput-answers natural` each ending where the model ends it (at most `--max-tokens`: the answers a
+user gets, whose lengths the summary reports per mode). Per mode:
 requests/s (a round's answers over its wall time; median over rounds) and TTFT p50/p95 under that load;
 per round, each mode's requests/s over the first mode's (full by default), with its spread.
 `--modes ""` skips the first part (the throughput modes are then warmed up first: each question asked once
@@ -49,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--throughput-modes", default="full,blend",
                         help="comma-separated, alternated round by round; the ratios are over the first")
     parser.add_argument("--throughput-rounds", type=int, default=3, help="rounds of the throughput phase")
+    parser.add_argument("--throughput-answers", choices=("fixed", "natural"), default="fixed",
+                        help="fixed: every answer --max-tokens long (ignore_eos: both modes decode alike); "
+                             "natural: each answer ends at the model's end of text, at most --max-tokens")
     parser.add_argument("--out", type=Path, help="also write the JSON summary here")
 
 
@@ -101,11 +106,12 @@ async def latency_phase(client, questions: list[Question], modes: list[str], max
     return runs
 
 
-def round_args(mode: str, max_tokens: int) -> argparse.Namespace:
-    """What server_bench.run_round reads: every answer `max_tokens` long in `mode`, the chats at once, the
-    prefix cache off (the rounds ask the same questions again, and every mode asks them)."""
-    return argparse.Namespace(max_tokens=max_tokens, ignore_eos=True, mode=mode, stagger_ms=0.0, upload_lead=0.0,
-                              prefix_cache="off")
+def round_args(mode: str, max_tokens: int, ignore_eos: bool = True) -> argparse.Namespace:
+    """What server_bench.run_round reads: answers in `mode`, every one `max_tokens` long (`ignore_eos`) or
+    at most that, the chats at once, the prefix cache off (the rounds ask the same questions again, and every
+    mode asks them)."""
+    return argparse.Namespace(max_tokens=max_tokens, ignore_eos=ignore_eos, mode=mode, stagger_ms=0.0,
+                              upload_lead=0.0, prefix_cache="off")
 
 
 async def throughput_phase(client: httpx.AsyncClient, questions: list[Question], modes: list[str],
@@ -122,7 +128,8 @@ async def throughput_phase(client: httpx.AsyncClient, questions: list[Question],
     for round_index in range(args.throughput_rounds):
         indices = round_questions(args.concurrency, round_index, len(questions))
         for mode in in_turn(modes, round_index):
-            rounds[mode].append(await run_round(client, questions, indices, round_args(mode, args.max_tokens)))
+            body_args = round_args(mode, args.max_tokens, ignore_eos=args.throughput_answers == "fixed")
+            rounds[mode].append(await run_round(client, questions, indices, body_args))
             schedule.append({"round": round_index, "mode": mode, "questions": indices})
     return rounds, schedule
 
@@ -131,12 +138,20 @@ def round_requests_per_s(rounds: list[Round]) -> list[float]:
     return [sum(c.answer is not None for c in r.chats) / r.wall_s for r in rounds]
 
 
+def answer_lengths(rounds: list[Round]) -> dict[str, float]:
+    """Completion tokens per answer over the rounds: with natural answers the modes' decode work differs by
+    what they answer, so it is reported beside their requests/s."""
+    lengths = [c.answer.num_completion_tokens for r in rounds for c in r.chats if c.answer is not None]
+    return {"mean": mean(lengths), "median": median(lengths), "max": max(lengths)} if lengths else {}
+
+
 def throughput_summary(rounds: dict[str, list[Round]], schedule: list[dict], args: argparse.Namespace) -> dict | None:
     """Per mode its rounds' statistics (server_report.level_stats); per other mode, its requests/s over the
     first mode's round by round, and its TTFT p50/p95 over the first mode's."""
     if not rounds:
         return None
-    rows = {mode: {**level_stats(mode_rounds), "requests_per_s_rounds": round_requests_per_s(mode_rounds)}
+    rows = {mode: {**level_stats(mode_rounds), "requests_per_s_rounds": round_requests_per_s(mode_rounds),
+                   "completion_tokens_per_answer": answer_lengths(mode_rounds)}
             for mode, mode_rounds in rounds.items()}
     first, *others = rows
     vs_first = {}
@@ -146,7 +161,8 @@ def throughput_summary(rounds: dict[str, list[Round]], schedule: list[dict], arg
                                        "ttft_p50": ratio(rows[mode]["ttft_p50_ms"], rows[first]["ttft_p50_ms"]),
                                        "ttft_p95": ratio(rows[mode]["ttft_p95_ms"], rows[first]["ttft_p95_ms"])}
     return {"clients": args.concurrency, "rounds": args.throughput_rounds, "max_tokens": args.max_tokens,
-            "ignore_eos": True, "modes": rows, "ratios": vs_first, "schedule": schedule}
+            "answers": args.throughput_answers, "ignore_eos": args.throughput_answers == "fixed", "modes": rows,
+            "ratios": vs_first, "schedule": schedule}
 
 
 def summarize(runs: dict[str, ModeRuns], throughput: dict | None, args, ingest_s: float, model: str) -> dict:
@@ -192,15 +208,19 @@ def print_table(summary: dict) -> None:
 
 
 def print_throughput(throughput: dict) -> None:
-    print(f"\nthroughput: {throughput['clients']} clients at once, each its own question, {throughput['max_tokens']} "
-          f"tokens each; {throughput['rounds']} rounds, the modes alternated")
-    print(f"{'mode':<7}{'req/s':>8}{'[min-max]':>16}{'TTFT p50 ms':>13}{'TTFT p95 ms':>13}{'errors':>8}")
+    length = (f"{throughput['max_tokens']} tokens each" if throughput["ignore_eos"]
+              else f"answers ending at end of text (at most {throughput['max_tokens']} tokens)")
+    print(f"\nthroughput: {throughput['clients']} clients at once, each its own question, {length}; "
+          f"{throughput['rounds']} rounds, the modes alternated")
+    print(f"{'mode':<7}{'req/s':>8}{'[min-max]':>16}{'TTFT p50 ms':>13}{'TTFT p95 ms':>13}{'errors':>8}"
+          f"{'tokens/answer':>15}")
     for mode, row in throughput["modes"].items():
         rounds = row["requests_per_s_rounds"]
         p50 = "-" if row["ttft_p50_ms"] is None else f"{row['ttft_p50_ms']:.0f}"
         p95 = "-" if row["ttft_p95_ms"] is None else f"{row['ttft_p95_ms']:.0f}"
         print(f"{mode:<7}{row['requests_per_s']:>8.3f}{f'[{min(rounds):.3f}-{max(rounds):.3f}]':>16}"
-              f"{p50:>13}{p95:>13}{row['num_errors']:>8}")
+              f"{p50:>13}{p95:>13}{row['num_errors']:>8}"
+              f"{row['completion_tokens_per_answer'].get('mean', 0.0):>15.1f}")
     for name, r in throughput["ratios"].items():
         rps = r["requests_per_s"]
         cells = [f"req/s {rps['median']:.2f}x [{rps['min']:.2f}-{rps['max']:.2f}] (per round)" if rps["median"] else "req/s -"]

@@ -246,6 +246,21 @@ def test_server_modes_throughput_alternates_full_and_blend_and_divides_their_rou
     # without ignore_eos the field is not sent at all: a revision whose API predates it refuses it (compare)
     older = argparse.Namespace(**{**vars(round_args("blend", 5)), "ignore_eos": False})
     assert "ignore_eos" not in server_bench.request_body(Question("q?", (), ("p",)), 0, older)
+    assert throughput["answers"] == "fixed" and throughput["ignore_eos"] is True
+    assert full["completion_tokens_per_answer"] == {"mean": 3, "median": 3, "max": 3}
+    # natural answers: each ends at the model's end of text, so ignore_eos is not sent; the lengths reported
+    natural = round_args("blend", 5, ignore_eos=False)
+    assert "ignore_eos" not in server_bench.request_body(Question("q?", (), ("p",)), 0, natural)
+    assert main(["bench", "server-modes", "--url", server.url, "--data", data, "--questions", "2", "--passages", "2",
+                 "--modes", "", "--concurrency", "2", "--throughput-rounds", "1", "--max-tokens", "4",
+                 "--throughput-answers", "natural"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    natural_run = json.loads(out[-1])["throughput"]
+    assert natural_run["answers"] == "natural" and natural_run["ignore_eos"] is False
+    assert "answers ending at end of text (at most 4 tokens)" in "\n".join(out[:-1])
+    for row in natural_run["modes"].values():
+        lengths = row["completion_tokens_per_answer"]
+        assert lengths["mean"] == pytest.approx(row["completion_tokens"] / 2) and 1 <= lengths["max"] <= 4
     # more clients than questions: refused (each client asks its own)
     assert main(["bench", "server-modes", "--url", server.url, "--data", data, "--questions", "2",
                  "--concurrency", "3"]) == 2
