@@ -205,7 +205,9 @@ def answer_record(streamed: StreamedAnswer) -> dict[str, Any]:
             "scores": [s.get("score") for s in streamed.sources],
             # the answer's numbers and names no source holds (app/rag/grounding.py); None: the server
             # does not check (a build before the check)
-            "unsupported": streamed.done.get("unsupported")}
+            "unsupported": streamed.done.get("unsupported"),
+            # the question's words no searched chunk holds (retrieval.flag_unmatched_words); None: not said
+            "unmatched_words": None if streamed.unmatched_words is None else list(streamed.unmatched_words)}
 
 
 def score_document_answer(question: SetQuestion, streamed: StreamedAnswer) -> dict[str, Any]:
@@ -308,8 +310,9 @@ def part_row(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     inside and sources are over the in-scope questions; the out-of-scope ones count apart (`oos_refused`:
     answered with a refusal, as they should be), and `refused` is the share of in-scope ones refused.
     `flagged`: answers warned of a number or name no source holds (in scope: how many, and how many of
-    them right; out of scope: how many of those not refused; `num_oos_unwarned`: neither refused nor
-    warned, a made-up answer presented as found)."""
+    them right; out of scope: how many of those not refused); `unmatched`: the same for answers warned that
+    no document uses a word of the question; `num_oos_unwarned`: neither refused nor warned either way, a
+    made-up answer presented as found."""
     done = [r for r in records if r["error"] is None]
     ok = [r for r in done if not r.get("out_of_scope")]
     oos = [r for r in done if r.get("out_of_scope")]
@@ -329,7 +332,10 @@ def part_row(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "num_oos_refused": sum(r["right"] for r in oos),
         "num_flagged": _num_flagged(ok), "num_right_flagged": _num_flagged([r for r in ok if r["right"]]),
         "num_oos_flagged": _num_flagged(oos),
-        "num_oos_unwarned": sum(not r["right"] and not r.get("unsupported") for r in oos),
+        "num_unmatched": _num_unmatched(ok), "num_right_unmatched": _num_unmatched([r for r in ok if r["right"]]),
+        "num_oos_unmatched": _num_unmatched([r for r in oos if not r["right"]]),
+        "num_oos_unwarned": sum(not r["right"] and not r.get("unsupported") and not r.get("unmatched_words")
+                                for r in oos),
         "ttft_p50_ms": safe_median(ttfts),
         "ttft_p90_ms": statistics.quantiles(ttfts, n=10, method="inclusive")[-1] if len(ttfts) > 1 else safe_median(ttfts),
         "server_ttft_p50_ms": safe_median(r["server_ttft_ms"] for r in ok if r["server_ttft_ms"] is not None),
@@ -341,6 +347,10 @@ def part_row(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def _num_flagged(records: Sequence[dict[str, Any]]) -> int:
     return sum(bool(r.get("unsupported")) for r in records)
+
+
+def _num_unmatched(records: Sequence[dict[str, Any]]) -> int:
+    return sum(bool(r.get("unmatched_words")) for r in records)
 
 
 def results(records: Sequence[dict[str, Any]], settings: Sequence[Setting]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -403,8 +413,8 @@ def print_tables(summary: dict[str, Any]) -> None:
         print(f"\n{PARTS[part]} ({first['num_questions']} questions)")
         width = max(16, *(len(name) + 2 for name in rows))
         print(f"{'setting':<{width}}{'right':>8}{'inside':>8}{'right|in':>9}{'top src':>9}{'any src':>9}{'to cap':>8}"
-              f"{'refused':>9}{'oos ok':>8}{'flagged':>9}{'right fl':>9}{'oos fl':>8}{'prompt':>8}{'TTFT p50':>10}"
-              f"{'errors':>8}")
+              f"{'refused':>9}{'oos ok':>8}{'flagged':>9}{'right fl':>9}{'oos fl':>8}{'unmatch':>9}{'right um':>9}"
+              f"{'oos um':>8}{'unwarned':>10}{'prompt':>8}{'TTFT p50':>10}{'errors':>8}")
         for name, row in rows.items():
             top = round((row["source_top"] or 0) * row["num_source_scored"])
             any_ = round((row["source_any"] or 0) * row["num_source_scored"])
@@ -417,6 +427,9 @@ def print_tables(summary: dict[str, Any]) -> None:
                   f"{_count(row['num_refused'], row):>9}{_count(row['num_oos_refused'], row, 'num_out_of_scope'):>8}"
                   f"{_count(row['num_flagged'], row):>9}{row['num_right_flagged']:>9}"
                   f"{_count(row['num_oos_flagged'], row, 'num_out_of_scope'):>8}"
+                  f"{_count(row['num_unmatched'], row):>9}{row['num_right_unmatched']:>9}"
+                  f"{_count(row['num_oos_unmatched'], row, 'num_out_of_scope'):>8}"
+                  f"{_count(row['num_oos_unwarned'], row, 'num_out_of_scope'):>10}"
                   f"{prompt:>8}{ttft:>10}{row['num_errors']:>8}")
         pairs = summary.get("paired", {}).get(part)
         if pairs:

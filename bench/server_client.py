@@ -46,6 +46,8 @@ class StreamedAnswer:
     answer: str
     done: dict[str, Any]  # the `done` event: mode, finish_reason, usage, timings, plan
     sources: tuple[dict[str, Any], ...] = ()  # the `sources` event: the chunks the prompt held, with their text
+    # the `sources` event's question words no searched chunk holds; None: the server does not say (an older build)
+    unmatched_words: tuple[str, ...] | None = None
 
     @property
     def ttft_ms(self) -> float:
@@ -92,6 +94,7 @@ async def stream_query(client: httpx.AsyncClient, body: dict[str, Any]) -> Strea
     token_s: list[float] = []
     done: dict[str, Any] = {}
     sources: list[dict[str, Any]] = []
+    unmatched: list[str] | None = None
     sent = time.perf_counter()
     async with client.stream("POST", "/v1/query", json={**body, "stream": True}) as response:
         if response.status_code != 200:
@@ -107,14 +110,15 @@ async def stream_query(client: httpx.AsyncClient, body: dict[str, Any]) -> Strea
         if kind == "token":
             pieces.append(data["text"])
         elif kind == "sources":
-            sources = data["sources"]
+            sources, unmatched = data["sources"], data.get("unmatched_words")
         elif kind == "done":
             done = data
         elif kind == "error":
             raise QueryFailed(data["error"]["message"])
     if not done:
         raise QueryFailed("the stream ended without a done event")
-    return StreamedAnswer(sent, tuple(token_s), end, "".join(pieces), done, tuple(sources))
+    return StreamedAnswer(sent, tuple(token_s), end, "".join(pieces), done, tuple(sources),
+                          None if unmatched is None else tuple(unmatched))
 
 
 async def stream_chat(client: httpx.AsyncClient, body: dict[str, Any]) -> StreamedAnswer:

@@ -63,6 +63,12 @@ class RetrievalConfig:
         "collections mentions, the answer is not_found_answer with a "
         "warning naming it, and the model is not asked (a small model answers a question next to the documents "
         "with a fact it makes up: docs/benchmarks/answers.md). Named chunks (chunk_ids) are never refused.")] = True
+    flag_unmatched_words: Annotated[bool, Field(
+        description="When a word of the question (stop words left out, stemmed as the lexical index reads it) is in "
+        "no chunk of the searched collections, the response lists it in `unmatched_words` with a warning naming "
+        "it: the documents may not cover what was asked ('Brotli' over documents that never use the word). The "
+        "question is answered as usual, not refused: a question's wording need not be the documents' "
+        "(docs/decisions/0028). Named chunks (chunk_ids) are not checked.")] = True
     flag_unsupported_terms: Annotated[bool, Field(
         description="An answer stating a number or a name (as refuse_unmentioned_names reads names) that none of "
         "its sources, the question or the chat's earlier messages contains gets a warning naming it, and lists it "

@@ -17,7 +17,7 @@ from retrieval.store_types import DocumentStore, StoredChunk
 from retrieval.embedder import Embedder
 from retrieval.reembed import reembed_if_changed
 from retrieval.index import CollectionIndexes
-from retrieval.lexical import named_words, word_parts
+from retrieval.lexical import named_words, query_terms, word_parts
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +168,11 @@ class Retriever:
         parts = list(dict.fromkeys(p for name_parts in names.values() for p in name_parts))
         missing = set(self.store.missing_words(parts, collections))  # no parts: no query, both stores
         return [name for name, name_parts in names.items() if any(p in missing for p in name_parts)]
+
+    def unmatched_words(self, question: str, collections: Sequence[str]) -> list[str]:
+        """The question's words (`query_terms`: stop words left out) that no chunk of `collections` holds,
+        stemmed as the lexical index is ("listens" is held by "listen")."""
+        return self.store.missing_words(query_terms(question), collections)
 
     def named(self, chunk_ids: Sequence[str], collections: Sequence[str]) -> tuple[list[ScoredChunk], list[str]]:
         """The chunks of `collections` with these ids in this order, and the ids that are not there

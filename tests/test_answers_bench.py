@@ -27,10 +27,11 @@ ROW_KEYS = {"num_questions", "num_answers", "num_errors", "errors", "right", "nu
             "right_when_inside", "source_top", "source_any", "num_source_scored", "ran_to_cap", "num_ran_to_cap",
             "ttft_p50_ms", "ttft_p90_ms", "server_ttft_p50_ms", "completion_tokens_mean", "modes", "refused",
             "num_refused", "num_out_of_scope", "oos_refused", "num_oos_refused", "prompt_tokens_mean",
-            "num_flagged", "num_right_flagged", "num_oos_flagged", "num_oos_unwarned"}
+            "num_flagged", "num_right_flagged", "num_oos_flagged", "num_oos_unwarned", "num_unmatched",
+            "num_right_unmatched", "num_oos_unmatched"}
 ANSWER_KEYS = {"part", "question", "setting", "repeat", "error", "answer", "finish_reason", "ran_to_cap", "ttft_ms",
                "server_ttft_ms", "mode", "completion_tokens", "prompt_tokens", "sources", "chunks", "scores", "right",
-               "inside", "source_top", "source_any", "refused", "unsupported"}
+               "inside", "source_top", "source_any", "refused", "unsupported", "unmatched_words"}
 
 
 # ---- the committed set ---------------------------------------------------------------------------
@@ -200,19 +201,22 @@ def test_a_setting_row_on_known_records():
 
     oos = [{**record(True, None, None, 5.0), "out_of_scope": True, "refused": True},
            {**record(False, None, None, 900.0), "out_of_scope": True, "refused": False},
-           {**record(False, None, None, 800.0), "out_of_scope": True, "refused": False, "unsupported": ["10"]}]
-    rows = [{**record(True, True, True, 100.0), "unsupported": ["22"]},
+           {**record(False, None, None, 800.0), "out_of_scope": True, "refused": False, "unsupported": ["10"]},
+           {**record(False, None, None, 700.0), "out_of_scope": True, "refused": False, "unmatched_words": ["brotli"]}]
+    rows = [{**record(True, True, True, 100.0), "unsupported": ["22"], "unmatched_words": ["told"]},
             {**record(False, True, None, 300.0, cap=True), "unsupported": ["x.conf"]},
             {**record(False, False, False, 200.0), "refused": True},
             record(None, None, None, 0, error="QueryFailed: queue full"), *oos]
     row = part_row(rows)
     assert set(row) == ROW_KEYS
-    assert row["num_questions"] == 7 and row["num_answers"] == 3 and row["num_errors"] == 1
-    # out-of-scope answers count apart: one refused of three; no in-scope rate or TTFT includes them
-    assert row["num_out_of_scope"] == 3 and row["num_oos_refused"] == 1 and row["oos_refused"] == pytest.approx(1 / 3)
+    assert row["num_questions"] == 8 and row["num_answers"] == 3 and row["num_errors"] == 1
+    # out-of-scope answers count apart: one refused of four; no in-scope rate or TTFT includes them
+    assert row["num_out_of_scope"] == 4 and row["num_oos_refused"] == 1 and row["oos_refused"] == pytest.approx(1 / 4)
     # warned of an unsupported term: two in scope (one right), one out of scope; one made up and unwarned
     assert row["num_flagged"] == 2 and row["num_right_flagged"] == 1
     assert row["num_oos_flagged"] == 1 and row["num_oos_unwarned"] == 1
+    # warned that no document uses a word of the question: one in scope (right), one out of scope
+    assert row["num_unmatched"] == 1 and row["num_right_unmatched"] == 1 and row["num_oos_unmatched"] == 1
     assert row["num_refused"] == 1 and row["refused"] == pytest.approx(1 / 3)
     assert row["right"] == pytest.approx(1 / 3) and row["inside"] == pytest.approx(2 / 3)
     assert row["right_when_inside"] == 0.5 and row["num_source_scored"] == 2 and row["source_top"] == 0.5
@@ -352,6 +356,7 @@ def test_bench_answers_end_to_end_on_a_tiny_model(tmp_path, capsys, monkeypatch)
         assert a["mode"] == "full" or a["setting"] != "full" or (a["refused"] and a["mode"] is None)
         assert len(a["sources"]) <= 1 if a["setting"] == "top1-server" else len(a["sources"]) <= 3
         assert len(a["scores"]) == len(a["sources"]) and all(-1.0 <= x <= 1.0 for x in a["scores"])
+        assert isinstance(a["unmatched_words"], list)  # the server's `sources` event says (documents and MuSiQue)
         expected = {"vault-1": "vault", "bridge-1": "bridge"}.get(a["question"])
         if expected:  # one small chunk per page or file: the fact's chunk in a top-3 prompt
             assert a["source_top"] == (a["sources"][0] == expected) and a["source_any"] == (expected in a["sources"])

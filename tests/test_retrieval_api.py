@@ -2,7 +2,7 @@
 `retrieval` mode on /v1/query and /v1/chat/completions (422 for an unknown one), the relevance floor
 dropping a far-below chunk, an out-of-scope question answered with the fixed not-found answer and no
 sources (JSON and both streams, without the model), as is one naming what no document mentions (with a
-warning naming it), `structure` chunking of an uploaded PDF (no chunk
+warning naming it), a question word no document uses (answered, with a warning naming it, per collection), `structure` chunking of an uploaded PDF (no chunk
 spans two pages), and the warnings bad input gets: blank and unreadable PDF pages, another language."""
 
 from __future__ import annotations
@@ -137,6 +137,62 @@ def test_a_question_naming_what_no_document_mentions_is_not_found_with_a_warning
     assert _query_docs(plain, question=question, top_k=1) == ["vault"]
     named = floored.post("/v1/query", json={"question": question, "chunk_ids": ["vault#0"], "max_tokens": 1}).json()
     assert [s["chunk_id"] for s in named["sources"]] == ["vault#0"] and named["warnings"] == []
+
+
+def unmatched_warning(*words: str) -> str:
+    return ("no document in the searched collections uses the question's word(s) " + ", ".join(f"'{w}'" for w in words)
+            + ": they may not cover what was asked; check the answer against the sources")
+
+
+def test_a_question_word_no_document_uses_is_answered_with_a_warning_naming_it(plain):
+    """The question's words (stop words left out) that no chunk of the searched collections holds are listed in
+    `unmatched_words`, with a warning, on every response shape; the question is answered all the same."""
+    question = "At what hour does the Zanthorpe cattle market open?"  # "hour" and "open": in no document
+    warning = unmatched_warning("hour", "open")
+    answer = plain.post("/v1/query", json={"question": question, "max_tokens": 1}).json()
+    assert answer["unmatched_words"] == ["hour", "open"] and answer["warnings"] == [warning]
+    assert answer["sources"] and answer["mode"] is not None  # answered by the model, over what was found
+    with plain.stream("POST", "/v1/query", json={"question": question, "max_tokens": 1, "stream": True}) as streamed:
+        events = [json.loads(line[5:]) for line in streamed.iter_lines() if line.startswith("data:")]
+    assert events[0]["unmatched_words"] == ["hour", "open"] and events[0]["warnings"] == [warning]
+    messages = [{"role": "user", "content": question}]
+    chat = plain.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()
+    assert chat["warnings"] == [warning]
+    with plain.stream("POST", "/v1/chat/completions", json={"messages": messages, "max_tokens": 1,
+                                                            "stream": True}) as streamed:
+        chunks = [json.loads(line[5:]) for line in streamed.iter_lines() if line.startswith("data:") and "[DONE]" not in line]
+    assert chunks[0]["warnings"] == [warning]
+    text = plain.post("/v1/completions", json={"prompt": question, "max_tokens": 1}).json()
+    assert text["warnings"] == [warning]
+    # every word held, stemmed as the index reads it ("hold" by "holds"), in another case: nothing to say
+    held = plain.post("/v1/query", json={"question": "When does ZANTHORPE hold its cattle market?", "max_tokens": 1}).json()
+    assert held["unmatched_words"] == [] and held["warnings"] == []
+    # named chunks are the caller's choice: not checked
+    named = plain.post("/v1/query", json={"question": question, "chunk_ids": ["town#0"], "max_tokens": 1}).json()
+    assert named["unmatched_words"] == [] and named["warnings"] == []
+
+
+def test_unmatched_words_are_read_in_the_searched_collections_only(tmp_path_factory):
+    """A word another collection holds is still unmatched in this one: the check says nothing of what
+    other collections hold; and with the check off nothing is listed."""
+    for is_on in (True, False):
+        with _server(tmp_path_factory, f"unmatched-{is_on}", min_score=-1.0, score_margin=2.0,
+                     flag_unmatched_words=is_on) as live, httpx.Client(base_url=live.url, timeout=120) as http:
+            assert http.post("/v1/collections", json={"name": "other"}).status_code == 201
+            assert http.post("/v1/documents", json={"documents": DOCUMENTS}).status_code == 201
+            assert http.post("/v1/documents", json={"collection": "other", "documents": [
+                {"id": "hours", "text": "The market opens at six in the morning, every hour on the hour."}]}).status_code == 201
+            question = "At what hour does the Zanthorpe cattle market open?"
+            default = http.post("/v1/query", json={"question": question, "max_tokens": 1}).json()
+            other = http.post("/v1/query", json={"question": question, "max_tokens": 1, "collection": "other"}).json()
+            both = http.post("/v1/query", json={"question": question, "max_tokens": 1,
+                                                "collection": ["default", "other"]}).json()
+            if is_on:
+                assert default["unmatched_words"] == ["hour", "open"]
+                assert other["unmatched_words"] == ["zanthorpe", "cattle"]
+                assert both["unmatched_words"] == []
+            else:
+                assert default["unmatched_words"] == other["unmatched_words"] == [] and default["warnings"] == []
 
 
 def _damaged_page(pdf: bytes, line: str) -> bytes:

@@ -190,4 +190,7 @@ class QueryResponse(BaseModel):
     unsupported: list[str] = Field(
         [], description="The answer's numbers and names that none of its sources, nor the question, contains "
         "(retrieval.flag_unsupported_terms); `warnings` then says so.")
+    unmatched_words: list[str] = Field(
+        [], description="The question's words (stop words left out) that no chunk of the searched collections holds "
+        "(retrieval.flag_unmatched_words): the documents may not cover what was asked; `warnings` then says so.")
     warnings: list[str] = []

@@ -161,11 +161,11 @@ class QueryService:
         return _response(answer, context, done)
 
     async def events(self, context: RagContext, stream: AnswerStream) -> AsyncIterator[str]:
-        """SSE: `sources` (with the retrieval's warnings), then `token` events, then `done` (usage, timings,
+        """SSE: `sources` (with the question's unmatched words and the retrieval's warnings), then `token` events, then `done` (usage, timings,
         citations, the answer's unsupported terms and their warning) or `error`."""
         try:
             yield sse({"sources": [s.model_dump() for s in sources_out(context.sources)],
-                       "warnings": context.warnings}, event="sources")
+                       "unmatched_words": list(context.unmatched_words), "warnings": context.warnings}, event="sources")
             pieces: list[str] = []
             async for event in stream:
                 if isinstance(event, TokenEvent):
@@ -197,5 +197,6 @@ def _response(answer: str, context: RagContext, done: DoneEvent) -> QueryRespons
         recompute_ratio=done.recompute_ratio, quality_guarded=done.is_guarded, plan=plan_out(done),
         sources=sources_out(context.sources), citations=citations_out(answer, context.sources),
         usage=UsageOut(**asdict(done.usage)), timings=TimingsOut(**asdict(done.timings)),
-        unsupported=unsupported, warnings=response_warnings(context, unsupported),
+        unsupported=unsupported, unmatched_words=list(context.unmatched_words),
+        warnings=response_warnings(context, unsupported),
     )

@@ -30,6 +30,7 @@ class Retrieved:
     chunks: list[ScoredChunk]
     is_nothing_relevant: bool = False  # no chunk passed the relevance floor, or a name is unmentioned
     unmentioned_names: tuple[str, ...] = ()  # what the question names that no searched chunk mentions
+    unmatched_words: tuple[str, ...] = ()  # the question's words no searched chunk holds (answered all the same)
 
 
 @dataclass
@@ -52,7 +53,7 @@ class RagPipeline:
         asked = (request.question, *(message["content"] for message in request.history))
         return RagContext(kept, dropped, (time.perf_counter() - start) * 1000, num_tokens, epoch, namespace,
                           found.is_nothing_relevant, found.unmentioned_names, asked,
-                          self.settings.retrieval.flag_unsupported_terms)
+                          self.settings.retrieval.flag_unsupported_terms, found.unmatched_words)
 
     def _namespace(self, request: RagRequest) -> str:
         """The request's collections' KV salts: its prompt is kept for, and served to, that set alone
@@ -72,8 +73,11 @@ class RagPipeline:
             scored = self.retriever.search(request.question, request.top_k, request.collections, request.retrieval,
                                            config.num_candidates, config.rrf_k)
             relevant = RelevanceFloor(config.min_score, config.score_margin).apply(scored)
+            unmatched = (tuple(self.retriever.unmatched_words(request.question, request.collections))
+                         if config.flag_unmatched_words and relevant else ())
             # with min_score off (-1) nothing is refused: a store with no chunks is answered as before
-            return Retrieved(relevant, is_nothing_relevant=not relevant and config.min_score > -1.0)
+            return Retrieved(relevant, is_nothing_relevant=not relevant and config.min_score > -1.0,
+                             unmatched_words=unmatched)
         # named chunks are never refused: the caller chose them
         found, missing = self.retriever.named(request.chunk_ids, request.collections)
         if missing:

@@ -58,6 +58,7 @@ class RagContext:
     unmentioned_names: tuple[str, ...] = ()  # what the question names that no searched chunk mentions
     asked: tuple[str, ...] = ()  # the question and the chat's earlier messages: an answer may repeat what they say
     is_support_checked: bool = False  # retrieval.flag_unsupported_terms: app/rag/grounding.py
+    unmatched_words: tuple[str, ...] = ()  # the question's words no searched chunk holds: retrieval.flag_unmatched_words
 
     @property
     def warnings(self) -> list[str]:
@@ -68,6 +69,10 @@ class RagContext:
         if self.dropped_chunk_ids:
             out.append(f"dropped {len(self.dropped_chunk_ids)} lowest-ranked chunk(s) to fit the model's context: "
                        + ", ".join(self.dropped_chunk_ids))
+        if self.unmatched_words:
+            out.append("no document in the searched collections uses the question's word(s) "
+                       + ", ".join(f"'{word}'" for word in self.unmatched_words)
+                       + ": they may not cover what was asked; check the answer against the sources")
         return out
 
 
