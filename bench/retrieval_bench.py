@@ -1,7 +1,8 @@
 """`ragblend bench retrieval`: how long retrieval takes per ranking mode (dense, lexical, hybrid) and store
 (SQLite, Postgres with --database-url) at a given number of chunks; p50 and p99 per mode, with its parts
-(embedding the question, the FAISS search, the full-text search) and the check that runs before any
-ranking (the names no chunk mentions, retrieval.refuse_unmentioned_names).
+(embedding the question, the FAISS search, the full-text search) and the checks that run before any
+ranking (the names no chunk mentions, retrieval.refuse_unmentioned_names) and after it (the question's words
+no chunk holds, retrieval.flag_unmatched_words).
 
 The chunks are real-ish text: sentences of the MuSiQue passages (Wikipedia), of the answers bench's
 documents (man pages, configuration files, FAQs) and of this project's docs, drawn at random (seeded)
@@ -134,7 +135,8 @@ def measure(retriever, asked: Sequence[str], modes: Sequence[RetrievalMode], top
     after_embedding: dict[str, list[float]] = {name: [] for name in names.values()}
     embed_parts = {e: "embed" if e is None else f"embed/{e}" for e in embedders}
     parts: dict[str, list[float]] = {**{name: [] for name in embed_parts.values()},
-                                     "dense_index": [], "lexical_store": [], "unmentioned_names": []}
+                                     "dense_index": [], "lexical_store": [], "unmentioned_names": [],
+                                     "unmatched_words": []}
     threads_set, embedder_set = retriever.index.search_threads, retriever.embedder
     for number in range(num_queries + 20):
         question = asked[number % len(asked)]
@@ -154,8 +156,11 @@ def measure(retriever, asked: Sequence[str], modes: Sequence[RetrievalMode], top
         lexical = timed(lambda: retriever.store.lexical_search(question, max(top_k, num_candidates), ALL))
         # the server's check before ranking (retrieval.refuse_unmentioned_names): added to every search's time
         unmentioned = timed(lambda: retriever.unmentioned_names(question, ALL))
+        # and after it (retrieval.flag_unmatched_words): every question word looked up
+        unmatched = timed(lambda: retriever.unmatched_words(question, ALL))
         if is_warm:
             parts["unmentioned_names"].append(unmentioned)
+            parts["unmatched_words"].append(unmatched)
             for name, took in embeds.items():
                 parts[name].append(took)
             parts["dense_index"].append(dense)
