@@ -161,8 +161,9 @@ class QueryService:
         return _response(answer, context, done)
 
     async def events(self, context: RagContext, stream: AnswerStream) -> AsyncIterator[str]:
-        """SSE: `sources` (with the question's unmatched words and the retrieval's warnings), then `token` events, then `done` (usage, timings,
-        citations, the answer's unsupported terms and their warning) or `error`."""
+        """SSE: `sources` (with the question's unmatched words and the retrieval's warnings), then `token`
+        events, then `done` (usage, timings, citations, the answer's unsupported terms and their warning) or
+        `error`."""
         try:
             yield sse({"sources": [s.model_dump() for s in sources_out(context.sources)],
                        "unmatched_words": list(context.unmatched_words), "warnings": context.warnings}, event="sources")
