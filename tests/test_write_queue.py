@@ -70,9 +70,12 @@ def test_a_write_whose_client_left_stops_at_its_next_check():
         task = asyncio.ensure_future(queue.run(write))
         await asyncio.to_thread(started.wait, 5)
         task.cancel()
-        release.set()
+        # the write goes on only once the cancellation is through (`run` re-raises at once, the write left
+        # running): releasing it right after cancel() let a loaded machine's write check before the loop
+        # had marked it cancelled
         with pytest.raises(asyncio.CancelledError):
             await task
+        release.set()
 
     asyncio.run(main())
     assert queue.close(timeout_s=5)  # waits for the write in progress
