@@ -2,8 +2,8 @@
 `retrieval` mode on /v1/query and /v1/chat/completions (422 for an unknown one), the relevance floor
 dropping a far-below chunk, an out-of-scope question answered with the fixed not-found answer and no
 sources (JSON and both streams, without the model), as is one naming what no document mentions (with a
-warning naming it), a question word no document uses (answered, with a warning naming it, per collection), `structure` chunking of an uploaded PDF (no chunk
-spans two pages), and the warnings bad input gets: blank and unreadable PDF pages, another language."""
+warning naming it), a question word no document uses (answered, with a warning naming it, per collection),
+`structure` chunking of an uploaded PDF (no chunk spans two pages), and the warnings bad input gets: blank and unreadable PDF pages, another language."""
 
 from __future__ import annotations
 

@@ -4,7 +4,6 @@ answers, where every figure is known."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 
@@ -243,14 +242,13 @@ def test_server_modes_throughput_alternates_full_and_blend_and_divides_their_rou
     body = server_bench.request_body(Question("q?", (), ("p",)), 0, round_args("blend", 5))
     assert body["ignore_eos"] is True and body["mode"] == "blend" and body["max_tokens"] == 5
     assert body["prefix_cache"] is False  # each round's answers prefill: the same questions come again
-    # without ignore_eos the field is not sent at all: a revision whose API predates it refuses it (compare)
-    older = argparse.Namespace(**{**vars(round_args("blend", 5)), "ignore_eos": False})
-    assert "ignore_eos" not in server_bench.request_body(Question("q?", (), ("p",)), 0, older)
-    assert throughput["answers"] == "fixed" and throughput["ignore_eos"] is True
-    assert full["completion_tokens_per_answer"] == {"mean": 3, "median": 3, "max": 3}
-    # natural answers: each ends at the model's end of text, so ignore_eos is not sent; the lengths reported
+    # without ignore_eos (natural answers, each ending at the model's end of text) the field is not sent at
+    # all: a revision whose API predates it refuses it (compare)
     natural = round_args("blend", 5, ignore_eos=False)
     assert "ignore_eos" not in server_bench.request_body(Question("q?", (), ("p",)), 0, natural)
+    assert throughput["answers"] == "fixed" and throughput["ignore_eos"] is True
+    assert full["completion_tokens_per_answer"] == {"mean": 3, "median": 3, "max": 3}
+    # natural answers end to end: their lengths reported
     assert main(["bench", "server-modes", "--url", server.url, "--data", data, "--questions", "2", "--passages", "2",
                  "--modes", "", "--concurrency", "2", "--throughput-rounds", "1", "--max-tokens", "4",
                  "--throughput-answers", "natural"]) == 0
