@@ -13,7 +13,7 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterator, Sequence
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from retrieval.lexical import COMMON_TERM_SHARE, MOST_TERM_SHARE, fts5_query, qu
 from retrieval.store_types import (
     DEFAULT_COLLECTION, Changes, ChunkTokens, CollectionCounts, CollectionExistsError, CollectionNotFoundError,
     CollectionRow, DocumentStore, DocumentSummaryRow, EmbeddingBatch, ExportedDocument, FusedHit, KeyRow, NewChunk,
-    PutResult, StoredChunk, StoredDocument, chunk_id_of, chunk_pages, fuse_rankings,
+    PutResult, StoredChunk, StoredDocument, chunk_id_of, chunk_pages, rows_of_ranking,
 )
 
 __all__ = ["Changes", "DocumentStore", "DocumentSummaryRow", "ExportedDocument", "NewChunk", "PutResult",
@@ -367,9 +367,8 @@ class SqliteDocumentStore(DocumentStore):
     def chunks_by_row_ids(self, row_ids: Sequence[int]) -> dict[int, StoredChunk]:
         return {c.row_id: c for c in self._chunks_in("row_id", list(row_ids))}
 
-    def fused_search(self, question: str, dense: Sequence[int], depth: int, top_k: int, rrf_k: int,
-                     collections: Sequence[str]) -> list[FusedHit]:
-        return fuse_rankings(self, question, dense, depth, top_k, rrf_k, collections)  # in process: no round trips
+    def fused_rows(self, ranked: Sequence[tuple[int, float]], dense: Collection[int]) -> list[FusedHit]:
+        return rows_of_ranking(self, ranked, dense)  # in process: no round trips to save
 
     def chunks_by_ids(self, chunk_ids: Sequence[str], collections: Sequence[str] | None = None) -> dict[str, StoredChunk]:
         found = {c.id: c for c in self._chunks_in("id", list(chunk_ids))}

@@ -18,7 +18,7 @@ import json
 import logging
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Collection, Iterator, Sequence
 
 import numpy as np
 import psycopg
@@ -152,32 +152,16 @@ WHERE numnode(plainto_tsquery('english', w)) > 0
   AND NOT EXISTS (SELECT 1 FROM chunks c WHERE c.collection = ANY(%(collections)s)
                   AND c.text_tsv @@ plainto_tsquery('english', w))
 """
-# Hybrid's ranking in one round trip (retrieval.store_types.fuse_rankings's result, as one statement): the
-# lexical ranking above, reciprocal rank fusion with the dense ranking passed in, the top_k best chunks'
-# rows, and the embeddings of those the dense ranking did not hold. Ties go as fuse_rankings's: the dense
-# ranking's order first, then the lexical one's (`first`); a score is the same sum of 1 / (k + rank) in
-# float8 (two terms at most: the order of the addition does not change it).
-_FUSED_SEARCH = _LEXICAL_TERMS + ",\nlexical AS (" + _LEXICAL_RANKING + """),
-ranks AS (
-    SELECT d.row_id, d.rank, d.rank AS first FROM unnest(%(dense)s::bigint[]) WITH ORDINALITY AS d(row_id, rank)
-    UNION ALL
-    SELECT l.row_id, l.rank, cardinality(%(dense)s::bigint[]) + l.rank AS first
-    FROM (SELECT row_id, row_number() OVER (ORDER BY score DESC, row_id) AS rank FROM lexical) l),
-fused AS (
-    SELECT row_id, sum(1.0::float8 / (%(rrf_k)s + rank)) AS score, min(first) AS first
-    FROM ranks GROUP BY row_id ORDER BY score DESC, first LIMIT %(top_k)s)
-SELECT f.score, CASE WHEN f.row_id = ANY(%(dense)s::bigint[]) THEN NULL ELSE c.embedding END, <columns>
-FROM fused f JOIN chunks c ON c.row_id = f.row_id
-JOIN documents d ON d.collection = c.collection AND d.id = c.document_id
-ORDER BY f.score DESC, f.first
-"""
 
 # an uploaded PDF's pages per chunk (metadata.chunk_pages / chunk_last_pages, by position)
 _CHUNK_COLUMNS = ("c.row_id, c.id, c.document_id, c.position, c.text, c.token_ids, c.kv_key, d.title,"
                   " d.metadata->'chunk_pages'->c.position, d.metadata->'chunk_last_pages'->c.position, c.collection")
 _DOCUMENT_COLUMNS = "id, title, metadata, num_chars, created_at, content_hash, collection"
 _JOIN = "chunks c JOIN documents d ON d.collection = c.collection AND d.id = c.document_id"
-_FUSED_SEARCH_SQL = _FUSED_SEARCH.replace("<columns>", _CHUNK_COLUMNS)
+# Hybrid's rows in one round trip (retrieval.store_types.rows_of_ranking's result, as one statement): the
+# ranked chunks' rows, with the embeddings of those the dense ranking did not hold.
+_FUSED_ROWS_SQL = (f"SELECT CASE WHEN c.row_id = ANY(%(dense)s::bigint[]) THEN NULL ELSE c.embedding END, {_CHUNK_COLUMNS}"
+                   f" FROM {_JOIN} WHERE c.row_id = ANY(%(ranked)s::bigint[])")
 
 
 class PostgresDocumentStore(DocumentStore):
@@ -377,17 +361,18 @@ class PostgresDocumentStore(DocumentStore):
                                                                    "collections": list(collections)}).fetchall()}
         return [w for w in words if w in missing]
 
-    def fused_search(self, question: str, dense: Sequence[int], depth: int, top_k: int, rrf_k: int,
-                     collections: Sequence[str]) -> list[FusedHit]:
-        """`fuse_rankings`'s result in one statement: the lexical ranking, the fusion and the rows in one
-        round trip instead of three (docs/benchmarks/retrieval.md)."""
+    def fused_rows(self, ranked: Sequence[tuple[int, float]], dense: Collection[int]) -> list[FusedHit]:
+        """`rows_of_ranking`'s result in one statement: the rows and the lexical-only hits' embeddings in
+        one round trip instead of two."""
+        if not ranked:
+            return []
         with self._connection() as conn:
-            rows = conn.execute(_FUSED_SEARCH_SQL, {
-                "question": question, "common": COMMON_TERM_SHARE, "most": MOST_TERM_SHARE, "limit": depth,
-                "collections": list(collections), "dense": [int(i) for i in dense], "rrf_k": rrf_k,
-                "top_k": top_k}).fetchall()
-        return [FusedHit(_chunk(r[2:]), float(r[0]), None if r[1] is None else np.frombuffer(r[1], dtype=np.float32))
-                for r in rows]
+            rows = conn.execute(_FUSED_ROWS_SQL, {"dense": [int(i) for i in dense],
+                                                  "ranked": [int(i) for i, _ in ranked]}).fetchall()
+        found = {int(r[1]): r for r in rows}
+        return [FusedHit(_chunk(found[row_id][1:]), score, None if found[row_id][0] is None
+                         else np.frombuffer(found[row_id][0], dtype=np.float32))
+                for row_id, score in ranked if row_id in found]
 
     def iter_chunks(self, batch_size: int = 1024) -> Iterator[list[StoredChunk]]:
         last = 0

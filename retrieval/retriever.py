@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -17,7 +18,7 @@ from retrieval.store_types import DocumentStore, StoredChunk
 from retrieval.embedder import Embedder
 from retrieval.reembed import reembed_if_changed
 from retrieval.index import CollectionIndexes
-from retrieval.lexical import named_words, query_terms, word_parts
+from retrieval.lexical import named_words, query_terms, reciprocal_rank_fusion, word_parts
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ class Retriever:
         # index: one at a time, or a chunk could be added twice.
         self._follow_lock = threading.Lock()
         self.seq = 0  # the last change of the store's log the index has followed
+        # hybrid searches' lexical rankings, beside their embeddings (threads start on first use)
+        self._side = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ragblend-lexical")
 
     @classmethod
     def open(cls, data_dir: Path, settings: RetrievalConfig, store: DocumentStore | None = None) -> Retriever:
@@ -138,16 +141,21 @@ class Retriever:
         similarity to it. Hybrid fuses the dense and the lexical rankings, each `num_candidates` deep (at
         least top_k), by reciprocal rank with constant `rrf_k`. `vector`: the question's embedding, if
         already made."""
-        vector = self.embedder.encode_one(question) if vector is None else vector
         allowed = set(collections)  # the store's word, not the index's, on where a chunk lives
         if mode is RetrievalMode.HYBRID:
             depth = max(top_k, num_candidates)
+            # the lexical ranking needs no embedding: the store makes it (Postgres's backend, or SQLite in C
+            # without the GIL) while the question is embedded (docs/benchmarks/retrieval.md, stop 58)
+            lexical = self._side.submit(self.store.lexical_search, question, depth, collections)
+            vector = self.embedder.encode_one(question) if vector is None else vector
             dense = {h.row_id: h.score for h in self.index.search(vector, depth, collections)}  # best first
-            fused = self.store.fused_search(question, list(dense), depth, top_k, rrf_k, collections)
+            ranked = reciprocal_rank_fusion([list(dense), [row_id for row_id, _ in lexical.result()]], rrf_k)
+            fused = self.store.fused_rows(ranked[:top_k], dense.keys())
             # a lexical hit the dense ranking did not reach: its cosine from its stored embedding
             return [ScoredChunk(hit.chunk, dense.get(hit.chunk.row_id) if hit.embedding is None
                                 else float(hit.embedding @ vector), hit.rank_score)
                     for hit in fused if hit.chunk.collection in allowed]
+        vector = self.embedder.encode_one(question) if vector is None else vector
         if mode is RetrievalMode.DENSE:
             ranked = [(h.row_id, h.score) for h in self.index.search(vector, top_k, collections)]
         else:
@@ -232,6 +240,7 @@ class Retriever:
             return CatchUp(self.seq, len(keep), len(dead))
 
     def close(self) -> None:
+        self._side.shutdown()  # a lexical ranking under way ends before its store closes
         self.index.save()
         self.store.close()
 

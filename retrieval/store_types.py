@@ -4,11 +4,10 @@ embedded in one process: retrieval/doc_store.py; Postgres shared by replicas: re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator, NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import Any, Collection, Iterator, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from retrieval.lexical import reciprocal_rank_fusion
 
 # Every document belongs to exactly one collection (a knowledge base); documents sent without one, and
 # every document of a store made before collections, are in this one. It cannot be deleted.
@@ -80,7 +79,7 @@ class EmbeddingBatch(NamedTuple):
 
 @dataclass(frozen=True)
 class FusedHit:
-    """One chunk of a hybrid ranking (DocumentStore.fused_search)."""
+    """One chunk of a hybrid ranking (DocumentStore.fused_rows)."""
 
     chunk: StoredChunk
     rank_score: float  # its reciprocal rank fusion score
@@ -233,11 +232,11 @@ class DocumentStore(Protocol):
         full-text index (stemmed as it stems; a word the index drops as a stop word counts as held)."""
         ...
 
-    def fused_search(self, question: str, dense: Sequence[int], depth: int, top_k: int, rrf_k: int,
-                     collections: Sequence[str]) -> list[FusedHit]:
-        """Hybrid retrieval's ranking: the dense ranking (row ids, best first) fused with `lexical_search`'s
-        (`depth` deep) by `fuse_rankings`, the `top_k` best with their rows, best first. SQLite composes its
-        own calls (`fuse_rankings`); Postgres runs it as one statement (one round trip instead of three)."""
+    def fused_rows(self, ranked: Sequence[tuple[int, float]], dense: Collection[int]) -> list[FusedHit]:
+        """Hybrid retrieval's rows: the chunks of a fused ranking ((row id, fusion score), best first) in its
+        order, each with its stored embedding where the dense ranking (`dense`: its row ids) did not hold it.
+        A chunk gone since the rankings is left out. SQLite composes its own calls (`rows_of_ranking`);
+        Postgres runs it as one statement (one round trip instead of two)."""
         ...
 
     def iter_chunks(self, batch_size: int = 1024) -> Iterator[list[StoredChunk]]:
@@ -353,16 +352,11 @@ def chunk_pages(first: Any, last: Any) -> tuple[int, int] | None:
     return (first, last if isinstance(last, int) and not isinstance(last, bool) and last >= first else first)
 
 
-def fuse_rankings(store: DocumentStore, question: str, dense: Sequence[int], depth: int, top_k: int, rrf_k: int,
-                  collections: Sequence[str]) -> list[FusedHit]:
-    """`DocumentStore.fused_search` by the store's own calls: its lexical ranking, reciprocal rank fusion
-    with the dense one (dense first: it wins ties), the `top_k` best's rows, and the embeddings of those
-    the dense ranking did not hold. A chunk gone between the rankings and the rows is left out."""
-    lexical = [row_id for row_id, _ in store.lexical_search(question, depth, collections)]
-    ranked = reciprocal_rank_fusion([list(dense), lexical], rrf_k)[:top_k]
+def rows_of_ranking(store: DocumentStore, ranked: Sequence[tuple[int, float]], dense: Collection[int]) -> list[FusedHit]:
+    """`DocumentStore.fused_rows` by the store's own calls: the ranked chunks' rows, and the embeddings of
+    those the dense ranking did not hold. A chunk gone between the rankings and the rows is left out."""
     chunks = store.chunks_by_row_ids([row_id for row_id, _ in ranked])
-    is_dense = set(dense)
-    unscored = [row_id for row_id, _ in ranked if row_id not in is_dense and row_id in chunks]
+    unscored = [row_id for row_id, _ in ranked if row_id not in dense and row_id in chunks]
     batch = store.embeddings_of(unscored) if unscored else None
     vectors = {} if batch is None else dict(zip(batch.row_ids.tolist(), batch.vectors))
     return [FusedHit(chunks[row_id], score, vectors.get(row_id)) for row_id, score in ranked if row_id in chunks]

@@ -26,7 +26,7 @@ from retrieval.lexical import fts5_query, named_words, query_terms, reciprocal_r
 from retrieval.pg_store import SCHEMA_VERSION, PostgresDocumentStore
 from retrieval.retriever import RelevanceFloor, Retriever, ScoredChunk
 from retrieval.store_types import (
-    DEFAULT_COLLECTION, CollectionRow, DocumentStore, NewChunk, StoredChunk, fuse_rankings,
+    DEFAULT_COLLECTION, CollectionRow, DocumentStore, NewChunk, StoredChunk, rows_of_ranking,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,12 +117,12 @@ def test_reciprocal_rank_fusion_against_a_hand_computation():
     assert reciprocal_rank_fusion([[], []], k=60) == []
 
 
-def test_postgres_fuses_in_one_statement_as_the_stores_calls_do(postgres):
-    """Postgres's `fused_search` (the lexical ranking, the fusion and the rows in one statement) against
-    `fuse_rankings` (lexical_search, reciprocal_rank_fusion, chunks_by_row_ids, embeddings_of) on the same
-    store: the same chunks in the same order, the same scores to the bit, the same embeddings for the
-    chunks the dense ranking did not hold. Random dense rankings make many ties (a dense-only and a
-    lexical-only chunk at the same rank): the dense one goes first in both."""
+def test_postgres_reads_a_fused_rankings_rows_in_one_statement_as_the_stores_calls_do(postgres):
+    """Postgres's `fused_rows` (the rows and the lexical-only hits' embeddings in one statement) against
+    `rows_of_ranking` (chunks_by_row_ids, embeddings_of) on the same store, for hybrid's fused rankings:
+    the same chunks in the ranking's order, the same scores, the same embeddings for the chunks the dense
+    ranking did not hold, none for those it did. Random dense rankings make many ties (a dense-only and a
+    lexical-only chunk at the same rank): the dense one goes first."""
     import random
 
     from bench.answers_set import DEFAULT_SET, load_set
@@ -141,21 +141,25 @@ def test_postgres_fuses_in_one_statement_as_the_stores_calls_do(postgres):
             conn.execute("ANALYZE chunks")  # the common words' statistics, as autovacuum leaves them
         row_ids = sorted(store.row_ids())
         questions = [q.question for q in load_set(DEFAULT_SET).questions] + ["what is the", "", "zzqx unknownword"]
-        num_lexical_only = 0
+        num_lexical_only = num_dense = 0
         for number, question in enumerate(questions):
             dense = rng.sample(row_ids, 20) if number % 7 else []  # some questions with no dense ranking
             if number % 5 == 0:
                 dense[:1] = [max(row_ids) + 1000]  # a chunk gone since the index saw it
-            expected = fuse_rankings(store, question, dense, 20, 10, 60, ALL)
-            fused = store.fused_search(question, dense, 20, 10, 60, ALL)
+            lexical = [row_id for row_id, _ in store.lexical_search(question, 20, ALL)]
+            ranked = reciprocal_rank_fusion([dense, lexical], 60)[:10]
+            expected = rows_of_ranking(store, ranked, set(dense))
+            fused = store.fused_rows(ranked, set(dense))
+            assert [h.chunk.row_id for h in fused] == [row_id for row_id, _ in ranked if row_id in row_ids], question
             assert [h.chunk for h in fused] == [h.chunk for h in expected], question
             assert [h.rank_score for h in fused] == [h.rank_score for h in expected], question
             for got, want in zip(fused, expected):
-                assert (got.embedding is None) == (want.embedding is None)
+                assert (got.embedding is None) == (want.embedding is None) == (got.chunk.row_id in dense)
                 assert got.embedding is None or np.array_equal(got.embedding, want.embedding)
                 num_lexical_only += got.embedding is not None
-        assert num_lexical_only > 50  # the lexical side did reach the results
-        assert store.fused_search("gzip", [], 20, 10, 60, ["no-such-collection"]) == []
+                num_dense += got.embedding is None
+        assert num_lexical_only > 50 and num_dense > 50  # both rankings did reach the results
+        assert store.fused_rows([], set()) == []
     finally:
         store.close()
 
