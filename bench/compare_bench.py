@@ -33,7 +33,11 @@ from part to part and round to round, after `--settle-s` of rest:
 
 - one user: the repeated question (asked at warm-up and in every round: TTFT of a question asked again),
   then a question this server was never asked (a new one each round, the same on both servers: TTFT of a
-  first ask); decode tok/s over both answers (tokens after the first over the time after the first);
+  first ask); decode tok/s over both answers (tokens after the first over the time after the first); then
+  another new question without its chunks named, so the server retrieves them as a user's question is
+  (TTFT of a retrieved first ask, and the server's own `retrieval_ms`: what retrieval's checks and
+  rankings cost before the first token, which the named asks skip; its prompt is what each build's
+  retrieval chose, so its size may differ between builds);
 - `--clients` streaming clients at once, each its own question from the warmed pool (`--questions`,
   default `--clients`): TTFT p50 and p95 over the round's requests, and the round's wall time.
 
@@ -94,6 +98,8 @@ class Measure:
 def measures(clients: int) -> tuple[Measure, ...]:
     return (Measure("ttft_again_ms", "TTFT, question asked again", "ms", True),
             Measure("ttft_first_ms", "TTFT, first ask", "ms", True),
+            Measure("ttft_retrieved_ms", "TTFT, first ask, retrieved", "ms", True),
+            Measure("retrieval_ms", "retrieval, first ask (server)", "ms", True),
             Measure("decode_tokens_per_s", "decode tok/s, one user", "tok/s", False),
             Measure("clients_ttft_p50_ms", f"{clients} clients: TTFT p50", "ms", True),
             Measure("clients_ttft_p95_ms", f"{clients} clients: TTFT p95", "ms", True),
@@ -152,11 +158,12 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 # ---- which question each part asks ---------------------------------------------------------------
-# The ingested list: [the repeated question] + [the concurrent pool] + [one first ask per round].
+# The ingested list: [the repeated question] + [the concurrent pool] + [one first ask per round]
+# + [one retrieved first ask per round].
 
 
 def num_questions(args: argparse.Namespace) -> int:
-    return 1 + args.questions + args.rounds
+    return 1 + args.questions + 2 * args.rounds
 
 
 def pool_indices(args: argparse.Namespace) -> list[int]:
@@ -169,6 +176,10 @@ def concurrent_indices(round_index: int, args: argparse.Namespace) -> list[int]:
 
 def first_ask_index(round_index: int, args: argparse.Namespace) -> int:
     return 1 + args.questions + round_index
+
+
+def retrieved_ask_index(round_index: int, args: argparse.Namespace) -> int:
+    return 1 + args.questions + args.rounds + round_index
 
 
 # ---- measuring ------------------------------------------------------------------------------------
@@ -195,8 +206,18 @@ async def one_user(client: httpx.AsyncClient, questions: Sequence[Question], rou
     again = await stream_query(client, request_body(questions[0], 0, args))
     qi = first_ask_index(round_index, args)
     first = await stream_query(client, request_body(questions[qi], qi, args))
+    ri = retrieved_ask_index(round_index, args)
+    retrieved = await stream_query(client, retrieved_body(questions[ri], ri, args))
     return Part({"ttft_again_ms": again.ttft_ms, "ttft_first_ms": first.ttft_ms,
-                 "decode_tokens_per_s": decode_rate([again, first])}, [again, first], [])
+                 "ttft_retrieved_ms": retrieved.ttft_ms, "retrieval_ms": retrieved.done["timings"]["retrieval_ms"],
+                 "decode_tokens_per_s": decode_rate([again, first])}, [again, first, retrieved], [])
+
+
+def retrieved_body(question: Question, qi: int, args: argparse.Namespace) -> dict[str, Any]:
+    """The same request without its chunks named: the server retrieves them (its default top_k and mode)."""
+    body = request_body(question, qi, args)
+    del body["chunk_ids"]
+    return body
 
 
 async def many_users(client: httpx.AsyncClient, questions: Sequence[Question], round_index: int,
@@ -355,7 +376,7 @@ def run(args: argparse.Namespace) -> int:
     if len(questions) < num_questions(args):
         print(f"ragblend bench compare: {args.data} has {len(questions)} questions after the first "
               f"{args.first_question}; {num_questions(args)} needed (1 asked again, --questions {args.questions}, "
-              f"one first ask per round)", file=sys.stderr)
+              f"two first asks per round)", file=sys.stderr)
         return ExitCode.USAGE
     try:
         builds = {Side.REV: compare_build.build(args.rev, args.cache_dir, args.python, args.skip_build,

@@ -42,7 +42,7 @@ def test_compare_measures_both_builds_in_turn_and_writes_ratios(head_worktree, t
     out = tmp_path / "results" / "compare.json"
     code = main(["bench", "compare", "HEAD", "--skip-build", "--python", sys.executable,
                  "--cache-dir", str(tmp_path / "cache"), "--config", str(config),
-                 "--data", dataset(tmp_path / "data.json", num_questions=1 + CLIENTS + ROUNDS),
+                 "--data", dataset(tmp_path / "data.json", num_questions=1 + CLIENTS + 2 * ROUNDS),
                  "--rounds", str(ROUNDS), "--clients", str(CLIENTS), "--passages", "2", "--max-tokens", "3",
                  "--settle-s", "0", "--out", str(out)])
     captured = capsys.readouterr()
@@ -57,7 +57,7 @@ def test_compare_measures_both_builds_in_turn_and_writes_ratios(head_worktree, t
     assert rev["model"] == "random-rev" and current["model"] == "random"  # each server ran its own build's code
     for info in (rev, current):
         assert info["num_errors"] == 0 and info["ingest_s"] > 0 and info["mean_prompt_tokens"] > 40
-        assert sum(info["modes"].values()) == ROUNDS * (2 + CLIENTS)  # every answer measured, none of the warm-up's
+        assert sum(info["modes"].values()) == ROUNDS * (3 + CLIENTS)  # every answer measured, none of the warm-up's
     keys = [m.key for m in compare_bench.measures(CLIENTS)]
     assert list(summary["measures"]) == keys
     for key, m in summary["measures"].items():
@@ -103,11 +103,17 @@ def test_compare_statistics_on_known_figures():
 
 def test_question_layout_keeps_the_parts_apart():
     args = compare_bench.argparse.Namespace(questions=3, clients=2, rounds=4)
-    assert compare_bench.num_questions(args) == 1 + 3 + 4
+    assert compare_bench.num_questions(args) == 1 + 3 + 2 * 4
     assert compare_bench.pool_indices(args) == [1, 2, 3]
     assert [compare_bench.concurrent_indices(r, args) for r in range(3)] == [[1, 2], [3, 1], [2, 3]]
     firsts = [compare_bench.first_ask_index(r, args) for r in range(4)]
     assert firsts == [4, 5, 6, 7]  # never the repeated question (0) nor the pool's
+    retrieved = [compare_bench.retrieved_ask_index(r, args) for r in range(4)]
+    assert retrieved == [8, 9, 10, 11]  # nor the named first asks'
+    body = compare_bench.retrieved_body(compare_bench.Question("q?", ("a",), ("p1", "p2")), 8,
+                                        compare_bench.argparse.Namespace(max_tokens=4, ignore_eos=True,
+                                                                         prefix_cache="off", mode=None))
+    assert "chunk_ids" not in body and body["question"] == "q?" and body["prefix_cache"] is False
 
 
 def test_compare_refuses_bad_arguments_and_revisions(tmp_path, capsys):
@@ -116,8 +122,8 @@ def test_compare_refuses_bad_arguments_and_revisions(tmp_path, capsys):
     assert "each client asks its own" in capsys.readouterr().err
     assert main(["bench", "compare", "HEAD", "--data", data, "--max-tokens", "1"]) == 2
     assert "--max-tokens >= 2" in capsys.readouterr().err
-    assert main(["bench", "compare", "HEAD", "--data", data, "--rounds", "5"]) == 2  # 1 + 8 + 5 questions needed
-    assert "14 needed" in capsys.readouterr().err
+    assert main(["bench", "compare", "HEAD", "--data", data, "--rounds", "5"]) == 2  # 1 + 8 + 2 * 5 questions needed
+    assert "19 needed" in capsys.readouterr().err
     common = ["--data", data, "--clients", "1", "--rounds", "1", "--cache-dir", str(tmp_path / "cache")]
     assert main(["bench", "compare", "no-such-revision-anywhere", *common]) == 1
     assert "names no commit" in capsys.readouterr().err
