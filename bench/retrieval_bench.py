@@ -133,11 +133,15 @@ def measure(retriever, asked: Sequence[str], modes: Sequence[RetrievalMode], top
              for run in runs}
     samples: dict[str, list[float]] = {name: [] for name in names.values()}
     after_embedding: dict[str, list[float]] = {name: [] for name in names.values()}
+    checked: dict[str, list[float]] = {name: [] for name in names.values()}
     embed_parts = {e: "embed" if e is None else f"embed/{e}" for e in embedders}
     parts: dict[str, list[float]] = {**{name: [] for name in embed_parts.values()},
                                      "dense_index": [], "lexical_store": [], "unmentioned_names": [],
                                      "unmatched_words": []}
     threads_set, embedder_set = retriever.index.search_threads, retriever.embedder
+    from retrieval.config import RetrievalConfig
+
+    rrf_k = RetrievalConfig().rrf_k
     for number in range(num_queries + 20):
         question = asked[number % len(asked)]
         is_warm = number >= 20
@@ -147,17 +151,22 @@ def measure(retriever, asked: Sequence[str], modes: Sequence[RetrievalMode], top
             retriever.embedder = embedders[runtime]
             took = timed(lambda: retriever.search(question, top_k, ALL, mode, num_candidates))
             given = timed(lambda: retriever.search(question, top_k, ALL, mode, num_candidates, vector=vector))
+            # as the server retrieves: the search with both checks' lookup beside it
+            whole = timed(lambda: retriever.checked_search(question, top_k, ALL, mode, num_candidates, rrf_k,
+                                                           names=True, words=True))
             if is_warm:
                 samples[names[mode, threads, runtime]].append(took)
                 after_embedding[names[mode, threads, runtime]].append(given)
+                checked[names[mode, threads, runtime]].append(whole)
         retriever.index.search_threads, retriever.embedder = threads_set, embedder_set
         embeds = {name: timed(lambda: embedders[e].encode_one(question)) for e, name in embed_parts.items()}
         dense = timed(lambda: retriever.index.search(vector, max(top_k, num_candidates), ALL))
         lexical = timed(lambda: retriever.store.lexical_search(question, max(top_k, num_candidates), ALL))
-        # the server's check before ranking (retrieval.refuse_unmentioned_names): added to every search's time
-        unmentioned = timed(lambda: retriever.unmentioned_names(question, ALL))
-        # and after it (retrieval.flag_unmatched_words): every question word looked up
-        unmatched = timed(lambda: retriever.unmatched_words(question, ALL))
+        # the server's checks, each alone (retrieval.refuse_unmentioned_names: the named words' parts;
+        # retrieval.flag_unmatched_words: every question word); the server looks both up in one call beside
+        # its ranking (`checked`, above)
+        unmentioned = timed(lambda: retriever.question_words(question, ALL, words=False))
+        unmatched = timed(lambda: retriever.question_words(question, ALL, names=False))
         if is_warm:
             parts["unmentioned_names"].append(unmentioned)
             parts["unmatched_words"].append(unmatched)
@@ -167,6 +176,7 @@ def measure(retriever, asked: Sequence[str], modes: Sequence[RetrievalMode], top
             parts["lexical_store"].append(lexical)
     return {"search": {mode: percentiles(s) for mode, s in samples.items()},
             "search_after_embedding": {mode: percentiles(s) for mode, s in after_embedding.items()},
+            "search_checked": {mode: percentiles(s) for mode, s in checked.items()},
             "parts": {name: percentiles(s) for name, s in parts.items()}}
 
 
@@ -205,6 +215,7 @@ def print_table(rows: Sequence[dict[str, Any]]) -> None:
     print(f"\n{'store':<10}{'chunks':>8}  {'what':<26}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}")
     for row in rows:
         lines = [*row["search"].items(), *((f"{k} (embedded)", v) for k, v in row["search_after_embedding"].items()),
+                 *((f"{k} (checked)", v) for k, v in row["search_checked"].items()),
                  *((f"  {k}", v) for k, v in row["parts"].items())]
         for name, stats in lines:
             print(f"{row['store']:<10}{row['num_chunks']:>8}  {name:<26}{stats['p50_ms']:>9.2f}{stats['p99_ms']:>9.2f}"

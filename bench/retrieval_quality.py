@@ -135,9 +135,9 @@ def unmentioned_names(retriever, questions: Sequence[SetQuestion]) -> dict[str, 
 
     out: dict[str, dict[str, list[str]]] = {"in_scope": {}, "out_of_scope": {}}
     for q in questions:
-        names = retriever.unmentioned_names(q.question, (DEFAULT_COLLECTION,))
+        names = retriever.question_words(q.question, (DEFAULT_COLLECTION,), words=False).unmentioned_names
         if names:
-            out["out_of_scope" if q.is_out_of_scope else "in_scope"][q.id] = names
+            out["out_of_scope" if q.is_out_of_scope else "in_scope"][q.id] = list(names)
     return out
 
 

@@ -44,6 +44,22 @@ class ScoredChunk:
 
 
 @dataclass(frozen=True)
+class QuestionWords:
+    """What of a question the searched collections do not hold (`Retriever.question_words`)."""
+
+    unmentioned_names: tuple[str, ...] = ()  # what it names ("CUPS", "core.autocrlf") with a part in no chunk
+    unmatched_words: tuple[str, ...] = ()  # its words (stop words left out) that no chunk holds
+
+
+@dataclass(frozen=True)
+class CheckedSearch:
+    """A search's chunks and its question's words the collections do not hold (`Retriever.checked_search`)."""
+
+    scored: list[ScoredChunk]
+    words: QuestionWords
+
+
+@dataclass(frozen=True)
 class RelevanceFloor:
     """Which retrieved chunks count as relevant, by their cosine similarity to the question: none when
     the best is below `min_score` (the question is about nothing stored), else those within `margin`
@@ -78,8 +94,9 @@ class Retriever:
         # index: one at a time, or a chunk could be added twice.
         self._follow_lock = threading.Lock()
         self.seq = 0  # the last change of the store's log the index has followed
-        # hybrid searches' lexical rankings, beside their embeddings (threads start on first use)
-        self._side = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ragblend-lexical")
+        # beside a question's embedding: hybrid's lexical ranking and the question's words looked up (threads
+        # start on first use; two a search)
+        self._side = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ragblend-retrieval")
 
     @classmethod
     def open(cls, data_dir: Path, settings: RetrievalConfig, store: DocumentStore | None = None) -> Retriever:
@@ -169,18 +186,27 @@ class Retriever:
         return [ScoredChunk(chunks[i], cosines.get(i), rank_score) for i, rank_score in ranked
                 if i in chunks and chunks[i].collection in allowed]
 
-    def unmentioned_names(self, question: str, collections: Sequence[str]) -> list[str]:
-        """What the question names (`named_words`: "CUPS", "bzip2", "core.autocrlf") that no chunk of
-        `collections` mentions: a name is mentioned when each of its parts is somewhere in them."""
-        names = {name: word_parts(name) for name in named_words(question)}
-        parts = list(dict.fromkeys(p for name_parts in names.values() for p in name_parts))
-        missing = set(self.store.missing_words(parts, collections))  # no parts: no query, both stores
-        return [name for name, name_parts in names.items() if any(p in missing for p in name_parts)]
+    def question_words(self, question: str, collections: Sequence[str], names: bool = True,
+                       words: bool = True) -> QuestionWords:
+        """What of the question no chunk of `collections` holds, in one store call (none when there is
+        nothing to look up): with `names`, what it names (`named_words`: "CUPS", "bzip2", "core.autocrlf")
+        that no chunk mentions, a name being mentioned when each of its parts is somewhere in them; with
+        `words`, its words (`query_terms`: stop words left out) that no chunk holds, stemmed as the
+        lexical index is ("listens" is held by "listen")."""
+        named = {name: word_parts(name) for name in named_words(question)} if names else {}
+        terms = query_terms(question) if words else []
+        lookups = list(dict.fromkeys([p for parts in named.values() for p in parts] + terms))
+        missing = set(self.store.missing_words(lookups, collections))  # nothing to look up: no query, both stores
+        return QuestionWords(tuple(name for name, parts in named.items() if any(p in missing for p in parts)),
+                             tuple(w for w in terms if w in missing))
 
-    def unmatched_words(self, question: str, collections: Sequence[str]) -> list[str]:
-        """The question's words (`query_terms`: stop words left out) that no chunk of `collections` holds,
-        stemmed as the lexical index is ("listens" is held by "listen")."""
-        return self.store.missing_words(query_terms(question), collections)
+    def checked_search(self, question: str, top_k: int, collections: Sequence[str], mode: RetrievalMode,
+                       num_candidates: int, rrf_k: int, names: bool, words: bool) -> CheckedSearch:
+        """`search`, and `question_words` looked up beside it on a side thread (the server's retrieval:
+        the lookup's round trip is not waited for after the ranking)."""
+        checked = self._side.submit(self.question_words, question, collections, names, words)
+        scored = self.search(question, top_k, collections, mode, num_candidates, rrf_k)
+        return CheckedSearch(scored, checked.result())
 
     def named(self, chunk_ids: Sequence[str], collections: Sequence[str]) -> tuple[list[ScoredChunk], list[str]]:
         """The chunks of `collections` with these ids in this order, and the ids that are not there

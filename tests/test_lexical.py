@@ -198,11 +198,47 @@ def test_a_name_no_chunk_of_the_collections_mentions_is_unmentioned(open_store, 
     retriever.follow([], result.document.chunks, list(vectors))
     assert store.missing_words(["gzip", "compressed", "bzip2", "zanthorpe", "the"], ALL) == ["bzip2", "zanthorpe"]
     assert store.missing_words(["zanthorpe"], ("other",)) == []  # another collection's word: missing here only
-    assert retriever.unmentioned_names("Does systemd-journald use bzip2 like ZANTHORPE?", ALL) == ["bzip2", "ZANTHORPE"]
-    assert retriever.unmentioned_names("Which daemon compresses logs with GZIP?", ALL) == []  # stems, any case
+
+    def unmentioned(question: str, collections=ALL) -> tuple[str, ...]:
+        return retriever.question_words(question, collections, words=False).unmentioned_names
+
+    assert unmentioned("Does systemd-journald use bzip2 like ZANTHORPE?") == ("bzip2", "ZANTHORPE")
+    assert unmentioned("Which daemon compresses logs with GZIP?") == ()  # stems, any case
     # a name is mentioned when each of its parts is somewhere: the parts of systemd-timesyncd are not all there
-    assert retriever.unmentioned_names("Which daemon is systemd-timesyncd?", ALL) == ["systemd-timesyncd"]
-    assert retriever.unmentioned_names("Is ZANTHORPE coastal?", ("other",)) == []
+    assert unmentioned("Which daemon is systemd-timesyncd?") == ("systemd-timesyncd",)
+    assert unmentioned("Is ZANTHORPE coastal?", ("other",)) == ()
+    retriever.close()
+
+
+def test_a_checked_search_is_the_search_with_names_and_words_from_one_lookup(open_store, tmp_path):
+    """The server's retrieval (`checked_search`): the same chunks as `search`, and the question's
+    unmentioned names and unmatched words from one store call made beside the ranking."""
+    store = open_store()
+    retriever = Retriever.open(tmp_path, RetrievalConfig(), store)
+    _put(retriever, "coast", COAST + ["The systemd-journald daemon compresses logs with gzip."])
+    _put(retriever, "town", [RARE])
+    calls = []
+    missing_words = store.missing_words
+
+    def counted(words, collections):
+        calls.append(list(words))
+        return missing_words(words, collections)
+
+    store.missing_words = counted
+    question = "Does Zanthorpe compress logs with bzip2 or systemd-timesyncd?"
+    for mode in RetrievalMode:
+        calls.clear()
+        checked = retriever.checked_search(question, 3, ALL, mode, 10, 60, names=True, words=True)
+        assert checked.scored == retriever.search(question, 3, ALL, mode, 10, 60)
+        assert checked.words.unmentioned_names == ("bzip2", "systemd-timesyncd")  # timesyncd is in no chunk
+        assert checked.words.unmatched_words == ("bzip2", "timesyncd")  # "compress" is held by "compresses"
+        assert len(calls) == 1 and {"bzip2", "systemd", "timesyncd", "zanthorpe", "compress"} <= set(calls[0])
+    calls.clear()
+    off = retriever.checked_search(question, 3, ALL, RetrievalMode.HYBRID, 10, 60, names=False, words=False)
+    assert off.words.unmentioned_names == off.words.unmatched_words == () and off.scored
+    names_only = retriever.question_words(question, ALL, words=False)
+    assert names_only.unmentioned_names == ("bzip2", "systemd-timesyncd") and names_only.unmatched_words == ()
+    assert retriever.question_words(question, ALL, names=False).unmentioned_names == ()
     retriever.close()
 
 

@@ -20,9 +20,10 @@ def test_bench_retrieval_times_each_mode_under_each_embedder_runtime(tmp_path, c
     assert sqlite["store"] == "sqlite" and sqlite["num_chunks"] == 40
     names = ["dense/torch", "dense/onnx", "hybrid/torch", "hybrid/onnx"]
     assert sorted(sqlite["search"]) == sorted(names) and sorted(sqlite["search_after_embedding"]) == sorted(names)
+    assert sorted(sqlite["search_checked"]) == sorted(names)  # as the server retrieves: with the checks' lookup
     assert sorted(sqlite["parts"]) == ["dense_index", "embed/onnx", "embed/torch", "lexical_store", "unmatched_words", "unmentioned_names"]
-    assert all(row["n"] == 3 and row["p50_ms"] > 0 for row in sqlite["search"].values())
-    assert "hybrid/onnx" in captured.out and "embed/onnx" in captured.out  # the table
+    assert all(row["n"] == 3 and row["p50_ms"] > 0 for row in [*sqlite["search"].values(), *sqlite["search_checked"].values()])
+    assert "hybrid/onnx (checked)" in captured.out and "embed/onnx" in captured.out  # the table
 
 
 def test_bench_retrieval_refuses_an_unknown_runtime(capsys):

@@ -66,18 +66,16 @@ class RagPipeline:
         pin_one_thread()  # the query's embedding runs torch on this worker thread: one thread, no pool
         if request.chunk_ids is None:
             config = self.settings.retrieval
-            if config.refuse_unmentioned_names:
-                unmentioned = tuple(self.retriever.unmentioned_names(request.question, request.collections))
-                if unmentioned:  # about something no document names: not found, without ranking
-                    return Retrieved([], is_nothing_relevant=True, unmentioned_names=unmentioned)
-            scored = self.retriever.search(request.question, request.top_k, request.collections, request.retrieval,
-                                           config.num_candidates, config.rrf_k)
-            relevant = RelevanceFloor(config.min_score, config.score_margin).apply(scored)
-            unmatched = (tuple(self.retriever.unmatched_words(request.question, request.collections))
-                         if config.flag_unmatched_words and relevant else ())
+            checked = self.retriever.checked_search(request.question, request.top_k, request.collections,
+                                                  request.retrieval, config.num_candidates, config.rrf_k,
+                                                  names=config.refuse_unmentioned_names,
+                                                  words=config.flag_unmatched_words)
+            if checked.words.unmentioned_names:  # about something no document names: not found, whatever ranked
+                return Retrieved([], is_nothing_relevant=True, unmentioned_names=checked.words.unmentioned_names)
+            relevant = RelevanceFloor(config.min_score, config.score_margin).apply(checked.scored)
             # with min_score off (-1) nothing is refused: a store with no chunks is answered as before
             return Retrieved(relevant, is_nothing_relevant=not relevant and config.min_score > -1.0,
-                             unmatched_words=unmatched)
+                             unmatched_words=checked.words.unmatched_words if relevant else ())
         # named chunks are never refused: the caller chose them
         found, missing = self.retriever.named(request.chunk_ids, request.collections)
         if missing:
