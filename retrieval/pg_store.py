@@ -120,7 +120,7 @@ _MIGRATIONS: dict[int, str] = {
 }
 SCHEMA_VERSION = max(_MIGRATIONS)
 
-_LEXICAL_TERMS = """
+_LEXICAL_SEARCH = """
 WITH stats AS (
     SELECT most_common_elems::text::text[] AS elems, most_common_elem_freqs AS freqs
     FROM pg_stats WHERE schemaname = current_schema() AND tablename = 'chunks' AND attname = 'text_tsv'),
@@ -139,13 +139,10 @@ hits AS MATERIALIZED (
 df AS (SELECT term, count(*)::float8 AS n FROM hits GROUP BY term),
 total AS (SELECT GREATEST((SELECT reltuples::float8 FROM pg_class WHERE oid = 'chunks'::regclass),
                           (SELECT max(n) FROM df)) AS n)
-"""
-_LEXICAL_RANKING = """
 SELECT h.row_id, sum(ln((total.n - df.n + 0.5) / (df.n + 0.5) + 1.0)) AS score
 FROM hits h JOIN df USING (term), total
 GROUP BY h.row_id ORDER BY score DESC, h.row_id LIMIT %(limit)s
 """
-_LEXICAL_SEARCH = _LEXICAL_TERMS + _LEXICAL_RANKING
 _MISSING_WORDS = """
 SELECT w FROM unnest(%(words)s::text[]) AS w
 WHERE numnode(plainto_tsquery('english', w)) > 0

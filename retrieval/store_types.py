@@ -8,7 +8,6 @@ from typing import Any, Collection, Iterator, NamedTuple, Protocol, Sequence, ru
 
 import numpy as np
 
-
 # Every document belongs to exactly one collection (a knowledge base); documents sent without one, and
 # every document of a store made before collections, are in this one. It cannot be deleted.
 DEFAULT_COLLECTION = "default"
