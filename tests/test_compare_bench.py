@@ -58,6 +58,7 @@ def test_compare_measures_both_builds_in_turn_and_writes_ratios(head_worktree, t
     for info in (rev, current):
         assert info["num_errors"] == 0 and info["ingest_s"] > 0 and info["mean_prompt_tokens"] > 40
         assert sum(info["modes"].values()) == ROUNDS * (3 + CLIENTS)  # every answer measured, none of the warm-up's
+        assert "null" not in info["modes"]  # the model answered each, the retrieved asks too (chunks were found)
     keys = [m.key for m in compare_bench.measures(CLIENTS)]
     assert list(summary["measures"]) == keys
     for key, m in summary["measures"].items():
