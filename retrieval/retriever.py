@@ -153,7 +153,8 @@ class Retriever:
         return result
 
     def search(self, question: str, top_k: int, collections: Sequence[str], mode: RetrievalMode = RetrievalMode.DENSE,
-               num_candidates: int = 0, rrf_k: int = 60, vector: np.ndarray | None = None) -> list[ScoredChunk]:
+               num_candidates: int = 0, rrf_k: int = RetrievalConfig.rrf_k,
+               vector: np.ndarray | None = None) -> list[ScoredChunk]:
         """The `top_k` best chunks of `collections` for `question`, best first, each with its cosine
         similarity to it. Hybrid fuses the dense and the lexical rankings, each `num_candidates` deep (at
         least top_k), by reciprocal rank with constant `rrf_k`. `vector`: the question's embedding, if
@@ -203,10 +204,11 @@ class Retriever:
     def checked_search(self, question: str, top_k: int, collections: Sequence[str], mode: RetrievalMode,
                        num_candidates: int, rrf_k: int, names: bool, words: bool) -> CheckedSearch:
         """`search`, and `question_words` looked up beside it on a side thread (the server's retrieval:
-        the lookup's round trip is not waited for after the ranking)."""
-        checked = self._side.submit(self.question_words, question, collections, names, words)
+        the lookup's round trip is not waited for after the ranking; with both checks off, no hop)."""
+        checked = self._side.submit(self.question_words, question, collections, names, words) \
+            if names or words else None
         scored = self.search(question, top_k, collections, mode, num_candidates, rrf_k)
-        return CheckedSearch(scored, checked.result())
+        return CheckedSearch(scored, QuestionWords() if checked is None else checked.result())
 
     def named(self, chunk_ids: Sequence[str], collections: Sequence[str]) -> tuple[list[ScoredChunk], list[str]]:
         """The chunks of `collections` with these ids in this order, and the ids that are not there

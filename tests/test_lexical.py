@@ -236,6 +236,7 @@ def test_a_checked_search_is_the_search_with_names_and_words_from_one_lookup(ope
     calls.clear()
     off = retriever.checked_search(question, 3, ALL, RetrievalMode.HYBRID, 10, 60, names=False, words=False)
     assert off.words.unmentioned_names == off.words.unmatched_words == () and off.scored
+    assert calls == []  # both checks off: no lookup at all
     names_only = retriever.question_words(question, ALL, words=False)
     assert names_only.unmentioned_names == ("bzip2", "systemd-timesyncd") and names_only.unmatched_words == ()
     assert retriever.question_words(question, ALL, names=False).unmentioned_names == ()
