@@ -42,8 +42,8 @@ class RagPipeline:
     loop: EngineLoop
 
     async def retrieve(self, request: RagRequest) -> RagContext:
-        """The request's context, prepared on one worker thread: a hop to a thread and back costs
-        ~0.5 ms of the request's time, and the steps run one after another anyway (stop 59)."""
+        """The request's context, prepared on one worker thread: the steps run one after another anyway,
+        and three fewer hops to a thread and back took ~0.6 ms off the server's retrieval (stop 59)."""
         return await anyio.to_thread.run_sync(self._context, request, time.perf_counter())
 
     def _context(self, request: RagRequest, start: float) -> RagContext:
