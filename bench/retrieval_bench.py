@@ -121,9 +121,10 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 def measure(retriever, asked: Sequence[str], modes: Sequence[RetrievalMode], top_k: int, num_candidates: int,
-            num_queries: int, search_threads: Sequence[int] = (), embedders: dict[str, Embedder] | None = None
-            ) -> dict[str, Any]:
-    """Per mode: the whole search (as the server runs it), and its parts, the modes taking turns per question;
+            rrf_k: int, num_queries: int, search_threads: Sequence[int] = (),
+            embedders: dict[str, Embedder] | None = None) -> dict[str, Any]:
+    """Per mode: the whole search (as the server runs it, hybrid fusing by `rrf_k`: the retriever's
+    config's), and its parts, the modes taking turns per question;
     with several `search_threads`, each mode under each FAISS thread count in turn (keys MODE@N); with
     several `embedders` (runtime -> Embedder), each under each in turn (keys MODE/RUNTIME, parts embed/RUNTIME)."""
     embedders = embedders if embedders and len(embedders) > 1 else {None: retriever.embedder}
@@ -139,9 +140,6 @@ def measure(retriever, asked: Sequence[str], modes: Sequence[RetrievalMode], top
                                      "dense_index": [], "lexical_store": [], "unmentioned_names": [],
                                      "unmatched_words": []}
     threads_set, embedder_set = retriever.index.search_threads, retriever.embedder
-    from retrieval.config import RetrievalConfig
-
-    rrf_k = RetrievalConfig().rrf_k
     for number in range(num_queries + 20):
         question = asked[number % len(asked)]
         is_warm = number >= 20
@@ -149,8 +147,8 @@ def measure(retriever, asked: Sequence[str], modes: Sequence[RetrievalMode], top
         for mode, threads, runtime in runs[number % len(runs):] + runs[: number % len(runs)]:
             retriever.index.search_threads = threads_set if threads is None else threads
             retriever.embedder = embedders[runtime]
-            took = timed(lambda: retriever.search(question, top_k, ALL, mode, num_candidates))
-            given = timed(lambda: retriever.search(question, top_k, ALL, mode, num_candidates, vector=vector))
+            took = timed(lambda: retriever.search(question, top_k, ALL, mode, num_candidates, rrf_k))
+            given = timed(lambda: retriever.search(question, top_k, ALL, mode, num_candidates, rrf_k, vector=vector))
             # as the server retrieves: the search with both checks' lookup beside it
             whole = timed(lambda: retriever.checked_search(question, top_k, ALL, mode, num_candidates, rrf_k,
                                                            names=True, words=True))
@@ -203,7 +201,8 @@ def run_store(kind: str, database_url: str | None, texts: Sequence[str], asked: 
             if kind == "postgres":
                 settle(database_url)
             modes = [RetrievalMode(m.strip()) for m in args.modes.split(",")]
-            result = measure(retriever, asked, modes, args.top_k, args.num_candidates, args.queries, threads, embedders)
+            result = measure(retriever, asked, modes, args.top_k, args.num_candidates, config.rrf_k, args.queries,
+                             threads, embedders)
             return {"store": kind, "num_chunks": retriever.store.num_chunks(), "fill_s": fill_s, **result}
         finally:
             retriever.close()
