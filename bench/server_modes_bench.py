@@ -106,6 +106,11 @@ async def latency_phase(client, questions: list[Question], modes: list[str], max
     return runs
 
 
+def is_ignoring_eos(args: argparse.Namespace) -> bool:
+    """`--throughput-answers fixed`: every answer runs to --max-tokens (the one place this is decided)."""
+    return args.throughput_answers == "fixed"
+
+
 def round_args(mode: str, max_tokens: int, ignore_eos: bool = True) -> argparse.Namespace:
     """What server_bench.run_round reads: answers in `mode`, every one `max_tokens` long (`ignore_eos`) or
     at most that, the chats at once, the prefix cache off (the rounds ask the same questions again, and every
@@ -128,7 +133,7 @@ async def throughput_phase(client: httpx.AsyncClient, questions: list[Question],
     for round_index in range(args.throughput_rounds):
         indices = round_questions(args.concurrency, round_index, len(questions))
         for mode in in_turn(modes, round_index):
-            body_args = round_args(mode, args.max_tokens, ignore_eos=args.throughput_answers == "fixed")
+            body_args = round_args(mode, args.max_tokens, ignore_eos=is_ignoring_eos(args))
             rounds[mode].append(await run_round(client, questions, indices, body_args))
             schedule.append({"round": round_index, "mode": mode, "questions": indices})
     return rounds, schedule
@@ -161,7 +166,7 @@ def throughput_summary(rounds: dict[str, list[Round]], schedule: list[dict], arg
                                        "ttft_p50": ratio(rows[mode]["ttft_p50_ms"], rows[first]["ttft_p50_ms"]),
                                        "ttft_p95": ratio(rows[mode]["ttft_p95_ms"], rows[first]["ttft_p95_ms"])}
     return {"clients": args.concurrency, "rounds": args.throughput_rounds, "max_tokens": args.max_tokens,
-            "answers": args.throughput_answers, "ignore_eos": args.throughput_answers == "fixed", "modes": rows,
+            "answers": args.throughput_answers, "ignore_eos": is_ignoring_eos(args), "modes": rows,
             "ratios": vs_first, "schedule": schedule}
 
 
