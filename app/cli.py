@@ -62,6 +62,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
                              "and store (SQLite, Postgres) at a given number of chunks: p50/p99"),
     ("bench", "retrieval-quality"): ("bench.retrieval_quality", "retrieval alone on the answers set (no LLM): inside, "
                                      "source, prompt tokens per chunking, mode, top_k and relevance floor"),
+    ("bench", "context-bound"): ("bench.context_bound", "the model's right answers by which chunks its prompt holds: "
+                                 "as retrieved, the best alone, the chunk stating the answer alone (a bound)"),
     ("bench", "kv-codec"): ("bench.kv_codec_bench", "KV entry formats: bytes per token, decode speed, fidelity"),
     ("bench", "corpus"): ("bench.corpus_bench", "KV budget at corpus scale: hit rate and TTFT per budget, Zipf stream"),
     ("bench", "collections"): ("bench.collections_bench", "retrieval scoped to collections: one filtered index vs an "
