@@ -11,8 +11,10 @@ Per in-scope question of the answers set, one prompt per arrangement, the same q
 - `stored`: the first chunk of the question's document that states the answer alone, retrieved or not: a
   perfect retriever's.
 
-The documents are chunked and stored as an upload is (bench.retrieval_quality.build_retriever); answers
-come from the engine in this process (`--mode full` by default: the model reading the chunks, nothing
+The documents are chunked and stored as an upload is (bench.retrieval_quality.build_retriever), each
+question made a request and searched as the server does (app/query/serving.py build_rag_request,
+app/rag/pipeline.py search; the server's settings, its environment and YAML included); answers come from the
+engine in this process (`--mode full` by default: the model reading the chunks, nothing
 reused; `blend` reuses each chunk's KV computed behind the prompt's sink, as ingestion does), decoded with
 the server's generation defaults. Each answer is scored as `ragblend bench answers` scores it. A question
 retrieval refuses (the relevance floor, a name no document mentions) is counted as not answered in
@@ -31,12 +33,16 @@ from pathlib import Path
 from typing import Sequence
 
 from app.commands.exit_codes import ExitCode
+from app.query.protocol import GenerationOptions
+from app.query.serving import build_rag_request
+from app.rag.pipeline import search
+from app.rag.types import RagRequest
 from bench.answers_set import DEFAULT_SET, SetQuestion, collapse, load_set
 from bench.output import emit_summary
 from bench.retrieval_quality import Chunking, build_retriever
 from configs.enums import PrefillMode
-from retrieval.config import RetrievalConfig
-from retrieval.store_types import DEFAULT_COLLECTION, StoredChunk
+from configs.settings import Settings
+from retrieval.store_types import StoredChunk
 
 ARRANGEMENTS = ("retrieved", "first", "answer", "stored")
 
@@ -88,45 +94,27 @@ def arranged(question: SetQuestion, retrieved: Sequence[StoredChunk] | None, sto
     return out
 
 
-def retrieve(retriever, question: str, config: RetrievalConfig) -> list[StoredChunk] | None:
-    """The chunks the server's retrieval keeps for `question` (app/rag/pipeline.py `_retrieved`, its defaults),
-    or None when it refuses the question."""
-    from retrieval.retriever import RelevanceFloor
-
-    checked = retriever.checked_search(question, config.top_k, (DEFAULT_COLLECTION,), config.mode,
-                                       config.num_candidates, config.rrf_k, names=config.refuse_unmentioned_names,
-                                       words=False)
-    if checked.words.unmentioned_names:
-        return None
-    kept = RelevanceFloor(config.min_score, config.score_margin).apply(checked.scored)
-    return [s.chunk for s in kept] or None
-
-
 class Answerer:
-    """The engine in this process, prompting and decoding as the server does."""
+    """The engine in this process, prompting and decoding as the server does (its settings, resolved once)."""
 
-    def __init__(self, model_name: str | None, mode: PrefillMode):
+    def __init__(self, settings: Settings, mode: PrefillMode):
         from blend_engine.engine import BlendEngine
-        from configs.settings import Settings
 
-        settings = Settings()
-        model = settings.model if model_name is None else replace(settings.model, name=model_name)
-        self.engine = BlendEngine.from_config(model, settings.blend)
+        self.engine = BlendEngine.from_config(settings.model, settings.blend)
         self.blend = settings.blend
         self.mode = mode
-        self._context = self.engine.sink_ids(settings.blend.sink)
+        self._context = self.engine.sink_ids(settings.blend.sink)  # what ingestion precomputes a chunk behind
 
-    def answer(self, question: str, chunks: Sequence[StoredChunk]) -> tuple[str, int]:
+    def answer(self, request: RagRequest, chunks: Sequence[StoredChunk]) -> tuple[str, int]:
         """The answer's text and the prompt's length in tokens."""
-        from blend_engine.types import SamplingParams, Segment
+        from blend_engine.types import Segment
 
         engine = self.engine
         segments = [Segment(c.token_ids, engine.precompute(c.token_ids, self._context)
                             if self.mode is PrefillMode.BLEND else None) for c in chunks]
-        prompt = engine.build_segments(question, segments)
-        sampling = SamplingParams()
-        result = engine.prefill(prompt, self.mode, self.blend, max_new_tokens=sampling.max_tokens)
-        text = "".join(delta.text for delta in engine.generate(result, sampling))
+        prompt = engine.build_segments(request.question, segments)
+        result = engine.prefill(prompt, self.mode, self.blend, max_new_tokens=request.sampling.max_tokens)
+        text = "".join(delta.text for delta in engine.generate(result, request.sampling))
         return text, sum(len(s.token_ids) for s in prompt)
 
 
@@ -135,8 +123,11 @@ def run_set(args: argparse.Namespace, arrangements: Sequence[str]) -> dict:
     questions = [q for q in qset.split(args.split) if not q.is_out_of_scope]
     if args.limit:
         questions = questions[:args.limit]
-    config = RetrievalConfig()
-    answerer = Answerer(args.model, PrefillMode(args.mode))
+    settings = Settings()
+    if args.model:
+        settings = settings.model_copy(update={"model": replace(settings.model, name=args.model)})
+    config = settings.retrieval
+    answerer = Answerer(settings, PrefillMode(args.mode))
     rows = []
     with tempfile.TemporaryDirectory(prefix="ragblend-context-bound-") as tmp:
         retriever = build_retriever(qset, Chunking(config.chunking, config.chunk_tokens), config.chunk_overlap,
@@ -145,7 +136,9 @@ def run_set(args: argparse.Namespace, arrangements: Sequence[str]) -> dict:
             for q in questions:
                 document = retriever.store.get_document(q.document)
                 stored = document.chunks if document is not None else []
-                retrieved = retrieve(retriever, q.question, config)
+                request = build_rag_request(settings, q.question, GenerationOptions())
+                found = search(retriever, config, request)
+                retrieved = [s.chunk for s in found.chunks] or None  # None: refused (nothing relevant, a name)
                 row = {"question": q.id, "retrieved_chunks": [c.id for c in retrieved or []],
                        "inside": bool(retrieved) and bool(q.is_inside(c.text for c in retrieved)), "arrangements": {}}
                 for prompted in arranged(q, retrieved, stored, arrangements):
@@ -153,7 +146,7 @@ def run_set(args: argparse.Namespace, arrangements: Sequence[str]) -> dict:
                         row["arrangements"][prompted.arrangement] = {"answer": None, "right": False}
                         continue
                     t0 = time.perf_counter()
-                    text, num_tokens = answerer.answer(q.question, prompted.chunks)
+                    text, num_tokens = answerer.answer(request, prompted.chunks)
                     row["arrangements"][prompted.arrangement] = {
                         "answer": text, "right": q.is_right(text), "prompt_tokens": num_tokens,
                         "chunks": [c.id for c in prompted.chunks], "seconds": round(time.perf_counter() - t0, 3)}

@@ -18,6 +18,7 @@ from blend_engine.types import Segment
 from configs.enums import RequestMode
 from configs.settings import Settings
 from kv_store import KVStore
+from retrieval.config import RetrievalConfig
 from retrieval.retriever import RelevanceFloor, Retriever, ScoredChunk
 from runtime.loop import EngineLoop
 from runtime.types import PrefillRequest, PromptChunk
@@ -31,6 +32,20 @@ class Retrieved:
     is_nothing_relevant: bool = False  # no chunk passed the relevance floor, or a name is unmentioned
     unmentioned_names: tuple[str, ...] = ()  # what the question names that no searched chunk mentions
     unmatched_words: tuple[str, ...] = ()  # the question's words no searched chunk holds (answered all the same)
+
+
+def search(retriever: Retriever, config: RetrievalConfig, request: RagRequest) -> Retrieved:
+    """The request's question searched as the server does: ranked, checked for names no document mentions,
+    then cut by the relevance floor (also the context-bound bench's retrieval)."""
+    checked = retriever.checked_search(request.question, request.top_k, request.collections, request.retrieval,
+                                       config.num_candidates, config.rrf_k, names=config.refuse_unmentioned_names,
+                                       words=config.flag_unmatched_words)
+    if checked.words.unmentioned_names:  # about something no document names: not found, whatever ranked
+        return Retrieved([], is_nothing_relevant=True, unmentioned_names=checked.words.unmentioned_names)
+    relevant = RelevanceFloor(config.min_score, config.score_margin).apply(checked.scored)
+    # with min_score off (-1) nothing is refused: a store with no chunks is answered as before
+    return Retrieved(relevant, is_nothing_relevant=not relevant and config.min_score > -1.0,
+                     unmatched_words=checked.words.unmatched_words if relevant else ())
 
 
 @dataclass
@@ -69,17 +84,7 @@ class RagPipeline:
         """The chunks for the prompt, or none and why (the answer is then the fixed not-found answer)."""
         pin_one_thread()  # the query's embedding runs torch on this worker thread: one thread, no pool
         if request.chunk_ids is None:
-            config = self.settings.retrieval
-            checked = self.retriever.checked_search(request.question, request.top_k, request.collections,
-                                                  request.retrieval, config.num_candidates, config.rrf_k,
-                                                  names=config.refuse_unmentioned_names,
-                                                  words=config.flag_unmatched_words)
-            if checked.words.unmentioned_names:  # about something no document names: not found, whatever ranked
-                return Retrieved([], is_nothing_relevant=True, unmentioned_names=checked.words.unmentioned_names)
-            relevant = RelevanceFloor(config.min_score, config.score_margin).apply(checked.scored)
-            # with min_score off (-1) nothing is refused: a store with no chunks is answered as before
-            return Retrieved(relevant, is_nothing_relevant=not relevant and config.min_score > -1.0,
-                             unmatched_words=checked.words.unmatched_words if relevant else ())
+            return search(self.retriever, self.settings.retrieval, request)
         # named chunks are never refused: the caller chose them
         found, missing = self.retriever.named(request.chunk_ids, request.collections)
         if missing:
