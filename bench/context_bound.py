@@ -13,13 +13,13 @@ Per in-scope question of the answers set, one prompt per arrangement, the same q
 
 The documents are chunked and stored as an upload is (bench.retrieval_quality.build_retriever), each
 question made a request and searched as the server does (app/query/serving.py build_rag_request,
-app/rag/pipeline.py search; the server's settings, its environment and YAML included); answers come from the
-engine in this process (`--mode full` by default: the model reading the chunks, nothing
+app/rag/pipeline.py relevant_chunks; the server's settings, its environment and YAML included). Answers
+come from the engine in this process (`--mode full` by default: the model reading the chunks, nothing
 reused; `blend` reuses each chunk's KV computed behind the prompt's sink, as ingestion does), decoded with
-the server's generation defaults. Each answer is scored as `ragblend bench answers` scores it. A question
-retrieval refuses (the relevance floor, a name no document mentions) is counted as not answered in
-`retrieved`, `first` and `answer`. `right_in_any` counts the questions some arrangement answered right: an
-oracle choosing among them per question.
+the request's sampling (the server's generation defaults). Each answer is scored as `ragblend bench
+answers` scores it. A question retrieval refuses (the relevance floor, a name no document mentions) is
+counted as not answered in `retrieved`, `first` and `answer`. `right_in_any` counts the questions some
+arrangement answered right: an oracle choosing among them per question.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Sequence
 from app.commands.exit_codes import ExitCode
 from app.query.protocol import GenerationOptions
 from app.query.serving import build_rag_request
-from app.rag.pipeline import search
+from app.rag.pipeline import relevant_chunks
 from app.rag.types import RagRequest
 from bench.answers_set import DEFAULT_SET, SetQuestion, collapse, load_set
 from bench.output import emit_summary
@@ -137,7 +137,7 @@ def run_set(args: argparse.Namespace, arrangements: Sequence[str]) -> dict:
                 document = retriever.store.get_document(q.document)
                 stored = document.chunks if document is not None else []
                 request = build_rag_request(settings, q.question, GenerationOptions())
-                found = search(retriever, config, request)
+                found = relevant_chunks(retriever, config, request)
                 retrieved = [s.chunk for s in found.chunks] or None  # None: refused (nothing relevant, a name)
                 row = {"question": q.id, "retrieved_chunks": [c.id for c in retrieved or []],
                        "inside": bool(retrieved) and bool(q.is_inside(c.text for c in retrieved)), "arrangements": {}}

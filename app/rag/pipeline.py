@@ -34,7 +34,7 @@ class Retrieved:
     unmatched_words: tuple[str, ...] = ()  # the question's words no searched chunk holds (answered all the same)
 
 
-def search(retriever: Retriever, config: RetrievalConfig, request: RagRequest) -> Retrieved:
+def relevant_chunks(retriever: Retriever, config: RetrievalConfig, request: RagRequest) -> Retrieved:
     """The request's question searched as the server does: ranked, checked for names no document mentions,
     then cut by the relevance floor (also the context-bound bench's retrieval)."""
     checked = retriever.checked_search(request.question, request.top_k, request.collections, request.retrieval,
@@ -84,7 +84,7 @@ class RagPipeline:
         """The chunks for the prompt, or none and why (the answer is then the fixed not-found answer)."""
         pin_one_thread()  # the query's embedding runs torch on this worker thread: one thread, no pool
         if request.chunk_ids is None:
-            return search(self.retriever, self.settings.retrieval, request)
+            return relevant_chunks(self.retriever, self.settings.retrieval, request)
         # named chunks are never refused: the caller chose them
         found, missing = self.retriever.named(request.chunk_ids, request.collections)
         if missing:
