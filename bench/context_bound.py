@@ -19,7 +19,8 @@ reused; `blend` reuses each chunk's KV computed behind the prompt's sink, as ing
 the request's sampling (the server's generation defaults). Each answer is scored as `ragblend bench
 answers` scores it. A question retrieval refuses (the relevance floor, a name no document mentions) is
 counted as not answered in `retrieved`, `first` and `answer`. `right_in_any` counts the questions some
-arrangement answered right: an oracle choosing among them per question.
+arrangement answered right: an oracle choosing among them per question. The server's context budget
+(`retrieval.context_tokens`, off by default) is not applied: these prompts hold at most top_k chunks.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True)
 class Prompted:
-    """One arrangement's chunks for a question; none: nothing to ask (retrieval refused it)."""
+    """One arrangement's chunks for a question; None: nothing to ask (retrieval refused the question, or no
+    chunk of its document states the answer)."""
 
     arrangement: str
     chunks: tuple[StoredChunk, ...] | None
