@@ -38,7 +38,7 @@ from app.query.protocol import GenerationOptions
 from app.query.serving import build_rag_request
 from app.rag.pipeline import relevant_chunks
 from app.rag.types import RagRequest
-from bench.answers_set import DEFAULT_SET, SetQuestion, collapse, load_set
+from bench.answers_set import DEFAULT_SET, SetQuestion, load_set
 from bench.output import emit_summary
 from bench.retrieval_quality import Chunking, build_retriever
 from configs.enums import PrefillMode
@@ -69,9 +69,8 @@ class Prompted:
 
 
 def stating(question: SetQuestion, chunks: Sequence[StoredChunk]) -> StoredChunk | None:
-    """The first chunk whose text states the question's answer."""
-    return next((c for c in chunks if question.evidence is not None and question.evidence.search(collapse(c.text))),
-                None)
+    """The first chunk whose text states the question's answer (SetQuestion.is_inside, chunk by chunk)."""
+    return next((c for c in chunks if question.is_inside([c.text])), None)
 
 
 def arranged(question: SetQuestion, retrieved: Sequence[StoredChunk] | None, stored: Sequence[StoredChunk],
@@ -82,7 +81,7 @@ def arranged(question: SetQuestion, retrieved: Sequence[StoredChunk] | None, sto
         if name == "stored":
             holder = stating(question, stored)
             out.append(Prompted(name, (holder,) if holder else None))
-        elif retrieved is None or not retrieved:
+        elif not retrieved:
             out.append(Prompted(name, None))
         elif name == "retrieved":
             out.append(Prompted(name, tuple(retrieved)))
