@@ -57,9 +57,9 @@ def pack_tokenizer(out: Path, source: Path | None) -> Path:
 
     if source is None:
         from blend_engine.config import ModelConfig
-        from blend_engine.loader import converted_gguf_dir, embedded_gguf_path
+        from blend_engine.loader import embedded_tokenizer_dir
 
-        source = converted_gguf_dir(embedded_gguf_path(), ModelConfig().cache_dir)
+        source = embedded_tokenizer_dir(ModelConfig().cache_dir)
     target = out / "tokenizer"
     shutil.rmtree(target, ignore_errors=True)
     AutoTokenizer.from_pretrained(source, local_files_only=True).save_pretrained(target)

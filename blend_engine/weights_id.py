@@ -23,12 +23,18 @@ SAMPLE_BYTES = 64 << 10
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 
 
-def weights_digest(directory: str | Path | None) -> str:
-    """Hex digest of the weight files in `directory`; '' when it is not a directory (random weights)."""
-    if not directory or not Path(directory).is_dir():
+def weights_digest(location: str | Path | None) -> str:
+    """Hex digest of the weight files in directory `location`, or of weight file `location` (a GGUF); ''
+    when it is neither (random weights)."""
+    if not location:
+        return ""
+    location = Path(location)
+    if location.is_file() and location.suffix in WEIGHT_SUFFIXES:
+        return hashlib.sha256(_file_digest(location)).hexdigest()[:32]
+    if not location.is_dir():
         return ""
     h = hashlib.sha256()
-    for path in sorted(Path(directory).iterdir()):
+    for path in sorted(location.iterdir()):
         if path.is_file() and path.suffix in WEIGHT_SUFFIXES:
             h.update(_file_digest(path))
     return h.hexdigest()[:32]

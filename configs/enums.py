@@ -93,11 +93,13 @@ class SinkMode(str, Enum):
 class WeightFormat(str, Enum):
     """Format of the model's linear layers (blend_engine/weights.py); the rest keeps model.dtype."""
 
-    AUTO = "auto"  # int4 on CPU where the shapes fit, else int8 (measured: docs/decisions/0004); as loaded on CUDA
+    AUTO = "auto"  # CPU: a GGUF file's as stored (gguf); a model directory's int4 where the shapes fit, else int8
+    # (measured: docs/decisions/0004). CUDA: as loaded
     FP32 = "fp32"  # as loaded, in model.dtype
     BF16 = "bf16"  # bf16 weights, bf16 activations at the matmul
     INT8 = "int8"  # int8 weight-only, per-output-channel scales
     INT4 = "int4"  # int4 weight-only, a scale and a zero per 32 inputs (CPU only)
+    GGUF = "gguf"  # a GGUF file's layers each as stored: int4 for its 4-bit types, int8 for the rest (CPU only)
 
 
 class DecodeCache(str, Enum):

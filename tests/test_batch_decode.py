@@ -145,10 +145,10 @@ def tokenizer():
     characters and byte pieces, so its text pieces, stop strings and held-back bytes are real ones."""
     from transformers import AutoTokenizer
 
-    from blend_engine.loader import converted_gguf_dir, embedded_gguf_path
+    from blend_engine.loader import embedded_tokenizer_dir
     from configs.settings import load_settings
 
-    return AutoTokenizer.from_pretrained(converted_gguf_dir(embedded_gguf_path(), load_settings().model.cache_dir))
+    return AutoTokenizer.from_pretrained(embedded_tokenizer_dir(load_settings().model.cache_dir))
 
 
 def text_engine(tokenizer, family: str = "qwen2-bias", cache: DecodeCache = DecodeCache.INT8) -> BlendEngine:

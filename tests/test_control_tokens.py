@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from blend_engine.loader import converted_gguf_dir, embedded_gguf_path
+from blend_engine.loader import embedded_tokenizer_dir
 from blend_engine.prompt import PromptBuilder, encode_text
 from blend_engine.types import Segment
 from configs.settings import load_settings
@@ -21,7 +21,7 @@ SYSTEM = "You are a helpful assistant. Answer the question using the documents."
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return AutoTokenizer.from_pretrained(converted_gguf_dir(embedded_gguf_path(), load_settings().model.cache_dir))
+    return AutoTokenizer.from_pretrained(embedded_tokenizer_dir(load_settings().model.cache_dir))
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import torch
 
 from blend_engine.engine import BlendEngine
 from blend_engine.generate import IncrementalDetokenizer, StopStringFilter
-from blend_engine.loader import converted_gguf_dir, embedded_gguf_path, load_model
+from blend_engine.loader import embedded_tokenizer_dir, load_model
 from blend_engine.types import BlendConfig, FinishReason, PrefillMode, SamplingParams, Segment
 from blend_engine.config import ModelConfig
 from configs.enums import SinkMode
@@ -99,13 +99,16 @@ def test_stop_filter_holds_back_partial_matches():
     assert g.push("ay") == ("STay", False)
 
 
-def test_warm_load_uses_the_converted_copy(tmp_path):
+def test_warm_load_reads_the_kept_config_and_tokenizer(tmp_path):
+    """The GGUF's config, tokenizer and tensor table are read once into model.cache_dir; a later load reads
+    them from there (no second parse of the file), and the directory is a tokenizer for the tests."""
     settings = ModelConfig()
-    directory = converted_gguf_dir(embedded_gguf_path(), settings.cache_dir)
-    assert (directory / "model.safetensors").exists() and (directory / "tokenizer.json").exists()
-    # any local HF model directory loads too
-    loaded = load_model(ModelConfig(name=str(directory)))
+    directory = embedded_tokenizer_dir(settings.cache_dir)
+    assert {"config.json", "tokenizer.json", "tensors.json"} <= {p.name for p in directory.iterdir()}
+    assert not list(directory.glob("*.safetensors"))  # no weights: they are read from the GGUF itself
+    loaded = load_model(ModelConfig(name="smollm2"))
     assert loaded.model.config.num_hidden_layers == 30
+    assert embedded_tokenizer_dir(settings.cache_dir) == directory
 
 
 @pytest.mark.slow  # ~70 s on 2 cores: one layer of Llama-3-8B with its 128k-token embedding, in bf16

@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 from blend_engine.config import BlendConfig, ModelConfig
 from blend_engine.embedding import Int8BlockEmbedding, compact_embedding
 from blend_engine.engine import BlendEngine
-from blend_engine.loader import converted_gguf_dir, embedded_gguf_path, load_model
+from blend_engine.loader import embedded_gguf_path, embedded_tokenizer_dir, load_model
 from blend_engine.types import PrefillMode, Segment
 from blend_engine.weights import MAX_PACKED_ROWS, Int8Linear, convert_linears
 from configs.enums import WeightFormat
@@ -118,7 +118,7 @@ def test_a_converted_checkpoint_leaves_no_mapping_of_its_file(tmp_path):
     with torch.no_grad():
         model.get_input_embeddings().weight.copy_(q8_0_like(*model.get_input_embeddings().weight.shape))
     model.save_pretrained(tmp_path)
-    embedded = converted_gguf_dir(embedded_gguf_path(), ModelConfig().cache_dir)
+    embedded = embedded_tokenizer_dir(ModelConfig().cache_dir)
     AutoTokenizer.from_pretrained(embedded).save_pretrained(tmp_path)  # any tokenizer: the ids are not fed
     weights = tmp_path / "model.safetensors"
     assert weights.is_file()

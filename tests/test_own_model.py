@@ -19,7 +19,7 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from app.testing import LiveServer
 from blend_engine.config import ModelConfig
-from blend_engine.loader import converted_gguf_dir, embedded_gguf_path, load_model
+from blend_engine.loader import embedded_gguf_path, embedded_tokenizer_dir, load_model
 from configs.settings import load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,15 +39,10 @@ def save_model(directory: Path, tokenizer_dir: Path) -> Path:
     return directory
 
 
-def embedded_tokenizer_dir() -> Path:
-    """The embedded SmolLM2's converted copy (made once per machine, as the server's first start makes it)."""
-    return converted_gguf_dir(embedded_gguf_path(), ModelConfig().cache_dir)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     """The embedded SmolLM2's tokenizer, with its chat template."""
-    return save_model(tmp_path_factory.mktemp("models") / MODEL_NAME, embedded_tokenizer_dir())
+    return save_model(tmp_path_factory.mktemp("models") / MODEL_NAME, embedded_tokenizer_dir(ModelConfig().cache_dir))
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +101,8 @@ def test_the_readmes_openai_example_runs_as_written_against_any_model(server):
 
 
 def test_a_gguf_file_given_by_its_path_loads_as_the_embedded_one_does():
-    """`model.name: /path/to/model.gguf`: converted once into model.cache_dir (here the embedded
-    file, whose copy exists already), named after the file."""
+    """`model.name: /path/to/model.gguf`: read natively (its config and tokenizer kept in model.cache_dir
+    after the first load), named after the file."""
     loaded = load_model(ModelConfig(name=str(embedded_gguf_path()), device="cpu"))
     assert loaded.identity.startswith("SmolLM2-135M-Instruct.Q4_1.gguf:") and not loaded.is_random
     assert loaded.tokenizer("The blue vault")["input_ids"]

@@ -15,7 +15,7 @@ from app.documents.protocol import IngestRequest
 from app.errors import InvalidRequestError, PayloadTooLargeError
 from app.rag.pipeline import RagPipeline
 from app.rag.types import RagRequest
-from blend_engine.loader import converted_gguf_dir, embedded_gguf_path
+from blend_engine.loader import embedded_tokenizer_dir
 from blend_engine.prompt import PromptBuilder
 from blend_engine.types import PrefillMode, SamplingParams
 from configs.settings import load_settings
@@ -78,7 +78,7 @@ def test_chunk_overlap_counts_against_the_bound():
 
 
 def test_a_too_long_chat_history_is_reported_as_such():
-    tokenizer = AutoTokenizer.from_pretrained(converted_gguf_dir(embedded_gguf_path(), load_settings().model.cache_dir))
+    tokenizer = AutoTokenizer.from_pretrained(embedded_tokenizer_dir(load_settings().model.cache_dir))
     engine = SimpleNamespace(max_context=200, prompts=PromptBuilder(tokenizer, "Be brief."))
     pipeline = RagPipeline(load_settings(), engine, retriever=None, kv_store=None, loop=None)
     history = ({"role": "user", "content": "tell me more " * 80}, {"role": "assistant", "content": "ok"})

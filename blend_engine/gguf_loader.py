@@ -1,0 +1,301 @@
+"""A GGUF file loaded natively: its tensors straight into the engine's weight formats, tensor by tensor.
+
+transformers' own GGUF path dequantizes the whole model to fp32 (Qwen2.5-1.5B: 7 GB in memory, 131-139 s
+through the safetensors copy the engine used to make). Here each tensor is read from the file, decoded
+(blend_engine/gguf_quants.py) and packed into the module the engine multiplies by, so no fp32 copy of more
+than one tensor exists at a time:
+
+- a 4-bit tensor (Q4_0, Q4_1, Q4_K: 16 levels in blocks of 32) goes into the int4 kernel level for level,
+  its block's scale and offset rounded to bf16 (`Int4Linear.from_levels`); any other type (Q5_0, Q6_K,
+  Q8_0, F16, ...) into int8 per output channel. That mix is the `gguf` weight format, what `auto` means
+  for a GGUF on CPU; int4, int8, bf16 or fp32 convert every layer to that format instead.
+- the token embedding stays in the file's blocks, as int8 levels with their scales (exact:
+  blend_engine/embedding.py); the lm_head (the file's `output`, or the embedding where tied) in int8.
+- everything else (norms, biases, Qwen3's q/k norms) in the model's dtype.
+
+The model skeleton is transformers' own class for the architecture, built with empty weights and filled
+here; llama files store q and k with their rows interleaved per head (llama.cpp's rope layout) and are
+put back in transformers' order. The config, the tokenizer (with its chat template) and the table of
+tensors are read from the file once and kept in `model.cache_dir` (`gguf_model_dir`): a warm start reads
+only the weights. A file that cannot be served (an architecture the engine does not run, a tensor type it
+does not read, a truncated file) is refused with its reason before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from blend_engine.embedding import Int8BlockEmbedding
+from blend_engine.gguf_quants import (BLOCK_TYPES, INT4_TYPES, SUPPORTED_TYPES, Blocks, decode_blocks, dequantize,
+                                      row_bytes, type_name)
+from blend_engine.int4 import Int4Linear
+from blend_engine.weights import Bf16Linear, Int8Linear, quantize_int8
+from configs.enums import WeightFormat
+
+log = logging.getLogger(__name__)
+
+# general.architecture -> gguf-py's tensor-name map; the families the engine's runner computes
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+_TABLE = "tensors.json"
+_MARKER = ".ragblend-complete"
+_LM_HEAD_ROWS = 16384  # rows of the lm_head quantized at a time: a 152k-token vocabulary's fp32 stays ~100 MB
+
+
+class GGUFError(ValueError):
+    """A GGUF file that cannot be served, and why."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    qtype: int  # ggml's type number
+    shape: tuple[int, ...]  # torch's order: [rows, cols] for a matrix (ggml lists it the other way round)
+    offset: int  # bytes from the start of the file
+    num_bytes: int
+
+
+class GGUFTensors:
+    """A GGUF file's tensors by name, each read from the file when decoded (not mapped: pages of a mapping
+    read once would stay in the process's memory until it is closed)."""
+
+    def __init__(self, path: Path, architecture: str, entries: dict[str, TensorEntry]):
+        self.path, self.architecture, self.entries = path, architecture, entries
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def entry(self, name: str) -> TensorEntry:
+        if name not in self.entries:
+            raise GGUFError(f"{self.path.name} has no tensor {name!r}: not a complete {self.architecture} model")
+        return self.entries[name]
+
+    def raw(self, name: str, rows: slice = slice(None)) -> np.ndarray:
+        """The tensor's bytes, [r, row_bytes] uint8, for `rows` (all by default)."""
+        entry = self.entry(name)
+        cols = entry.shape[-1]
+        num_rows = entry.num_bytes // row_bytes(entry.qtype, cols)
+        start, stop, _ = rows.indices(num_rows)
+        width = row_bytes(entry.qtype, cols)
+        data = np.fromfile(self.path, dtype=np.uint8, count=(stop - start) * width, offset=entry.offset + start * width)
+        return data.reshape(stop - start, width)
+
+    def blocks(self, name: str) -> Blocks:
+        entry = self.entry(name)
+        return decode_blocks(self.raw(name), entry.qtype, entry.shape[-1])
+
+    def dequantized(self, name: str, rows: slice = slice(None)) -> torch.Tensor:
+        """[r, cols] fp32 (a vector as [1, n])."""
+        entry = self.entry(name)
+        return dequantize(self.raw(name, rows), entry.qtype, entry.shape[-1])
+
+
+def read_header(path: Path) -> GGUFTensors:
+    """The file's architecture and tensor table, checked: every reason not to serve it is raised here,
+    before a weight is read. Parses the whole header (~6 s for a 152k-token vocabulary): done once per file."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except Exception as exc:  # the reader's errors name no file; a truncated header fails in numpy
+        raise GGUFError(f"{path} is not a readable GGUF file: {exc}") from exc
+    field = reader.fields.get("general.architecture")
+    architecture = str(field.contents()) if field is not None else "(none)"
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(f"{path.name}: architecture {architecture!r} is not supported; ragblend runs GGUF files of "
+                        f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    entries: dict[str, TensorEntry] = {}
+    for tensor in reader.tensors:
+        if tensor.tensor_type not in SUPPORTED_TYPES:
+            raise GGUFError(f"{path.name}: tensor {tensor.name} is {type_name(tensor.tensor_type)}, which ragblend does "
+                            f"not read; supported: {', '.join(sorted(type_name(t) for t in SUPPORTED_TYPES))}")
+        shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+        entries[tensor.name] = TensorEntry(int(tensor.tensor_type), shape, int(tensor.data_offset),
+                                           int(tensor.n_bytes))
+    check_complete(path, entries)
+    return GGUFTensors(path, architecture, entries)
+
+
+def check_complete(path: Path, entries: dict[str, TensorEntry]) -> None:
+    size = path.stat().st_size
+    end = max((e.offset + e.num_bytes for e in entries.values()), default=0)
+    if end > size:
+        raise GGUFError(f"{path} is truncated: {size} bytes where its tensors end at byte {end}")
+
+
+def gguf_model_dir(path: Path, cache_dir: Path) -> Path:
+    """A directory holding `path`'s config.json, tokenizer (with its chat template) and tensor table, read
+    from the file once (~20 s for a 152k-token vocabulary) and kept for warm starts. No weights: those are
+    read from the file at every load. Keyed by the file's path, size and mtime."""
+    stat = path.stat()
+    digest = hashlib.sha256(f"gguf:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_dir / f"{path.stem}-{digest}"
+    if (target / _MARKER).exists():
+        return target
+    header = read_header(path)  # refuses the file before transformers parses it
+    from transformers import AutoConfig, AutoTokenizer
+
+    log.info("reading %s's config and tokenizer into %s (first load only)", path, target)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".gguf-"))
+    try:
+        AutoConfig.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
+        table = {name: [e.qtype, list(e.shape), e.offset, e.num_bytes] for name, e in header.entries.items()}
+        (tmp / _TABLE).write_text(json.dumps({"architecture": header.architecture, "tensors": table}))
+        (tmp / _MARKER).touch()
+        try:
+            os.rename(tmp, target)  # atomic: a concurrent loader's copy is just as good
+        except OSError:
+            if not (target / _MARKER).exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def cached_tensors(path: Path, model_dir: Path) -> GGUFTensors:
+    table = json.loads((model_dir / _TABLE).read_text())
+    entries = {name: TensorEntry(qtype, tuple(shape), offset, num_bytes)
+               for name, (qtype, shape, offset, num_bytes) in table["tensors"].items()}
+    check_complete(path, entries)  # the file may have been cut since its table was read
+    return GGUFTensors(path, table["architecture"], entries)
+
+
+def resolve_gguf_format(fmt: WeightFormat, device: torch.device) -> WeightFormat:
+    """auto: each layer as its type is stored (`gguf`) on CPU, the dequantized weights elsewhere."""
+    if fmt == WeightFormat.AUTO:
+        return WeightFormat.GGUF if device.type == "cpu" else WeightFormat.FP32
+    if fmt in (WeightFormat.GGUF, WeightFormat.INT4) and device.type != "cpu":
+        raise ValueError(f"model.weights {fmt.value} runs on CPU only (its kernels are torch's CPU int4/int8 matmuls)")
+    return fmt
+
+
+def load_gguf(path: Path, cache_dir: Path, fmt: WeightFormat, device: torch.device, dtype: torch.dtype):
+    """(model, tokenizer) of a GGUF file, its layers in `fmt` (resolved: see `resolve_gguf_format`)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = gguf_model_dir(path, cache_dir)
+    tensors = cached_tensors(path, model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    with init_empty_weights(include_buffers=False):  # parameters on the meta device, RoPE's tables real
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    _fill(model, tensors, resolve_gguf_format(fmt, device), dtype)
+    model.name_or_path = str(path)  # the KV fingerprint digests the file (blend_engine/weights_id.py)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    return model.to(device).eval(), tokenizer
+
+
+def _fill(model: nn.Module, tensors: GGUFTensors, fmt: WeightFormat, dtype: torch.dtype) -> None:
+    """Every parameter of `model` (built on the meta device) from `tensors`."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    config = model.config
+    arch = next(key for key, value in MODEL_ARCH_NAMES.items() if value == tensors.architecture)
+    names = get_tensor_name_map(arch, config.num_hidden_layers)
+    # llama.cpp writes a llama's q and k rows interleaved per head (its rope layout); the heads to undo it by
+    interleaved = ({"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+                   if tensors.architecture == "llama" else {})
+
+    def gguf_name(module_name: str) -> str:
+        name = names.get_name(module_name)
+        if name is None:
+            raise GGUFError(f"no GGUF tensor maps to {module_name} of {type(model).__name__}")
+        return name
+
+    with torch.no_grad():
+        for module_name, module in list(model.get_decoder().layers.named_modules(prefix="model.layers")):
+            if isinstance(module, nn.Linear):
+                name = gguf_name(module_name)
+                heads = interleaved.get(name.rsplit(".", 1)[-1])
+                parent, _, child = module_name.rpartition(".")
+                setattr(model.get_submodule(parent), child, _linear(tensors, name, module, fmt, dtype, heads))
+        embedding = model.get_input_embeddings()
+        embed_name = gguf_name("model.embed_tokens")
+        head_name = "output" if "output.weight" in tensors else embed_name  # tied: the embedding read again
+        if fmt in (WeightFormat.FP32, WeightFormat.BF16):
+            weight = tensors.dequantized(f"{embed_name}.weight").to(dtype)
+            model.set_input_embeddings(nn.Embedding.from_pretrained(weight, freeze=True))
+            lm_weight = weight if head_name == embed_name else tensors.dequantized("output.weight").to(dtype)
+            head = nn.Linear(lm_weight.shape[1], lm_weight.shape[0], bias=False, device="cpu", dtype=dtype)
+            head.weight = nn.Parameter(lm_weight, requires_grad=False)  # a tie stays one matrix
+            model.set_output_embeddings(head if fmt == WeightFormat.FP32 else Bf16Linear(lm_weight, None))
+        else:
+            model.set_input_embeddings(_embedding(tensors, f"{embed_name}.weight", embedding.embedding_dim))
+            model.set_output_embeddings(_int8_rows(tensors, f"{head_name}.weight"))
+        for module_name, module in model.named_modules():
+            for leaf, param in list(module.named_parameters(recurse=False)):
+                if param.device.type != "meta":
+                    continue
+                name = f"{gguf_name(module_name)}.{leaf}"
+                value = tensors.dequantized(name).reshape(param.shape).to(dtype)
+                module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+    if hasattr(model.config, "tie_word_embeddings"):
+        model.config.tie_word_embeddings = False  # the lm_head is its own module now: nothing re-ties it
+
+
+def _unleave(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Rows [n, ...] of a llama q or k put back in transformers' order: llama.cpp stores each head's rows
+    as (pairs, 2), transformers as (2, pairs) (transformers' LlamaTensorProcessor undoes it the same way)."""
+    return t.reshape(num_heads, t.shape[0] // num_heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+def _linear(tensors: GGUFTensors, name: str, module: nn.Linear, fmt: WeightFormat, dtype: torch.dtype,
+            heads: int | None) -> nn.Module:
+    entry = tensors.entry(f"{name}.weight")
+    if entry.shape != (module.out_features, module.in_features):
+        raise GGUFError(f"{tensors.path.name}: {name}.weight is {list(entry.shape)}, the config's layer "
+                        f"{module.out_features}x{module.in_features}")
+    bias = tensors.dequantized(f"{name}.bias").reshape(-1) if module.bias is not None else None
+    order = (lambda t: _unleave(t, heads)) if heads else (lambda t: t)  # noqa: E731
+    if bias is not None:
+        bias = order(bias)
+    is_int4 = Int4Linear.fits(*entry.shape)
+    if fmt in (WeightFormat.GGUF, WeightFormat.INT4) and is_int4 and entry.qtype in INT4_TYPES:
+        blocks = tensors.blocks(f"{name}.weight")
+        # stored value = level * scale + offset; the kernel's = (q - 8) * scale + zero with q in 0..15
+        shift = 8 if blocks.levels.min() < 0 else 0  # Q4_0's levels are -8..7, Q4_1's and Q4_K's 0..15
+        offsets = blocks.offsets if blocks.offsets is not None else torch.zeros_like(blocks.scales)
+        zero = offsets + (8 - shift) * blocks.scales
+        return Int4Linear.from_levels(order(blocks.levels.to(torch.int32) + shift), order(blocks.scales),
+                                      order(zero), bias)
+    weight = order(tensors.dequantized(f"{name}.weight"))
+    if fmt == WeightFormat.INT4 and is_int4:
+        return Int4Linear.from_weight(weight, bias)
+    if fmt in (WeightFormat.GGUF, WeightFormat.INT4, WeightFormat.INT8):
+        return Int8Linear.from_weight(weight, bias)
+    if fmt == WeightFormat.BF16:
+        return Bf16Linear(weight, bias)
+    linear = nn.Linear(module.in_features, module.out_features, bias=bias is not None, device="cpu", dtype=dtype)
+    linear.weight.copy_(weight)
+    if bias is not None:
+        linear.bias.copy_(bias)
+    return linear.requires_grad_(False)
+
+
+def _embedding(tensors: GGUFTensors, name: str, dim: int) -> nn.Module:
+    """The token embedding in the file's own blocks (exact), or dense where its type has none (F16, ...)."""
+    entry = tensors.entry(name)
+    if entry.qtype in BLOCK_TYPES:
+        blocks = tensors.blocks(name)
+        return Int8BlockEmbedding(blocks.levels, blocks.scales, blocks.offsets)
+    return nn.Embedding.from_pretrained(tensors.dequantized(name).reshape(-1, dim), freeze=True)
+
+
+def _int8_rows(tensors: GGUFTensors, name: str) -> Int8Linear:
+    """An int8 lm_head from `name`, quantized a slice of rows at a time; its prefill copy made only once it
+    sees many rows (as load_model's lm_head: see Int8Linear)."""
+    num_rows = tensors.entry(name).shape[0]
+    parts = [quantize_int8(tensors.dequantized(name, slice(start, start + _LM_HEAD_ROWS)))
+             for start in range(0, num_rows, _LM_HEAD_ROWS)]
+    return Int8Linear(torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]), None, is_copy_kept=False)
