@@ -68,8 +68,9 @@ class GGUFTensors:
     """A GGUF file's tensors by name, each read from the file when decoded (not mapped: pages of a mapping
     read once would stay in the process's memory until it is closed)."""
 
-    def __init__(self, path: Path, architecture: str, entries: dict[str, TensorEntry]):
+    def __init__(self, path: Path, architecture: str, entries: dict[str, TensorEntry], head_dim: int | None = None):
         self.path, self.architecture, self.entries = path, architecture, entries
+        self.head_dim = head_dim  # the file's attention.key_length, where it states one
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
@@ -122,7 +123,8 @@ def read_header(path: Path) -> GGUFTensors:
         entries[tensor.name] = TensorEntry(int(tensor.tensor_type), shape, int(tensor.data_offset),
                                            int(tensor.n_bytes))
     check_complete(path, entries)
-    return GGUFTensors(path, architecture, entries)
+    key_length = reader.fields.get(f"{architecture}.attention.key_length")
+    return GGUFTensors(path, architecture, entries, None if key_length is None else int(key_length.contents()))
 
 
 def check_complete(path: Path, entries: dict[str, TensorEntry]) -> None:
@@ -148,7 +150,10 @@ def gguf_model_dir(path: Path, cache_dir: Path) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".gguf-"))
     try:
-        AutoConfig.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        if header.head_dim is not None and hasattr(config, "head_dim"):
+            config.head_dim = header.head_dim  # transformers maps no key_length: Qwen3's head_dim is not hidden / heads
+        config.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
         table = {name: [e.qtype, list(e.shape), e.offset, e.num_bytes] for name, e in header.entries.items()}
         (tmp / _TABLE).write_text(json.dumps({"architecture": header.architecture, "tensors": table}))

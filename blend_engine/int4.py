@@ -118,8 +118,10 @@ class Int4Linear(nn.Module):
         of times its scale, where the copy rounds adjacent levels together (the recovered ones then
         differ below bf16's resolution of the weight; `fuse` refuses any that change the copy)."""
         w = self.gemm_weight.float().reshape(self.out_features, -1, GROUP_SIZE)
-        return torch.round((w - self._per_row(1)) / self._per_row(0) + 8).clamp_(0, 15).reshape(
-            self.out_features, self.in_features)
+        scale = self._per_row(0)
+        # a group of scale 0 (a GGUF's Q4_K sub-block whose 6-bit scale is 0) holds its zero whatever the level
+        levels = torch.round((w - self._per_row(1)) / torch.where(scale == 0, 1.0, scale) + 8)
+        return torch.where(scale == 0, 8.0, levels).clamp_(0, 15).reshape(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= MAX_PACKED_ROWS:  # decode's rows: as few small ops as can be
