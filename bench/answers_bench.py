@@ -37,10 +37,10 @@ from app.commands.client import error_message
 from app.commands.exit_codes import ExitCode
 from bench.answers_set import REFUSAL, DEFAULT_SET, QuestionSet, SetQuestion, collapse, contains_gold, load_set
 from bench.answers_settings import SETTINGS, Setting, settings_named
-from bench.metrics import safe_median
-from bench.musique import Question, load_questions
-from bench.output import emit_summary
-from bench.server_client import QueryFailed, StreamedAnswer, stream_query
+from bench.harness.stats import safe_median
+from bench.harness.data import Question, load_questions
+from bench.harness.output import emit_summary
+from bench.harness.client import QueryFailed, StreamedAnswer, stream_query
 
 WARMUP_TOKENS = 4
 KV_POLL_S = 0.2
@@ -99,7 +99,7 @@ def started_server(name: str, overrides: Mapping[str, Any], args: argparse.Names
             with LiveServer(settings, ready_timeout_s=args.ready_timeout) as live:
                 yield live.url
         else:
-            from bench.local_servers import LocalServer, started
+            from bench.harness.servers import LocalServer, started
 
             base = yaml.safe_load(args.config.read_text()) if args.config else None
             config = Path(tmp) / "config.yaml"

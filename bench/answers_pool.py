@@ -28,7 +28,7 @@ from typing import Any
 from app.commands.exit_codes import ExitCode
 from bench.answers_bench import paired, print_tables, results
 from bench.answers_settings import Setting
-from bench.output import emit_summary
+from bench.harness.output import emit_summary
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Literal, Sequence
 
-from bench.metrics import normalize_answer
+from bench.harness.fidelity import normalize_answer
 
 DEFAULT_SET = Path(__file__).resolve().parent / "data" / "answers" / "questions.json"
 # a second set of other documents, for an independent check: nothing is tuned on it (docs/benchmarks/answers.md)

@@ -18,11 +18,13 @@ from statistics import median
 
 import torch
 
-from bench.engine_bench import DEFAULT_DATA, greedy_ids, model_overrides, prompt_for, timed_prefill
+from bench.harness.data import DEFAULT_DATA
+from bench.harness.engine import greedy_ids, model_overrides, prompt_for, timed_prefill
 from bench.engine_variants import Variant
-from bench.metrics import argmax_agreement, mean_kl, safe_mean, safe_median
-from bench.musique import load_questions
-from bench.output import cpu_name, emit_summary
+from bench.harness.fidelity import argmax_agreement, mean_kl
+from bench.harness.stats import safe_mean, safe_median
+from bench.harness.data import load_questions
+from bench.harness.output import cpu_name, emit_summary
 from blend_engine.engine import BlendEngine
 from blend_engine.types import PrefillMode
 from configs.settings import load_settings

@@ -20,11 +20,11 @@ from statistics import median
 
 import httpx
 
-from bench.engine_bench import DEFAULT_DATA
-from bench.local_servers import LocalServer, started
-from bench.musique import load_questions
-from bench.output import cpu_name, emit_summary
-from bench.server_client import chunk_ids, ingest
+from bench.harness.data import DEFAULT_DATA
+from bench.harness.servers import LocalServer, started
+from bench.harness.data import load_questions
+from bench.harness.output import cpu_name, emit_summary
+from bench.harness.client import chunk_ids, ingest
 
 SIDES = ("configured", "model")
 PAUSE_S = 0.3  # between turns: the other server's spinning threads go to sleep

@@ -23,7 +23,7 @@ from statistics import median
 
 import torch
 
-from bench.output import cpu_name, emit_summary
+from bench.harness.output import cpu_name, emit_summary
 from blend_engine.attention import AttentionMeta, attend_heads, grouped_meta, query_group_bounds
 
 # (queries, keys, share of the queries in the prompt's last queries-worth of positions)

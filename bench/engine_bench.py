@@ -9,27 +9,24 @@ from __future__ import annotations
 
 import argparse
 import time
-import zlib
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from bench.decode_bench import measure_decode
 from bench.engine_report import print_table, summarize
 from bench.format_bench import compare_formats, print_formats
-from bench.metrics import argmax_agreement, best_f1, mean_kl, safe_median, token_f1
+from bench.harness.fidelity import argmax_agreement, best_f1, mean_kl, token_f1
+from bench.harness.stats import safe_median
 from bench.engine_variants import (Variant, adaptive_variants, main_variants, selection_variants, spec_variants,
                                    sweep_variants)
-from bench.musique import Question, load_questions
-from bench.output import emit_summary
-from bench.synthetic import synthetic_prompt
+from bench.harness.args import add_data, add_model, add_out
+from bench.harness.data import Question, load_questions
+from bench.harness.engine import greedy_ids, measure_decode, model_overrides, prompt_for, timed_prefill
+from bench.harness.output import emit_summary
 from blend_engine.engine import BlendEngine
 from blend_engine.types import PrefillMode, PrefillResult, Segment
 from configs.enums import DeviationKind, SinkMode, WeightFormat
 from configs.settings import load_settings
-
-DEFAULT_DATA = "../shared/data/musique_dev.json"
-
 
 @dataclass
 class Record:
@@ -59,16 +56,8 @@ class Runs:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", default=DEFAULT_DATA, help="MuSiQue JSON (list of question/answers/ctxs)")
-    parser.add_argument("--questions", type=int, default=20)
-    parser.add_argument("--first-question", type=int, default=0,
-                        help="skip this many questions of the data first (e.g. a held-out set for calibration)")
-    parser.add_argument("--passages", type=int, default=5, help="passages per question, one chunk each")
-    parser.add_argument("--model", default=None, help="smollm2, a HF dir, a .gguf, or random:<shape>[:layers]")
-    parser.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--weights", default=None, choices=[w.value for w in WeightFormat],
-                        help="linear layers' weight format (model.weights; auto: int4 on CPU where the shapes fit, else int8)")
+    add_data(parser, questions=20, first_question=0)
+    add_model(parser)
     parser.add_argument("--reference-weights", default=None, choices=[w.value for w in WeightFormat],
                         help="also load the model in this format (e.g. fp32): side-by-side prefill and decode "
                              "speed, and the format's own fidelity (TF KL of full vs the reference's full)")
@@ -93,8 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-tokens", type=int, default=64,
                         help="decode ms/token over this many tokens, engine vs HF eager (0: skip)")
     parser.add_argument("--decode-questions", type=int, default=3, help="questions the decode rows are measured on")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
-    parser.add_argument("--out", default=None, help="also write the JSON summary here")
+    add_out(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     settings = _settings(args)
     engine = BlendEngine.from_config(settings.model, settings.blend)
-    questions = load_questions(args.data, args.first_question + args.questions, args.passages)[args.first_question:]
+    questions = load_questions(args.data, args.questions, args.passages, args.first_question)
     if not questions:
         raise ValueError(f"no questions left after skipping {args.first_question}")
     variants = main_variants(engine.blend, settings.blend.sink, _ratios(args.ratios))
@@ -134,13 +122,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def model_overrides(args: argparse.Namespace) -> dict:
-    """The model settings a bench's --model (model.name), --device, --dtype and --weights ask for
-    (those it has and was given)."""
-    return {"name" if key == "model" else key: getattr(args, key) for key in ("model", "device", "dtype", "weights")
-            if getattr(args, key, None) is not None}
-
-
 def _settings(args):
     overrides: dict = {"model": model_overrides(args), "blend": {}}
     if args.sink:
@@ -159,45 +140,8 @@ def _ratios(text: str, allow_empty: bool = False) -> list[float]:
     return ratios
 
 
-def prompt_for(engine: BlendEngine, question: Question, sink: SinkMode, chunk_cache: dict) -> list[Segment]:
-    """The question's prompt with every passage's KV precomputed behind `sink` (cached per sink);
-    random token ids of the same lengths when the model has no tokenizer."""
-    if sink not in chunk_cache and engine.tokenizer is None:
-        chunk_cache[sink] = synthetic_prompt(engine, question, sink, seed=zlib.crc32(question.question.encode()))
-    if sink not in chunk_cache:
-        context = engine.sink_ids(sink)
-        chunks = []
-        for text in question.passages:
-            ids = engine.tokenize(text)
-            chunks.append(Segment(tuple(ids), engine.precompute(ids, context)))
-        chunk_cache[sink] = engine.build_segments(question.question, chunks)
-    return chunk_cache[sink]
-
-
-def timed_prefill(engine: BlendEngine, segments, variant: Variant, extra: int) -> tuple[PrefillResult, float, int]:
-    """Prefill and pick the first token: the time to first token."""
-    t0 = time.perf_counter()
-    result = engine.prefill(segments, variant.mode, variant.blend, max_new_tokens=extra)
-    first = int(result.logits.argmax())
-    if result.logits.device.type == "cuda":
-        torch.cuda.synchronize()
-    return result, (time.perf_counter() - t0) * 1000, first
-
-
 def entropy(logits: torch.Tensor) -> float:
     return float(torch.distributions.Categorical(logits=logits.float()).entropy())
-
-
-def greedy_ids(engine: BlendEngine, result: PrefillResult, max_tokens: int) -> list[int]:
-    decoder = engine.decoder(result)
-    ids, logits = [], result.logits
-    for _ in range(max_tokens):
-        token = int(logits.argmax())
-        if token in engine.eos_ids:
-            break
-        ids.append(token)
-        logits = decoder.step(token)
-    return ids
 
 
 def bench_question(engine, question: Question, variants, runs: Runs, answer_tokens: int, is_quality: bool,

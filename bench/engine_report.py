@@ -6,7 +6,7 @@ import platform
 
 import torch
 
-from bench.metrics import safe_mean, safe_median
+from bench.harness.stats import safe_mean, safe_median
 from blend_engine.types import PrefillMode
 
 

@@ -9,9 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.decode_bench import measure_decode
+from bench.harness.engine import measure_decode
 from bench.engine_variants import Variant
-from bench.metrics import argmax_agreement, mean_kl, safe_mean, safe_median
+from bench.harness.engine import greedy_ids, prompt_for, timed_prefill
+from bench.harness.fidelity import argmax_agreement, mean_kl
+from bench.harness.stats import safe_mean, safe_median
 from blend_engine.engine import BlendEngine
 from blend_engine.types import PrefillMode
 from configs.enums import SinkMode
@@ -53,8 +55,6 @@ def compare_formats(engine: BlendEngine, reference: BlendEngine, questions, sink
 
 
 def _question(engine, reference, question, sink, args, index: int) -> FormatRecord:
-    from bench.engine_bench import greedy_ids, prompt_for, timed_prefill  # engine_bench imports this module
-
     full = Variant("full", PrefillMode.FULL, sink)
     ref_segments, segments = prompt_for(reference, question, sink, {}), prompt_for(engine, question, sink, {})
     ref_result, ref_ms, _ = timed_prefill(reference, ref_segments, full, args.answer_tokens)

@@ -27,7 +27,7 @@ from blend_engine.types import PrefillMode, Segment
 from configs.enums import KVQuantization, LoaderPriority, StorageDtype
 from configs.settings import load_settings
 from bench.kv_plan import fit_planners, planned_prefill
-from bench.output import emit_summary
+from bench.harness.output import emit_summary
 from kv_store.loader import handles_in
 from kv_store import KVStore, StoreConfig, Tier
 

@@ -18,10 +18,11 @@ from statistics import mean, median
 
 import torch
 
-from bench.engine_bench import DEFAULT_DATA, greedy_ids, prompt_for
-from bench.metrics import argmax_agreement, mean_kl
-from bench.musique import load_questions
-from bench.output import emit_summary
+from bench.harness.data import DEFAULT_DATA
+from bench.harness.engine import greedy_ids, prompt_for
+from bench.harness.fidelity import argmax_agreement, mean_kl
+from bench.harness.data import load_questions
+from bench.harness.output import emit_summary
 from blend_engine.engine import BlendEngine
 from blend_engine.kv import ChunkKV
 from blend_engine.types import PrefillMode, Segment

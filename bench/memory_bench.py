@@ -33,7 +33,7 @@ import yaml
 
 from bench.answers_set import DEFAULT_SET, load_set
 from bench.memory_probe import MB, mappings, read_rss
-from bench.output import emit_summary
+from bench.harness.output import emit_summary
 
 MEMORY_TIER = re.compile(r'^ragblend_kv_bytes\{tier="memory"\} (\S+)$', re.MULTILINE)
 PREFIX_CACHE = re.compile(r"^ragblend_prefix_cache_bytes (\S+)$", re.MULTILINE)
@@ -114,7 +114,7 @@ def exercise(client: httpx.Client, num_questions: int, num_documents: int | None
 
 def run_server(config: Path | None, args: argparse.Namespace) -> dict[str, Any]:
     """A `ragblend serve` child: read ready and idle, after uploads and questions, and idle again."""
-    from bench.local_servers import LocalServer, started
+    from bench.harness.servers import LocalServer, started
 
     with started(LocalServer("memory", config=config), args.ready_timeout) as server:
         pid = server.process.pid

@@ -28,14 +28,14 @@ from typing import Any, Sequence
 
 import httpx
 
-from bench.engine_bench import DEFAULT_DATA, prompt_for, timed_prefill
+from bench.harness.data import DEFAULT_DATA
+from bench.harness.engine import measure_decode, prompt_for, timed_prefill
 from bench.engine_variants import Variant
-from bench.decode_bench import measure_decode
-from bench.local_servers import LocalServer, environment_pairs, started
-from bench.musique import Question, load_questions
-from bench.output import emit_summary
-from bench.server_client import chunk_ids, ingest, stream_query
-from bench.server_report import spread
+from bench.harness.servers import LocalServer, environment_pairs, started
+from bench.harness.data import Question, load_questions
+from bench.harness.output import emit_summary
+from bench.harness.client import chunk_ids, ingest, stream_query
+from bench.harness.stats import spread
 from blend_engine.engine import BlendEngine
 from blend_engine.types import PrefillMode
 from configs.settings import load_settings

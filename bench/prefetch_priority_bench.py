@@ -33,7 +33,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.output import emit_summary  # noqa: E402
+from bench.harness.output import emit_summary  # noqa: E402
 from blend_engine.engine import BlendEngine  # noqa: E402
 from blend_engine.kv import ChunkKV  # noqa: E402
 from blend_engine.types import PrefillMode, Segment  # noqa: E402

@@ -30,8 +30,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from bench.engine_bench import model_overrides  # noqa: E402
-from bench.output import emit_summary  # noqa: E402
+from bench.harness.engine import model_overrides  # noqa: E402
+from bench.harness.output import emit_summary  # noqa: E402
 from blend_engine.engine import BlendEngine  # noqa: E402
 from configs.settings import load_settings  # noqa: E402
 

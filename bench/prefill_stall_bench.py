@@ -31,7 +31,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from bench.output import cpu_name  # noqa: E402
+from bench.harness.output import cpu_name  # noqa: E402
 from blend_engine.engine import BlendEngine  # noqa: E402
 from blend_engine.types import SamplingParams  # noqa: E402
 from configs.settings import load_settings  # noqa: E402

@@ -29,9 +29,9 @@ from typing import Any
 
 import httpx
 
-from bench.musique import Question, load_questions
-from bench.output import emit_summary
-from bench.server_client import StreamedAnswer, chunk_ids, ingest, stream_chat
+from bench.harness.data import Question, load_questions
+from bench.harness.output import emit_summary
+from bench.harness.client import StreamedAnswer, chunk_ids, ingest, stream_chat
 
 ROWS = ("blend, cache off", "no match", "exact repeat", "follow-up", "follow-up, cache off")
 FOLLOW_UP = "Which of the passages says so? Quote it."

@@ -24,8 +24,8 @@ from statistics import median
 import httpx
 
 from app.commands.ask import iter_events
-from bench.musique import Question, load_questions
-from bench.output import emit_summary
+from bench.harness.data import Question, load_questions
+from bench.harness.output import emit_summary
 
 STORES = ("sqlite", "pg")
 

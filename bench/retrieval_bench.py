@@ -29,7 +29,7 @@ import numpy as np
 
 from app.commands.exit_codes import ExitCode
 from bench.answers_set import DEFAULT_SET, load_set
-from bench.output import emit_summary
+from bench.harness.output import emit_summary
 from configs.enums import EmbedderRuntime, RetrievalMode
 
 if TYPE_CHECKING:

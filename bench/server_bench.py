@@ -26,15 +26,16 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence, TypeVar
+from typing import Any, Iterable, Sequence
 
 import httpx
 
 from app.commands.client import error_message
 from app.commands.exit_codes import ExitCode
-from bench.musique import Question, load_questions
-from bench.output import emit_summary
-from bench.server_client import QueryFailed, chunk_ids, ingest, stream_query
+from bench.harness.data import Question, load_questions
+from bench.harness.output import emit_summary
+from bench.harness.stats import alternated as in_turn
+from bench.harness.client import QueryFailed, chunk_ids, ingest, stream_query
 from bench.server_report import (
     Chat, Role, Round, Upload, level_stats, print_tables, ratio_rows, target_checks, upload_stats,
 )
@@ -44,7 +45,6 @@ from configs.enums import RequestMode
 # same `ragblend serve` command line starts both servers.
 BASELINE_ENV = {"RAGBLEND_SCHEDULER__MAX_RUNNING": "1"}
 WARMUP_TOKENS = 4
-T = TypeVar("T")
 ONE_CHUNK_CHARS = 1000  # well under one chunk (retrieval.chunk_tokens, 384 tokens by default)
 
 
@@ -171,11 +171,6 @@ async def run_round(client: httpx.AsyncClient, questions: Sequence[Question], in
 def round_questions(num_clients: int, repeat: int, num_questions: int) -> list[int]:
     """Distinct questions for one round's clients, moving on through the set from one repeat to the next."""
     return [(repeat * num_clients + j) % num_questions for j in range(num_clients)]
-
-
-def in_turn(targets: Sequence[T], turn: int) -> Sequence[T]:
-    """Alternate which server goes first, so neither always runs right after the other's round."""
-    return targets if turn % 2 == 0 else targets[::-1]
 
 
 def filler_passages(path: Path, num_questions: int, num_passages: int) -> list[str]:
@@ -359,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
 
 def serve_and_bench(args: argparse.Namespace, questions: Sequence[Question], filler: Sequence[str],
                     headers: dict[str, str]) -> dict[str, Any]:
-    from bench.local_servers import LocalServer, started
+    from bench.harness.servers import LocalServer, started
 
     config = args.config.resolve() if args.config else None
     baseline_env = baseline_environment(args.baseline_env)
@@ -385,6 +380,6 @@ def baseline_environment(pairs: Sequence[str] | None) -> dict[str, str]:
     """`--baseline-env NAME=VALUE ...` as a mapping; none given: one request at a time (BASELINE_ENV)."""
     if not pairs:
         return dict(BASELINE_ENV)
-    from bench.local_servers import environment_pairs
+    from bench.harness.servers import environment_pairs
 
     return environment_pairs(pairs, "--baseline-env")

@@ -30,12 +30,13 @@ from statistics import mean, median
 import httpx
 
 from app.commands.exit_codes import ExitCode
-from bench.metrics import best_f1, normalize_answer, token_f1
-from bench.musique import Question, load_questions
-from bench.output import emit_summary
-from bench.server_bench import WARMUP_TOKENS, in_turn, round_questions, run_round
-from bench.server_client import chunk_ids, ingest, stream_query
-from bench.server_report import Round, level_stats, ratio, spread
+from bench.harness.fidelity import best_f1, normalize_answer, token_f1
+from bench.harness.data import Question, load_questions
+from bench.harness.output import emit_summary
+from bench.server_bench import WARMUP_TOKENS, round_questions, run_round
+from bench.harness.client import chunk_ids, ingest, stream_query
+from bench.harness.stats import alternated as in_turn, ratio, spread
+from bench.server_report import Round, level_stats
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -10,9 +10,9 @@ from enum import Enum
 from statistics import mean, median
 from typing import Any, Sequence
 
-import numpy as np
-
-from bench.server_client import StreamedAnswer
+from bench.harness.client import StreamedAnswer
+from bench.harness.output import fmt
+from bench.harness.stats import percentile, ratio
 
 # Targets of issue 23, checked at the largest level (vs one client and vs the baseline) and at one client.
 MIN_TOKENS_PER_S_VS_ONE_CLIENT = 1.6
@@ -51,23 +51,6 @@ class Round:
 
 
 # ---- statistics ------------------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear interpolation between the closest ranks (numpy's default); None for no values."""
-    return float(np.percentile(values, q)) if len(values) else None
-
-
-def ratio(numerator: float | None, denominator: float | None) -> float | None:
-    return numerator / denominator if numerator is not None and denominator else None
-
-
-def spread(values: Sequence[float | None]) -> dict[str, Any]:
-    """Per-round values (None where a round had none) with their median, min-max and IQR."""
-    known = [v for v in values if v is not None]
-    return {"values": list(values), "median": median(known) if known else None,
-            "min": min(known, default=None), "max": max(known, default=None),
-            "p25": percentile(known, 25), "p75": percentile(known, 75)}
 
 
 def level_stats(rounds: Sequence[Round]) -> dict[str, Any]:
@@ -189,14 +172,6 @@ def target_checks(summary: dict[str, Any]) -> list[dict[str, Any]]:
 # ---- tables ----------------------------------------------------------------------------------
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f}"
-
-
-def _num(value: float | None, digits: int = 1, suffix: str = "") -> str:
-    return "-" if value is None else f"{value:.{digits}f}{suffix}"
-
-
 def print_tables(summary: dict[str, Any]) -> None:
     prompt = [row["mean_prompt_tokens"] for rows in summary["results"].values() for row in rows
               if row["mean_prompt_tokens"] is not None]
@@ -209,18 +184,18 @@ def print_tables(summary: dict[str, Any]) -> None:
     rows = sorted(((row["clients"], role, row) for role, rows in summary["results"].items() for row in rows),
                   key=lambda item: (item[0], item[1] != Role.SERVER.value))
     for clients, role, row in rows:
-        print(f"{role:<9}{clients:>8}{_ms(row['ttft_p50_ms']):>10}{_ms(row['ttft_p95_ms']):>10}"
-              f"{_num(row['itl_p50_ms']):>9}{_num(row['itl_p95_ms']):>9}{_ms(row.get('itl_max_ms')):>9}"
-              f"{_ms(row['queue_p50_ms']):>10}"
-              f"{_num(row['tokens_per_s']):>8}{_num(row['requests_per_s'], 2):>8}"
-              f"{_num(row['decode_tokens_per_s_p50']):>13}{row['num_errors']:>8}")
+        print(f"{role:<9}{clients:>8}{fmt(row['ttft_p50_ms'], 0):>10}{fmt(row['ttft_p95_ms'], 0):>10}"
+              f"{fmt(row['itl_p50_ms']):>9}{fmt(row['itl_p95_ms']):>9}{fmt(row.get('itl_max_ms'), 0):>9}"
+              f"{fmt(row['queue_p50_ms'], 0):>10}"
+              f"{fmt(row['tokens_per_s']):>8}{fmt(row['requests_per_s'], 2):>8}"
+              f"{fmt(row['decode_tokens_per_s_p50']):>13}{row['num_errors']:>8}")
     print(f"\n{'clients':>7}{'TTFT p50 vs base':>18}{'TTFT p95 vs base':>18}{'tok/s vs base':>15}"
           f"{'tok/s vs 1 client':>19}{'(baseline)':>12}")
     for row in summary["ratios"]:
-        print(f"{row['clients']:>7}{_num(row['ttft_p50_vs_baseline'], 2, 'x'):>18}"
-              f"{_num(row['ttft_p95_vs_baseline'], 2, 'x'):>18}{_num(row['tokens_per_s_vs_baseline'], 2, 'x'):>15}"
-              f"{_num(row['tokens_per_s_vs_one_client'], 2, 'x'):>19}"
-              f"{_num(row['baseline_tokens_per_s_vs_one_client'], 2, 'x'):>12}")
+        print(f"{row['clients']:>7}{fmt(row['ttft_p50_vs_baseline'], 2, 'x'):>18}"
+              f"{fmt(row['ttft_p95_vs_baseline'], 2, 'x'):>18}{fmt(row['tokens_per_s_vs_baseline'], 2, 'x'):>15}"
+              f"{fmt(row['tokens_per_s_vs_one_client'], 2, 'x'):>19}"
+              f"{fmt(row['baseline_tokens_per_s_vs_one_client'], 2, 'x'):>12}")
     for check in summary["targets"]:
         print(f"target: {check['name']} at {check['clients']} client(s) {check['bound']}: {check['value']:.2f} "
               f"{'met' if check['is_met'] else 'NOT met'}")
@@ -239,12 +214,12 @@ def print_uploads(uploads: dict[str, dict[str, Any]]) -> None:
         cells = []
         for role in roles:
             c = by_role[role].get(qi)
-            cells.append(f"{_ms(c and c['ttft_ms_without']):>18}{_ms(c and c['ttft_ms_with']):>8}"
-                         f"{_ms(c and c['growth_ms']):>8}")
+            cells.append(f"{fmt(c and c['ttft_ms_without'], 0):>18}{fmt(c and c['ttft_ms_with'], 0):>8}"
+                         f"{fmt(c and c['growth_ms'], 0):>8}")
         print(f"{qi:>8}" + "".join(cells))
     for role, run in uploads.items():
-        print(f"{role}: largest TTFT growth {_ms(run['max_ttft_growth_ms'])} ms; upload p50 "
-              f"{_ms(run['upload_p50_ms'])} ms, max {_ms(run['upload_max_ms'])} ms; one-chunk upload alone "
-              f"{_ms(run['one_chunk_upload_ms'])} ms; errors {run['num_errors']}; background work before a "
-              f"chat's first token: at most {_ms(run['background_ms_max'])} ms "
+        print(f"{role}: largest TTFT growth {fmt(run['max_ttft_growth_ms'], 0)} ms; upload p50 "
+              f"{fmt(run['upload_p50_ms'], 0)} ms, max {fmt(run['upload_max_ms'], 0)} ms; one-chunk upload alone "
+              f"{fmt(run['one_chunk_upload_ms'], 0)} ms; errors {run['num_errors']}; background work before a "
+              f"chat's first token: at most {fmt(run['background_ms_max'], 0)} ms "
               f"({run['num_chats_waited_on_background']} chats waited on some)")

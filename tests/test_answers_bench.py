@@ -19,7 +19,7 @@ from bench.answers_bench import (in_turn, paired, paired_row, part_row, pick_que
                                  score_musique_answer)
 from bench.answers_set import DEFAULT_SET, HOLDOUT2_SET, HOLDOUT_SET, collapse, contains_gold, load_set
 from bench.answers_settings import Setting, settings_named
-from bench.server_client import StreamedAnswer
+from bench.harness.client import StreamedAnswer
 from tests.docgen import make_pdf
 
 TINY_CONFIG = 'model: {"name": "random:tiny-llama", "device": "cpu"}\n'

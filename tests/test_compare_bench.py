@@ -17,7 +17,7 @@ import pytest
 from app.cli import main
 from bench import compare_bench, compare_build
 from bench.compare_bench import Side
-from bench.local_servers import REPO_ROOT, process_tree_cpu_s
+from bench.harness.servers import REPO_ROOT, process_tree_cpu_s
 from test_server_bench import TINY_MODEL, dataset
 
 ROUNDS, CLIENTS = 2, 2

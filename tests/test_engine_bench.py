@@ -4,7 +4,7 @@ import argparse
 import json
 
 from bench import engine_bench
-from bench.metrics import best_f1, mean_kl, token_f1
+from bench.harness.fidelity import best_f1, mean_kl, token_f1
 
 import pytest
 import torch

@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from bench.local_servers import LocalServer, started
+from bench.harness.servers import LocalServer, started
 from bench.memory_bench import exercise, reading
 
 pytestmark = pytest.mark.smollm2

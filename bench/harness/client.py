@@ -1,8 +1,10 @@
-"""HTTP helpers of the server benches: ingest questions' passages, and stream one /v1/query timing
-each event's arrival on the client (time.perf_counter)."""
+"""The server benches' HTTP client: a server's readiness and model, questions' passages ingested (one
+passage, one chunk, KV precomputed), documents deleted, background KV waited for, and one streamed
+/v1/query or /v1/chat/completions timing each event's arrival here (time.perf_counter)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass
@@ -12,7 +14,7 @@ import httpx
 
 from app.commands.ask import iter_events
 from app.commands.client import error_message
-from bench.musique import Question
+from bench.harness.data import Question
 
 
 class QueryFailed(Exception):
@@ -34,6 +36,37 @@ def ingest(client: httpx.Client, questions: Sequence[Question]) -> float:
         if response.status_code != 201:
             raise QueryFailed(f"ingesting question {qi}'s passages: {error_message(response)}")
     return time.perf_counter() - start
+
+
+def ready_model(client: httpx.Client) -> str:
+    """The model a ready server serves; QueryFailed where it is not ready."""
+    ready = client.get("/readyz")
+    if ready.status_code != 200:
+        raise QueryFailed(f"{client.base_url} is not ready: {ready.text[:300]}")
+    return client.get("/v1/models").json()["data"][0]["id"]
+
+
+async def delete_documents(client: httpx.AsyncClient, ids: Sequence[str]) -> None:
+    for doc_id in ids:
+        response = await client.delete(f"/v1/documents/{doc_id}")
+        if response.status_code != 200:
+            raise QueryFailed(f"deleting document {doc_id}: {error_message(response)}")
+
+
+async def wait_for_kv(client: httpx.AsyncClient, doc_ids: Sequence[str], timeout_s: float, poll_s: float = 0.2) -> None:
+    """Until every chunk of `doc_ids` has its KV (a large document's is computed in the background, and
+    a question asked meanwhile would wait for it)."""
+    deadline = time.monotonic() + timeout_s
+    for doc_id in doc_ids:
+        while True:
+            response = await client.get(f"/v1/documents/{doc_id}")
+            if response.status_code != 200:
+                raise QueryFailed(f"reading document {doc_id}: {error_message(response)}")
+            if all(chunk["kv_cached"] for chunk in response.json()["chunks"]):
+                break
+            if time.monotonic() > deadline:
+                raise QueryFailed(f"document {doc_id}'s KV not computed within {timeout_s:.0f} s (--kv-timeout)")
+            await asyncio.sleep(poll_s)
 
 
 @dataclass(frozen=True)

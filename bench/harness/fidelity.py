@@ -1,12 +1,12 @@
-"""Fidelity metrics shared by the benchmarks: token F1 (SQuAD-style) and next-token KL."""
+"""Fidelity metrics shared by the benchmarks: token F1 (SQuAD-style) against an answer, next-token KL and
+argmax agreement against a reference's logits."""
 
 from __future__ import annotations
 
 import re
 import string
 from collections import Counter
-from statistics import median
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -46,13 +46,3 @@ def argmax_agreement(logits: torch.Tensor, target_ids: Sequence[int]) -> float:
     if not target_ids:
         return 1.0
     return float((logits.argmax(-1) == torch.tensor(list(target_ids), device=logits.device)).float().mean())
-
-
-def safe_median(values: Iterable[float]) -> float | None:
-    values = list(values)
-    return median(values) if values else None
-
-
-def safe_mean(values: Iterable[float]) -> float | None:
-    values = list(values)
-    return sum(values) / len(values) if values else None

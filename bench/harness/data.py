@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+DEFAULT_DATA = "../shared/data/musique_dev.json"  # where the prompts of most benches come from
+
 
 @dataclass(frozen=True)
 class Question:
@@ -14,7 +16,8 @@ class Question:
     passages: tuple[str, ...]
 
 
-def load_questions(path: Path | str, num_questions: int, num_passages: int) -> list[Question]:
+def load_questions(path: Path | str, num_questions: int, num_passages: int, first: int = 0) -> list[Question]:
+    """Questions `first` to `first + num_questions` of the data set, each with its first `num_passages`."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"dataset not found: {path}")
@@ -22,7 +25,7 @@ def load_questions(path: Path | str, num_questions: int, num_passages: int) -> l
     if num_questions < 1 or num_passages < 1:
         raise ValueError("--questions and --passages must be >= 1")
     out = []
-    for item in items[:num_questions]:
+    for item in items[first:first + num_questions]:
         passages = tuple(_passage_text(c) for c in item["ctxs"][:num_passages])
         out.append(Question(item["question"], tuple(item["answers"]), passages))
     return out

@@ -1,6 +1,7 @@
-"""`ragblend bench server --serve` and `ragblend bench compare`: `ragblend serve` started here, as a user
-would start it, each on a free loopback port over its own temporary data dir, its output in a log file
-there; by default this checkout's code under this interpreter, or another checkout's under its own."""
+"""Servers a bench starts: `ragblend serve` started here, as a user would start it, each on a free loopback
+port over its own temporary data dir, its output in a log file there; by default this checkout's code under
+this interpreter, or another checkout's under its own. Or, for a quicker start, a server in this process
+(`started_server(..., in_process=True)`)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Iterator, Mapping, Sequence
+from typing import IO, Any, Iterator, Mapping, Sequence
+
+import yaml
 
 from app.readiness import free_port, wait_ready
 
 # The checkout this bench runs from: the servers import the same code (PYTHONPATH), whatever the cwd.
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 STOP_TIMEOUT_S = 60.0
 LOG_TAIL_CHARS = 3000
 
@@ -140,3 +143,34 @@ def started(server: LocalServer, ready_timeout_s: float) -> Iterator[LocalServer
         yield server
     finally:
         server.stop()
+
+
+def deep_merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """`base` with `top` laid over it, nested mappings merged key by key."""
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = deep_merge(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) \
+            else value
+    return out
+
+
+@contextlib.contextmanager
+def started_server(name: str, overrides: Mapping[str, Any], config: Path | None, ready_timeout_s: float,
+                   in_process: bool = False) -> Iterator[str]:
+    """A fresh server with `overrides` over `config` (over the defaults), on an empty temporary data dir: a
+    `ragblend serve` child, or uvicorn threads in this process (`in_process`); yields its URL once ready,
+    stops it on exit."""
+    with tempfile.TemporaryDirectory(prefix=f"ragblend-bench-{name}-") as tmp:
+        if in_process:
+            from app.testing import LiveServer
+            from configs.settings import load_settings
+
+            settings = load_settings(config, **deep_merge(overrides, {"data_dir": Path(tmp) / "data"}))
+            with LiveServer(settings, ready_timeout_s=ready_timeout_s) as live:
+                yield live.url
+        else:
+            base = yaml.safe_load(config.read_text()) if config else None
+            merged = Path(tmp) / "config.yaml"
+            merged.write_text(yaml.safe_dump(deep_merge(base or {}, overrides)))
+            with started(LocalServer(name, config=merged), ready_timeout_s) as server:
+                yield server.url
