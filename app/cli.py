@@ -38,10 +38,6 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("collections",): ("app.commands.collections", "create, list or delete knowledge bases on a running server"),
     ("keys",): ("app.commands.keys", "create, list or revoke scoped API keys on a running server"),
     ("bench", "engine"): ("bench.engine_bench", "engine benchmark: TTFT and fidelity per prefill mode"),
-    ("bench", "attention-dtype"): ("bench.attention_dtype_bench", "a prefill's attention in the model's dtype "
-                                   "against bf16, side by side: full and blend TTFT, KL against float32's full"),
-    ("bench", "attention-groups"): ("bench.attention_groups_bench", "one layer's subset attention on the CPU: the "
-                                    "engine's query groups against the grouping before and one call"),
     ("bench", "kv"): ("bench.kv_bench", "KV store benchmark: blend TTFT per tier, pipelined or not"),
     ("bench", "server"): ("bench.server_bench", "concurrent streaming clients against servers, side by side with a "
                           "one-sequence-at-a-time baseline: TTFT, inter-token latency, aggregate tok/s"),
@@ -66,8 +62,6 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
                                  "as retrieved, the best alone, the chunk stating the answer alone (a bound)"),
     ("bench", "kv-codec"): ("bench.kv_codec_bench", "KV entry formats: bytes per token, decode speed, fidelity"),
     ("bench", "corpus"): ("bench.corpus_bench", "KV budget at corpus scale: hit rate and TTFT per budget, Zipf stream"),
-    ("bench", "collections"): ("bench.collections_bench", "retrieval scoped to collections: one filtered index vs an "
-                               "index per collection, search p50/p99"),
     ("bench", "plot"): ("bench.plot", "plot an engine bench's KL-vs-speed frontier (PNG)"),
     ("bench", "memory"): ("bench.memory_bench", "where a server's memory goes: RSS stage by stage through start-up, "
                           "and a live server's, idle after start-up and after a run of questions"),

@@ -13,7 +13,8 @@
 #   decode8b   the batched decode step at 3k-token caches, Llama-3-8B shape (eager and CUDA-graphed buckets)
 #   server     ragblend serve on a random Llama-3-8B, ingest, ragblend bench server (1, 8, 16 clients) and
 #              bench server-modes (TTFT per mode; blend's requests/s against full's at 8 and 16 clients)
-#   (and, not by default, the first GPU run's: decode7b, decode7b512, shapes, packing)
+#   (and, not by default, the first GPU run's: decode7b, decode7b512; its shapes and packing were retired
+#   in issue 64: docs/benchmarks/gpu.md)
 #
 # Prepare it here, once: `python -m bench.device_pack pack` writes .device/ (the tokenizer, the embedder's
 # configuration, the data set) and .whl/ (the server's wheels the GPU image lacks), both ignored by git:
@@ -102,8 +103,6 @@ step decode7b 120 $PY -m bench.batch_decode_bench --device $DEVICE --model $M7 -
   --batch-sizes $BATCHES --parts batch,graphed --out "$WORK/batch_decode_llama7b_ctx$CONTEXT.json"
 step decode7b512 70 $PY -m bench.batch_decode_bench --device $DEVICE --model $M7 --context 512 --rounds 3 \
   --batch-sizes $BATCHES --parts batch,graphed --out "$WORK/batch_decode_llama7b_ctx512.json"
-step shapes 90 $PY -m bench.device_probe --parts shapes
-step packing 60 $PY -m bench.prefill_packing_bench --device $DEVICE --model $M7 --out "$WORK/prefill_packing.json"
 
 echo
 cat "$OUT/summary.md" 2>/dev/null || echo "no summary: $WORK/summary.log"

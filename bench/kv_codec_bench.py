@@ -31,7 +31,6 @@ from configs.settings import load_settings
 from configs.enums import KVQuantization, StorageDtype
 from kv_store import codec
 from kv_store.keys import StorageFormat, chunk_key
-from kv_store.lowbit import BitWidths
 
 FP16 = StorageFormat(StorageDtype.FLOAT16)
 
@@ -39,8 +38,7 @@ FP16 = StorageFormat(StorageDtype.FLOAT16)
 @dataclass(frozen=True)
 class Candidate:
     name: str
-    fmt: StorageFormat | None  # a storage format the store ships (None: a measured-only variant)
-    spec_override: dict | None = None  # LowBitSpec fields, for variants measured but not shipped
+    fmt: StorageFormat  # a storage format the store ships
 
 
 def candidates() -> list[Candidate]:
@@ -48,31 +46,6 @@ def candidates() -> list[Candidate]:
     for q in KVQuantization:
         if q not in (KVQuantization.NONE, KVQuantization.INT8):
             out.append(Candidate(q.value, StorageFormat(StorageDtype.FLOAT16, q)))
-    # measured, not shipped: the alternatives the default was picked over
-    for name, spec in [
-        ("k4v3 g32 8-bit scales, packed, no zstd", dict(key_bits=4, value_bits=3, group_tokens=32, zstd_level=0,
-                                                        scale_bits=8)),
-        ("k4v3 g32 fp16 scales, zstd (the first int4)", dict(key_bits=4, value_bits=3, group_tokens=32)),
-        ("k4v4 g32 zstd", dict(key_bits=4, value_bits=4, group_tokens=32)),
-        ("k4v2 g32 zstd", dict(key_bits=4, value_bits=2, group_tokens=32)),
-        ("k4v3 g32 delta+zstd", dict(key_bits=4, value_bits=3, group_tokens=32, is_delta=True)),
-        # which half the error comes from, and finer key groups
-        ("k8v3 g32 8-bit scales, zstd", dict(key_bits=8, value_bits=3, group_tokens=32, scale_bits=8)),
-        ("k4v8 g32 8-bit scales, zstd", dict(key_bits=4, value_bits=8, group_tokens=32, scale_bits=8)),
-        ("k4v3 g16 8-bit scales, zstd", dict(key_bits=4, value_bits=3, group_tokens=16, scale_bits=8)),
-        # widths by range (the int4 default since stop 30: keys 3.5 bits per channel, values 3.5 per token
-        # on average) against one width for all (stop 29's) and widths by range for the keys alone
-        ("k4v3 g32 8-bit scales, zstd, uniform widths", dict(key_bits=4, value_bits=3, group_tokens=32,
-                                                             scale_bits=8)),
-        ("k4v3 g32 8-bit scales, zstd, key widths by range", dict(key_bits=4, value_bits=3, group_tokens=32,
-                                                                  scale_bits=8, key_widths=BitWidths.BY_RANGE)),
-        ("k3v3 g32 8-bit scales, zstd, key widths by range", dict(key_bits=3, value_bits=3, group_tokens=32,
-                                                                  scale_bits=8, key_widths=BitWidths.BY_RANGE)),
-        ("k3v3 g32 8-bit scales, zstd, widths by range", dict(key_bits=3, value_bits=3, group_tokens=32,
-                                                              scale_bits=8, key_widths=BitWidths.BY_RANGE,
-                                                              value_widths=BitWidths.BY_RANGE)),
-    ]:
-        out.append(Candidate(name, None, spec))
     return out
 
 
@@ -90,27 +63,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _round_trip(kv: ChunkKV, cand: Candidate, sizes: dict, times: dict) -> ChunkKV:
     """Encode and decode the chunk as the tier would: its bytes and timings are added up per format."""
-    from kv_store import lowbit
-
-    if cand.fmt is not None:
-        t0 = time.perf_counter()
-        key = chunk_key("bench", cand.fmt, kv.token_ids, kv.context_ids)
-        blob = codec.encode(kv, key, "bench", cand.fmt)
-        t1 = time.perf_counter()
-        header = codec.read_header(blob, key, "bench", cand.fmt, kv.shape)
-        out = codec.decode(header, lambda b, e: bytearray(blob[b:e]))
-        t2 = time.perf_counter()
-        payload = sum(header.layer_nbytes(i) for i in range(header.num_layers))
-    else:
-        spec = lowbit.LowBitSpec(**cand.spec_override)
-        t0 = time.perf_counter()
-        payloads = [lowbit.encode_layer(torch.stack([kv.keys[i], kv.values[i]]), spec) for i in range(kv.num_layers)]
-        t1 = time.perf_counter()
-        _, h, n, d = kv.keys.shape
-        layers = [lowbit.decode_layer(p, h, n, d, spec) for p in payloads]  # [2, H, n, D] each
-        t2 = time.perf_counter()
-        out = ChunkKV(kv.token_ids, kv.context_ids, torch.stack([x[0] for x in layers]), torch.stack([x[1] for x in layers]))
-        payload = sum(len(p) for p in payloads)
+    t0 = time.perf_counter()
+    key = chunk_key("bench", cand.fmt, kv.token_ids, kv.context_ids)
+    blob = codec.encode(kv, key, "bench", cand.fmt)
+    t1 = time.perf_counter()
+    header = codec.read_header(blob, key, "bench", cand.fmt, kv.shape)
+    out = codec.decode(header, lambda b, e: bytearray(blob[b:e]))
+    t2 = time.perf_counter()
+    payload = sum(header.layer_nbytes(i) for i in range(header.num_layers))
     sizes[cand.name] = sizes.get(cand.name, 0) + payload
     times.setdefault(cand.name, [0.0, 0.0])
     times[cand.name][0] += t1 - t0
@@ -172,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         decoded_bytes = fp16_bytes * num_tokens  # what every format decodes to (fp16)
         kl = mean(kls[cand.name]) if kls[cand.name] else None
         rows.append({
-            "format": cand.name, "is_shipped": cand.fmt is not None,
+            "format": cand.name, "is_shipped": True,
             "bytes_per_token": round(bpt, 1), "vs_float16": round(bpt / fp16_bytes, 4),
             "encode_mb_s": round(decoded_bytes / times[cand.name][0] / 1e6, 1),
             "decode_mb_s": round(decoded_bytes / times[cand.name][1] / 1e6, 1),
