@@ -37,7 +37,9 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("store", "copy"): ("app.commands.store_copy", "copy a data directory's SQLite documents into Postgres"),
     ("collections",): ("app.commands.collections", "create, list or delete knowledge bases on a running server"),
     ("keys",): ("app.commands.keys", "create, list or revoke scoped API keys on a running server"),
-    ("bench", "engine"): ("bench.engine_bench", "engine benchmark: TTFT and fidelity per prefill mode"),
+    ("bench", "engine"): ("bench.engine.prefill", "engine benchmark: TTFT and fidelity per prefill mode"),
+    ("bench", "batch-decode"): ("bench.engine.batch_decode", "one decode step for B sequences at once against B "
+                                "single steps (eager, and CUDA-graphed buckets on a GPU)"),
     ("bench", "kv"): ("bench.kv_bench", "KV store benchmark: blend TTFT per tier, pipelined or not"),
     ("bench", "server"): ("bench.server_bench", "concurrent streaming clients against servers, side by side with a "
                           "one-sequence-at-a-time baseline: TTFT, inter-token latency, aggregate tok/s"),
@@ -62,7 +64,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
                                  "as retrieved, the best alone, the chunk stating the answer alone (a bound)"),
     ("bench", "kv-codec"): ("bench.kv_codec_bench", "KV entry formats: bytes per token, decode speed, fidelity"),
     ("bench", "corpus"): ("bench.corpus_bench", "KV budget at corpus scale: hit rate and TTFT per budget, Zipf stream"),
-    ("bench", "plot"): ("bench.plot", "plot an engine bench's KL-vs-speed frontier (PNG)"),
+    ("bench", "plot"): ("bench.engine.plot", "plot an engine bench's KL-vs-speed frontier (PNG)"),
     ("bench", "memory"): ("bench.memory_bench", "where a server's memory goes: RSS stage by stage through start-up, "
                           "and a live server's, idle after start-up and after a run of questions"),
 }

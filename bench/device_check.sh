@@ -94,14 +94,14 @@ step prefill8b 70 $PY -m bench.device_probe --parts prefill --model $M8 --device
 step engine7b 90 $PY -m app.cli bench engine --device $DEVICE --model $M7 --data "$DATA" --passages $PASSAGES \
   --questions $QUESTIONS --ratios 0.15 --no-prefix-row --no-answers --decode-tokens $DECODE_TOKENS \
   --decode-questions 1 --out "$WORK/engine_7b.json"
-step decode8b 70 $PY -m bench.batch_decode_bench --device $DEVICE --model $M8 --context $CONTEXT --rounds $ROUNDS \
+step decode8b 70 $PY -m bench.engine.batch_decode --device $DEVICE --model $M8 --context $CONTEXT --rounds $ROUNDS \
   --steps $DECODE_STEPS --batch-sizes $BATCHES --parts batch,graphed --weights fp32 --out "$WORK/decode_8b.json"
 step server 220 $PY -m bench.device_server --out-dir "$WORK/server" --model $SERVER_MODEL --device $DEVICE \
   --pack "$PACK" --data "$DATA" $SERVER_SIZES
 # the first GPU run's checks (docs/benchmarks/gpu.md), by name only
-step decode7b 120 $PY -m bench.batch_decode_bench --device $DEVICE --model $M7 --context $CONTEXT --rounds 3 \
+step decode7b 120 $PY -m bench.engine.batch_decode --device $DEVICE --model $M7 --context $CONTEXT --rounds 3 \
   --batch-sizes $BATCHES --parts batch,graphed --out "$WORK/batch_decode_llama7b_ctx$CONTEXT.json"
-step decode7b512 70 $PY -m bench.batch_decode_bench --device $DEVICE --model $M7 --context 512 --rounds 3 \
+step decode7b512 70 $PY -m bench.engine.batch_decode --device $DEVICE --model $M7 --context 512 --rounds 3 \
   --batch-sizes $BATCHES --parts batch,graphed --out "$WORK/batch_decode_llama7b_ctx512.json"
 
 echo

@@ -29,8 +29,7 @@ from typing import Any, Sequence
 import httpx
 
 from bench.harness.data import DEFAULT_DATA
-from bench.harness.engine import measure_decode, prompt_for, timed_prefill
-from bench.engine_variants import Variant
+from bench.harness.engine import Variant, measure_decode, prompt_for, timed_prefill
 from bench.harness.servers import LocalServer, environment_pairs, started
 from bench.harness.data import Question, load_questions
 from bench.harness.output import emit_summary

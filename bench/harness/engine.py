@@ -20,7 +20,7 @@ import torch
 
 from bench.harness.data import Question
 from blend_engine.engine import BlendEngine
-from blend_engine.types import PrefillMode, PrefillResult, Segment
+from blend_engine.types import BlendConfig, PrefillMode, PrefillResult, Segment
 from configs.enums import SinkMode
 
 CHARS_PER_PASSAGE_TOKEN = 3.96
@@ -50,6 +50,16 @@ def synthetic_prompt(engine: BlendEngine, question: Question, sink: SinkMode, se
     return segments
 
 
+@dataclass(frozen=True)
+class Variant:
+    """One row of a bench: a prefill mode, the sink its chunks were computed behind, its blend config."""
+
+    label: str
+    mode: PrefillMode
+    sink: SinkMode
+    blend: BlendConfig | None = None
+
+
 def model_overrides(args: argparse.Namespace) -> dict:
     """The model settings a bench's --model (model.name), --device, --dtype and --weights ask for
     (those it has and was given)."""
@@ -72,7 +82,7 @@ def prompt_for(engine: BlendEngine, question: Question, sink: SinkMode, chunk_ca
     return chunk_cache[sink]
 
 
-def timed_prefill(engine: BlendEngine, segments, variant, extra: int) -> tuple[PrefillResult, float, int]:
+def timed_prefill(engine: BlendEngine, segments, variant: Variant, extra: int) -> tuple[PrefillResult, float, int]:
     """Prefill in `variant.mode` under `variant.blend` and pick the first token: the time to first token
     (ms), and that token."""
     t0 = time.perf_counter()

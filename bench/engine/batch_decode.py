@@ -3,8 +3,8 @@ over its own ~3k-token cache) against B separate single-sequence steps. (The B =
 step before batching, parts `single` and `overhead`, answered their question and were retired in issue 64:
 docs/benchmarks/batch-decode.md; `git show 164dcca:bench/batch_decode_bench.py`.)
 
-    python -m bench.batch_decode_bench --threads 1 --out docs/results/batch_decode_cpu_int4_t1.json
-    python -m bench.batch_decode_bench --device cuda --model random:llama-7b --batch-sizes 1,2,4,8,16 \
+    python -m bench.engine.batch_decode --threads 1 --out docs/results/batch_decode_cpu_int4_t1.json
+    python -m bench.engine.batch_decode --device cuda --model random:llama-7b --batch-sizes 1,2,4,8,16 \
         --parts batch,graphed --out docs/results/batch_decode_h100_llama7b.json
 
 On CUDA (the prefill's own caches: every sequence gets a prefill of its own) the `graphed` part times
@@ -31,6 +31,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from bench.harness.args import add_model  # noqa: E402
 from bench.harness.engine import model_overrides  # noqa: E402
 from bench.harness.output import cpu_name  # noqa: E402
 from bench.harness.stats import mean_ms  # noqa: E402
@@ -40,22 +41,17 @@ from blend_engine.engine import BlendEngine  # noqa: E402
 from blend_engine.threads import governed  # noqa: E402
 from blend_engine.types import PrefillMode, PrefillResult, Segment  # noqa: E402
 from configs.settings import load_settings  # noqa: E402
-from configs.enums import DecodeCache, WeightFormat  # noqa: E402
+from configs.enums import DecodeCache  # noqa: E402
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--threads", type=int, default=2, help="CPU threads of every step (fixed)")
     parser.add_argument("--context", type=int, default=3000, help="prompt tokens of each sequence's cache")
     parser.add_argument("--batch-sizes", default="1,2,4,8")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (the median is reported)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per batch size and round")
     parser.add_argument("--parts", default="batch", help="batch: the B sweep; graphed: the B sweep of the "
                         "CUDA-graphed bucket step (on CPU run eagerly)")
-    parser.add_argument("--model", default=None, help="model.name (default: the configured one), e.g. random:llama-7b")
-    parser.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--weights", default=None, choices=[w.value for w in WeightFormat],
-                        help="model.weights (the graphed part needs the prefill's own caches: fp32 on CPU)")
+    add_model(parser, threads=2)
     parser.add_argument("--out", type=Path, default=None, help="write the figures here as JSON")
 
 

@@ -6,6 +6,7 @@ import platform
 
 import torch
 
+from bench.harness.output import fmt
 from bench.harness.stats import safe_mean, safe_median
 from blend_engine.types import PrefillMode
 
@@ -117,17 +118,17 @@ def print_table(summary: dict) -> None:
     print(header)
     print("-" * len(header))
     for label, row in summary["results"].items():
-        print(f"{label:<{width}}{_f(row['median_ttft_ms'], 0):>9}{_f(row['speedup_vs_full'], 2):>9}"
-              f"{_f(row['median_tokens_recomputed'], 0):>8}{_f(row['first_token_agreement'], 2):>8}"
-              f"{_f(row['tf_agreement'], 3):>8}{_f(row['tf_kl_mean'], 3):>8}{_f(row['kl_vs_reuse'], 2):>9}"
-              f"{_f(row['f1_vs_full'], 2):>8}{_f(row['f1_vs_gold'], 2):>8}")
+        print(f"{label:<{width}}{fmt(row['median_ttft_ms'], 0):>9}{fmt(row['speedup_vs_full'], 2):>9}"
+              f"{fmt(row['median_tokens_recomputed'], 0):>8}{fmt(row['first_token_agreement'], 2):>8}"
+              f"{fmt(row['tf_agreement'], 3):>8}{fmt(row['tf_kl_mean'], 3):>8}{fmt(row['kl_vs_reuse'], 2):>9}"
+              f"{fmt(row['f1_vs_full'], 2):>8}{fmt(row['f1_vs_gold'], 2):>8}")
     decode = summary.get("decode")
     if decode:
         graph = "CUDA graph" if decode["is_cuda_graph"] else "eager"
-        print(f"decode over {decode['num_tokens']} tokens at ~{_f(decode['median_context_tokens'], 0)} tokens of context: "
-              f"engine ({graph}) {_f(decode['engine_tokens_per_s'], 1)} tok/s "
-              f"({_f(decode['engine_ms_per_token'], 2)} ms/token), HF eager {_f(decode['hf_eager_tokens_per_s'], 1)} tok/s "
-              f"({_f(decode['hf_eager_ms_per_token'], 2)} ms/token), {decode['weights']} weights both")
+        print(f"decode over {decode['num_tokens']} tokens at ~{fmt(decode['median_context_tokens'], 0)} tokens of context: "
+              f"engine ({graph}) {fmt(decode['engine_tokens_per_s'], 1)} tok/s "
+              f"({fmt(decode['engine_ms_per_token'], 2)} ms/token), HF eager {fmt(decode['hf_eager_tokens_per_s'], 1)} tok/s "
+              f"({fmt(decode['hf_eager_ms_per_token'], 2)} ms/token), {decode['weights']} weights both")
     guard = summary.get("guard")
     if guard:
         print(f"guard signal on {guard['variant']}: flagging the top {guard['share_flagged']:.0%} "
@@ -135,7 +136,3 @@ def print_table(summary: dict) -> None:
               f"worst-KL questions (precision {guard['worst_kl_precision']:.0%}); Spearman(signal, KL) = {guard['spearman_signal_kl']:.2f}")
     if not summary["is_quality_meaningful"]:
         print("(random weights: quality columns are meaningless and left empty)")
-
-
-def _f(value, digits: int) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 from enum import Enum
 
+from bench.harness.engine import Variant
 from blend_engine.types import BlendConfig, PrefillMode
 from configs.enums import DeviationKind, SelectionKind, SinkMode
-
-
-@dataclass(frozen=True)
-class Variant:
-    label: str
-    mode: PrefillMode
-    sink: SinkMode
-    blend: BlendConfig | None = None
 
 
 def main_variants(blend: BlendConfig, sink: SinkMode, ratios: list[float]) -> list[Variant]:

@@ -9,9 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.harness.engine import measure_decode
-from bench.engine_variants import Variant
-from bench.harness.engine import greedy_ids, prompt_for, timed_prefill
+from bench.harness.engine import Variant, greedy_ids, measure_decode, prompt_for, timed_prefill
+from bench.harness.output import fmt
 from bench.harness.fidelity import argmax_agreement, mean_kl
 from bench.harness.stats import safe_mean, safe_median
 from blend_engine.engine import BlendEngine
@@ -88,11 +87,7 @@ def _rate(ms: float | None) -> float | None:
 def print_formats(row: dict) -> None:
     print(f"weights {row['weights']} vs {row['reference_weights']} (same questions, side by side, "
           f"~{row['median_prompt_tokens']:.0f} prompt tokens): full prefill {row['prefill_tokens_per_s']:.0f} vs "
-          f"{row['reference_prefill_tokens_per_s']:.0f} tok/s; decode {_f(row['decode_tokens_per_s'])} vs "
-          f"{_f(row['reference_decode_tokens_per_s'])} tok/s (x{_f(row['decode_speedup'], 2)}); "
-          f"TF KL(ref || format) {_f(row['tf_kl_mean'], 4)} (through the decoder {_f(row.get('decode_kl_mean'), 4)}), TF agreement {_f(row['tf_agreement'], 3)}, "
-          f"greedy answers identical {_f(row['answer_agreement'], 2)}")
-
-
-def _f(value, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
+          f"{row['reference_prefill_tokens_per_s']:.0f} tok/s; decode {fmt(row['decode_tokens_per_s'])} vs "
+          f"{fmt(row['reference_decode_tokens_per_s'])} tok/s (x{fmt(row['decode_speedup'], 2)}); "
+          f"TF KL(ref || format) {fmt(row['tf_kl_mean'], 4)} (through the decoder {fmt(row.get('decode_kl_mean'), 4)}), TF agreement {fmt(row['tf_agreement'], 3)}, "
+          f"greedy answers identical {fmt(row['answer_agreement'], 2)}")

@@ -13,20 +13,21 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from bench.engine_report import print_table, summarize
-from bench.format_bench import compare_formats, print_formats
-from bench.harness.fidelity import argmax_agreement, best_f1, mean_kl, token_f1
-from bench.harness.stats import safe_median
-from bench.engine_variants import (Variant, adaptive_variants, main_variants, selection_variants, spec_variants,
+from bench.engine.formats import compare_formats, print_formats
+from bench.engine.report import print_table, summarize
+from bench.engine.variants import (adaptive_variants, main_variants, selection_variants, spec_variants,
                                    sweep_variants)
 from bench.harness.args import add_data, add_model, add_out
 from bench.harness.data import Question, load_questions
 from bench.harness.engine import greedy_ids, measure_decode, model_overrides, prompt_for, timed_prefill
+from bench.harness.fidelity import argmax_agreement, best_f1, mean_kl, token_f1
 from bench.harness.output import emit_summary
+from bench.harness.stats import safe_median
 from blend_engine.engine import BlendEngine
-from blend_engine.types import PrefillMode, PrefillResult, Segment
+from blend_engine.types import PrefillMode
 from configs.enums import DeviationKind, SinkMode, WeightFormat
 from configs.settings import load_settings
+
 
 @dataclass
 class Record:
