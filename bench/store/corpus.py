@@ -37,6 +37,7 @@ from statistics import mean, median
 import numpy as np
 import torch
 
+from bench.harness.args import add_out
 from bench.harness.output import emit_summary
 from blend_engine.config import ModelConfig
 from blend_engine.engine import BlendEngine
@@ -67,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bytes at rest per token of the real model's KV in this format (kv-codec bench)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--out", default=None)
+    add_out(parser)
 
 
 def _chunk_ids(doc: int, num_chunks: int, chunk_tokens: int, vocab: int, seed: int) -> list[tuple[int, ...]]:

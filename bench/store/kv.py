@@ -1,6 +1,9 @@
 """`ragblend bench kv`: blend TTFT with the chunk caches in memory, on disk and in Redis, each
 streamed with and without pipelining, against the `full` baseline; plus load throughput per tier.
 
+Rows `+auto` run a prefill the way the server's `mode: auto` does (full, blend, mixed or split, as the
+loading planner plans it), each store's cost model fitted on the engine first.
+
 Prints a table, then one JSON object as the last line of stdout (same form as the engine bench).
 """
 
@@ -18,18 +21,22 @@ import tempfile
 import time
 from pathlib import Path
 from statistics import mean
+from typing import Callable, Sequence
 
 import torch
 
+from bench.harness.args import add_out
+from bench.harness.output import emit_summary
 from blend_engine.engine import BlendEngine
 from blend_engine.kv import KVShape
-from blend_engine.types import PrefillMode, Segment
+from blend_engine.types import BlendConfig, PrefillMode, PrefillResult, Segment
 from configs.enums import KVQuantization, LoaderPriority, StorageDtype
 from configs.settings import load_settings
-from bench.kv_plan import fit_planners, planned_prefill
-from bench.harness.output import emit_summary
-from kv_store.loader import handles_in
 from kv_store import KVStore, StoreConfig, Tier
+from kv_store.loader import StoredChunk, handles_in
+from kv_store.planner import LoadPlan, PlanKind, PlanRequest
+from runtime.planning import measure_engine
+
 
 @dataclasses.dataclass(frozen=True)
 class Streamed:
@@ -51,11 +58,41 @@ STREAMED = [Streamed("disk", "disk", False), Streamed("disk+pipe", "disk", True)
             Streamed("disk-int4+pipe+normal", "disk-int4", True, loader_priority=LoaderPriority.NORMAL)]
 
 
+PromptFn = Callable[[Sequence[object]], list[Segment]]  # per-chunk caches (or None) -> prompt segments
+
+
+def fit_planners(engine, stores: dict[str, KVStore], blend: BlendConfig, sizes: Sequence[int]) -> None:
+    """One set of timed prefills, observed by every store's planner (they share the engine)."""
+    samples = measure_engine(engine, sizes, blend)
+    for store in stores.values():
+        for shape, seconds in samples:
+            store.planner.observe(shape, seconds)
+
+
+def planned_prefill(engine, store: KVStore, handles: list[StoredChunk], prompt: PromptFn, blend: BlendConfig,
+                    start_layer: int, is_pipelined: bool) -> tuple[PrefillResult, LoadPlan]:
+    segments = prompt(handles)
+    num_fresh = sum(len(s.token_ids) for s in segments) - sum(h.num_tokens for h in handles)
+    request = PlanRequest(handles, sum(len(s.token_ids) for s in segments), num_fresh, start_layer,
+                          engine.num_layers, is_pipelined)
+    plan = store.plan(request)
+    if plan.kind is PlanKind.FULL:
+        return engine.prefill(prompt([None] * len(handles)), mode=PrefillMode.FULL), plan
+    used = [h if is_reused else None for h, is_reused in zip(handles, plan.reused_mask(handles))]
+    segments = prompt(used)
+    source = store.layer_source(handles_in(segments), engine.device, engine.dtype, is_pipelined,
+                                start_layer, engine.precompute)
+    try:
+        return engine.prefill(segments, blend=dataclasses.replace(blend, recompute_ratio=plan.ratio), kv_source=source), plan
+    finally:
+        source.close()
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default="../shared/data/musique_dev.json", help="MuSiQue-format JSON")
     parser.add_argument("--questions", type=int, default=5, help="questions to run")
     parser.add_argument("--passages", type=int, default=10, help="passages (chunks) per prompt")
-    parser.add_argument("--out", default=None, help="also write the JSON result here")
+    add_out(parser)
     parser.add_argument("--model", default=None, help="model name (default: settings' model.name)")
     parser.add_argument("--ratio", type=float, default=None, help="blend recompute ratio (default: settings)")
     parser.add_argument("--dtype", default="float16", choices=[d.value for d in StorageDtype], help="storage dtype")

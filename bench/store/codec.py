@@ -18,7 +18,7 @@ from statistics import mean, median
 
 import torch
 
-from bench.harness.data import DEFAULT_DATA
+from bench.harness.args import add_data, add_out
 from bench.harness.engine import greedy_ids, prompt_for
 from bench.harness.fidelity import argmax_agreement, mean_kl
 from bench.harness.data import load_questions
@@ -50,15 +50,13 @@ def candidates() -> list[Candidate]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", default=DEFAULT_DATA, help="MuSiQue JSON")
-    parser.add_argument("--questions", type=int, default=10)
-    parser.add_argument("--passages", type=int, default=5, help="passages per question, one chunk each")
+    add_data(parser, questions=10)
     parser.add_argument("--model", default=None, help="smollm2 (default), a HF dir, or random:<shape>")
     parser.add_argument("--answer-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--only", default=None,
                         help="comma-separated format names (or prefixes) to measure; float16, the reference, always")
-    parser.add_argument("--out", default=None)
+    add_out(parser)
 
 
 def _round_trip(kv: ChunkKV, cand: Candidate, sizes: dict, times: dict) -> ChunkKV:
