@@ -41,22 +41,22 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "batch-decode"): ("bench.engine.batch_decode", "one decode step for B sequences at once against B "
                                 "single steps (eager, and CUDA-graphed buckets on a GPU)"),
     ("bench", "kv"): ("bench.store.kv", "KV store benchmark: blend TTFT per tier, pipelined or not"),
-    ("bench", "server"): ("bench.server_bench", "concurrent streaming clients against servers, side by side with a "
+    ("bench", "server"): ("bench.serving.server", "concurrent streaming clients against servers, side by side with a "
                           "one-sequence-at-a-time baseline: TTFT, inter-token latency, aggregate tok/s"),
-    ("bench", "compare"): ("bench.compare_bench", "this checkout's server against a git revision's, side by side: "
+    ("bench", "compare"): ("bench.serving.compare", "this checkout's server against a git revision's, side by side: "
                            "TTFT asked again and first ask, decode tok/s, concurrent clients; ratios"),
-    ("bench", "overhead"): ("bench.overhead_bench", "the server's blend TTFT and decode against the bare engine's, "
+    ("bench", "overhead"): ("bench.serving.overhead", "the server's blend TTFT and decode against the bare engine's, "
                             "same prompts, in turn: ratios and where the server's time goes"),
-    ("bench", "server-modes"): ("bench.server_modes_bench", "end-to-end TTFT and fidelity per prefill mode against a "
+    ("bench", "server-modes"): ("bench.serving.modes", "end-to-end TTFT and fidelity per prefill mode against a "
                                 "running server"),
-    ("bench", "prefix"): ("bench.prefix_bench", "the prefix cache against a running server: a fresh blend, the same "
+    ("bench", "prefix"): ("bench.serving.prefix", "the prefix cache against a running server: a fresh blend, the same "
                           "prompt again, a follow-up turn and no match, side by side"),
-    ("bench", "replicas"): ("bench.replicas_bench", "Postgres vs SQLite store: query TTFT, ingest, change propagation"),
+    ("bench", "replicas"): ("bench.serving.replicas", "Postgres vs SQLite store: query TTFT, ingest, change propagation"),
     ("bench", "answers"): ("bench.answers_bench", "answer quality of the whole pipeline on real documents and MuSiQue, "
                            "settings side by side: right, inside the retrieved text, source, ran to the cap, TTFT"),
     ("bench", "answers-pool"): ("bench.answers_pool", "several answers runs (other question sets) read as one: "
                                 "each part pooled over them, settings paired against the first"),
-    ("bench", "retrieval"): ("bench.retrieval_bench", "retrieval latency per ranking mode (dense, lexical, hybrid) "
+    ("bench", "retrieval"): ("bench.serving.retrieval", "retrieval latency per ranking mode (dense, lexical, hybrid) "
                              "and store (SQLite, Postgres) at a given number of chunks: p50/p99"),
     ("bench", "retrieval-quality"): ("bench.retrieval_quality", "retrieval alone on the answers set (no LLM): inside, "
                                      "source, prompt tokens per chunking, mode, top_k and relevance floor"),
@@ -65,7 +65,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "kv-codec"): ("bench.store.codec", "KV entry formats: bytes per token, decode speed, fidelity"),
     ("bench", "corpus"): ("bench.store.corpus", "KV budget at corpus scale: hit rate and TTFT per budget, Zipf stream"),
     ("bench", "plot"): ("bench.engine.plot", "plot an engine bench's KL-vs-speed frontier (PNG)"),
-    ("bench", "memory"): ("bench.memory_bench", "where a server's memory goes: RSS stage by stage through start-up, "
+    ("bench", "memory"): ("bench.serving.memory", "where a server's memory goes: RSS stage by stage through start-up, "
                           "and a live server's, idle after start-up and after a run of questions"),
 }
 

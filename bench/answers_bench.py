@@ -35,7 +35,7 @@ from scipy.stats import binomtest
 
 from app.commands.client import error_message
 from app.commands.exit_codes import ExitCode
-from bench.answers_set import REFUSAL, DEFAULT_SET, QuestionSet, SetQuestion, collapse, contains_gold, load_set
+from bench.harness.sets import REFUSAL, DEFAULT_SET, QuestionSet, SetQuestion, collapse, contains_gold, load_set
 from bench.answers_settings import SETTINGS, Setting, settings_named
 from bench.harness.stats import safe_median
 from bench.harness.data import Question, load_questions

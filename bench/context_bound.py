@@ -38,7 +38,7 @@ from app.query.protocol import GenerationOptions
 from app.query.serving import build_rag_request
 from app.rag.pipeline import relevant_chunks
 from app.rag.types import RagRequest
-from bench.answers_set import DEFAULT_SET, SetQuestion, load_set
+from bench.harness.sets import DEFAULT_SET, SetQuestion, load_set
 from bench.harness.output import emit_summary
 from bench.retrieval_quality import Chunking, build_retriever
 from configs.enums import PrefillMode

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from app.commands.exit_codes import ExitCode
-from bench.answers_set import DEFAULT_SET, QuestionSet, SetQuestion, load_set
+from bench.harness.sets import DEFAULT_SET, QuestionSet, SetQuestion, load_set
 from bench.harness.output import emit_summary
-from bench.retrieval_bench import empty_database
+from bench.harness.postgres import empty_database
 from configs.enums import ChunkingMode, RetrievalMode
 
 

@@ -17,7 +17,7 @@ from app.extract.types import ExtractionLimits
 from bench import answers_bench, answers_settings
 from bench.answers_bench import (in_turn, paired, paired_row, part_row, pick_questions, score_document_answer,
                                  score_musique_answer)
-from bench.answers_set import DEFAULT_SET, HOLDOUT2_SET, HOLDOUT_SET, collapse, contains_gold, load_set
+from bench.harness.sets import DEFAULT_SET, HOLDOUT2_SET, HOLDOUT_SET, collapse, contains_gold, load_set
 from bench.answers_settings import Setting, settings_named
 from bench.harness.client import StreamedAnswer
 from tests.docgen import make_pdf

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from bench.harness.servers import LocalServer, started
-from bench.memory_bench import exercise, reading
+from bench.serving.memory import exercise, reading
 
 pytestmark = pytest.mark.smollm2
 

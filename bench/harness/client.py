@@ -46,6 +46,13 @@ def ready_model(client: httpx.Client) -> str:
     return client.get("/v1/models").json()["data"][0]["id"]
 
 
+def ingest_ready(url: str, headers: dict[str, str], timeout_s: float, questions: Sequence[Question]) -> tuple[str, float]:
+    """A ready server's model, and the seconds ingesting `questions`' passages took (see `ingest`)."""
+    with httpx.Client(base_url=url, headers=headers, timeout=timeout_s) as client:
+        model = ready_model(client)
+        return model, ingest(client, questions)
+
+
 async def delete_documents(client: httpx.AsyncClient, ids: Sequence[str]) -> None:
     for doc_id in ids:
         response = await client.delete(f"/v1/documents/{doc_id}")

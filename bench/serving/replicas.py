@@ -24,6 +24,7 @@ from statistics import median
 import httpx
 
 from app.commands.ask import iter_events
+from bench.harness.args import add_data, add_out
 from bench.harness.data import Question, load_questions
 from bench.harness.output import emit_summary
 
@@ -34,14 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--database-url", required=True, help="postgresql://... of an empty database (the bench's "
                         "documents are written there)")
     parser.add_argument("--config", type=Path, default=None, help="settings YAML (default: the embedded SmolLM2)")
-    parser.add_argument("--data", type=Path, default=Path("../shared/data/musique_dev.json"))
-    parser.add_argument("--questions", type=int, default=10)
-    parser.add_argument("--passages", type=int, default=5)
+    add_data(parser, questions=10)
     parser.add_argument("--rounds", type=int, default=3, help="times each question is asked through each store")
     parser.add_argument("--top-k", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--mode", default="blend")
-    parser.add_argument("--out", type=Path, help="also write the JSON summary here")
+    add_out(parser)
 
 
 def _percentile(values: list[float], q: float) -> float:

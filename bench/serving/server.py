@@ -1,18 +1,10 @@
 """`ragblend bench server`: many streaming users at once, side by side with a one-at-a-time baseline.
 
-For each concurrency level, that many streaming /v1/query clients start at once, each with its own
-MuSiQue question and its own passages (ingested beforehand: one passage, one chunk, KV precomputed;
-the request names them in `chunk_ids`), greedy, `--max-tokens` tokens. Per level: TTFT p50/p95
-(request sent to first token event), inter-token latency p50/p95 (gaps between token events as they
-arrive here), aggregate tok/s (completion tokens / the round's wall time), req/s, per-request decode
-tok/s, and the server's queue wait (`timings.queue_ms`) where the server reports one.
-
-Two servers are measured side by side, the levels interleaved so that noise hits both alike: the
-server at --url and a baseline at --baseline-url (one started with scheduler.max_running=1), or both
-started here (--serve: `ragblend serve` twice on free loopback ports over temporary data dirs, the
-baseline with RAGBLEND_SCHEDULER__MAX_RUNNING=1). `--uploads N` adds N text files uploaded through
-/v1/documents/files while the largest level's chats run: each chat's TTFT with and without them.
-Prints tables, then one JSON object as the last line.
+Per concurrency level, that many streaming /v1/query clients start at once, each its own MuSiQue question
+over its own ingested passages: TTFT and inter-token latency p50/p95, aggregate tok/s, req/s, decode tok/s,
+queue wait; the server at --url against a baseline at --baseline-url (scheduler.max_running=1), or both
+started here (--serve), the levels interleaved. `--uploads N`: N files uploaded during the largest level's
+chats. The method and its figures: docs/benchmarks/server.md. Prints tables, then one JSON object last.
 """
 
 from __future__ import annotations
@@ -21,7 +13,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -32,11 +23,12 @@ import httpx
 
 from app.commands.client import error_message
 from app.commands.exit_codes import ExitCode
+from bench.harness.args import add_data, add_out, add_server, headers
 from bench.harness.data import Question, load_questions
-from bench.harness.output import emit_summary
+from bench.harness.output import emit_summary, refuse
 from bench.harness.stats import alternated as in_turn
-from bench.harness.client import QueryFailed, chunk_ids, ingest, stream_query
-from bench.server_report import (
+from bench.harness.client import QueryFailed, chunk_ids, delete_documents, ingest_ready, stream_query
+from bench.serving.report import (
     Chat, Role, Round, Upload, level_stats, print_tables, ratio_rows, target_checks, upload_stats,
 )
 from configs.enums import RequestMode
@@ -59,8 +51,7 @@ def concurrency_levels(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default=os.environ.get("RAGBLEND_URL", "http://127.0.0.1:8000"),
-                        help="the server measured (env RAGBLEND_URL)")
+    add_server(parser)
     parser.add_argument("--baseline-url", help="a second server, started with scheduler.max_running=1 "
                         "(RAGBLEND_SCHEDULER__MAX_RUNNING=1), measured side by side")
     parser.add_argument("--serve", action="store_true", help="start both servers here instead (`ragblend serve` "
@@ -72,14 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the stall bound against none")
     parser.add_argument("--config", type=Path, help="--serve: a YAML file both servers layer over the defaults")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="--serve: seconds to wait for /readyz")
-    parser.add_argument("--api-key", default=os.environ.get("RAGBLEND_API_KEY"),
-                        help="API key of the servers, if they require one (env RAGBLEND_API_KEY)")
-    parser.add_argument("--data", type=Path, default=Path("../shared/data/musique_dev.json"))
     parser.add_argument("--concurrency", type=concurrency_levels, default=concurrency_levels("1,2,4,8"),
                         help="comma-separated client counts, e.g. 1,2,4,8")
-    parser.add_argument("--questions", type=int, help="questions (each with its passages) the clients draw from; "
-                        "default and least: the largest client count")
-    parser.add_argument("--passages", type=int, default=5, help="passages per question (5: a ~3k-token prompt)")
+    add_data(parser, questions=None)  # default and least: the largest client count
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prefix-cache", choices=["off", "server"], default="off",
                         help="off: every request says prefix_cache false (the rounds ask the same questions "
@@ -104,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds of rest before each round: a round run right after the other server's "
                              "heavy one measured up to ~19%% slower, with that server idle (docs/benchmarks/server.md)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    parser.add_argument("--out", type=Path, help="also write the JSON summary here")
+    add_out(parser)
 
 @dataclass(frozen=True)
 class Target:
@@ -141,13 +127,6 @@ async def upload(client: httpx.AsyncClient, name: str, data: bytes) -> Upload:
         raise QueryFailed(f"uploading {name}: {error_message(response)}")
     documents = response.json()["documents"]
     return Upload(name, ms, sum(len(d["chunks"]) for d in documents), tuple(d["id"] for d in documents))
-
-
-async def delete_documents(client: httpx.AsyncClient, ids: Iterable[str]) -> None:
-    for doc_id in ids:
-        response = await client.delete(f"/v1/documents/{doc_id}")
-        if response.status_code != 200:
-            raise QueryFailed(f"deleting uploaded document {doc_id}: {error_message(response)}")
 
 
 async def run_round(client: httpx.AsyncClient, questions: Sequence[Question], indices: Sequence[int],
@@ -208,15 +187,8 @@ async def prepare(url: str, questions: Sequence[Question], args: argparse.Namesp
                   headers: dict[str, str]) -> dict[str, Any]:
     """Readiness, model id, the questions' passages ingested, one warm-up answer to question 0 (a server's
     first request waits for its loading planner's start-up measurement)."""
-    def sync_part() -> dict[str, Any]:
-        with httpx.Client(base_url=url, headers=headers, timeout=args.timeout) as client:
-            ready = client.get("/readyz")
-            if ready.status_code != 200:
-                raise QueryFailed(f"{url} is not ready: {ready.text[:300]}")
-            model = client.get("/v1/models").json()["data"][0]["id"]
-            return {"url": url, "model": model, "ingest_s": ingest(client, questions)}
-
-    info = await asyncio.to_thread(sync_part)
+    model, ingest_s = await asyncio.to_thread(ingest_ready, url, headers, args.timeout, questions)
+    info = {"url": url, "model": model, "ingest_s": ingest_s}
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=args.timeout) as client:
         await stream_query(client, {**request_body(questions[0], 0, args), "max_tokens": WARMUP_TOKENS})
     return info
@@ -329,22 +301,19 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_args(args)
     except ValueError as exc:
-        print(f"ragblend bench server: {exc}", file=sys.stderr)
-        return ExitCode.USAGE
+        return refuse("server", exc, ExitCode.USAGE)
     questions = load_questions(args.data, args.questions, args.passages)
     if len(questions) < args.questions:
-        print(f"ragblend bench server: {args.data} has {len(questions)} questions, {args.questions} needed",
-              file=sys.stderr)
-        return ExitCode.USAGE
+        return refuse("server", f"{args.data} has {len(questions)} questions, {args.questions} needed", ExitCode.USAGE)
     filler = filler_passages(args.data, args.questions, args.passages) if args.uploads else []
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    auth = headers(args)
     if args.serve:
-        summary = serve_and_bench(args, questions, filler, headers)
+        summary = serve_and_bench(args, questions, filler, auth)
     else:
         targets = [Target(Role.SERVER, args.url)]
         if args.baseline_url:
             targets.append(Target(Role.BASELINE, args.baseline_url))
-        summary = asyncio.run(bench(args, targets, questions, filler, headers))
+        summary = asyncio.run(bench(args, targets, questions, filler, auth))
     print_tables(summary)
     emit_summary(summary, args.out, indent=2)
     num_errors = sum(row["num_errors"] for rows in summary["results"].values() for row in rows)

@@ -23,15 +23,15 @@ import argparse
 import asyncio
 import platform
 import re
-from pathlib import Path
 from statistics import median
 from typing import Any
 
 import httpx
 
+from bench.harness.args import add_data, add_out, add_server, headers
+from bench.harness.client import StreamedAnswer, chunk_ids, ingest_ready, stream_chat
 from bench.harness.data import Question, load_questions
 from bench.harness.output import emit_summary
-from bench.harness.client import StreamedAnswer, chunk_ids, ingest, stream_chat
 
 ROWS = ("blend, cache off", "no match", "exact repeat", "follow-up", "follow-up, cache off")
 FOLLOW_UP = "Which of the passages says so? Quote it."
@@ -41,18 +41,13 @@ TARGET_NO_MATCH_RATIO = 1.02
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server measured")
-    parser.add_argument("--api-key", default=None)
-    parser.add_argument("--data", type=Path, default=Path("../shared/data/musique_dev.json"))
-    parser.add_argument("--questions", type=int, default=10)
-    parser.add_argument("--first-question", type=int, default=0,
-                        help="skip this many questions of the data first (held-out ones: e.g. 20)")
-    parser.add_argument("--passages", type=int, default=5)
+    add_server(parser)
+    add_data(parser, questions=10, first_question=0)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--mode", default=None, help="the requests' mode (default: the server's)")
     parser.add_argument("--follow-up", default=FOLLOW_UP, help="the follow-up turn's question")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    parser.add_argument("--out", type=Path, help="also write the JSON summary here (e.g. docs/results/...)")
+    add_out(parser)
 
 
 def chat_body(question: Question, qi: int, args: argparse.Namespace, history: list[dict[str, str]],
@@ -152,12 +147,9 @@ def print_table(summary: dict[str, Any]) -> None:
         print(f"{name}: {t['value']} (target <= {t['target_max']}): {'met' if t['is_met'] else 'NOT met'}")
 
 
-async def bench(args: argparse.Namespace, questions: list[Question], headers: dict[str, str]) -> dict[str, Any]:
-    with httpx.Client(base_url=args.url, headers=headers, timeout=args.timeout) as client:
-        client.get("/readyz").raise_for_status()
-        model = client.get("/v1/models").json()["data"][0]["id"]
-        ingest_s = ingest(client, questions)
-    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=args.timeout) as client:
+async def bench(args: argparse.Namespace, questions: list[Question], auth: dict[str, str]) -> dict[str, Any]:
+    model, ingest_s = ingest_ready(args.url, auth, args.timeout, questions)
+    async with httpx.AsyncClient(base_url=args.url, headers=auth, timeout=args.timeout) as client:
         warm_up = {**chat_body(questions[0], 0, args, [], False), "max_tokens": 4}
         await stream_chat(client, warm_up)  # a server's first answer pays one-off costs; the cache stays empty
         answers = [await measure_question(client, q, qi, args) for qi, q in enumerate(questions)]
@@ -166,11 +158,10 @@ async def bench(args: argparse.Namespace, questions: list[Question], headers: di
 
 
 def run(args: argparse.Namespace) -> int:
-    questions = load_questions(args.data, args.first_question + args.questions, args.passages)[args.first_question:]
+    questions = load_questions(args.data, args.questions, args.passages, args.first_question)
     if not questions:
         raise ValueError(f"no questions left after skipping {args.first_question}")
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    summary = asyncio.run(bench(args, questions, headers))
+    summary = asyncio.run(bench(args, questions, headers(args)))
     print_table(summary)
     emit_summary(summary, args.out, indent=2)
     return 0

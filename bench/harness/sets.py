@@ -20,11 +20,11 @@ from typing import Iterable, Literal, Sequence
 
 from bench.harness.fidelity import normalize_answer
 
-DEFAULT_SET = Path(__file__).resolve().parent / "data" / "answers" / "questions.json"
+DEFAULT_SET = Path(__file__).resolve().parents[1] / "data" / "answers" / "questions.json"
 # a second set of other documents, for an independent check: nothing is tuned on it (docs/benchmarks/answers.md)
-HOLDOUT_SET = Path(__file__).resolve().parent / "data" / "answers_holdout" / "questions.json"
+HOLDOUT_SET = Path(__file__).resolve().parents[1] / "data" / "answers_holdout" / "questions.json"
 # a third set of other documents, for reporting only: nothing is tuned on it, every question is in the test split
-HOLDOUT2_SET = Path(__file__).resolve().parent / "data" / "answers_holdout2" / "questions.json"
+HOLDOUT2_SET = Path(__file__).resolve().parents[1] / "data" / "answers_holdout2" / "questions.json"
 # An answer saying the documents do not hold it: the server's fixed not-found answer, or a model's own.
 REFUSAL = re.compile(
     r"could ?n[o']t find|can ?n[o']t find|cannot find|unable to (?:find|answer)|can ?n[o']t answer|cannot answer"

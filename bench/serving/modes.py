@@ -1,50 +1,34 @@
-"""`ragblend bench server-modes`: end-to-end TTFT and fidelity per prefill mode against a running server,
-then throughput per mode under concurrent clients (the CacheBlend paper's claim: blend serves more
-requests a second than full prefill).
-
-Ingests the MuSiQue dev passages (one passage, one chunk, KV precomputed), then asks each question
-with `chunk_ids` set to its passages in each mode, streaming: end-to-end TTFT (request sent to first
-token received), decode tokens/s, answer agreement with `full`, token F1 vs the gold answers.
-
-Throughput: `--throughput-rounds` rounds; in each, every `--throughput-modes` mode in turn (who goes
-first alternating from round to round) gets `--concurrency` streaming clients started at once, each its
-own question (the same questions for every mode of a round), every answer `--max-tokens` long
-(`ignore_eos`: each mode does the same decode work, so requests/s weighs the prefills), or with
-`--throughput-answers natural` each ending where the model ends it (at most `--max-tokens`: the answers a
-user gets, whose lengths the summary reports per mode). Per mode:
-requests/s (a round's answers over its wall time; median over rounds) and TTFT p50/p95 under that load;
-per round, each mode's requests/s over the first mode's (full by default), with its spread.
-`--modes ""` skips the first part (the throughput modes are then warmed up first: each question asked once
-per mode); `--throughput-modes ""` skips the second. Prints tables, then one JSON object as the last line.
+"""`ragblend bench server-modes`: end-to-end TTFT, decode and fidelity per prefill mode against a running
+server, one question at a time; then throughput per mode under concurrent clients, the modes alternated
+round by round (the CacheBlend paper's claim: blend serves more requests a second than full prefill).
+`--modes ""` skips the first part, `--throughput-modes ""` the second. How each is measured:
+docs/benchmarks/server.md#per-prefill-mode-ragblend-bench-server-modes. Prints tables, then one JSON object
+as the last line.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from statistics import mean, median
 
 import httpx
 
 from app.commands.exit_codes import ExitCode
 from bench.harness.fidelity import best_f1, normalize_answer, token_f1
+from bench.harness.args import add_data, add_out, add_server, headers
 from bench.harness.data import Question, load_questions
-from bench.harness.output import emit_summary
-from bench.server_bench import WARMUP_TOKENS, round_questions, run_round
-from bench.harness.client import chunk_ids, ingest, stream_query
+from bench.harness.output import emit_summary, refuse
+from bench.serving.server import WARMUP_TOKENS, round_questions, run_round
+from bench.harness.client import chunk_ids, ingest_ready, stream_query
 from bench.harness.stats import alternated as in_turn, ratio, spread
-from bench.server_report import Round, level_stats
+from bench.serving.report import Round, level_stats
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default="http://127.0.0.1:8000")
-    parser.add_argument("--api-key", default=None)
-    parser.add_argument("--data", type=Path, default=Path("../shared/data/musique_dev.json"))
-    parser.add_argument("--questions", type=int, default=10)
-    parser.add_argument("--passages", type=int, default=5)
+    add_server(parser)
+    add_data(parser, questions=10)
     parser.add_argument("--modes", default="full,blend,reuse", help="comma-separated; full first (the reference)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8,
@@ -55,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--throughput-answers", choices=("fixed", "natural"), default="fixed",
                         help="fixed: every answer --max-tokens long (ignore_eos: both modes decode alike); "
                              "natural: each answer ends at the model's end of text, at most --max-tokens")
-    parser.add_argument("--out", type=Path, help="also write the JSON summary here")
+    add_out(parser)
 
 
 @dataclass
@@ -238,13 +222,10 @@ def split_modes(text: str) -> list[str]:
     return [m.strip() for m in text.split(",") if m.strip()]
 
 
-async def bench(args: argparse.Namespace, questions: list[Question], headers: dict) -> dict:
+async def bench(args: argparse.Namespace, questions: list[Question], auth: dict) -> dict:
     modes, throughput_modes = split_modes(args.modes), split_modes(args.throughput_modes)
-    with httpx.Client(base_url=args.url, headers=headers, timeout=600) as client:
-        client.get("/readyz").raise_for_status()
-        model = client.get("/v1/models").json()["data"][0]["id"]
-        ingest_s = ingest(client, questions)
-    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=600,
+    model, ingest_s = ingest_ready(args.url, auth, 600, questions)
+    async with httpx.AsyncClient(base_url=args.url, headers=auth, timeout=600,
                                  limits=httpx.Limits(max_connections=None)) as client:
         runs = await latency_phase(client, questions, modes, args.max_tokens) if modes else {}
         rounds, schedule = await throughput_phase(client, questions, throughput_modes, args, is_warming_up=not modes) \
@@ -255,16 +236,13 @@ async def bench(args: argparse.Namespace, questions: list[Question], headers: di
 def run(args: argparse.Namespace) -> int:
     if split_modes(args.throughput_modes) and (args.concurrency < 1 or args.throughput_rounds < 1
                                                or args.concurrency > args.questions):
-        print(f"ragblend bench server-modes: --concurrency {args.concurrency} must be 1 to --questions "
-              f"({args.questions}: each client asks its own), --throughput-rounds >= 1", file=sys.stderr)
-        return ExitCode.USAGE
+        return refuse("server-modes", f"--concurrency {args.concurrency} must be 1 to --questions "
+                      f"({args.questions}: each client asks its own), --throughput-rounds >= 1", ExitCode.USAGE)
     questions = load_questions(args.data, args.questions, args.passages)
     if len(questions) < args.questions:
-        print(f"ragblend bench server-modes: {args.data} has {len(questions)} questions, {args.questions} asked for",
-              file=sys.stderr)
-        return ExitCode.USAGE
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    summary = asyncio.run(bench(args, questions, headers))
+        return refuse("server-modes", f"{args.data} has {len(questions)} questions, {args.questions} asked for",
+                       ExitCode.USAGE)
+    summary = asyncio.run(bench(args, questions, headers(args)))
     print_table(summary)
     emit_summary(summary, args.out, indent=2)
     errors = sum(row["num_errors"] for row in (summary["throughput"] or {"modes": {}})["modes"].values())

@@ -28,14 +28,16 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from app.commands.exit_codes import ExitCode
-from bench.answers_set import DEFAULT_SET, load_set
+from bench.harness.sets import DEFAULT_SET, load_set
 from bench.harness.output import emit_summary
+from bench.harness.postgres import empty_database, settle
+from bench.harness.servers import REPO_ROOT
 from configs.enums import EmbedderRuntime, RetrievalMode
 
 if TYPE_CHECKING:
     from retrieval.embedder import Embedder
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 CHUNKS_PER_DOCUMENT = 10
 ALL = ("default",)  # the one collection the chunks go into (retrieval.store_types.DEFAULT_COLLECTION)
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n\s*\n")
@@ -252,22 +254,3 @@ def _threads(text: str | None) -> list[int]:
 
 def _runtimes(text: str | None) -> list[EmbedderRuntime]:
     return [] if not text else [EmbedderRuntime(x.strip()) for x in text.split(",") if x.strip()]
-
-
-def settle(url: str) -> None:
-    """VACUUM ANALYZE after the fill: the steady state autovacuum keeps a written table in (its
-    statistics are what the full-text search's common words come from), rather than autovacuum's
-    first pass over 10 000 new rows running during the measurement."""
-    import psycopg
-
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("VACUUM ANALYZE")
-
-
-def empty_database(url: str) -> None:
-    """Drop ragblend's tables: each configuration starts from an empty store."""
-    import psycopg
-
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("DROP TABLE IF EXISTS changes, chunks, documents, collections, key_collections, api_keys,"
-                     " ragblend_schema CASCADE")

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 import httpx
 
-from bench.harness.data import DEFAULT_DATA
+from bench.harness.args import add_data, add_out
 from bench.harness.engine import Variant, measure_decode, prompt_for, timed_prefill
 from bench.harness.servers import LocalServer, environment_pairs, started
 from bench.harness.data import Question, load_questions
@@ -43,17 +43,13 @@ PAUSE_S = 1.0  # between turns: the other side's spinning OpenMP threads sleep, 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", default=DEFAULT_DATA, help="MuSiQue-style JSON (default: %(default)s)")
-    parser.add_argument("--questions", type=int, default=6, help="questions (default: %(default)s)")
-    parser.add_argument("--first-question", type=int, default=20,
-                        help="the first question used (default: %(default)s, past bench engine's tuning set)")
-    parser.add_argument("--passages", type=int, default=5, help="passages per question (default: %(default)s)")
+    add_data(parser, questions=6, first_question=20)  # past bench engine's tuning set
     parser.add_argument("--rounds", type=int, default=2, help="times each question is asked (default: %(default)s)")
     parser.add_argument("--decode-tokens", type=int, default=64, help="tokens of the decode part (0: none)")
     parser.add_argument("--config", type=Path, help="a settings YAML for the server and this process's engine")
     parser.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
                         help="environment of the server only (repeatable)")
-    parser.add_argument("--out", help="also write the JSON summary here (e.g. docs/results/overhead_cpu.json)")
+    add_out(parser)
 
 
 def _engine_turn(engine: BlendEngine, question: Question, variant: Variant, cache: dict) -> dict[str, float]:
@@ -80,7 +76,7 @@ async def _server_turn(client: httpx.AsyncClient, qi: int, question: Question, m
 
 
 def run(args: argparse.Namespace) -> int:
-    questions = load_questions(args.data, args.first_question + args.questions, args.passages)[args.first_question:]
+    questions = load_questions(args.data, args.questions, args.passages, args.first_question)
     settings = load_settings(args.config)
     engine = BlendEngine.from_config(settings.model, settings.blend)
     variant = Variant("blend", PrefillMode.BLEND, settings.blend.sink, engine.blend)

@@ -4,7 +4,7 @@ Two parts, each in processes of its own (a reading of this one would count the b
 
 - stages: a fresh interpreter builds what `ragblend serve` builds, one stage at a time (torch, the
   server's modules, the engine, the embedder, the KV store, the planner's start-up measurement, the
-  engine loop's idle release), and reads its resident set after each (bench/memory_stages.py); then
+  engine loop's idle release), and reads its resident set after each (bench/serving/memory_stages.py); then
   the model's weights by kind and the largest mappings.
 - server: `ragblend serve` started as a user starts it, on an empty data dir; read once ready and
   idle, then the answers set's documents are uploaded and questions asked over the API (one at a
@@ -31,13 +31,14 @@ from typing import Any
 import httpx
 import yaml
 
-from bench.answers_set import DEFAULT_SET, load_set
-from bench.memory_probe import MB, mappings, read_rss
+from bench.harness.sets import DEFAULT_SET, load_set
+from bench.serving.memory_probe import MB, mappings, read_rss
 from bench.harness.output import emit_summary
+from bench.harness.servers import REPO_ROOT
 
 MEMORY_TIER = re.compile(r'^ragblend_kv_bytes\{tier="memory"\} (\S+)$', re.MULTILINE)
 PREFIX_CACHE = re.compile(r"^ragblend_prefix_cache_bytes (\S+)$", re.MULTILINE)
-REPO_ROOT = Path(__file__).resolve().parents[1]
+
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,9 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_stages(config: Path | None, timeout_s: float) -> dict[str, Any]:
-    """bench/memory_stages.py in a fresh interpreter on an empty data dir: its summary."""
+    """bench/serving/memory_stages.py in a fresh interpreter on an empty data dir: its summary."""
     with tempfile.TemporaryDirectory(prefix="ragblend-memory-stages-") as tmp:
-        argv = [sys.executable, "-m", "bench.memory_stages", "--data-dir", str(Path(tmp) / "data")]
+        argv = [sys.executable, "-m", "bench.serving.memory_stages", "--data-dir", str(Path(tmp) / "data")]
         if config is not None:
             argv += ["--config", str(config)]
         done = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s)

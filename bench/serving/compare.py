@@ -2,53 +2,12 @@
 repository), side by side on one machine, through the HTTP API; what a change to the engine, the KV store,
 the runtime or the RAG path quotes for its speed.
 
-**Builds.** REV is built by `bench.compare_build`: a git worktree detached at its commit, under
-`--cache-dir/<sha>/` and reused from one run to the next, run by this interpreter where it has every
-dependency REV's pyproject.toml declares (`--venv shared`, the default: the two builds then differ by their
-code alone; two venvs of the same packages leaned the figures 5-12% toward the checkout), else by a
-virtualenv of its own installed as the Makefile installs `.venv` (a stamp file; `--venv own` always).
-`--python` runs REV's code under an interpreter named instead (the tests give this one's); `--skip-build`
-refuses to make anything and uses what an earlier run built. The current build is this checkout
-(uncommitted changes included: the JSON says whether there were any) under this interpreter; the JSON's
-builds say what ran each (`interpreter`, and `unmet`: what made REV's own venv needed).
-
-**Servers.** `ragblend serve` from each build (`bench.harness.servers`), each on a fresh temporary data
-dir and a free loopback port, `--config` layered over both builds' defaults; started one after the other
-(a server's loading planner times prefills right after start-up: a second start-up meanwhile would skew
-its plans). Each ingests the same MuSiQue questions' passages (one passage, one chunk, KV precomputed;
-`--passages 5`: a ~3k-token prompt with SmolLM2, as `ragblend bench server`), then is warmed up: one short
-answer to the repeated question and one to each question of the concurrent round's pool.
-
-**Both servers stay up; only one works at a time.** Starting a server costs its model load (16 s more
-the first time, for the conversion), and a round switches servers four times: stopping and restarting
-them would make a run mostly start-ups and would measure every round on a cold server. So both processes
-are kept alive and the measurement parts run one at a time, strictly in turn. That the idle one costs
-nothing is measured, not assumed: the CPU time (/proc, its process and children) the idle server used
-while the other was measured is kept per part in `schedule` and its largest share of the part's wall time
-is printed, with a warning above 5% of one core (an idle warmed SmolLM2 server used 0.02 s of CPU in 10 s:
-docs/benchmarks/server.md).
-
-**A round**, `--rounds` of them; each part runs on both servers back to back, who goes first alternating
-from part to part and round to round, after `--settle-s` of rest:
-
-- one user: the repeated question (asked at warm-up and in every round: TTFT of a question asked again),
-  then a question this server was never asked (a new one each round, the same on both servers: TTFT of a
-  first ask); decode tok/s over both answers (tokens after the first over the time after the first); then
-  another new question without its chunks named, so the server retrieves them as a user's question is
-  (TTFT of a retrieved first ask, and the server's own `retrieval_ms`: what retrieval's checks and
-  rankings cost before the first token, which the named asks skip; its prompt is what each build's
-  retrieval chose, so its size may differ between builds);
-- `--clients` streaming clients at once, each its own question from the warmed pool (`--questions`,
-  default `--clients`): TTFT p50 and p95 over the round's requests, and the round's wall time.
-
-Answers are greedy, `--max-tokens` long (`ignore_eos`, so decode weighs the same tokens on both builds;
-`--no-ignore-eos` for revisions whose API predates the field), in `--mode` (default: each server's), the
-prefix cache off (`prefix_cache: false`, so a question asked again prefills again; `--prefix-cache server`
-for revisions whose API predates the field).
-
-**Out**: per measure and build, the median over rounds with its min-max and IQR; the ratio current/REV
-per round (the two builds' figures of one round, measured back to back) with its median, min-max and IQR.
-A table, then the JSON on one line, also written to `--out` (default docs/results/compare_<rev>.json).
+REV is built by `bench.serving.build` (a worktree under `--cache-dir/<sha>/`, run by this interpreter where
+it has REV's dependencies, else a venv of its own). Both builds' `ragblend serve` start one after the other
+and stay up; the parts of each round (one user: a question asked again, a first ask, a retrieved first ask,
+decode tok/s; then `--clients` at once) run on one server at a time, strictly in turn, and the CPU the idle
+one used meanwhile is kept in `schedule`. Out: per measure and build the median over rounds with its
+min-max and IQR, and current/REV per round. The method in full: docs/benchmarks/compare.md.
 """
 
 from __future__ import annotations
@@ -56,8 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -69,12 +26,13 @@ from typing import Any, Awaitable, Callable, Sequence
 import httpx
 
 from app.commands.exit_codes import ExitCode
-from bench import compare_build
-from bench.compare_build import Build, BuildError
+from bench.serving import build as compare_build
+from bench.serving.build import Build, BuildError
 from bench.harness.servers import REPO_ROOT, LocalServer, started
+from bench.harness.args import add_api_key, headers
 from bench.harness.data import Question, load_questions
-from bench.harness.output import emit_summary
-from bench.server_bench import WARMUP_TOKENS, prepare, request_body, round_questions, run_round
+from bench.harness.output import emit_summary, refuse
+from bench.serving.server import WARMUP_TOKENS, prepare, request_body, round_questions, run_round
 from bench.harness.client import QueryFailed, StreamedAnswer, stream_query
 from bench.harness.stats import alternated as in_turn, percentile, ratio, spread
 from configs.enums import RequestMode
@@ -138,8 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="make nothing: use the worktree and venv an earlier run built for REV (an error if none)")
     parser.add_argument("--cache-dir", type=Path, default=compare_build.default_cache_dir(),
                         help="where REV's worktree and venv are kept, under <full sha>/ (default %(default)s)")
-    parser.add_argument("--api-key", default=os.environ.get("RAGBLEND_API_KEY"),
-                        help="API key, where this environment makes the servers require one (env RAGBLEND_API_KEY)")
+    add_api_key(parser)
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for a server's /readyz")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--out", type=Path, help="the JSON's path (default: docs/results/compare_<rev sha>.json)")
@@ -372,24 +329,20 @@ def print_table(summary: dict[str, Any]) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         check_args(args)
-        questions = load_questions(args.data, args.first_question + num_questions(args),
-                                   args.passages)[args.first_question:]
+        questions = load_questions(args.data, num_questions(args), args.passages, args.first_question)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"ragblend bench compare: {exc}", file=sys.stderr)
-        return ExitCode.USAGE
+        return refuse("compare", exc, ExitCode.USAGE)
     if len(questions) < num_questions(args):
-        print(f"ragblend bench compare: {args.data} has {len(questions)} questions after the first "
-              f"{args.first_question}; {num_questions(args)} needed (1 asked again, --questions {args.questions}, "
-              f"two first asks per round)", file=sys.stderr)
-        return ExitCode.USAGE
+        return refuse("compare", f"{args.data} has {len(questions)} questions after the first {args.first_question}; "
+                      f"{num_questions(args)} needed (1 asked again, --questions {args.questions}, two first asks "
+                      f"per round)", ExitCode.USAGE)
     try:
         builds = {Side.REV: compare_build.build(args.rev, args.cache_dir, args.python, args.skip_build,
                                                    compare_build.Interpreter(args.venv)),
                   Side.CURRENT: compare_build.current_build()}
     except BuildError as exc:
-        print(f"ragblend bench compare: {exc}", file=sys.stderr)
-        return ExitCode.FAILED
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        return refuse("compare", exc, ExitCode.FAILED)
+    auth = headers(args)
     config = args.config.resolve() if args.config else None
     local = {side: LocalServer(side.value, config=config, python=build.python, root=build.root)
              for side, build in builds.items()}
@@ -398,18 +351,17 @@ def run(args: argparse.Namespace) -> int:
             servers = {}
             for side, server in local.items():  # one after the other: see the module's docstring
                 stack.enter_context(started(server, args.ready_timeout))
-                servers[side] = asyncio.run(warm_up(server.url, questions, args, headers))
+                servers[side] = asyncio.run(warm_up(server.url, questions, args, auth))
             targets = [Target(side, server) for side, server in local.items()]
-            measured = asyncio.run(measure(targets, questions, args, headers))
+            measured = asyncio.run(measure(targets, questions, args, auth))
     except (QueryFailed, RuntimeError) as exc:  # a server that did not start, or refused a one-user question
-        print(f"ragblend bench compare: {exc}", file=sys.stderr)
-        return ExitCode.FAILED
+        return refuse("compare", exc, ExitCode.FAILED)
     summary = summarize(args, builds, servers, measured)
     print_table(summary)
     share = summary["idle"]["cpu_share_max"]
     if share is not None and share > IDLE_SHARE_WARNING:
-        print(f"ragblend bench compare: the idle server used up to {share:.0%} of a core while the other was "
-              f"measured: the builds' figures disturbed each other (see the JSON's schedule)", file=sys.stderr)
+        refuse("compare", f"the idle server used up to {share:.0%} of a core while the other was measured: the "
+               f"builds' figures disturbed each other (see the JSON's schedule)", 0)
     out = args.out or REPO_ROOT / "docs" / "results" / f"compare_{builds[Side.REV].sha[:10]}.json"
     emit_summary(summary, out, indent=2)
     return ExitCode.FAILED if summary["num_errors"] else ExitCode.OK

@@ -1,5 +1,5 @@
 """What a server's start-up adds to its memory, stage by stage: run in a fresh interpreter by
-`ragblend bench memory` (`python -m bench.memory_stages --data-dir D [--config F]`), which reads the
+`ragblend bench memory` (`python -m bench.serving.memory_stages --data-dir D [--config F]`), which reads the
 JSON it prints on its last line.
 
 The stages build what `Components.build` and the lifespan build, in their order and with the same
@@ -17,7 +17,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from bench.memory_probe import MB, malloc_mb, mappings, read_rss
+from bench.serving.memory_probe import MB, malloc_mb, mappings, read_rss
 
 STAGES = ("interpreter", "import torch", "server modules", "engine loaded", "embedder", "KV store",
           "planner measurement", "idle release")
