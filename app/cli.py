@@ -52,15 +52,15 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "prefix"): ("bench.serving.prefix", "the prefix cache against a running server: a fresh blend, the same "
                           "prompt again, a follow-up turn and no match, side by side"),
     ("bench", "replicas"): ("bench.serving.replicas", "Postgres vs SQLite store: query TTFT, ingest, change propagation"),
-    ("bench", "answers"): ("bench.answers_bench", "answer quality of the whole pipeline on real documents and MuSiQue, "
+    ("bench", "answers"): ("bench.answers.ask", "answer quality of the whole pipeline on real documents and MuSiQue, "
                            "settings side by side: right, inside the retrieved text, source, ran to the cap, TTFT"),
-    ("bench", "answers-pool"): ("bench.answers_pool", "several answers runs (other question sets) read as one: "
+    ("bench", "answers-pool"): ("bench.answers.pool", "several answers runs (other question sets) read as one: "
                                 "each part pooled over them, settings paired against the first"),
     ("bench", "retrieval"): ("bench.serving.retrieval", "retrieval latency per ranking mode (dense, lexical, hybrid) "
                              "and store (SQLite, Postgres) at a given number of chunks: p50/p99"),
-    ("bench", "retrieval-quality"): ("bench.retrieval_quality", "retrieval alone on the answers set (no LLM): inside, "
+    ("bench", "retrieval-quality"): ("bench.answers.retrieval_quality", "retrieval alone on the answers set (no LLM): inside, "
                                      "source, prompt tokens per chunking, mode, top_k and relevance floor"),
-    ("bench", "context-bound"): ("bench.context_bound", "the model's right answers by which chunks its prompt holds: "
+    ("bench", "context-bound"): ("bench.answers.context_bound", "the model's right answers by which chunks its prompt holds: "
                                  "as retrieved, the best alone, the chunk stating the answer alone (a bound)"),
     ("bench", "kv-codec"): ("bench.store.codec", "KV entry formats: bytes per token, decode speed, fidelity"),
     ("bench", "corpus"): ("bench.store.corpus", "KV budget at corpus scale: hit rate and TTFT per budget, Zipf stream"),

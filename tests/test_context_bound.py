@@ -9,7 +9,7 @@ import re
 from app.cli import main
 from app.commands.exit_codes import ExitCode
 from bench.harness.sets import SetQuestion
-from bench.context_bound import ARRANGEMENTS, arranged, stating, summarize
+from bench.answers.context_bound import ARRANGEMENTS, arranged, stating, summarize
 from retrieval.store_types import StoredChunk
 
 

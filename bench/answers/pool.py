@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from app.commands.exit_codes import ExitCode
-from bench.answers_bench import paired, print_tables, results
-from bench.answers_settings import Setting
+from bench.answers.scoring import paired, print_tables, results
+from bench.answers.settings import Setting
 from bench.harness.output import emit_summary
 
 

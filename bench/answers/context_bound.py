@@ -11,7 +11,7 @@ Per in-scope question of the answers set, one prompt per arrangement, the same q
 - `stored`: the first chunk of the question's document that states the answer alone, retrieved or not: a
   perfect retriever's.
 
-The documents are chunked and stored as an upload is (bench.retrieval_quality.build_retriever), each
+The documents are chunked and stored as an upload is (bench.answers.retrieval_quality.build_retriever), each
 question made a request and searched as the server does (app/query/serving.py build_rag_request,
 app/rag/pipeline.py relevant_chunks; the server's settings, its environment and YAML included). Answers
 come from the engine in this process (`--mode full` by default: the model reading the chunks, nothing
@@ -40,7 +40,7 @@ from app.rag.pipeline import relevant_chunks
 from app.rag.types import RagRequest
 from bench.harness.sets import DEFAULT_SET, SetQuestion, load_set
 from bench.harness.output import emit_summary
-from bench.retrieval_quality import Chunking, build_retriever
+from bench.answers.retrieval_quality import Chunking, build_retriever
 from configs.enums import PrefillMode
 from configs.settings import Settings
 from retrieval.store_types import StoredChunk
