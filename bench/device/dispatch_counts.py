@@ -10,7 +10,7 @@ read-back, the logits) cancels out and what is left is one layer's work past ble
 Host syncs (`.item()`, `nonzero`, a boolean-mask index: what would stall a GPU's queue) are counted
 apart, as ../shared/tools/sync_proxy.py counts them: none may come per layer.
 
-    python -m bench.dispatch_counts [--json]
+    python -m bench.device.dispatch_counts [--json]
 """
 
 from __future__ import annotations

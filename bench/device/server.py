@@ -1,6 +1,6 @@
-"""The server end to end on a lent GPU (a step of bench/device_check.sh): one `ragblend serve` over a
+"""The server end to end on a lent GPU (a step of bench/device/check.sh): one `ragblend serve` over a
 random-weight model of a real architecture, read through the packed tokenizer, with the packed
-embedder (bench/device_pack.py), started here on a free loopback port; then, against it,
+embedder (bench/device/pack.py), started here on a free loopback port; then, against it,
 `ragblend bench server` (streaming clients at each count: TTFT, inter-token latency, tok/s),
 `ragblend bench server-modes` twice (TTFT per mode one request at a time and full's and blend's
 requests/s with 8 clients at once; then requests/s with 16), and the KV store's counters per tier from
@@ -11,7 +11,7 @@ decode bucket's pool take ~15 GB; at Llama-2-7B's (no GQA) they would take ~56 G
 of weights, more than an 80 GB card leaves with the GPU KV tier. The scheduler runs up to 16 answers
 at once (its defaults are a CPU's: 8, and 4 GiB of KV).
 
-    python -m bench.device_server --out-dir /tmp/work [--model random:llama-3-8b] [--device cuda]
+    python -m bench.device.server --out-dir /tmp/work [--model random:llama-3-8b] [--device cuda]
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from pathlib import Path
 import httpx
 
 from app.cli import main as cli
-from bench.device_pack import REPO_ROOT
-from bench.device_pack import main as device_pack
+from bench.device.pack import REPO_ROOT
+from bench.device.pack import main as device_pack
 from bench.harness.servers import LocalServer, started
 
 
@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", type=Path, required=True, help="JSON, logs and the embedder go here")
     parser.add_argument("--model", default="random:llama-3-8b")
     parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
-    parser.add_argument("--pack", type=Path, default=REPO_ROOT / ".device", help="bench/device_pack.py's output")
+    parser.add_argument("--pack", type=Path, default=REPO_ROOT / ".device", help="bench/device/pack.py's output")
     parser.add_argument("--data", type=Path, default=None, help="default: the pack's data/musique_dev.json")
     parser.add_argument("--concurrency", default="1,8,16", help="`bench server`'s client counts")
     parser.add_argument("--modes-clients", type=int, default=8,

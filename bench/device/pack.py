@@ -19,8 +19,8 @@ Then it adds up what a call carries (the tracked files, the untracked ones git d
 `.device` and `.whl`) and fails above the limit. On the machine, `embedder --out DIR` writes a
 loadable embedder directory (fp32) for `retrieval.embedder`.
 
-    python -m bench.device_pack pack [--embedder config|half] [--no-wheels] [--out .device]
-    python -m bench.device_pack embedder --out /tmp/ragblend-embedder [--pack .device]
+    python -m bench.device.pack pack [--embedder config|half] [--no-wheels] [--out .device]
+    python -m bench.device.pack embedder --out /tmp/ragblend-embedder [--pack .device]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 LIMIT_BYTES = 64 * 2**20  # what one device call's working tree may hold
 # What the server imports that the GPU image lacks (its package list: the device tool's KINDS.md),
 # checked by running `ragblend serve` with every other package hidden. Each wheel without its

@@ -4,7 +4,7 @@
 profiled prefill each: its host (CPU) time against its GPU time, the measure of a prefill bound by the host.
 `--device cpu --model random:tiny-llama` runs it on CPU (the device script's dry run).
 
-    python -m bench.device_probe --parts prefill [--model random:llama-7b] --out probe.json
+    python -m bench.device.probe --parts prefill [--model random:llama-7b] --out probe.json
 
 Retired (issue 64; docs/benchmarks/gpu.md keeps their figures): the first GPU run's parts `attention`,
 `scale` and `shapes` (`git show 164dcca:bench/device_probe.py`).

@@ -2,12 +2,12 @@
 # The checks of a lent CUDA GPU in one call, in under 10 minutes (docs/benchmarks/gpu.md says what each
 # step measures, the targets it is read against, and how to prepare the call):
 #
-#   bash bench/device_check.sh [--dry-run] [STEPS]
+#   bash bench/device/check.sh [--dry-run] [STEPS]
 #
 # STEPS, comma-separated (default: tests,prefill7b,prefill8b,engine7b,decode8b,server):
 #   tests      the graphed prefill's and the decode buckets' tests on CUDA (pytest --device cuda)
 #   prefill7b  full / reuse / blend prefills at Llama-2-7B shape, the prefill's graphs on and off, and the
-#              host time of a prefill against its GPU time (python -m bench.device_probe --parts prefill)
+#              host time of a prefill against its GPU time (python -m bench.device.probe --parts prefill)
 #   prefill8b  the same at Llama-3-8B shape (GQA)
 #   engine7b   ragblend bench engine at Llama-2-7B shape on the data set's prompts: TTFT per mode, decode
 #   decode8b   the batched decode step at 3k-token caches, Llama-3-8B shape (eager and CUDA-graphed buckets)
@@ -16,7 +16,7 @@
 #   (and, not by default, the first GPU run's: decode7b, decode7b512; its shapes and packing were retired
 #   in issue 64: docs/benchmarks/gpu.md)
 #
-# Prepare it here, once: `python -m bench.device_pack pack` writes .device/ (the tokenizer, the embedder's
+# Prepare it here, once: `python -m bench.device.pack pack` writes .device/ (the tokenizer, the embedder's
 # configuration, the data set) and .whl/ (the server's wheels the GPU image lacks), both ignored by git:
 # name both in the call's `carry`. What comes back ($OUT): summary.md (tables and targets), summary.json
 # and device_check.tar.gz (every step's log and JSON), all three rewritten after each step, so a call
@@ -50,7 +50,7 @@ if [ $DRY_RUN = 1 ]; then
   DATA=${DATA:-../shared/data/musique_dev.json}
   if [ ! -d "$PACK/tokenizer" ]; then
     PACK=$WORK/pack
-    $PY -m bench.device_pack pack --out "$PACK" --no-wheels --data "$DATA" > "$WORK/pack.log" 2>&1 || {
+    $PY -m bench.device.pack pack --out "$PACK" --no-wheels --data "$DATA" > "$WORK/pack.log" 2>&1 || {
       echo "the pack failed: $WORK/pack.log"; tail -n 20 "$WORK/pack.log"; exit 1; }
   fi
   SUMMARY_FLAGS=--dry-run
@@ -69,7 +69,7 @@ $PY -c "import sys, torch, transformers; print(sys.version.split()[0], 'torch', 
 transformers.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" | tee "$WORK/versions.txt"
 
 summarize() {  # the tables, the targets and the archive in $OUT: after every step
-  $PY -m bench.device_summary --work "$WORK" --out "$OUT" $SUMMARY_FLAGS > "$WORK/summary.log" 2>&1 \
+  $PY -m bench.device.summary --work "$WORK" --out "$OUT" $SUMMARY_FLAGS > "$WORK/summary.log" 2>&1 \
     || tail -n 5 "$WORK/summary.log"
   tar -czf "$OUT/device_check.tar.gz" -C "$WORK" --exclude=./pack --exclude=./server/embedder . 2>/dev/null
 }
@@ -87,16 +87,16 @@ step() {  # name, time limit (s), command...
 }
 
 step tests 80 $PY -m pytest --device $DEVICE -q -p no:cacheprovider $TESTS
-step prefill7b 70 $PY -m bench.device_probe --parts prefill --model $M7 --device $DEVICE --rounds $ROUNDS \
+step prefill7b 70 $PY -m bench.device.probe --parts prefill --model $M7 --device $DEVICE --rounds $ROUNDS \
   --chunk-tokens $CHUNK --out "$WORK/prefill_7b.json"
-step prefill8b 70 $PY -m bench.device_probe --parts prefill --model $M8 --device $DEVICE --rounds $ROUNDS \
+step prefill8b 70 $PY -m bench.device.probe --parts prefill --model $M8 --device $DEVICE --rounds $ROUNDS \
   --chunk-tokens $CHUNK --out "$WORK/prefill_8b.json"
 step engine7b 90 $PY -m app.cli bench engine --device $DEVICE --model $M7 --data "$DATA" --passages $PASSAGES \
   --questions $QUESTIONS --ratios 0.15 --no-prefix-row --no-answers --decode-tokens $DECODE_TOKENS \
   --decode-questions 1 --out "$WORK/engine_7b.json"
 step decode8b 70 $PY -m bench.engine.batch_decode --device $DEVICE --model $M8 --context $CONTEXT --rounds $ROUNDS \
   --steps $DECODE_STEPS --batch-sizes $BATCHES --parts batch,graphed --weights fp32 --out "$WORK/decode_8b.json"
-step server 220 $PY -m bench.device_server --out-dir "$WORK/server" --model $SERVER_MODEL --device $DEVICE \
+step server 220 $PY -m bench.device.server --out-dir "$WORK/server" --model $SERVER_MODEL --device $DEVICE \
   --pack "$PACK" --data "$DATA" $SERVER_SIZES
 # the first GPU run's checks (docs/benchmarks/gpu.md), by name only
 step decode7b 120 $PY -m bench.engine.batch_decode --device $DEVICE --model $M7 --context $CONTEXT --rounds 3 \

@@ -1,9 +1,9 @@
-"""The device check's tables and targets (bench/device_check.sh): every step's JSON in the work folder
+"""The device check's tables and targets (bench/device/check.sh): every step's JSON in the work folder
 read into one summary.json and one summary.md (what a device call brings back: few files). Missing
 steps leave their rows out; a target whose figure is missing says so. Run after each step, so a call
 cut short still brings back what ran.
 
-    python -m bench.device_summary --work /tmp/device_check_work --out $OUT [--dry-run]
+    python -m bench.device.summary --work /tmp/device_check_work --out $OUT [--dry-run]
 """
 
 from __future__ import annotations
