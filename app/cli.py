@@ -29,7 +29,8 @@ if "OMP_WAIT_POLICY" not in os.environ:
 for _name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
     os.environ.setdefault(_name, "16")
 
-# subcommand path -> (module, help). The module defines add_arguments(parser) and run(args) -> int.
+# subcommand path -> (module, help). The module defines add_arguments(parser) and run(args) -> int. The
+# benches are bench/<group>/<module>: `ragblend bench --help` lists them by group (bench.GROUPS).
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("serve",): ("app.commands.serve", "run the RAG server"),
     ("ingest",): ("app.commands.ingest", "ingest files into a running server (--collection: into a knowledge base)"),
@@ -37,41 +38,50 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("store", "copy"): ("app.commands.store_copy", "copy a data directory's SQLite documents into Postgres"),
     ("collections",): ("app.commands.collections", "create, list or delete knowledge bases on a running server"),
     ("keys",): ("app.commands.keys", "create, list or revoke scoped API keys on a running server"),
-    ("bench", "engine"): ("bench.engine_bench", "engine benchmark: TTFT and fidelity per prefill mode"),
-    ("bench", "attention-dtype"): ("bench.attention_dtype_bench", "a prefill's attention in the model's dtype "
-                                   "against bf16, side by side: full and blend TTFT, KL against float32's full"),
-    ("bench", "attention-groups"): ("bench.attention_groups_bench", "one layer's subset attention on the CPU: the "
-                                    "engine's query groups against the grouping before and one call"),
-    ("bench", "kv"): ("bench.kv_bench", "KV store benchmark: blend TTFT per tier, pipelined or not"),
-    ("bench", "server"): ("bench.server_bench", "concurrent streaming clients against servers, side by side with a "
+    ("bench", "engine"): ("bench.engine.prefill", "engine benchmark: TTFT and fidelity per prefill mode"),
+    ("bench", "batch-decode"): ("bench.engine.batch_decode", "one decode step for B sequences at once against B "
+                                "single steps (eager, and CUDA-graphed buckets on a GPU)"),
+    ("bench", "plot"): ("bench.engine.plot", "plot an engine bench's KL-vs-speed frontier (PNG)"),
+    ("bench", "kv"): ("bench.store.kv", "KV store benchmark: blend TTFT per tier, pipelined or not"),
+    ("bench", "kv-codec"): ("bench.store.codec", "KV entry formats: bytes per token, decode speed, fidelity"),
+    ("bench", "corpus"): ("bench.store.corpus", "KV budget at corpus scale: hit rate and TTFT per budget, Zipf stream"),
+    ("bench", "server"): ("bench.serving.server", "concurrent streaming clients against servers, side by side with a "
                           "one-sequence-at-a-time baseline: TTFT, inter-token latency, aggregate tok/s"),
-    ("bench", "compare"): ("bench.compare_bench", "this checkout's server against a git revision's, side by side: "
+    ("bench", "compare"): ("bench.serving.compare", "this checkout's server against a git revision's, side by side: "
                            "TTFT asked again and first ask, decode tok/s, concurrent clients; ratios"),
-    ("bench", "overhead"): ("bench.overhead_bench", "the server's blend TTFT and decode against the bare engine's, "
+    ("bench", "overhead"): ("bench.serving.overhead", "the server's blend TTFT and decode against the bare engine's, "
                             "same prompts, in turn: ratios and where the server's time goes"),
-    ("bench", "server-modes"): ("bench.server_modes_bench", "end-to-end TTFT and fidelity per prefill mode against a "
+    ("bench", "server-modes"): ("bench.serving.modes", "end-to-end TTFT and fidelity per prefill mode against a "
                                 "running server"),
-    ("bench", "prefix"): ("bench.prefix_bench", "the prefix cache against a running server: a fresh blend, the same "
+    ("bench", "prefix"): ("bench.serving.prefix", "the prefix cache against a running server: a fresh blend, the same "
                           "prompt again, a follow-up turn and no match, side by side"),
-    ("bench", "replicas"): ("bench.replicas_bench", "Postgres vs SQLite store: query TTFT, ingest, change propagation"),
-    ("bench", "answers"): ("bench.answers_bench", "answer quality of the whole pipeline on real documents and MuSiQue, "
-                           "settings side by side: right, inside the retrieved text, source, ran to the cap, TTFT"),
-    ("bench", "answers-pool"): ("bench.answers_pool", "several answers runs (other question sets) read as one: "
-                                "each part pooled over them, settings paired against the first"),
-    ("bench", "retrieval"): ("bench.retrieval_bench", "retrieval latency per ranking mode (dense, lexical, hybrid) "
+    ("bench", "replicas"): ("bench.serving.replicas", "Postgres vs SQLite store: query TTFT, ingest, change propagation"),
+    ("bench", "retrieval"): ("bench.serving.retrieval", "retrieval latency per ranking mode (dense, lexical, hybrid) "
                              "and store (SQLite, Postgres) at a given number of chunks: p50/p99"),
-    ("bench", "retrieval-quality"): ("bench.retrieval_quality", "retrieval alone on the answers set (no LLM): inside, "
-                                     "source, prompt tokens per chunking, mode, top_k and relevance floor"),
-    ("bench", "context-bound"): ("bench.context_bound", "the model's right answers by which chunks its prompt holds: "
-                                 "as retrieved, the best alone, the chunk stating the answer alone (a bound)"),
-    ("bench", "kv-codec"): ("bench.kv_codec_bench", "KV entry formats: bytes per token, decode speed, fidelity"),
-    ("bench", "corpus"): ("bench.corpus_bench", "KV budget at corpus scale: hit rate and TTFT per budget, Zipf stream"),
-    ("bench", "collections"): ("bench.collections_bench", "retrieval scoped to collections: one filtered index vs an "
-                               "index per collection, search p50/p99"),
-    ("bench", "plot"): ("bench.plot", "plot an engine bench's KL-vs-speed frontier (PNG)"),
-    ("bench", "memory"): ("bench.memory_bench", "where a server's memory goes: RSS stage by stage through start-up, "
+    ("bench", "memory"): ("bench.serving.memory", "where a server's memory goes: RSS stage by stage through start-up, "
                           "and a live server's, idle after start-up and after a run of questions"),
+    ("bench", "answers"): ("bench.answers.ask", "answer quality of the whole pipeline on real documents and MuSiQue, "
+                           "settings side by side: right, inside the retrieved text, source, ran to the cap, TTFT"),
+    ("bench", "answers-pool"): ("bench.answers.pool", "several answers runs (other question sets) read as one: "
+                                "each part pooled over them, settings paired against the first"),
+    ("bench", "retrieval-quality"): ("bench.answers.retrieval_quality", "retrieval alone on the answers set (no LLM): inside, "
+                                     "source, prompt tokens per chunking, mode, top_k and relevance floor"),
+    ("bench", "context-bound"): ("bench.answers.context_bound", "the model's right answers by which chunks its prompt holds: "
+                                 "as retrieved, the best alone, the chunk stating the answer alone (a bound)"),
 }
+
+
+def _group_help(group: tuple[str, ...]) -> dict:
+    """`ragblend bench --help`: the benches under the question each group answers."""
+    if group != ("bench",):
+        return {}
+    from bench import GROUPS
+
+    lines = ["benches by the question they answer (bench/<group>/; docs/benchmarks/README.md):"]
+    for name, question in GROUPS.items():
+        commands = [path[-1] for path, (module, _) in COMMANDS.items() if module.startswith(f"bench.{name}.")]
+        lines.append(f"  {name}: {question}\n    {', '.join(commands) or 'no ragblend command'}")
+    return {"epilog": "\n".join(lines), "formatter_class": argparse.RawDescriptionHelpFormatter}
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -81,7 +91,7 @@ def _build_parser() -> argparse.ArgumentParser:
         for depth in range(1, len(path)):
             group = path[:depth]
             if group not in groups:
-                sub = groups[group[:-1]].add_parser(group[-1], help=f"{group[-1]} commands")
+                sub = groups[group[:-1]].add_parser(group[-1], help=f"{group[-1]} commands", **_group_help(group))
                 groups[group] = sub.add_subparsers(dest=f"{group[-1]}_command")
         sub = groups[path[:-1]].add_parser(path[-1], help=help_text)
         sub.set_defaults(_module=module)

@@ -14,12 +14,14 @@ from app.cli import main
 from app.extract.dispatch import extract_file
 from app.config import LimitsConfig
 from app.extract.types import ExtractionLimits
-from bench import answers_bench, answers_settings
-from bench.answers_bench import (in_turn, paired, paired_row, part_row, pick_questions, score_document_answer,
-                                 score_musique_answer)
-from bench.answers_set import DEFAULT_SET, HOLDOUT2_SET, HOLDOUT_SET, collapse, contains_gold, load_set
-from bench.answers_settings import Setting, settings_named
-from bench.server_client import StreamedAnswer
+from bench.answers import ask as answers_bench, settings as answers_settings
+from bench.answers.ask import pick_questions
+from bench.answers.scoring import paired, paired_row, part_row, score_document_answer, score_musique_answer
+from bench.harness.servers import deep_merge
+from bench.harness.stats import in_turn
+from bench.harness.sets import DEFAULT_SET, HOLDOUT2_SET, HOLDOUT_SET, collapse, contains_gold, load_set
+from bench.answers.settings import Setting, settings_named
+from bench.harness.client import StreamedAnswer
 from tests.docgen import make_pdf
 
 TINY_CONFIG = 'model: {"name": "random:tiny-llama", "device": "cpu"}\n'
@@ -258,8 +260,8 @@ def test_settings_take_turns_and_quick_checks_spread_over_documents():
     with pytest.raises(ValueError, match="named twice: full"):
         settings_named(["full", "full"])
     assert Setting("x", server={"b": 1, "a": {"c": 2}}).server_key == Setting("y", server={"a": {"c": 2}, "b": 1}).server_key
-    assert answers_bench.deep_merge({"model": {"name": "m", "device": "cpu"}, "x": 1},
-                                    {"model": {"device": "cuda"}}) == {"model": {"name": "m", "device": "cuda"}, "x": 1}
+    assert deep_merge({"model": {"name": "m", "device": "cpu"}, "x": 1},
+                      {"model": {"device": "cuda"}}) == {"model": {"name": "m", "device": "cuda"}, "x": 1}
 
 
 # ---- end to end ----------------------------------------------------------------------------------

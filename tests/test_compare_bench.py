@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from app.cli import main
-from bench import compare_bench, compare_build
-from bench.compare_bench import Side
-from bench.local_servers import REPO_ROOT, process_tree_cpu_s
+from bench.serving import build as compare_build, compare as compare_bench
+from bench.serving.compare import Side
+from bench.harness.servers import REPO_ROOT, process_tree_cpu_s
 from test_server_bench import TINY_MODEL, dataset
 
 ROUNDS, CLIENTS = 2, 2

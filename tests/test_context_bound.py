@@ -8,8 +8,8 @@ import re
 
 from app.cli import main
 from app.commands.exit_codes import ExitCode
-from bench.answers_set import SetQuestion
-from bench.context_bound import ARRANGEMENTS, arranged, stating, summarize
+from bench.harness.sets import SetQuestion
+from bench.answers.context_bound import ARRANGEMENTS, arranged, stating, summarize
 from retrieval.store_types import StoredChunk
 
 

@@ -3,7 +3,7 @@
 import argparse
 import json
 
-from bench import corpus_bench, kv_codec_bench
+from bench.store import codec as kv_codec_bench, corpus as corpus_bench
 
 
 def test_bench_corpus_prints_a_row_per_budget_then_json(tmp_path, capsys):

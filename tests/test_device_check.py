@@ -1,5 +1,5 @@
-"""The prepared GPU check (bench/device_check.sh) run dry on CPU: every step, with a tiny random model,
-tiny sizes and the pack made on the fly (tokenizer, embedder config, data: bench/device_pack.py), so
+"""The prepared GPU check (bench/device/check.sh) run dry on CPU: every step, with a tiny random model,
+tiny sizes and the pack made on the fly (tokenizer, embedder config, data: bench/device/pack.py), so
 that the script a lent GPU runs does not rot between the calls that do. What a device call brings
 back must be few files ($OUT): the tables, the JSON and one archive."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.device_pack import carried_bytes, main as device_pack
-from bench.device_summary import TARGETS
+from bench.device.pack import carried_bytes, main as device_pack
+from bench.device.summary import TARGETS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STEPS = ["tests", "prefill7b", "prefill8b", "engine7b", "decode8b", "server"]
@@ -39,7 +39,7 @@ def test_the_device_check_runs_dry_on_cpu_and_brings_back_its_tables(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     env = {**os.environ, "OUT": str(out), "WORK": str(work), "PYTHON": sys.executable,
            "PACK": str(tmp_path / "no-pack"), "DATA": str(mini_data(tmp_path / "mini.json"))}
-    run = subprocess.run(["bash", "bench/device_check.sh", "--dry-run"], cwd=REPO_ROOT, env=env, capture_output=True,
+    run = subprocess.run(["bash", "bench/device/check.sh", "--dry-run"], cwd=REPO_ROOT, env=env, capture_output=True,
                          text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["device_check.tar.gz", "summary.json", "summary.md"]

@@ -3,8 +3,8 @@
 import argparse
 import json
 
-from bench import engine_bench
-from bench.metrics import best_f1, mean_kl, token_f1
+from bench.engine import prefill as engine_bench
+from bench.harness.fidelity import best_f1, mean_kl, token_f1
 
 import pytest
 import torch
@@ -90,7 +90,7 @@ def test_bench_engine_runs_without_the_embedded_tokenizer(tmp_path, capsys, monk
 
 
 def test_bench_plot_draws_the_frontier(tmp_path):
-    from bench import plot
+    from bench.engine import plot
 
     rows = {label: {"mode": mode, "speedup_vs_full": speed, "kl_vs_reuse": kl}
             for label, mode, speed, kl in [("full", "full", 1.0, 0.0), ("blend@0.15", "blend", 4.5, 0.7),
@@ -159,8 +159,8 @@ def test_bench_engine_reuse_variant_and_first_question(tmp_path, capsys):
 def test_scaled_defaults_bring_cacheblend_rows_as_the_kl_reference():
     """With a key or attention scale configured, the main rows add CacheBlend's own reuse and blend,
     and the summary divides every row's KL by that unscaled reuse."""
-    from bench.engine_report import _is_cacheblend
-    from bench.engine_variants import main_variants
+    from bench.engine.report import _is_cacheblend
+    from bench.engine.variants import main_variants
     from blend_engine.types import BlendConfig
     from configs.enums import SinkMode
 

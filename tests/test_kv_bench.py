@@ -3,7 +3,7 @@
 import argparse
 import json
 
-from bench import kv_bench
+from bench.store import kv as kv_bench
 
 
 def run_bench(tmp_path, capsys, sentence: str, *extra: str) -> list[str]:

@@ -125,7 +125,7 @@ def test_postgres_reads_a_fused_rankings_rows_in_one_statement_as_the_stores_cal
     lexical-only chunk at the same rank): the dense one goes first."""
     import random
 
-    from bench.answers_set import DEFAULT_SET, load_set
+    from bench.harness.sets import DEFAULT_SET, load_set
 
     rng = random.Random(7)
     store = PostgresDocumentStore(postgres.new_database())

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from app.cli import main
-from bench.memory_stages import STAGES
+from bench.serving.memory_stages import STAGES
 
 TINY_CONFIG = 'model: {"name": "random:tiny-llama", "device": "cpu"}\nscheduler: {"idle_release_s": 1}\n'
 

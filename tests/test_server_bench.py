@@ -11,9 +11,9 @@ import pytest
 
 from app.cli import main
 from app.testing import LiveServer
-from bench import server_bench
-from bench.server_client import StreamedAnswer
-from bench.server_report import Chat, Round, Upload, level_stats, ratio_rows, target_checks, upload_stats
+from bench.serving import server as server_bench
+from bench.harness.client import StreamedAnswer
+from bench.serving.report import Chat, Round, Upload, level_stats, ratio_rows, target_checks, upload_stats
 from configs.settings import load_settings
 
 LEVEL_KEYS = {"clients", "num_rounds", "num_requests", "num_errors", "errors", "ttft_p50_ms", "ttft_p95_ms",
@@ -236,8 +236,8 @@ def test_server_modes_throughput_alternates_full_and_blend_and_divides_their_rou
     assert ratios["ttft_p95"] == pytest.approx(blend["ttft_p95_ms"] / full["ttft_p95_ms"])
     assert "blend/full: req/s" in "\n".join(lines[:-1])
     # what each throughput request asks for (a random model seldom stops early, so the rounds cannot show it)
-    from bench.musique import Question
-    from bench.server_modes_bench import round_args
+    from bench.harness.data import Question
+    from bench.serving.modes import round_args
 
     body = server_bench.request_body(Question("q?", (), ("p",)), 0, round_args("blend", 5))
     assert body["ignore_eos"] is True and body["mode"] == "blend" and body["max_tokens"] == 5

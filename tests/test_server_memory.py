@@ -18,8 +18,8 @@ import time
 import httpx
 import pytest
 
-from bench.local_servers import LocalServer, started
-from bench.memory_bench import exercise, reading
+from bench.harness.servers import LocalServer, started
+from bench.serving.memory import exercise, reading
 
 pytestmark = pytest.mark.smollm2
 

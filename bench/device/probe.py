@@ -1,0 +1,140 @@
+"""The prefill on a lent GPU, at any shape (random weights): full, reuse and blend prefills (5 chunks of
+600 tokens from memory, the server's blend config) with the layers past the check from CUDA graphs
+(`model.prefill_graphs`) and eagerly, interleaved in rounds (`--model random:llama-3-8b`: GQA); then one
+profiled prefill each: its host (CPU) time against its GPU time, the measure of a prefill bound by the host.
+`--device cpu --model random:tiny-llama` runs it on CPU (the device script's dry run).
+
+    python -m bench.device.probe --parts prefill [--model random:llama-7b] --out probe.json
+
+Retired (issue 64; docs/benchmarks/gpu.md keeps their figures): the first GPU run's parts `attention`,
+`scale` and `shapes` (`git show 164dcca:bench/device_probe.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+
+def _event_ms(fn) -> float:
+    """ms of one `fn` call, timed by CUDA events once the device is idle."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+PREFILL_MODES = ("full", "reuse", "blend")
+
+
+def _timer(device: torch.device):
+    """ms of one call: CUDA events on a GPU (the device idle first), the host clock on CPU."""
+    if device.type == "cuda":
+        return _event_ms
+
+    def host_ms(fn) -> float:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1000
+    return host_ms
+
+
+def prefill(model: str, device_name: str, rounds: int, chunk_tokens: int) -> dict:
+    """TTFT of each mode with the prefill's graphs on and off (medians over interleaved rounds, each
+    ratio the median of per-round ratios), then a profile of each mode with the graphs on and off:
+    host time (the profiler's CPU self time) against the GPU's (its kernels' self time)."""
+    from blend_engine.config import ModelConfig
+    from blend_engine.engine import BlendEngine
+    from blend_engine.types import PrefillMode, Segment
+
+    engine = BlendEngine.from_config(ModelConfig(name=model, device=device_name))
+    device = engine.device
+    vocab = engine.model.config.vocab_size
+    generator = torch.Generator().manual_seed(2)
+
+    def ids(n: int) -> tuple[int, ...]:
+        return tuple(torch.randint(100, min(vocab, 30000), (n,), generator=generator).tolist())
+
+    segments = [Segment(ids(20))] + [Segment(c, engine.precompute(c)) for c in (ids(chunk_tokens) for _ in range(5))]
+    segments.append(Segment(ids(30)))
+    timer = _timer(device)
+
+    def run(mode: str, is_graphed: bool) -> object:
+        engine.is_prefill_graphed = is_graphed
+        return engine.prefill(segments, PrefillMode(mode), max_new_tokens=64)
+
+    times: dict[str, list[float]] = {f"{m}_{g}": [] for m in PREFILL_MODES for g in ("eager", "graphed")}
+    for mode in PREFILL_MODES:  # warm-up: each bucket captured, every kernel's set-up done
+        for is_graphed in (False, True):
+            run(mode, is_graphed), run(mode, is_graphed)
+    for _ in range(rounds):
+        for is_graphed in (False, True):
+            for mode in PREFILL_MODES:
+                times[f"{mode}_{'graphed' if is_graphed else 'eager'}"].append(timer(lambda: run(mode, is_graphed)))
+    result = run("blend", True)
+    out = {"model": engine.model_name, "device": str(device), "num_prompt_tokens": len(result.token_ids),
+           "num_recomputed_blend": result.stats.num_recomputed_tokens, "rounds": rounds,
+           "ms": {k: statistics.median(v) for k, v in times.items()}, "ms_rounds": times}
+    ratio = lambda a, b: statistics.median(x / y for x, y in zip(times[a], times[b]))  # noqa: E731
+    out["speedup_vs_full"] = {f"{m}_{g}": ratio(f"full_{g}", f"{m}_{g}") for m in PREFILL_MODES
+                              for g in ("eager", "graphed")}
+    out["graphed_speedup"] = {m: ratio(f"{m}_eager", f"{m}_graphed") for m in PREFILL_MODES}
+    out["profile"] = {}
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    for mode in ("reuse", "blend"):
+        for is_graphed in (False, True):
+            with torch.profiler.profile(activities=activities) as prof:
+                run(mode, is_graphed)
+            events = prof.key_averages()
+            cpu_ms = sum(e.self_cpu_time_total for e in events) / 1000
+            gpu_ms = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1000
+            out["profile"][f"{mode}_{'graphed' if is_graphed else 'eager'}"] = {
+                "cpu_ms": cpu_ms, "gpu_ms": gpu_ms, "cpu_over_gpu": cpu_ms / gpu_ms if gpu_ms else None}
+    engine.is_prefill_graphed = engine.device.type == "cuda"
+    print(f"\nprefill, {engine.model_name} on {device}: {out['num_prompt_tokens']} prompt tokens, blend recomputes "
+          f"{out['num_recomputed_blend']}; medians of {rounds} rounds\n")
+    print("| mode | eager ms | graphed ms | graphed speed-up | vs full, graphed |\n| --- | ---: | ---: | ---: | ---: |")
+    for mode in PREFILL_MODES:
+        print(f"| {mode} | {out['ms'][f'{mode}_eager']:.1f} | {out['ms'][f'{mode}_graphed']:.1f} | "
+              f"{out['graphed_speedup'][mode]:.2f}x | {out['speedup_vs_full'][f'{mode}_graphed']:.2f}x |")
+    print("\n| profiled prefill | host (CPU) ms | GPU ms | host / GPU |\n| --- | ---: | ---: | ---: |")
+    for name, row in out["profile"].items():
+        over = "" if row["cpu_over_gpu"] is None else f"{row['cpu_over_gpu']:.2f}"
+        print(f"| {name} | {row['cpu_ms']:.1f} | {row['gpu_ms']:.1f} | {over} |")
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default="prefill", choices=["prefill"], help="what to measure (the one part left)")
+    parser.add_argument("--model", default="random:llama-7b", help="the prefill part's model.name")
+    parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"], help="the prefill part's device")
+    parser.add_argument("--rounds", type=int, default=5, help="the prefill part's interleaved rounds")
+    parser.add_argument("--chunk-tokens", type=int, default=600, help="the prefill part's tokens per chunk (5 chunks)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    parts = args.parts.split(",")
+    figures = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__}
+    if "prefill" in parts:
+        figures["prefill"] = prefill(args.model, args.device, args.rounds, args.chunk_tokens)
+    if args.out is not None:
+        args.out.write_text(json.dumps(figures, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,138 @@
+"""The engine bench's summary (medians over questions, fidelity means) and its table."""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from bench.harness.output import fmt
+from bench.harness.stats import safe_mean, safe_median
+from blend_engine.types import PrefillMode
+
+
+def _is_cacheblend(variant) -> bool:
+    """No scale on the reused tokens' keys or attention: CacheBlend's own reuse / blend."""
+    return variant.blend is None or not variant.blend.is_reuse_scaled
+
+
+def summarize(runs, variants, args, engine, is_quality: bool) -> dict:
+    full_ttft = safe_median(r.ttft_ms for r in runs.records["full"])
+    reuse_kl: dict = {}  # per sink, CacheBlend's reuse (no scale): the reference of every row's KL ratio
+    for v in sorted((v for v in variants if v.mode == PrefillMode.REUSE), key=lambda v: not _is_cacheblend(v)):
+        if v.sink not in reuse_kl:
+            reuse_kl[v.sink] = safe_mean(r.tf_kl for r in runs.records[v.label] if r.tf_kl is not None)
+    rows = {}
+    for v in variants:
+        recs = runs.records[v.label]
+        ttft = safe_median(r.ttft_ms for r in recs)
+        kl = safe_mean(r.tf_kl for r in recs if r.tf_kl is not None)
+        ref_kl = reuse_kl.get(v.sink)
+        rows[v.label] = {
+            "mode": v.mode.value,
+            "recompute_ratio": v.blend.recompute_ratio if v.blend else None,
+            "check_layers": list(v.blend.check_layers) if v.blend else None,
+            "deviation": v.blend.deviation.value if v.blend else None,
+            "selection": v.blend.selection.value if v.blend else None,
+            "chunk_start_tokens": v.blend.chunk_start_tokens if v.blend else None,
+            "reused_key_scale": v.blend.reused_key_scale if v.blend else None,
+            "reused_attention_scale": v.blend.reused_attention_scale if v.blend else None,
+            "probe_layer": v.blend.probe_layer if v.blend else None,
+            "probe_span": v.blend.probe_span if v.blend else None,
+            "sink": v.sink.value,
+            "median_ttft_ms": ttft,
+            "speedup_vs_full": full_ttft / ttft if ttft else None,
+            "median_tokens_recomputed": safe_median(r.num_recomputed for r in recs),
+            "mean_recompute_ratio": safe_mean(r.recompute_ratio for r in recs if r.recompute_ratio is not None),
+            "first_token_agreement": safe_mean(float(r.first_token_agrees) for r in recs),
+            "tf_agreement": safe_mean(r.tf_agreement for r in recs if r.tf_agreement is not None),
+            "tf_kl_mean": kl,
+            "kl_vs_reuse": (kl / ref_kl) if (kl is not None and ref_kl) else None,
+            "f1_vs_full": safe_mean(r.f1_vs_full for r in recs if r.f1_vs_full is not None),
+            "f1_vs_gold": safe_mean(r.f1_vs_gold for r in recs if r.f1_vs_gold is not None),
+            "tf_kl_per_question": [r.tf_kl for r in recs],  # paired comparisons between rows
+            "unselected_mass_per_question": [r.unselected_mass for r in recs],  # candidate guard signals
+            "first_entropy_per_question": [r.first_entropy for r in recs],
+            "last_token_shift_per_question": [r.last_token_shift for r in recs],
+        }
+    return {
+        "bench": "engine",
+        "model": engine.model_name,
+        "is_quality_meaningful": is_quality,
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "weights": engine.weights.value,
+        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "questions": args.questions,
+        "first_question": args.first_question,
+        "passages": args.passages,
+        "median_prompt_tokens": safe_median(r.num_prompt for r in runs.records["full"]),
+        "results": rows,
+        "guard": guard_report(runs, variants),
+    }
+
+
+def guard_report(runs, variants) -> dict | None:
+    """How well the guard's signal (score share left unselected at the check) flags the worst
+    questions of the default-config blend row: the share of the 10% worst-KL questions among the
+    20% with the highest signal, and the rank correlation of signal and KL."""
+    label = next((v.label for v in variants if v.label == "blend@0.15"), None)
+    recs = [r for r in runs.records.get(label, []) if r.tf_kl is not None and r.unselected_mass is not None]
+    if len(recs) < 5:
+        return None
+    num_worst, num_flagged = max(1, round(0.1 * len(recs))), max(1, round(0.2 * len(recs)))
+    worst = set(sorted(range(len(recs)), key=lambda i: -recs[i].tf_kl)[:num_worst])
+    by_signal = sorted(range(len(recs)), key=lambda i: -recs[i].unselected_mass)
+    flagged = set(by_signal[:num_flagged])
+    return {
+        "variant": label,
+        "threshold": recs[by_signal[num_flagged - 1]].unselected_mass,
+        "share_flagged": num_flagged / len(recs),
+        "worst_kl_recall": len(worst & flagged) / num_worst,
+        "worst_kl_precision": len(worst & flagged) / num_flagged,
+        "spearman_signal_kl": _spearman([r.unselected_mass for r in recs], [r.tf_kl for r in recs]),
+        "spearman_first_entropy_kl": _spearman([r.first_entropy for r in recs], [r.tf_kl for r in recs]),
+        "spearman_last_token_shift_kl": _spearman([r.last_token_shift for r in recs], [r.tf_kl for r in recs]),
+    }
+
+
+def _spearman(xs: list[float], ys: list[float]) -> float:
+    def ranks(values):
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        for rank, i in enumerate(order):
+            out[i] = float(rank)
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    return float(torch.corrcoef(torch.tensor([rx, ry]))[0, 1])
+
+
+def print_table(summary: dict) -> None:
+    print(f"\nmodel {summary['model']} on {summary['device']} ({summary['dtype']}, {summary['weights']} weights), "
+          f"{summary['questions']} questions x {summary['passages']} passages, "
+          f"median prompt {summary['median_prompt_tokens']} tokens")
+    width = max(28, *(len(label) + 1 for label in summary["results"]))
+    header = f"{'variant':<{width}}{'TTFT ms':>9}{'speedup':>9}{'recomp':>8}{'1st tok':>8}{'TF agr':>8}" \
+             f"{'TF KL':>8}{'KL/reuse':>9}{'F1 full':>8}{'F1 gold':>8}"
+    print(header)
+    print("-" * len(header))
+    for label, row in summary["results"].items():
+        print(f"{label:<{width}}{fmt(row['median_ttft_ms'], 0):>9}{fmt(row['speedup_vs_full'], 2):>9}"
+              f"{fmt(row['median_tokens_recomputed'], 0):>8}{fmt(row['first_token_agreement'], 2):>8}"
+              f"{fmt(row['tf_agreement'], 3):>8}{fmt(row['tf_kl_mean'], 3):>8}{fmt(row['kl_vs_reuse'], 2):>9}"
+              f"{fmt(row['f1_vs_full'], 2):>8}{fmt(row['f1_vs_gold'], 2):>8}")
+    decode = summary.get("decode")
+    if decode:
+        graph = "CUDA graph" if decode["is_cuda_graph"] else "eager"
+        print(f"decode over {decode['num_tokens']} tokens at ~{fmt(decode['median_context_tokens'], 0)} tokens of context: "
+              f"engine ({graph}) {fmt(decode['engine_tokens_per_s'], 1)} tok/s "
+              f"({fmt(decode['engine_ms_per_token'], 2)} ms/token), HF eager {fmt(decode['hf_eager_tokens_per_s'], 1)} tok/s "
+              f"({fmt(decode['hf_eager_ms_per_token'], 2)} ms/token), {decode['weights']} weights both")
+    guard = summary.get("guard")
+    if guard:
+        print(f"guard signal on {guard['variant']}: flagging the top {guard['share_flagged']:.0%} "
+              f"(unselected share > {guard['threshold']:.3f}) catches {guard['worst_kl_recall']:.0%} of the 10% "
+              f"worst-KL questions (precision {guard['worst_kl_precision']:.0%}); Spearman(signal, KL) = {guard['spearman_signal_kl']:.2f}")
+    if not summary["is_quality_meaningful"]:
+        print("(random weights: quality columns are meaningless and left empty)")

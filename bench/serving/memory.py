@@ -1,0 +1,163 @@
+"""`ragblend bench memory`: where a server's memory goes, and what an idle server holds.
+
+Two parts, each in processes of its own (a reading of this one would count the bench):
+
+- stages: a fresh interpreter builds what `ragblend serve` builds, one stage at a time (torch, the
+  server's modules, the engine, the embedder, the KV store, the planner's start-up measurement, the
+  engine loop's idle release), and reads its resident set after each (bench/serving/memory_stages.py); then
+  the model's weights by kind and the largest mappings.
+- server: `ragblend serve` started as a user starts it, on an empty data dir; read once ready and
+  idle, then the answers set's documents are uploaded and questions asked over the API (one at a
+  time), and it is read again once idle. The memory tier's KV (`ragblend_kv_bytes{tier="memory"}`
+  on /metrics) is a bound of its own (`store.max_memory_bytes`), and so is the prefix cache's
+  (`ragblend_prefix_cache_bytes`, `store.prefix_cache_bytes`): both are shown apart, and the server's
+  own memory is its RSS less the two.
+
+RSS = anonymous memory + pages of mapped files (shared libraries, a mapped checkpoint); both count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from bench.harness.sets import DEFAULT_SET, load_set
+from bench.serving.memory_probe import MB, mappings, read_rss
+from bench.harness.output import emit_summary
+from bench.harness.servers import REPO_ROOT
+
+MEMORY_TIER = re.compile(r'^ragblend_kv_bytes\{tier="memory"\} (\S+)$', re.MULTILINE)
+PREFIX_CACHE = re.compile(r"^ragblend_prefix_cache_bytes (\S+)$", re.MULTILINE)
+
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, default=None, help="a YAML config file for the server and the stages")
+    parser.add_argument("--questions", type=int, default=6, help="questions asked (the answers set's, in order)")
+    parser.add_argument("--documents", type=int, default=None,
+                        help="documents of the answers set uploaded (default: those the questions are about)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="each answer's token cap")
+    parser.add_argument("--idle-s", type=float, default=35.0,
+                        help="seconds waited before each idle reading: longer than the server's "
+                             "scheduler.idle_release_s (default 30)")
+    parser.add_argument("--ready-timeout", type=float, default=600.0)
+    parser.add_argument("--no-stages", action="store_true", help="skip the stage-by-stage part")
+    parser.add_argument("--no-server", action="store_true", help="skip the live server part")
+    parser.add_argument("--out", default=None, help="also write the JSON summary here")
+
+
+def run_stages(config: Path | None, timeout_s: float) -> dict[str, Any]:
+    """bench/serving/memory_stages.py in a fresh interpreter on an empty data dir: its summary."""
+    with tempfile.TemporaryDirectory(prefix="ragblend-memory-stages-") as tmp:
+        argv = [sys.executable, "-m", "bench.serving.memory_stages", "--data-dir", str(Path(tmp) / "data")]
+        if config is not None:
+            argv += ["--config", str(config)]
+        done = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"the stages process failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def cache_mb(client: httpx.Client) -> tuple[float, float]:
+    """The memory tier's bytes and the prefix cache's from /metrics, in MB (0 where absent)."""
+    response = client.get("/metrics")
+    response.raise_for_status()
+    found = [pattern.search(response.text) for pattern in (MEMORY_TIER, PREFIX_CACHE)]
+    tier, prefix = (round(float(f.group(1)) / MB, 1) if f else 0.0 for f in found)
+    return tier, prefix
+
+
+def reading(pid: int, client: httpx.Client, label: str) -> dict[str, Any]:
+    rss = read_rss(pid)
+    tier, prefix = cache_mb(client)
+    return {"label": label, **rss.as_dict(), "memory_tier_mb": tier, "prefix_cache_mb": prefix,
+            "own_mb": round(rss.rss_mb - tier - prefix, 1), "mappings_mb": mappings(pid)}
+
+
+def exercise(client: httpx.Client, num_questions: int, num_documents: int | None, max_tokens: int,
+             kv_timeout_s: float) -> dict[str, Any]:
+    """Upload the answers set's documents (those of the first `num_questions` questions, or the first
+    `num_documents`), wait for their KV, then ask the questions one at a time (blend, streamed off)."""
+    qset = load_set(DEFAULT_SET)
+    questions = list(qset.questions[:num_questions])
+    wanted = {q.document for q in questions}
+    documents = [d for d in qset.documents if d.id in wanted] if num_documents is None else \
+        list(qset.documents[:num_documents])
+    for doc in documents:
+        response = client.post("/v1/documents/files", files=[("files", (doc.path.name, doc.path.read_bytes()))],
+                               data={"ids": doc.id})
+        if response.status_code != 201:
+            raise RuntimeError(f"uploading {doc.path.name}: {response.status_code} {response.text[:300]}")
+    deadline = time.monotonic() + kv_timeout_s
+    for doc in documents:
+        while not all(c["kv_cached"] for c in client.get(f"/v1/documents/{doc.id}").json()["chunks"]):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"document {doc.id}'s KV not computed within {kv_timeout_s:.0f} s")
+            time.sleep(0.5)
+    ttfts = []
+    for question in questions:
+        response = client.post("/v1/query", json={"question": question.question, "max_tokens": max_tokens})
+        if response.status_code != 200:
+            raise RuntimeError(f"asking {question.id}: {response.status_code} {response.text[:300]}")
+        ttfts.append(response.json()["timings"]["ttft_ms"])
+    return {"documents": [d.id for d in documents], "questions": [q.id for q in questions], "ttft_ms": ttfts}
+
+
+def run_server(config: Path | None, args: argparse.Namespace) -> dict[str, Any]:
+    """A `ragblend serve` child: read ready and idle, after uploads and questions, and idle again."""
+    from bench.harness.servers import LocalServer, started
+
+    with started(LocalServer("memory", config=config), args.ready_timeout) as server:
+        pid = server.process.pid
+        with httpx.Client(base_url=server.url, timeout=args.ready_timeout) as client:
+            readings = [reading(pid, client, "ready")]
+            time.sleep(args.idle_s)
+            readings.append(reading(pid, client, "ready, idle"))
+            run = exercise(client, args.questions, args.documents, args.max_tokens, args.ready_timeout)
+            readings.append(reading(pid, client, "after the questions"))
+            time.sleep(args.idle_s)
+            readings.append(reading(pid, client, "after the questions, idle"))
+            return {"readings": readings, "run": run}
+
+
+def print_tables(summary: dict[str, Any]) -> None:
+    stages = summary.get("stages")
+    if stages:
+        print("| stage | RSS MB | anon | file | added | malloc used | malloc free |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        previous = 0.0
+        for row in stages["stages"]:
+            print(f"| {row['stage']} | {row['rss_mb']:.0f} | {row['anon_mb']:.0f} | {row['file_mb']:.0f} | "
+                  f"{row['rss_mb'] - previous:+.0f} | {row.get('malloc_used_mb', 0):.0f} | {row.get('malloc_free_mb', 0):.0f} |")
+            previous = row["rss_mb"]
+        print("\nweights (MB):", ", ".join(f"{k} {v}" for k, v in stages["weights_mb"].items()))
+    server = summary.get("server")
+    if server:
+        print("\n| server | RSS MB | anon | file | peak | memory tier | prefix cache | RSS less the two caches |\n"
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for row in server["readings"]:
+            print(f"| {row['label']} | {row['rss_mb']:.0f} | {row['anon_mb']:.0f} | {row['file_mb']:.0f} | "
+                  f"{row['peak_mb']:.0f} | {row['memory_tier_mb']:.0f} | {row['prefix_cache_mb']:.0f} | "
+                  f"{row['own_mb']:.0f} |")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.questions < 1:
+        raise ValueError("--questions must be at least 1")
+    summary: dict[str, Any] = {"config": yaml.safe_load(args.config.read_text()) if args.config else None}
+    if not args.no_stages:
+        summary["stages"] = run_stages(args.config, args.ready_timeout)
+    if not args.no_server:
+        summary["server"] = run_server(args.config, args)
+    print_tables(summary)
+    emit_summary(summary, args.out, indent=1)
+    return 0

@@ -1,0 +1,225 @@
+"""`ragblend bench server`'s records, statistics and tables: a round's chats (and uploads) in, one
+row per level and server, the ratios to the baseline and to one client, the upload scenario's
+TTFT growth, the issue's targets; pure functions of the records, tested on hand-made answers."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from enum import Enum
+from statistics import mean, median
+from typing import Any, Sequence
+
+from bench.harness.client import StreamedAnswer
+from bench.harness.output import fmt
+from bench.harness.stats import percentile, ratio
+
+# Targets of issue 23, checked at the largest level (vs one client and vs the baseline) and at one client.
+MIN_TOKENS_PER_S_VS_ONE_CLIENT = 1.6
+MAX_TTFT_VS_BASELINE = 0.6
+ONE_CLIENT_TOLERANCE = 0.05
+
+
+class Role(str, Enum):
+    SERVER = "server"  # the server measured
+    BASELINE = "baseline"  # the same, one sequence at a time
+
+
+@dataclass(frozen=True)
+class Chat:
+    question: int
+    answer: StreamedAnswer | None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Upload:
+    name: str
+    ms: float
+    num_chunks: int
+    document_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Round:
+    """`clients` chats started at once (and uploads, if any); wall_s: first request out to last chat done."""
+
+    clients: int
+    wall_s: float
+    chats: tuple[Chat, ...]
+    uploads: tuple[Upload, ...] = ()
+
+
+# ---- statistics ------------------------------------------------------------------------------
+
+
+def level_stats(rounds: Sequence[Round]) -> dict[str, Any]:
+    """One level's row over its rounds: latencies pooled over every request; rates per round, median."""
+    answers = [c.answer for r in rounds for c in r.chats if c.answer is not None]
+    errors = [c.error for r in rounds for c in r.chats if c.error is not None]
+    ttft = [a.ttft_ms for a in answers]
+    itl = [gap for a in answers for gap in a.inter_token_ms]
+    queue = [a.timings["queue_ms"] for a in answers if "queue_ms" in a.timings]
+    decode = [rate for a in answers if (rate := a.decode_tokens_per_s) is not None]
+    tokens = [sum(c.answer.num_completion_tokens for c in r.chats if c.answer is not None) for r in rounds]
+    return {
+        "clients": rounds[0].clients,
+        "num_rounds": len(rounds),
+        "num_requests": len(answers) + len(errors),
+        "num_errors": len(errors),
+        "errors": sorted(set(errors))[:5],
+        "ttft_p50_ms": percentile(ttft, 50),
+        "ttft_p95_ms": percentile(ttft, 95),
+        "itl_p50_ms": percentile(itl, 50),
+        "itl_p95_ms": percentile(itl, 95),
+        "itl_max_ms": max(itl) if itl else None,  # the longest a running answer went without a token
+        "queue_p50_ms": percentile(queue, 50),  # None: the server reports no queue wait
+        "queue_p95_ms": percentile(queue, 95),
+        "tokens_per_s": median(n / r.wall_s for n, r in zip(tokens, rounds)),
+        "requests_per_s": median(sum(c.answer is not None for c in r.chats) / r.wall_s for r in rounds),
+        "wall_s": median(r.wall_s for r in rounds),
+        "wall_s_rounds": [r.wall_s for r in rounds],
+        "completion_tokens": sum(tokens),
+        "decode_tokens_per_s_p50": percentile(decode, 50),
+        "server_ttft_p50_ms": percentile([a.timings["ttft_ms"] for a in answers if "ttft_ms" in a.timings], 50),
+        "server_prefill_p50_ms": percentile([a.timings["prefill_ms"] for a in answers if "prefill_ms" in a.timings], 50),
+        "mean_prompt_tokens": mean(a.usage.get("prompt_tokens", 0) for a in answers) if answers else None,
+        "modes": dict(Counter(a.done.get("mode") for a in answers)),
+    }
+
+
+def ratio_rows(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per level: the server's TTFT and rates over the baseline's at that level, and each server's
+    aggregate tok/s over its own at one client."""
+    server = {row["clients"]: row for row in results[Role.SERVER.value]}
+    baseline = {row["clients"]: row for row in results.get(Role.BASELINE.value, [])}
+    rows = []
+    for clients, row in server.items():
+        base, one, base_one = baseline.get(clients, {}), server.get(1, {}), baseline.get(1, {})
+        rows.append({
+            "clients": clients,
+            "ttft_p50_vs_baseline": ratio(row["ttft_p50_ms"], base.get("ttft_p50_ms")),
+            "ttft_p95_vs_baseline": ratio(row["ttft_p95_ms"], base.get("ttft_p95_ms")),
+            "tokens_per_s_vs_baseline": ratio(row["tokens_per_s"], base.get("tokens_per_s")),
+            "decode_tokens_per_s_vs_baseline": ratio(row["decode_tokens_per_s_p50"],
+                                                     base.get("decode_tokens_per_s_p50")),
+            "tokens_per_s_vs_one_client": ratio(row["tokens_per_s"], one.get("tokens_per_s")),
+            "baseline_tokens_per_s_vs_one_client": ratio(base.get("tokens_per_s"), base_one.get("tokens_per_s")),
+        })
+    return rows
+
+
+def upload_stats(runs: Sequence[tuple[Round, Round, Upload]]) -> dict[str, Any]:
+    """Each chat's TTFT without and with the uploads (median over repeats, by question), the largest growth."""
+    without, with_uploads = defaultdict(list), defaultdict(list)
+    for plain, loaded, _ in runs:
+        for chat_round, by_question in ((plain, without), (loaded, with_uploads)):
+            for c in chat_round.chats:
+                if c.answer is not None:
+                    by_question[c.question].append(c.answer.ttft_ms)
+    chats = [{"question": qi, "ttft_ms_without": median(without[qi]), "ttft_ms_with": median(with_uploads[qi]),
+              "growth_ms": median(with_uploads[qi]) - median(without[qi])}
+             for qi in sorted(set(without) & set(with_uploads))]
+    upload_ms = [u.ms for _, loaded, _ in runs for u in loaded.uploads]
+    # what the server says each chat waited on background work before its first token (one unit at most)
+    background_ms = [c.answer.timings["background_ms"] for _, loaded, _ in runs for c in loaded.chats
+                     if c.answer is not None and "background_ms" in c.answer.timings]
+    return {
+        "clients": runs[0][1].clients,
+        "num_files": len(runs[0][1].uploads),
+        "num_chunks": median(sum(u.num_chunks for u in loaded.uploads) for _, loaded, _ in runs),
+        "upload_p50_ms": percentile(upload_ms, 50),
+        "upload_max_ms": max(upload_ms),
+        "one_chunk_upload_ms": median(one.ms for _, _, one in runs),
+        "num_errors": sum(c.answer is None for plain, loaded, _ in runs for c in plain.chats + loaded.chats),
+        "chats": chats,
+        "max_ttft_growth_ms": max((c["growth_ms"] for c in chats), default=None),
+        "background_ms_max": max(background_ms, default=None),  # None: a server that does not report it
+        "num_chats_waited_on_background": sum(ms > 0 for ms in background_ms),
+        "ttft_p50_ms_without": percentile([t for ts in without.values() for t in ts], 50),
+        "ttft_p50_ms_with": percentile([t for ts in with_uploads.values() for t in ts], 50),
+    }
+
+
+def target_checks(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 23's targets, where this run measured what they need (a baseline, 1 client, a larger level)."""
+    ratios = {row["clients"]: row for row in summary["ratios"]}
+    top = max(ratios)
+    checks = []
+
+    def check(name: str, clients: int, value: float | None, bound: str, is_met: bool) -> None:
+        if value is not None:
+            checks.append({"name": name, "clients": clients, "value": value, "bound": bound, "is_met": is_met})
+
+    if top > 1:
+        value = ratios[top]["tokens_per_s_vs_one_client"]
+        check("aggregate tok/s vs one client's", top, value, f">= {MIN_TOKENS_PER_S_VS_ONE_CLIENT}",
+              value is not None and value >= MIN_TOKENS_PER_S_VS_ONE_CLIENT)
+        for key in ("ttft_p50_vs_baseline", "ttft_p95_vs_baseline"):
+            value = ratios[top][key]
+            check(key.replace("_vs_", " vs ").replace("_", " "), top, value, f"<= {MAX_TTFT_VS_BASELINE}",
+                  value is not None and value <= MAX_TTFT_VS_BASELINE)
+    if 1 in ratios:
+        value = ratios[1]["ttft_p50_vs_baseline"]
+        check("ttft p50 vs baseline", 1, value, f"<= {1 + ONE_CLIENT_TOLERANCE}",
+              value is not None and value <= 1 + ONE_CLIENT_TOLERANCE)
+        value = ratios[1]["decode_tokens_per_s_vs_baseline"]
+        check("decode tok/s vs baseline", 1, value, f">= {1 - ONE_CLIENT_TOLERANCE}",
+              value is not None and value >= 1 - ONE_CLIENT_TOLERANCE)
+    return checks
+
+
+# ---- tables ----------------------------------------------------------------------------------
+
+
+def print_tables(summary: dict[str, Any]) -> None:
+    prompt = [row["mean_prompt_tokens"] for rows in summary["results"].values() for row in rows
+              if row["mean_prompt_tokens"] is not None]
+    model = summary["servers"][Role.SERVER.value]["model"]
+    print(f"\nserver bench: {model}, {summary['questions']} questions x {summary['passages']} passages "
+          f"(prompt ~{mean(prompt) if prompt else 0:.0f} tokens), {summary['max_tokens']} tokens, "
+          f"{summary['repeats']} repeat(s), mode {summary['mode'] or 'server default'}")
+    print(f"{'server':<9}{'clients':>8}{'TTFT p50':>10}{'TTFT p95':>10}{'ITL p50':>9}{'ITL p95':>9}{'ITL max':>9}"
+          f"{'queue p50':>10}{'tok/s':>8}{'req/s':>8}{'decode tok/s':>13}{'errors':>8}")
+    rows = sorted(((row["clients"], role, row) for role, rows in summary["results"].items() for row in rows),
+                  key=lambda item: (item[0], item[1] != Role.SERVER.value))
+    for clients, role, row in rows:
+        print(f"{role:<9}{clients:>8}{fmt(row['ttft_p50_ms'], 0):>10}{fmt(row['ttft_p95_ms'], 0):>10}"
+              f"{fmt(row['itl_p50_ms']):>9}{fmt(row['itl_p95_ms']):>9}{fmt(row.get('itl_max_ms'), 0):>9}"
+              f"{fmt(row['queue_p50_ms'], 0):>10}"
+              f"{fmt(row['tokens_per_s']):>8}{fmt(row['requests_per_s'], 2):>8}"
+              f"{fmt(row['decode_tokens_per_s_p50']):>13}{row['num_errors']:>8}")
+    print(f"\n{'clients':>7}{'TTFT p50 vs base':>18}{'TTFT p95 vs base':>18}{'tok/s vs base':>15}"
+          f"{'tok/s vs 1 client':>19}{'(baseline)':>12}")
+    for row in summary["ratios"]:
+        print(f"{row['clients']:>7}{fmt(row['ttft_p50_vs_baseline'], 2, 'x'):>18}"
+              f"{fmt(row['ttft_p95_vs_baseline'], 2, 'x'):>18}{fmt(row['tokens_per_s_vs_baseline'], 2, 'x'):>15}"
+              f"{fmt(row['tokens_per_s_vs_one_client'], 2, 'x'):>19}"
+              f"{fmt(row['baseline_tokens_per_s_vs_one_client'], 2, 'x'):>12}")
+    for check in summary["targets"]:
+        print(f"target: {check['name']} at {check['clients']} client(s) {check['bound']}: {check['value']:.2f} "
+              f"{'met' if check['is_met'] else 'NOT met'}")
+    if summary["uploads"]:
+        print_uploads(summary["uploads"])
+
+
+def print_uploads(uploads: dict[str, dict[str, Any]]) -> None:
+    any_run = next(iter(uploads.values()))
+    print(f"\nuploads: {any_run['num_files']} files ({any_run['num_chunks']:.0f} chunks) during "
+          f"{any_run['clients']} chats; TTFT ms without -> with the uploads")
+    roles = list(uploads)
+    print(f"{'question':>8}" + "".join(f"{role + ' without':>18}{'with':>8}{'growth':>8}" for role in roles))
+    by_role = {role: {c["question"]: c for c in run["chats"]} for role, run in uploads.items()}
+    for qi in sorted(set().union(*by_role.values())):
+        cells = []
+        for role in roles:
+            c = by_role[role].get(qi)
+            cells.append(f"{fmt(c and c['ttft_ms_without'], 0):>18}{fmt(c and c['ttft_ms_with'], 0):>8}"
+                         f"{fmt(c and c['growth_ms'], 0):>8}")
+        print(f"{qi:>8}" + "".join(cells))
+    for role, run in uploads.items():
+        print(f"{role}: largest TTFT growth {fmt(run['max_ttft_growth_ms'], 0)} ms; upload p50 "
+              f"{fmt(run['upload_p50_ms'], 0)} ms, max {fmt(run['upload_max_ms'], 0)} ms; one-chunk upload alone "
+              f"{fmt(run['one_chunk_upload_ms'], 0)} ms; errors {run['num_errors']}; background work before a "
+              f"chat's first token: at most {fmt(run['background_ms_max'], 0)} ms "
+              f"({run['num_chats_waited_on_background']} chats waited on some)")
