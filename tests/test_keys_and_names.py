@@ -2,7 +2,8 @@
 MiniLM): on a server without a key of its own (`server.api_key`), a token shaped like a scoped key
 that the server does not know, or that was revoked, is a 401 on every route, never the server's; no
 scoped key can be made there (the 403 says how to set the server's key); a live scoped key made before
-(an upgrade) closes the server to requests without a key."""
+(an upgrade) closes the server to requests without a key. /readyz with a key set leaves the document
+counts out."""
 
 from __future__ import annotations
 
@@ -132,3 +133,12 @@ def test_a_keyed_server_refuses_unknown_and_revoked_keys_on_every_route(keyed):
         assert http.delete(f"/v1/keys/{created['id']}").status_code == 200
     assert_refused_everywhere(keyed.url, bearer(created["key"]))
     assert_refused_everywhere(keyed.url, bearer(MADE_UP))
+
+
+def test_readyz_gives_no_counts_with_a_key_set_and_real_ones_without(keyed, keyless):
+    """Before: with a key set, num_documents, num_chunks and num_indexed read 0, as an empty store's."""
+    ready = httpx.get(f"{keyed.url}/readyz", timeout=30).json()
+    assert ready == {"status": "ready", "model": keyed.components.model_id}
+    counts = httpx.get(f"{keyless.url}/readyz", timeout=30).json()
+    assert counts["status"] == "ready" and counts["num_documents"] >= 1 and counts["num_chunks"] >= 1
+    assert counts["num_indexed"] == counts["num_chunks"] and "error" not in counts
