@@ -1,9 +1,10 @@
-"""Keys that mean something on every server (issue 62), over real HTTP (tiny random model, real
-MiniLM): on a server without a key of its own (`server.api_key`), a token shaped like a scoped key
-that the server does not know, or that was revoked, is a 401 on every route, never the server's; no
-scoped key can be made there (the 403 says how to set the server's key); a live scoped key made before
-(an upgrade) closes the server to requests without a key. /readyz with a key set leaves the document
-counts out."""
+"""Keys that mean something on every server, and collection names checked once (issue 62), over real
+HTTP (tiny random model, real MiniLM): on a server without a key of its own (`server.api_key`), a
+token shaped like a scoped key that the server does not know, or that was revoked, is a 401 on every
+route, never the server's; no scoped key can be made there (the 403 says how to set the server's key);
+a live scoped key made before (an upgrade) closes the server to requests without a key. /readyz with a
+key set leaves the document counts out. A collection named in the model field (`<model>:<collection>`)
+is checked as the `collection` field's, with the same 422; no error echoes a name whole."""
 
 from __future__ import annotations
 
@@ -142,3 +143,35 @@ def test_readyz_gives_no_counts_with_a_key_set_and_real_ones_without(keyed, keyl
     counts = httpx.get(f"{keyless.url}/readyz", timeout=30).json()
     assert counts["status"] == "ready" and counts["num_documents"] >= 1 and counts["num_chunks"] >= 1
     assert counts["num_indexed"] == counts["num_chunks"] and "error" not in counts
+
+
+def test_a_collection_in_the_model_name_is_checked_as_the_collection_field(keyless):
+    """Before: `<model>:../x` was a 404 repeating the name (whole, or cut at a newline), `collection:
+    "../x"` a 422 listing both branches of the union."""
+    model = keyless.components.model_id
+    message = [{"role": "user", "content": "How many days of annual leave?"}]
+    with httpx.Client(base_url=keyless.url, timeout=60) as http:
+        for name in ("../x", "hr\nx", "hr:x", "x" * 5000, "", "-x", "hr/x"):
+            by_field = assert_error(http.post("/v1/query", json={"question": "q?", "collection": name}), 422)
+            assert by_field.startswith("collection: not a collection name: ") and len(by_field) < 300
+            assert "\n" not in by_field and by_field.count("x" * 64) <= 1
+            reason = by_field.removeprefix("collection: ")
+            assert_error(http.post("/v1/query", json={"question": "q?", "collection": ["hr", name]}), 422,
+                         f"collection: {reason}")
+            assert_error(http.post("/v1/chat/completions", json={"collection": name, "messages": message}), 422,
+                         f"collection: {reason}")
+            if name:  # `<model>:` alone names no collection: an unknown model
+                assert_error(http.post("/v1/chat/completions", json={"model": f"{model}:{name}", "messages": message}),
+                             422, f"model: {reason}")
+                assert_error(http.post("/v1/completions", json={"model": f"{model}:{name}", "prompt": "q?"}), 422,
+                             f"model: {reason}")
+        # a valid name that is no collection: the same 404 both ways
+        gone = "collection not found: nope"
+        assert_error(http.post("/v1/query", json={"question": "q?", "collection": "nope"}), 404, gone)
+        assert_error(http.post("/v1/chat/completions", json={"model": f"{model}:nope", "messages": message}), 404, gone)
+        # another model: a 404 that echoes at most 64 of its characters, escaped
+        unknown = assert_error(http.post("/v1/completions", json={"model": "m" * 5000 + "\nx", "prompt": "q?"}), 404)
+        assert unknown.startswith("model not found: 'mmm") and "(5002 characters)" in unknown and len(unknown) < 300
+        # a path parameter's name gets the same message
+        assert_error(http.get("/v1/collections/-x"), 422, "path.name: not a collection name: '-x' (1 to 64 letters, "
+                     "digits, '.', '_' or '-', the first a letter or a digit)")
