@@ -4,7 +4,8 @@ token shaped like a scoped key that the server does not know, or that was revoke
 route, never the server's; no scoped key can be made there (the 403 says how to set the server's key);
 a live scoped key made before (an upgrade) closes the server to requests without a key. /readyz with a
 key set leaves the document counts out. A collection named in the model field (`<model>:<collection>`)
-is checked as the `collection` field's, with the same 422; no error echoes a name whole."""
+is checked as the `collection` field's, with the same 422; no error echoes a name whole. A key whose
+collections were all deleted gets a 404 saying so when it asks, not an answer from nothing."""
 
 from __future__ import annotations
 
@@ -175,3 +176,24 @@ def test_a_collection_in_the_model_name_is_checked_as_the_collection_field(keyle
         # a path parameter's name gets the same message
         assert_error(http.get("/v1/collections/-x"), 422, "path.name: not a collection name: '-x' (1 to 64 letters, "
                      "digits, '.', '_' or '-', the first a letter or a digit)")
+
+
+def test_a_key_whose_collections_were_all_deleted_is_told_so_when_it_asks(keyed):
+    """Before: a 200 with no sources, the not-found answer of a search over nothing."""
+    with httpx.Client(base_url=keyed.url, headers=ADMIN, timeout=60) as http:
+        assert http.post("/v1/collections", json={"name": "short-lived"}).status_code == 201
+        ingest(http, "short-lived", "The pilot project ends in March.")
+        key = bearer(http.post("/v1/keys", json={"role": "write", "collections": ["short-lived"]}).json()["key"])
+        assert http.post("/v1/query", headers=key, json={"question": "When does the pilot end?"}).status_code == 200
+        assert http.delete("/v1/collections/short-lived").status_code == 200
+        none_left = ("this key's collections were all deleted: it has none left to work on (a collection made again "
+                     "under a deleted one's name is not the key's)")
+        question = [{"role": "user", "content": "When does the pilot end?"}]
+        assert_error(http.post("/v1/query", headers=key, json={"question": "When does the pilot end?"}), 404, none_left)
+        assert_error(http.post("/v1/chat/completions", headers=key, json={"messages": question}), 404, none_left)
+        assert_error(http.post("/v1/completions", headers=key, json={"prompt": "When?"}), 404, none_left)
+        # a write without `collection` too (was: "this key has 0 collections: name one with `collection`")
+        assert_error(http.post("/v1/documents", headers=key, json={"documents": [{"text": "x"}]}), 404, none_left)
+        # listings stay what they are: nothing to list
+        assert http.get("/v1/documents", headers=key).json()["documents"] == []
+        assert http.get("/v1/collections", headers=key).json() == {"collections": []}
