@@ -16,7 +16,10 @@ class ServerConfig:
     host: Annotated[str, Field(description="Bind address of `ragblend serve`.")] = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535, description="Port of `ragblend serve`.")] = 8000
     api_key: Annotated[str | None, Field(
-        description="When set, every route but /healthz and /readyz needs Bearer KEY.")] = None
+        description="The server's own key: when set, every route but /healthz, /readyz and the chat page "
+        "needs Bearer KEY (this one, or a scoped key). Scoped keys (/v1/keys) are made only when it is set: "
+        "without it a request with no key may do everything, unless the store holds a live scoped key "
+        "(docs/decisions/0029).")] = None
     model_id: Annotated[str | None, Field(
         description="Model id shown by /v1/models (default: the engine's name).")] = None
     allow_public_without_key: Annotated[bool, Field(

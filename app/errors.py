@@ -13,8 +13,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from runtime.jobs import JobCancelled, QueueFull
 
+from app.collections.names import name_problem
 from app.security_headers import SECURITY_HEADERS
-from retrieval.store_types import StoreUnavailableError
+from retrieval.store_types import COLLECTION_NAME_PATTERN, StoreUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +188,11 @@ def _validation_message(exc: RequestValidationError) -> str:
     parts = []
     for err in exc.errors()[:5]:
         where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-        parts.append(f"{where or 'body'}: {err.get('msg', 'invalid')}")
+        message = err.get("msg", "invalid")
+        pattern = (err.get("ctx") or {}).get("pattern")
+        if err.get("type") == "string_pattern_mismatch" and pattern == COLLECTION_NAME_PATTERN:
+            message = name_problem(str(err.get("input", "")))  # a path's, a query's or a form's: as everywhere
+        parts.append(f"{where or 'body'}: {message}")
     return "; ".join(parts) or "invalid request"
 
 

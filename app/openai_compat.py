@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, StrictBool
 
+from app.collections.names import name_problem, shown
 from app.errors import InvalidRequestError, NotFoundError, UnsupportedParameterError
 
 
@@ -74,15 +75,20 @@ def check_extra_fields(extra: dict[str, Any] | None, given: dict[str, Any]) -> N
 
 
 def collection_of_model(model: str | None, model_id: str) -> str | None:
-    """The collection a model name picks: `<model_id>:<collection>` picks one, `<model_id>` (or none)
-    none; any other name is a 404."""
+    """The collection a model name picks: `<model_id>:<collection>` picks one, checked as the
+    `collection` field's names are (a 422 with the same message), `<model_id>` (or none) none; any other
+    name is a 404."""
     if model is None or model == model_id:
         return None
     prefix = f"{model_id}:"
     if model.startswith(prefix) and len(model) > len(prefix):
-        return model[len(prefix):]
-    raise NotFoundError(f"model not found: {model!r}; this server serves {model_id!r}, and {model_id!r}:<collection> "
-                        "for each knowledge base (GET /v1/models)")
+        name = model[len(prefix):]
+        problem = name_problem(name)
+        if problem is not None:
+            raise InvalidRequestError(f"model: {problem}")
+        return name
+    raise NotFoundError(f"model not found: {shown(model)}; this server serves {model_id!r}, and "
+                        f"{model_id!r}:<collection> for each knowledge base (GET /v1/models)")
 
 
 def requested_collections(named: list[str] | None, model: str | None, model_id: str) -> list[str] | None:

@@ -577,6 +577,10 @@ class SqliteDocumentStore(DocumentStore):
                 grants.setdefault(key_id, []).append(collection)
         return [_key(r, grants.get(r["id"], [])) for r in rows]
 
+    def has_live_keys(self) -> bool:
+        with self._lock:
+            return self._conn.execute("SELECT 1 FROM api_keys WHERE revoked_at IS NULL LIMIT 1").fetchone() is not None
+
     def revoke_key(self, key_id: str, revoked_at: float) -> bool:
         with self._lock:
             cursor = self._conn.execute("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",

@@ -131,10 +131,41 @@ class VectorIndex:
         return index
 
 
+# Written into the index directory once its files are named by `index_file_stem`: a directory without it
+# holds files named before (the collection's name as it is), which are deleted and rebuilt from the store.
+LAYOUT_MARKER = "layout"
+LAYOUT = "file names: each capital letter as '~' and its lower case\n"
+
+
+def index_file_stem(collection: str) -> str:
+    """A collection's index file name (without `.faiss`). Names differing only by case ('TEAM-A',
+    'team-a') are two collections, but one file on a case-insensitive filesystem (macOS's, Windows'):
+    each capital letter is written as '~' and its lower case ('~t~e~a~m-~a'), so every file name is in
+    lower case and, '~' being in no collection name, no two collections share one. A name in lower case
+    is its own file name."""
+    return "".join(f"~{c.lower()}" if "A" <= c <= "Z" else c for c in collection)
+
+
+def collection_of_stem(stem: str) -> str | None:
+    """The collection `index_file_stem` named `stem` for; None when it names none (a capital letter, a
+    '~' not before a lower-case letter): not a file this layout writes."""
+    parts, rest = [], iter(stem)
+    for c in rest:
+        if "A" <= c <= "Z":
+            return None
+        if c == "~":
+            letter = next(rest, "")
+            if not "a" <= letter <= "z":
+                return None
+            c = letter.upper()
+        parts.append(c)
+    return "".join(parts)
+
+
 class CollectionIndexes:
-    """One VectorIndex per collection (`<directory>/<collection>.faiss`): a question searches only its
-    collections' indexes, so its cost, and its timing, depend on those collections alone, never on
-    what the others hold. Chosen over one index searched with an id filter by measurement
+    """One VectorIndex per collection (`<directory>/<index_file_stem(collection)>.faiss`): a question
+    searches only its collections' indexes, so its cost, and its timing, depend on those collections
+    alone, never on what the others hold. Chosen over one index searched with an id filter by measurement
     (docs/decisions/0019: at 200 collections x 500 chunks a filtered search walks all 100 000 vectors,
     ~8x the collection's own at the median; at 1 x 100 000 the two are alike). Chunk row ids are unique
     across collections, so a row id names one index's vector."""
@@ -149,7 +180,7 @@ class CollectionIndexes:
         self._dropped: set[str] = set()  # emptied shards whose files go at the next save
 
     def _path(self, collection: str) -> Path | None:
-        return None if self.directory is None else self.directory / f"{collection}.faiss"
+        return None if self.directory is None else self.directory / f"{index_file_stem(collection)}.faiss"
 
     def _shard(self, collection: str) -> VectorIndex:
         with self._lock:
@@ -267,6 +298,7 @@ class CollectionIndexes:
                     del self._shards[collection]
                     self._dropped.add(collection)
             dropped, self._dropped = set(self._dropped), set()
+        self._mark_layout()
         for collection, shard in shards.items():
             if shard.num_vectors > 0:
                 shard.save()
@@ -284,8 +316,24 @@ class CollectionIndexes:
         which held only the default collection's chunks: loaded as its shard, saved there, then removed."""
         indexes = cls(directory, dim, kind, hnsw_m, search_threads)
         files = sorted(directory.glob("*.faiss")) if directory.is_dir() else []
+        marker = directory / LAYOUT_MARKER
+        if files and not marker.is_file():
+            # Named before index_file_stem: on a case-insensitive filesystem two collections differing by
+            # case may have shared a file (its vectors the last writer's), which no file name tells.
+            # Deleted: the caller's reconcile adds every chunk again, from the store's embeddings.
+            log.warning("vector indexes under %s were named by the collection's name as it is: rebuilt from the "
+                        "store under case-safe names", directory)
+            for path in files:
+                path.unlink()
+            files = []
+        indexes._mark_layout()
         for path in files:
-            indexes._adopt(path.stem, VectorIndex.load_or_create(path, dim, kind, hnsw_m))
+            collection = collection_of_stem(path.stem)
+            if collection is None:  # no collection's file: its chunks, if any, are added to theirs by reconcile
+                log.warning("index %s names no collection: deleted", path)
+                path.unlink()
+                continue
+            indexes._adopt(collection, VectorIndex.load_or_create(path, dim, kind, hnsw_m))
         if legacy_path is not None and legacy_path.is_file():
             from retrieval.store_types import DEFAULT_COLLECTION  # the one collection before collections
 
@@ -296,6 +344,15 @@ class CollectionIndexes:
                 indexes.save()
             legacy_path.unlink()
         return indexes
+
+    def _mark_layout(self) -> None:
+        """Say that this directory's files are named by `index_file_stem` (before any is written)."""
+        if self.directory is None:
+            return
+        marker = self.directory / LAYOUT_MARKER
+        if not marker.is_file():
+            self.directory.mkdir(parents=True, exist_ok=True)
+            marker.write_text(LAYOUT)
 
     def _adopt(self, collection: str, shard: VectorIndex) -> None:
         try:

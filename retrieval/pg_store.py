@@ -561,6 +561,10 @@ class PostgresDocumentStore(DocumentStore):
                 f"SELECT {_KEY_COLUMNS}, ARRAY(SELECT collection FROM key_collections g WHERE g.key_id = k.id"
                 " ORDER BY collection) FROM api_keys k ORDER BY k.created_at, k.id")]
 
+    def has_live_keys(self) -> bool:
+        with self._connection() as conn:
+            return conn.execute("SELECT 1 FROM api_keys WHERE revoked_at IS NULL LIMIT 1").fetchone() is not None
+
     def revoke_key(self, key_id: str, revoked_at: float) -> bool:
         with self._connection() as conn:
             cursor = conn.execute("UPDATE api_keys SET revoked_at = %s WHERE id = %s AND revoked_at IS NULL",

@@ -339,6 +339,11 @@ class DocumentStore(Protocol):
 
     def list_keys(self) -> list[KeyRow]: ...
 
+    def has_live_keys(self) -> bool:
+        """Whether some key is not revoked (a server without a key of its own then refuses requests
+        without one: app/deps.py get_principal)."""
+        ...
+
     def revoke_key(self, key_id: str, revoked_at: float) -> bool:
         """False when there is no such key, or it was revoked already."""
         ...

@@ -38,7 +38,7 @@ from typing import Generator, Protocol, Sequence
 import torch
 
 from blend_engine.engine import BlendEngine
-from blend_engine.kv import PromptKV
+from blend_engine.kv import ChunkKV, PromptKV
 from blend_engine.types import BlendConfig, PrefillMode, PrefillResult, PrefillStats, Segment
 from configs.enums import RequestMode
 from kv_store import KVStore
@@ -47,7 +47,7 @@ from kv_store.planner import LoadPlan, PlanKind, PlanRequest, PrefillShape
 from kv_store.prefix_cache import PrefixCache, PrefixMatch
 from runtime.config import SchedulerConfig
 from runtime.planning import PlanReport, compute_seconds, measure_engine, planned_segments, shape_of
-from runtime.types import PrefillRequest, PromptChunk
+from runtime.types import PrefillRequest, PromptChunk, Usage
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,19 @@ class PrefillOutcome:
     handles: list[StoredChunk]  # the store handles its KV was streamed from (promoted after the answer)
     plan: PlanReport | None  # the loading planner's plan, where it chose
     keep: PromptToKeep | None = None  # where the prompt goes in the prefix cache once its first token is out
+    # The prompt's opening (chat header, system prompt) run on the KV the engine keeps for it: reused in
+    # the engine's stats (laid out, not computed), but no stored chunk's, so computed in `usage`.
+    num_opening_tokens: int = 0
+
+    @property
+    def usage(self) -> Usage:
+        """The prompt's tokens by where their KV came from, each once (docs/api.md): `reused_tokens` a
+        stored chunk's, `prefix_cached_tokens` the prefix cache's, `recomputed_tokens` the rest; the
+        opening's KV is computed by the engine, once per distinct opening, so it counts as computed."""
+        stats = self.result.stats
+        return Usage(stats.num_prompt_tokens, stats.num_reused_tokens - self.num_opening_tokens,
+                     stats.num_recomputed_tokens + self.num_opening_tokens,
+                     prefix_cached_tokens=stats.num_prefix_cached_tokens)
 
 
 @dataclass
@@ -268,10 +281,12 @@ class PrefillExecutor:
         self.kv_store.planner.observe(shape_of(result.stats, self.engine.num_layers, blend.first_check_layer),
                                       compute_seconds(result.stats))
         if plan is None:
-            yield PrefillOutcome(result, handles, None)
-            return
-        load_s = source.stats.load_seconds if source is not None else 0.0
-        yield self._planned_outcome(result, handles, len(handles) - len(used), load_s, plan)
+            outcome = PrefillOutcome(result, handles, None)
+        else:
+            load_s = source.stats.load_seconds if source is not None else 0.0
+            outcome = self._planned_outcome(result, handles, len(handles) - len(used), load_s, plan)
+        outcome.num_opening_tokens = _opening_reused(segments, result.stats)
+        yield outcome
 
     def _planned_outcome(self, result: PrefillResult, handles: list[StoredChunk], num_recomputed: int,
                          load_s: float, plan: LoadPlan) -> PrefillOutcome:
@@ -392,6 +407,16 @@ def prefill_kind(request: PrefillRequest) -> str:
     prefix cache's kind of its prompt, the only kind it reuses."""
     selection = None if request.selection is None else request.selection.value
     return f"{request.mode.value}/{request.recompute_ratio}/{selection}"
+
+
+def _opening_reused(segments: Sequence[Segment], stats: PrefillStats) -> int:
+    """Of the prompt's opening (`build_segments`' first segment, on the engine's own KV: a ChunkKV, where
+    a stored chunk's is a store handle), the tokens whose KV the prefill used as it was: every one but
+    those blend recomputed, unless the prefill used no KV (full)."""
+    if stats.mode is PrefillMode.FULL or not segments or not isinstance(segments[0].kv, ChunkKV):
+        return 0
+    num_opening = len(segments[0].token_ids)
+    return num_opening - sum(1 for position in stats.selected_positions if position < num_opening)
 
 
 def _chunk_keys(request: PrefillRequest) -> frozenset[str] | None:

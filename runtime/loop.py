@@ -329,8 +329,7 @@ class EngineLoop:
             _abandon_prefill(generation)  # it ended: nothing to clean up, its frames freed now
             generation.outcome = outcome
             stats = outcome.result.stats
-            generation.usage = Usage(stats.num_prompt_tokens, stats.num_reused_tokens, stats.num_recomputed_tokens,
-                                     prefix_cached_tokens=stats.num_prefix_cached_tokens)
+            generation.usage = outcome.usage
             generation.timings.kv_load_ms, generation.timings.prefill_ms = stats.kv_load_ms, stats.prefill_ms
             generation.sequence, first = self.engine.start_sequence(outcome.result, generation.request.sampling)
         except Exception as exc:  # the request's own failure goes back to it

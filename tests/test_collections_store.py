@@ -115,11 +115,13 @@ def test_collections_update_and_keys_are_stored_by_hash_and_revoked_once(store):
     assert [c.name for c in store.list_collections()] == ["default", "hr"]
     with pytest.raises(CollectionNotFoundError):
         store.create_key(KeyRow("aaaaaaaaaaaa", "", "h", "read", ("missing",), 1.0))
-    assert store.get_key("aaaaaaaaaaaa") is None  # nothing written
+    assert store.get_key("aaaaaaaaaaaa") is None and not store.has_live_keys()  # nothing written
     store.create_key(KeyRow("aaaaaaaaaaaa", "reader", "h1", "read", ("hr",), 1.0))
+    assert store.has_live_keys()
     with pytest.raises(CollectionExistsError):
         store.create_key(KeyRow("aaaaaaaaaaaa", "again", "h2", "read", ("hr",), 1.0))
     assert store.revoke_key("aaaaaaaaaaaa", 5.0) and not store.revoke_key("aaaaaaaaaaaa", 6.0)
+    assert not store.has_live_keys()  # a revoked key is no live one (app/deps.py: get_principal)
     assert not store.revoke_key("bbbbbbbbbbbb", 6.0)
     [key] = store.list_keys()
     assert (key.token_hash, key.collections, key.revoked_at) == ("h1", ("hr",), 5.0)

@@ -85,7 +85,8 @@ def test_a_text_cached_in_another_collection_is_neither_reused_nor_faster(server
         same = ingest(http, "prober", {f"fact{i}": t for i, t in enumerate(FACTS)}, precompute=False)
         other = ingest(http, "prober", {f"other{i}": t for i, t in enumerate(OTHERS)}, precompute=False)
         warm = ingest(http, "prober", {"warm": "Ledger 99: the grey shed in Graz holds 7 sacks of oats."}, False)
-        # warm the path once, outside the measurement; a chunk without KV reuses only the prompt's prefix
+        # warm the path once, outside the measurement; a chunk without KV reuses nothing (the prompt's
+        # opening runs on the engine's own KV, counted as computed)
         prefix_only = ask(http, "prober", warm["warm"])[0]["reused_tokens"]
         times = {"same": [], "other": []}
         for i in range(len(FACTS)):

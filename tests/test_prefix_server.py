@@ -86,6 +86,30 @@ def test_the_same_question_again_answers_the_same_tokens_from_the_kept_prompt(se
     assert metric(http, "ragblend_prefix_cache_entries") == entries + 1
 
 
+def test_reused_tokens_count_stored_chunk_kv_only(server, http):
+    """Each source once (docs/api.md): the prompt's opening (chat header, system prompt) runs on KV the
+    engine keeps for it, no stored chunk's, so it counts as computed. A first ask over chunks without KV
+    reused ~20 tokens before (the opening's); now none, and with KV exactly the chunk's tokens."""
+    cold = [{"id": f"cold-{mode}", "text": f"The green ferry number {i} to Faro leaves at seven and returns at noon."}
+            for i, mode in enumerate(("reuse", "blend", "prefix"))]
+    posted = http.post("/v1/documents", json={"documents": cold, "precompute": False}).json()["documents"]
+    for document in posted:
+        [chunk] = document["chunks"]
+        assert not chunk["kv_cached"]
+        mode = document["id"].removeprefix("cold-")  # asked once: a miss schedules the chunk's KV (a repair)
+        answered = query(http, chunk_ids=[chunk["id"]], mode=mode, prefix_cache=False)
+        usage = answered["usage"]
+        assert answered["mode"] == mode and usage["reused_tokens"] == 0, (mode, usage)
+        assert usage["recomputed_tokens"] == usage["prompt_tokens"] and usage["prefix_cached_tokens"] == 0
+    vault = http.get("/v1/documents/vault").json()["chunks"][0]
+    assert vault["kv_cached"]
+    for mode in ("reuse", "blend"):
+        usage = query(http, chunk_ids=["vault#0"], mode=mode, prefix_cache=False)["usage"]
+        reused = vault["num_tokens"] if mode == "reuse" else usage["reused_tokens"]
+        assert 0 < usage["reused_tokens"] == reused <= vault["num_tokens"], (mode, usage)
+        assert usage["reused_tokens"] + usage["recomputed_tokens"] == usage["prompt_tokens"]
+
+
 def test_a_chat_follow_up_reuses_the_turn_before_it(server, http):
     messages = [{"role": "user", "content": "Where does the vault stand?"}]
     first = chat(http, messages)

@@ -14,8 +14,9 @@ from configs.enums import ChunkingMode, IndexKind
 from retrieval.config import RetrievalConfig
 from retrieval.chunker import Chunker
 from retrieval.doc_store import NewChunk
-from retrieval.index import CollectionIndexes, VectorIndex
+from retrieval.index import CollectionIndexes, VectorIndex, collection_of_stem, index_file_stem
 from retrieval.retriever import Retriever
+from retrieval.store_types import CollectionRow
 
 
 class WordVocab:
@@ -145,6 +146,58 @@ def test_index_search_remove_and_persist(tmp_path, kind):
     assert loaded.num_vectors == 49 and loaded.loaded_kind is kind
     with pytest.raises(ValueError, match="dim"):
         VectorIndex.load_or_create(tmp_path / "index.faiss", 16, kind)
+
+
+def test_collections_differing_by_case_get_index_files_that_cannot_collide(tmp_path):
+    """`TEAM-A.faiss` and `team-a.faiss` are one file on a case-insensitive filesystem (macOS's,
+    Windows'): every file name is in lower case, one per collection, and reads back as its collection."""
+    names = ["TEAM-A", "team-a", "Team-A", "default", "a.B_c-9", "x.faiss"]
+    for name in names:
+        stem = index_file_stem(name)
+        assert stem == stem.lower() and collection_of_stem(stem) == name
+    assert index_file_stem("team-a") == "team-a" and collection_of_stem("TEAM-A") is None  # lower case: unchanged
+    rng = np.random.default_rng(1)
+    vectors = rng.normal(size=(len(names), 8)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    indexes = CollectionIndexes(tmp_path / "index", 8)
+    for i, name in enumerate(names):
+        indexes.add([i], vectors[i : i + 1], [name])
+    indexes.save()
+    files = sorted((tmp_path / "index").glob("*.faiss"))
+    assert len(files) == len(names) == len({path.name.lower() for path in files})
+    loaded = CollectionIndexes.load_or_create(tmp_path / "index", 8, IndexKind.FLAT)
+    assert loaded.collections == sorted(names)
+    for i, name in enumerate(names):
+        assert [hit.row_id for hit in loaded.search(vectors[i], 5, [name])] == [i]
+
+
+def test_index_files_named_before_are_rebuilt_from_the_store(tmp_path):
+    """A data directory from before case-safe names (no `index/layout`): on a case-insensitive
+    filesystem `team-a.faiss` may hold `TEAM-A`'s vectors, and no file name tells. Its files are
+    deleted and every chunk indexed again from the store's embeddings, each in its own collection's."""
+    retriever = Retriever.open(tmp_path, RetrievalConfig())
+    texts = {"TEAM-A": "The violet zeppelin lands in Oslo.", "team-a": "Old harbours smell of tar."}
+    row_ids = {}
+    for (name, text), vector in zip(texts.items(), retriever.embedder.encode(list(texts.values()))):
+        retriever.store.create_collection(CollectionRow(name, "", 1.0, f"salt-{name}"))
+        put = retriever.store.put_document("doc", None, {}, len(text), [NewChunk(text, (1,), vector)], collection=name)
+        row_ids[name] = (put.document.chunks[0].row_id, vector)
+    retriever.close()
+    index_dir = tmp_path / "index"
+    for path in [*index_dir.glob("*.faiss"), index_dir / "layout"]:
+        path.unlink(missing_ok=True)
+    shared = VectorIndex(384, IndexKind.FLAT, path=index_dir / "team-a.faiss")  # the one file both wrote
+    row_id, vector = row_ids["TEAM-A"]
+    shared.add(np.array([row_id]), vector[None])  # TEAM-A's vector, saved last
+    shared.save()
+    reopened = Retriever.open(tmp_path, RetrievalConfig())
+    try:
+        for name in texts:
+            hits = reopened.search("Where does the violet zeppelin land?", 3, [name])
+            assert [(h.chunk.collection, h.chunk.row_id) for h in hits] == [(name, row_ids[name][0])]
+        assert (index_dir / "layout").is_file() and (index_dir / "~t~e~a~m-~a.faiss").is_file()
+    finally:
+        reopened.close()
 
 
 @pytest.mark.parametrize("search_threads", [1, 2])

@@ -1,7 +1,8 @@
-"""Who a request is: the server's own key (`server.api_key`, or anyone when none is set) may do
-everything; a scoped key (`/v1/keys`) is bound to collections with a role. Read asks and lists, write
-also ingests and deletes documents, admin also changes and deletes its collections. Only the server's
-key creates collections and keys and reads /metrics."""
+"""Who a request is: the server's own key (`server.api_key`; on a server without one, a request with no
+key while the store holds no live scoped key: app/deps.py get_principal) may do everything; a scoped
+key (`/v1/keys`) is bound to collections with a role. Read asks and lists, write also ingests and
+deletes documents, admin also changes and deletes its collections. Only the server's key creates
+collections and keys and reads /metrics."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ class Role(str, Enum):
 
 @dataclass(frozen=True)
 class Principal:
-    key_id: str | None  # None: the server's own key (or no key configured): every collection and route
+    key_id: str | None  # None: the server's own key (get_principal says when): every collection and route
     role: Role = Role.ADMIN
     collections: frozenset[str] = frozenset()  # a scoped key's; the server's key sees every collection
 

@@ -50,7 +50,7 @@ class ChatService:
         if body.max_tokens is None and body.max_completion_tokens is not None:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
         history = [{"role": m.prompt_role, "content": m.text} for m in body.messages[:-1]]
-        collections = await self.scopes.readable(principal, requested)
+        collections = await self.scopes.searched(principal, requested)
         request = build_rag_request(self.settings, body.messages[-1].text, body, history=history,
                                     collections=[c.name for c in collections])
         context = await self.pipeline.retrieve(request)

@@ -21,6 +21,12 @@ def not_found(name: str) -> NotFoundError:
     return NotFoundError(f"collection not found: {name}")
 
 
+def none_left() -> NotFoundError:
+    """A scoped key whose collections were all deleted (their grants go with them), asked to work on its own."""
+    return NotFoundError("this key's collections were all deleted: it has none left to work on (a collection made "
+                         "again under a deleted one's name is not the key's)")
+
+
 @dataclass
 class Scopes:
     store: DocumentStore
@@ -28,6 +34,15 @@ class Scopes:
     async def readable(self, principal: Principal, requested: Sequence[str] | None) -> list[CollectionRow]:
         """The collections a question or a listing works on (each visible to the caller, else 404)."""
         return await anyio.to_thread.run_sync(self._readable, principal, requested)
+
+    async def searched(self, principal: Principal, requested: Sequence[str] | None) -> list[CollectionRow]:
+        """The collections a question searches: as `readable`, and one at least. A scoped key left with
+        none gets a 404 saying so, rather than the not-found answer of a search over nothing, which
+        reads as if its documents did not hold the answer."""
+        rows = await self.readable(principal, requested)
+        if not rows:
+            raise none_left()
+        return rows
 
     async def one(self, principal: Principal, requested: str | None, role: Role) -> CollectionRow:
         """The one collection a write (or an administration) works on; the caller's role must allow it."""
@@ -48,6 +63,8 @@ class Scopes:
                 name = DEFAULT_COLLECTION
             elif len(principal.collections) == 1:
                 name = next(iter(principal.collections))
+            elif not principal.collections:
+                raise none_left()
             else:
                 raise InvalidRequestError(f"this key has {len(principal.collections)} collections: name one with "
                                           "`collection`")

@@ -34,7 +34,7 @@ class CompletionService:
         if isinstance(body.prompt, list) and len(body.prompt) != 1:
             raise InvalidRequestError(f"prompt holds {len(body.prompt)} prompts; send one (a string, or a list of one)")
         requested = requested_collections(body.collections, body.model, self.model_id)
-        collections = await self.scopes.readable(principal, requested)
+        collections = await self.scopes.searched(principal, requested)
         request = build_rag_request(self.settings, body.question, body, collections=[c.name for c in collections])
         context = await self.pipeline.retrieve(request)
         stream = self.pipeline.start(request, context, t_start)

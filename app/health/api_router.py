@@ -18,16 +18,19 @@ async def healthz() -> Health:
     return Health(status="ok")
 
 
-@router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
+# exclude_none: a field that does not apply (the counts with a key set, the error while ready) is left out
+@router.get("/readyz", response_model=Readiness, response_model_exclude_none=True,
+            responses={503: {"model": Readiness}})
 async def readyz(request: Request):
     components = getattr(request.app.state, "components", None)
     if components is None:
         error = getattr(request.app.state, "load_error", None)
         status = "failed" if error else "loading"
-        return JSONResponse(Readiness(status=status, error=error).model_dump(), status_code=503)
+        return JSONResponse(Readiness(status=status, error=error).model_dump(exclude_none=True), status_code=503)
     store = components.retriever.store
     if not getattr(request.app.state, "is_measured", True):  # requests queue behind the start-up measurement
-        return JSONResponse(Readiness(status="measuring", model=components.model_id).model_dump(), status_code=503)
+        measuring = Readiness(status="measuring", model=components.model_id)
+        return JSONResponse(measuring.model_dump(exclude_none=True), status_code=503)
     if components.settings.server.api_key:  # no key asked here: counts over every collection are no one's business
         return Readiness(status="ready", model=components.model_id)
     return Readiness(status="ready", model=components.model_id, num_documents=store.num_documents(),

@@ -13,7 +13,9 @@ class Readiness(BaseModel):
     status: str = Field(description="ready; else (503) loading, measuring (the loading planner's start-up "
                                     "measurement on the engine: requests queue behind it) or failed.")
     model: str | None = None
-    num_documents: int = 0
-    num_chunks: int = 0
-    num_indexed: int = 0
+    # Left out (not 0) where server.api_key is set: /readyz asks no key, and counts over every collection
+    # are no caller's business; a 0 would tell a monitor the store is empty.
+    num_documents: int | None = Field(None, description="Documents stored (only without server.api_key).")
+    num_chunks: int | None = Field(None, description="Chunks stored (only without server.api_key).")
+    num_indexed: int | None = Field(None, description="Chunks in the vector indexes (only without server.api_key).")
     error: str | None = None

@@ -6,7 +6,9 @@ from collections import Counter
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, field_validator
+from pydantic_core import PydanticCustomError
 
+from app.collections.names import name_problem
 from app.text import NUL_MESSAGE, nul_location
 from blend_engine.types import PrefillMode, SelectionKind
 from configs.enums import RepetitionScope, RequestMode, RetrievalMode
@@ -93,6 +95,17 @@ class GenerationOptions(BaseModel):
         if self.collection is None:
             return None
         return [self.collection] if isinstance(self.collection, str) else list(self.collection)
+
+    @field_validator("collection", mode="before")
+    @classmethod
+    def _names(cls, value: object) -> object:
+        """Each name checked as a model name's collection is (app/collections/names.py): one error naming
+        it, not one per branch of the union. Anything but a name or a list goes on to the type checks."""
+        for name in [value] if isinstance(value, str) else value if isinstance(value, list) else []:
+            problem = name_problem(name) if isinstance(name, str) else None
+            if problem is not None:  # the message as context: a name's braces are no template
+                raise PydanticCustomError("collection_name", "{problem}", {"problem": problem})
+        return value
 
     @field_validator("collection")
     @classmethod

@@ -150,7 +150,7 @@ class QueryService:
                       principal: Principal) -> tuple[RagRequest, RagContext, AnswerStream, float]:
         """Everything that can fail with a 4xx/503 happens here, before a stream's headers go out."""
         t_start = time.perf_counter()
-        collections = await self.scopes.readable(principal, body.collections)
+        collections = await self.scopes.searched(principal, body.collections)
         request = build_rag_request(self.settings, body.question, body, collections=[c.name for c in collections])
         context = await self.pipeline.retrieve(request)
         return request, context, self.pipeline.start(request, context, t_start), t_start
