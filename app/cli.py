@@ -38,6 +38,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("store", "copy"): ("app.commands.store_copy", "copy a data directory's SQLite documents into Postgres"),
     ("collections",): ("app.commands.collections", "create, list or delete knowledge bases on a running server"),
     ("keys",): ("app.commands.keys", "create, list or revoke scoped API keys on a running server"),
+    ("models",): ("app.commands.models", "list the models ragblend knows, or install one (downloaded, hash-checked)"),
     ("bench", "engine"): ("bench.engine.prefill", "engine benchmark: TTFT and fidelity per prefill mode"),
     ("bench", "batch-decode"): ("bench.engine.batch_decode", "one decode step for B sequences at once against B "
                                 "single steps (eager, and CUDA-graphed buckets on a GPU)"),

@@ -136,10 +136,8 @@ def verified(model: CatalogueModel, path: Path, record_dir: Path) -> None:
     if size != model.num_bytes:
         raise ValueError(f"{path} is {size} bytes where {model.name}'s file is {model.num_bytes}: truncated or "
                          f"another file; install it again ({model.install_hint()})")
-    record = record_dir / f"{model.file_name}.verified.json"
-    stamp = {"path": str(path.resolve()), "size": size, "mtime_ns": path.stat().st_mtime_ns, "sha256": model.sha256}
     try:
-        if json.loads(record.read_text()) == stamp:
+        if json.loads(_record(model, record_dir).read_text()) == _stamp(model, path):
             return
     except (OSError, ValueError):
         pass
@@ -147,5 +145,19 @@ def verified(model: CatalogueModel, path: Path, record_dir: Path) -> None:
     if digest != model.sha256:
         raise ValueError(f"{path} has SHA-256 {digest}, not {model.name}'s {model.sha256}: a damaged or another "
                          f"file; install it again ({model.install_hint()})")
+    record_checked(model, path, record_dir)
+
+
+def record_checked(model: CatalogueModel, path: Path, record_dir: Path) -> None:
+    """Record `path` as `model`'s checked file (its hash was just checked, or it is a checked file moved)."""
     record_dir.mkdir(parents=True, exist_ok=True)
-    record.write_text(json.dumps(stamp))
+    _record(model, record_dir).write_text(json.dumps(_stamp(model, path)))
+
+
+def _record(model: CatalogueModel, record_dir: Path) -> Path:
+    return record_dir / f"{model.file_name}.verified.json"
+
+
+def _stamp(model: CatalogueModel, path: Path) -> dict[str, object]:
+    stat = path.stat()
+    return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": model.sha256}

@@ -191,14 +191,83 @@ def load_gguf(path: Path, cache_dir: Path, fmt: WeightFormat, device: torch.devi
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     model_dir = gguf_model_dir(path, cache_dir)
-    tensors = cached_tensors(path, model_dir)
     config = AutoConfig.from_pretrained(model_dir)
     with init_empty_weights(include_buffers=False):  # parameters on the meta device, RoPE's tables real
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    _fill(model, tensors, resolve_gguf_format(fmt, device), dtype)
+    fmt = resolve_gguf_format(fmt, device)
+    packed = model_dir / f"packed-{fmt.value}-{_packing_key()}.pt"
+    is_kept = fmt in (WeightFormat.GGUF, WeightFormat.INT4, WeightFormat.INT8) and dtype == torch.float32
+    if is_kept and packed.is_file():
+        _restore(model, packed)
+    else:
+        _fill(model, cached_tensors(path, model_dir), fmt, dtype)
+        if is_kept:
+            _keep(model, packed)
     model.name_or_path = str(path)  # the KV fingerprint digests the file (blend_engine/weights_id.py)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     return model.to(device).eval(), tokenizer
+
+
+# ---- the packed modules kept for warm starts -------------------------------------------------------------
+# Decoding and packing Qwen2.5-1.5B's 1.3 billion weights (the int4 kernel's layout, prefill's bf16 copies)
+# takes ~20 s on 2 cores; reading them back ~2 s. They are kept beside the config (3.5 GB for that model),
+# keyed by the weight format, torch's version and the CPU's vector ISA (the packing is torch's, per machine).
+
+
+def _packing_key() -> str:
+    return hashlib.sha256(f"{torch.__version__}:{torch.backends.cpu.get_cpu_capability()}".encode()).hexdigest()[:12]
+
+
+def _keep(model: nn.Module, target: Path) -> None:
+    """Every tensor of `model`'s modules and which class holds it, into `target` (atomically). A disk that
+    cannot hold it costs the next start its speed, nothing else: logged, not raised."""
+    tensors: dict[str, torch.Tensor] = {}
+    kinds: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (Int4Linear, Int8Linear, Int8BlockEmbedding)):
+            kinds[name] = type(module).__name__
+            if isinstance(module, Int8Linear) and module.is_copy_kept:
+                kinds[name] += ":kept"
+            held = dict(module.named_buffers(recurse=False)) | dict(module.named_parameters(recurse=False))
+            if isinstance(module, Int8Linear):
+                held.pop("gemm_weight", None)  # made from the levels where this machine's GEMMs want it
+            tensors.update({f"{name}.{key}": value for key, value in held.items() if value is not None})
+    owned = {id(t) for t in tensors.values()}
+    for name, param in model.named_parameters():
+        if name not in tensors and id(param) not in owned:
+            tensors[name] = param.detach()
+    tmp = target.with_name(f".{target.name}.{os.getpid()}")
+    try:
+        torch.save({"kinds": json.dumps(kinds), "tensors": tensors}, tmp)
+        os.replace(tmp, target)
+    except (OSError, RuntimeError) as exc:  # torch's zip writer raises RuntimeError on a full disk
+        log.warning("could not keep the packed weights in %s (%s): the next start packs them again", target, exc)
+        tmp.unlink(missing_ok=True)
+
+
+def _restore(model: nn.Module, source: Path) -> None:
+    """`model` (on the meta device) filled from a `_keep` file."""
+    # read, not mapped: the engine fuses layers into new buffers, and a mapping that any tensor still views
+    # stays in the process's memory whole (safetensors' views peaked at twice the model)
+    kept = torch.load(source, map_location="cpu", weights_only=True)
+    kinds: dict[str, str] = json.loads(kept["kinds"])
+    tensors: dict[str, torch.Tensor] = kept["tensors"]
+    for name, kind in kinds.items():
+        part = lambda key: tensors.get(f"{name}.{key}")  # noqa: E731
+        if kind == "Int4Linear":
+            module = Int4Linear(part("packed"), part("scales_zeros"), part("gemm_weight"), part("bias"))
+        elif kind.startswith("Int8Linear"):
+            module = Int8Linear(part("qweight"), part("scales"), part("bias"), is_copy_kept=kind.endswith(":kept"))
+        else:
+            module = Int8BlockEmbedding(part("qweight"), part("scales"), part("offsets"))
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, module)
+    for name, param in list(model.named_parameters()):
+        if param.device.type == "meta":
+            parent, _, leaf = name.rpartition(".")
+            model.get_submodule(parent)._parameters[leaf] = nn.Parameter(tensors[name], requires_grad=False)
+    if hasattr(model.config, "tie_word_embeddings"):
+        model.config.tie_word_embeddings = False
 
 
 def _fill(model: nn.Module, tensors: GGUFTensors, fmt: WeightFormat, dtype: torch.dtype) -> None:

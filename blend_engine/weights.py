@@ -49,6 +49,7 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.in_features, self.out_features = qweight.shape[1], qweight.shape[0]
         self.is_bf16_gemm = gemm_dtype(qweight.device) == _COMPUTE
+        self.is_copy_kept = is_copy_kept
         # prefill's weight: the dequantized weight kept in bf16 (2 more bytes a weight, still less than
         # fp32's 4) where bf16 GEMMs are native; else dequantized to fp32 at each call. Not
         # `is_copy_kept`: made at the first call with many rows (the lm_head's: it sees one row a

@@ -18,7 +18,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from blend_engine import catalogue, int4, weights
+from blend_engine import catalogue, cpu_gemm, int4, weights
 from blend_engine.catalogue import CATALOGUE, verified
 from blend_engine.config import ModelConfig
 from blend_engine.embedding import Int8BlockEmbedding
@@ -45,6 +45,13 @@ def files(tmp_path_factory) -> dict[str, Path]:
         "qwen2": write_gguf(directory / "tiny-qwen2.gguf", "qwen2"),  # q/k/v biases, an lm_head of its own
         "qwen3": write_gguf(directory / "tiny-qwen3.gguf", "qwen3"),  # q/k norms
     }
+
+
+@pytest.fixture(autouse=True)
+def gemm_auto_after():
+    """These tests force fp32 prefill GEMMs (exact comparisons); the process's choice is auto again after."""
+    yield
+    cpu_gemm.force(None)
 
 
 def settings(path: Path, cache_dir: Path, **changes) -> ModelConfig:

