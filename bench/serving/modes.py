@@ -1,10 +1,6 @@
-"""`ragblend bench server-modes`: end-to-end TTFT, decode and fidelity per prefill mode against a running
-server, one question at a time; then throughput per mode under concurrent clients, the modes alternated
-round by round (the CacheBlend paper's claim: blend serves more requests a second than full prefill).
-`--modes ""` skips the first part, `--throughput-modes ""` the second. How each is measured:
-docs/benchmarks/server.md#per-prefill-mode-ragblend-bench-server-modes. Prints tables, then one JSON object
-as the last line.
-"""
+"""`ragblend bench server-modes`: TTFT, decode and fidelity per prefill mode one question at a time, then
+requests/s per mode under concurrent clients, the modes alternated round by round
+(docs/benchmarks/server.md#per-prefill-mode-ragblend-bench-server-modes)."""
 
 from __future__ import annotations
 
@@ -100,8 +96,7 @@ def round_args(mode: str, max_tokens: int, ignore_eos: bool = True) -> argparse.
     """What server_bench.run_round reads: answers in `mode`, every one `max_tokens` long (`ignore_eos`) or
     at most that, the chats at once, the prefix cache off (the rounds ask the same questions again, and every
     mode asks them)."""
-    return argparse.Namespace(max_tokens=max_tokens, ignore_eos=ignore_eos, mode=mode, stagger_ms=0.0,
-                              upload_lead=0.0, prefix_cache="off")
+    return argparse.Namespace(max_tokens=max_tokens, ignore_eos=ignore_eos, mode=mode, prefix_cache="off")
 
 
 async def throughput_phase(client: httpx.AsyncClient, questions: list[Question], modes: list[str],

@@ -1,21 +1,5 @@
-"""`ragblend bench overhead`: the server's blend TTFT and decode against the bare engine's, same prompts.
-
-Issue 38's yardstick: a question through `/v1/query` (streamed, its passages given as `chunk_ids`, so
-the prompt is exactly the one `ragblend bench engine` builds: the question's passages in order, each one
-chunk whose KV was precomputed at ingestion) against the same prompt prefilled by a `BlendEngine` in this
-process (chunk KV in memory, `bench engine`'s `timed_prefill`). One `ragblend serve` child runs beside
-this process; the two take turns, question by question and round by round (who goes first alternates),
-so neither computes while the other does, and each pause before a turn lets the OpenMP threads of the
-other go to sleep. Per question it also records the server's own timings (queue, retrieval, KV load,
-prefill) so the table says where a gap lies: the rest of the server TTFT after its prefill (first sample,
-delivery), and the client's over the server's (HTTP, SSE).
-
-Decode: tokens per second of a 64-token answer (EOS ignored) through the API against the engine's own
-decode after a prefill of the same prompt (`bench engine`'s decode row: `measure_decode`).
-
-Server settings: `--config FILE` and `--server-env NAME=VALUE` (both servers' environment, e.g.
-`RAGBLEND_MODEL__CPU_THREADS=2`); the engine here loads the same settings (`--config`).
-"""
+"""`ragblend bench overhead`: the server's blend TTFT and decode against the bare engine's on the same prompts,
+in turn, with the server's own timings to say where a gap lies (docs/benchmarks/overhead.md)."""
 
 from __future__ import annotations
 
