@@ -43,7 +43,6 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
                                 "single steps (eager, and CUDA-graphed buckets on a GPU)"),
     ("bench", "plot"): ("bench.engine.plot", "plot an engine bench's KL-vs-speed frontier (PNG)"),
     ("bench", "kv"): ("bench.store.kv", "KV store benchmark: blend TTFT per tier, pipelined or not"),
-    ("bench", "kv-codec"): ("bench.store.codec", "KV entry formats: bytes per token, decode speed, fidelity"),
     ("bench", "corpus"): ("bench.store.corpus", "KV budget at corpus scale: hit rate and TTFT per budget, Zipf stream"),
     ("bench", "server"): ("bench.serving.server", "concurrent streaming clients against servers, side by side with a "
                           "one-sequence-at-a-time baseline: TTFT, inter-token latency, aggregate tok/s"),
