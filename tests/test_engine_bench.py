@@ -87,21 +87,6 @@ def test_bench_engine_runs_without_the_embedded_tokenizer(tmp_path, capsys, monk
     assert decode["engine_ms_per_token"] > 0 and decode["hf_eager_ms_per_token"] > 0
 
 
-def test_bench_plot_draws_the_frontier(tmp_path):
-    from bench.engine import plot
-
-    rows = {label: {"mode": mode, "speedup_vs_full": speed, "kl_vs_reuse": kl}
-            for label, mode, speed, kl in [("full", "full", 1.0, 0.0), ("blend@0.15", "blend", 4.5, 0.7),
-                                           ("blend@adaptive m=0.50", "blend", 5.0, 0.6),
-                                           ("blend@0.15 sel=query", "blend", 4.4, 0.5)]}
-    source = tmp_path / "engine.json"
-    source.write_text(json.dumps({"model": "m", "questions": 2, "passages": 3, "results": rows}))
-    parser = argparse.ArgumentParser()
-    plot.add_arguments(parser)
-    assert plot.run(parser.parse_args(["--input", str(source), "--out", str(tmp_path / "f.png")])) == 0
-    assert (tmp_path / "f.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
 def test_bench_engine_weights_and_reference_format(tmp_path, capsys):
     """--weights picks the format (printed and in the JSON); --reference-weights adds the side-by-side row."""
     item = {"question": "where is the old mill?", "answers": ["harlow"],

@@ -26,11 +26,10 @@ def chunk_ids(qi: int, question: Question) -> list[str]:
     return [f"q{qi}p{pi}#0" for pi in range(len(question.passages))]
 
 
-def ingest(client: httpx.Client, questions: Sequence[Question], first: int = 0) -> float:
-    """Ingest every question's passages (one passage, one chunk, KV precomputed; the first question
-    numbered `first`); seconds taken."""
+def ingest(client: httpx.Client, questions: Sequence[Question]) -> float:
+    """Ingest every question's passages (one passage, one chunk, KV precomputed); seconds taken."""
     start = time.perf_counter()
-    for qi, question in enumerate(questions, first):
+    for qi, question in enumerate(questions):
         docs = [{"id": f"q{qi}p{pi}", "title": text.split("\n", 1)[0][:200], "text": text}
                 for pi, text in enumerate(question.passages)]
         response = client.post("/v1/documents", json={"documents": docs, "chunking": "none", "precompute": True})
