@@ -18,7 +18,7 @@ import httpx
 
 from app.commands.client import error_message
 from app.commands.exit_codes import ExitCode
-from bench.answers.scoring import PARTS, answer_record, paired, print_tables, results, score_document_answer, \
+from bench.answers.scoring import answer_record, paired, print_tables, results, score_document_answer, \
     score_musique_answer
 from bench.answers.settings import SETTINGS, Setting, settings_named
 from bench.harness.client import QueryFailed, StreamedAnswer, delete_documents, stream_query, wait_for_kv

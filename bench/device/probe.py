@@ -10,13 +10,14 @@ import argparse
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
+
+from bench.harness.stats import timed_ms  # noqa: E402
 
 
 def _event_ms(fn) -> float:
@@ -35,14 +36,7 @@ PREFILL_MODES = ("full", "reuse", "blend")
 
 def _timer(device: torch.device):
     """ms of one call: CUDA events on a GPU (the device idle first), the host clock on CPU."""
-    if device.type == "cuda":
-        return _event_ms
-
-    def host_ms(fn) -> float:
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1000
-    return host_ms
+    return _event_ms if device.type == "cuda" else timed_ms
 
 
 def prefill(model: str, device_name: str, rounds: int, chunk_tokens: int) -> dict:

@@ -11,7 +11,6 @@ import json
 import os
 import platform
 import statistics
-import time
 from pathlib import Path
 
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # as the `ragblend` script sets it (app/cli.py)

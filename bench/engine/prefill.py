@@ -7,21 +7,18 @@ import argparse
 import time
 from dataclasses import dataclass, field, replace
 
-import torch
-
 from bench.engine.formats import compare_formats, print_formats
 from bench.engine.report import print_table, summarize
 from bench.engine.variants import adaptive_variants, main_variants, spec_variants
 from bench.harness.args import add_data, add_model, add_out
 from bench.harness.data import Question, load_questions
-from bench.harness.engine import greedy_ids, measure_decode, model_overrides, prompt_for, timed_prefill
+from bench.harness.engine import greedy_ids, load_engine, measure_decode, model_overrides, prompt_for, timed_prefill
 from bench.harness.fidelity import argmax_agreement, best_f1, mean_kl, token_f1
 from bench.harness.output import emit_summary
 from bench.harness.stats import safe_median
 from blend_engine.engine import BlendEngine
 from blend_engine.types import PrefillMode
 from configs.enums import DeviationKind, SinkMode, WeightFormat
-from configs.settings import load_settings
 
 
 @dataclass
@@ -75,10 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    settings = _settings(args)
-    engine = BlendEngine.from_config(settings.model, settings.blend)
+    settings, engine = load_engine(args.config, args.threads, **_overrides(args))
     questions = load_questions(args.data, args.questions, args.passages, args.first_question)
     if not questions:
         raise ValueError(f"no questions left after skipping {args.first_question}")
@@ -107,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _settings(args):
+def _overrides(args) -> dict:
     overrides: dict = {"model": model_overrides(args), "blend": {}}
     if args.sink:
         overrides["blend"]["sink"] = args.sink
@@ -115,7 +109,7 @@ def _settings(args):
         overrides["blend"]["check_layers"] = [int(x) for x in args.check_layers.split(",")]
     if args.deviation:
         overrides["blend"]["deviation"] = args.deviation
-    return load_settings(args.config, **overrides)
+    return overrides
 
 
 def _ratios(text: str, allow_empty: bool = False) -> list[float]:

@@ -57,6 +57,19 @@ class Variant:
     blend: BlendConfig | None = None
 
 
+def load_engine(config=None, threads: int | None = None, model_name: str | None = None, **overrides):
+    """The settings (`overrides` and `model_name` over `config`) and their engine; torch's CPU threads set
+    first where `threads` is given."""
+    from configs.settings import load_settings
+
+    if threads:
+        torch.set_num_threads(threads)
+    if model_name:
+        overrides["model"] = {**overrides.get("model", {}), "name": model_name}
+    settings = load_settings(config, **overrides)
+    return settings, BlendEngine.from_config(settings.model, settings.blend)
+
+
 def model_overrides(args: argparse.Namespace) -> dict:
     """The model settings a bench's --model (model.name), --device, --dtype and --weights ask for
     (those it has and was given)."""

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import httpx
 
 from bench.harness.args import add_data, add_out
-from bench.harness.engine import Variant, measure_decode, prompt_for, timed_prefill
+from bench.harness.engine import Variant, load_engine, measure_decode, prompt_for, timed_prefill
 from bench.harness.servers import LocalServer, environment_pairs, started
 from bench.harness.data import Question, load_questions
 from bench.harness.output import emit_summary
@@ -21,7 +21,6 @@ from bench.harness.client import chunk_ids, ingest, stream_query
 from bench.harness.stats import spread
 from blend_engine.engine import BlendEngine
 from blend_engine.types import PrefillMode
-from configs.settings import load_settings
 
 PAUSE_S = 1.0  # between turns: the other side's spinning OpenMP threads sleep, its load leaves the window
 
@@ -61,8 +60,7 @@ async def _server_turn(client: httpx.AsyncClient, qi: int, question: Question, m
 
 def run(args: argparse.Namespace) -> int:
     questions = load_questions(args.data, args.questions, args.passages, args.first_question)
-    settings = load_settings(args.config)
-    engine = BlendEngine.from_config(settings.model, settings.blend)
+    settings, engine = load_engine(args.config)
     variant = Variant("blend", PrefillMode.BLEND, settings.blend.sink, engine.blend)
     cache: dict[int, dict] = {qi: {} for qi in range(len(questions))}
     for qi, question in enumerate(questions):  # every prompt's chunk KV precomputed, and a first (slow) call

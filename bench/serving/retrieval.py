@@ -11,7 +11,7 @@ import re
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -20,7 +20,7 @@ from bench.harness.sets import DEFAULT_SET, load_set
 from bench.harness.output import emit_summary, refuse
 from bench.harness.postgres import empty_database, settle
 from bench.harness.servers import REPO_ROOT as ROOT
-from bench.harness.stats import in_turn, percentiles
+from bench.harness.stats import in_turn, percentiles, timed_ms as timed
 from configs.enums import RetrievalMode
 
 CHUNKS_PER_DOCUMENT = 10
@@ -86,12 +86,6 @@ def fill(retriever, texts: Sequence[str], random_vectors: bool, rng: random.Rand
         retriever.follow([], result.document.chunks, list(vectors))
     retriever.index.save()
     return time.perf_counter() - start
-
-
-def timed(fn: Callable[[], Any]) -> float:
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1000
 
 
 def _stats(samples_ms: Sequence[float]) -> dict[str, float]:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from bench.harness.args import add_out
+from bench.harness.engine import load_engine
 from bench.harness.output import emit_summary
 from blend_engine.config import ModelConfig
 from blend_engine.engine import BlendEngine
@@ -127,9 +128,7 @@ def stream(store: KVStore, collection: Collection, order: np.ndarray, ttft_ms: l
 def measure_ttft(args: argparse.Namespace, num_chunks: int) -> tuple[list[float], dict]:
     """TTFT (ms, median of repeats) of a question over one document's chunks with 0..num_chunks of them
     missing, through the server's prefill executor in `--mode`, hits streamed from the disk tier."""
-    overrides = {"model": {"name": args.ttft_model}} if args.ttft_model else {}
-    settings = load_settings(**overrides)
-    engine = BlendEngine.from_config(settings.model, settings.blend)
+    settings, engine = load_engine(model_name=args.ttft_model)
     rng = np.random.default_rng(args.seed)
     vocab = engine.tokenizer.vocab_size if engine.tokenizer is not None else 256
     chunks = [tuple(int(t) for t in rng.integers(100, vocab - 100, args.chunk_tokens)) for _ in range(num_chunks)]

@@ -22,12 +22,11 @@ from typing import Callable, Sequence
 import torch
 
 from bench.harness.args import add_out
+from bench.harness.engine import load_engine
 from bench.harness.output import emit_summary
-from blend_engine.engine import BlendEngine
 from blend_engine.kv import KVShape
 from blend_engine.types import BlendConfig, PrefillMode, PrefillResult, Segment
 from configs.enums import KVQuantization, StorageDtype
-from configs.settings import load_settings
 from kv_store import KVStore, StoreConfig, Tier
 from kv_store.loader import StoredChunk, handles_in
 from kv_store.planner import LoadPlan, PlanKind, PlanRequest
@@ -285,11 +284,7 @@ def print_table(s: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    overrides = {"model": {"name": args.model}} if args.model else {}
-    settings = load_settings(**overrides)
-    engine = BlendEngine.from_config(settings.model, settings.blend)
+    settings, engine = load_engine(threads=args.threads, model_name=args.model)
     blend = engine.blend  # the settings' config, fitted to the model
     if args.ratio is not None:
         blend = dataclasses.replace(blend, recompute_ratio=args.ratio)
