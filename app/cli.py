@@ -42,9 +42,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "engine"): ("bench.engine.prefill", "engine benchmark: TTFT and fidelity per prefill mode"),
     ("bench", "batch-decode"): ("bench.engine.batch_decode", "one decode step for B sequences at once against B "
                                 "single steps (eager, and CUDA-graphed buckets on a GPU)"),
-    ("bench", "plot"): ("bench.engine.plot", "plot an engine bench's KL-vs-speed frontier (PNG)"),
     ("bench", "kv"): ("bench.store.kv", "KV store benchmark: blend TTFT per tier, pipelined or not"),
-    ("bench", "kv-codec"): ("bench.store.codec", "KV entry formats: bytes per token, decode speed, fidelity"),
     ("bench", "corpus"): ("bench.store.corpus", "KV budget at corpus scale: hit rate and TTFT per budget, Zipf stream"),
     ("bench", "server"): ("bench.serving.server", "concurrent streaming clients against servers, side by side with a "
                           "one-sequence-at-a-time baseline: TTFT, inter-token latency, aggregate tok/s"),
@@ -56,7 +54,6 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
                                 "running server"),
     ("bench", "prefix"): ("bench.serving.prefix", "the prefix cache against a running server: a fresh blend, the same "
                           "prompt again, a follow-up turn and no match, side by side"),
-    ("bench", "replicas"): ("bench.serving.replicas", "Postgres vs SQLite store: query TTFT, ingest, change propagation"),
     ("bench", "retrieval"): ("bench.serving.retrieval", "retrieval latency per ranking mode (dense, lexical, hybrid) "
                              "and store (SQLite, Postgres) at a given number of chunks: p50/p99"),
     ("bench", "memory"): ("bench.serving.memory", "where a server's memory goes: RSS stage by stage through start-up, "

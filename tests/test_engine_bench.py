@@ -24,19 +24,17 @@ def test_bench_engine_prints_table_then_json(tmp_path, capsys):
     item = {"question": "where is the old mill?", "answers": ["harlow"],
             "ctxs": [{"title": f"t{i}", "text": " ".join(words[i:] + words[:i]) * 2} for i in range(3)]}
     _, args = bench_args(tmp_path, [item, item], "--questions", "2", "--passages", "3", "--ratios", "0.1,0.5",
-                              "--model", "random:tiny-llama", "--sweep", "--selections", "--adaptive", "0.5",
+                              "--model", "random:tiny-llama", "--adaptive", "0.5",
+                              "--variant", "selection=deviation deviation=key check_layers=1,2,3",
                               "--out", str(tmp_path / "out.json"))
     assert engine_bench.run(args) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(lines[-1])
     assert json.loads((tmp_path / "out.json").read_text()) == summary
     rows = summary["results"]
-    assert {"full", "prefix", "reuse", "blend@0.10", "blend@0.50", "blend@0.15 K check=1,2,3",
-            "blend@0.15 sel=query", "blend@0.15 sel=chunk_start k=32"} <= set(rows)
-    assert rows["blend@0.15 sel=query_chunk_start k=8"]["selection"] == "query_chunk_start"
-    # the sweep ablates CacheBlend's deviation ranking, whatever the default's; the selection rows are fitted
-    assert rows["blend@0.15 K check=1,2,3"]["selection"] == "deviation"
-    assert rows["blend@0.15 sel=deviation"]["check_layers"] == [1]
+    spec = "blend selection=deviation deviation=key check_layers=1,2,3"  # what --sweep's rows asked (retired)
+    assert {"full", "prefix", "reuse", "blend@0.10", "blend@0.50", spec} <= set(rows)
+    assert rows[spec]["selection"] == "deviation" and rows[spec]["check_layers"] == [1, 2, 3]
     assert 0.05 <= rows["blend@adaptive m=0.50"]["mean_recompute_ratio"] <= 0.5
     assert rows["full"]["speedup_vs_full"] == 1.0
     assert rows["reuse"]["median_tokens_recomputed"] < rows["blend@0.50"]["median_tokens_recomputed"]
@@ -87,21 +85,6 @@ def test_bench_engine_runs_without_the_embedded_tokenizer(tmp_path, capsys, monk
     assert summary["results"]["blend@0.15"]["median_tokens_recomputed"] < summary["median_prompt_tokens"]
     decode = summary["decode"]
     assert decode["engine_ms_per_token"] > 0 and decode["hf_eager_ms_per_token"] > 0
-
-
-def test_bench_plot_draws_the_frontier(tmp_path):
-    from bench.engine import plot
-
-    rows = {label: {"mode": mode, "speedup_vs_full": speed, "kl_vs_reuse": kl}
-            for label, mode, speed, kl in [("full", "full", 1.0, 0.0), ("blend@0.15", "blend", 4.5, 0.7),
-                                           ("blend@adaptive m=0.50", "blend", 5.0, 0.6),
-                                           ("blend@0.15 sel=query", "blend", 4.4, 0.5)]}
-    source = tmp_path / "engine.json"
-    source.write_text(json.dumps({"model": "m", "questions": 2, "passages": 3, "results": rows}))
-    parser = argparse.ArgumentParser()
-    plot.add_arguments(parser)
-    assert plot.run(parser.parse_args(["--input", str(source), "--out", str(tmp_path / "f.png")])) == 0
-    assert (tmp_path / "f.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_engine_weights_and_reference_format(tmp_path, capsys):

@@ -1,6 +1,5 @@
 """`ragblend bench server` on tiny inputs: two real servers (a tiny random model) over loopback, 2
-questions, a few tokens, 1 and 2 clients, uploads during the chats; and its statistics on hand-made
-answers, where every figure is known."""
+questions, a few tokens, 1 and 2 clients; and its statistics on hand-made answers, where every figure is known."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from app.cli import main
 from app.testing import LiveServer
 from bench.serving import server as server_bench
 from bench.harness.client import StreamedAnswer
-from bench.serving.report import Chat, Round, Upload, level_stats, ratio_rows, target_checks, upload_stats
+from bench.serving.report import Chat, Round, level_stats, ratio_rows, target_checks
 from configs.settings import load_settings
 
 LEVEL_KEYS = {"clients", "num_rounds", "num_requests", "num_errors", "errors", "ttft_p50_ms", "ttft_p95_ms",
@@ -22,16 +21,13 @@ LEVEL_KEYS = {"clients", "num_rounds", "num_requests", "num_errors", "errors", "
               "server_prefill_p50_ms", "mean_prompt_tokens", "modes"}
 RATIO_KEYS = {"clients", "ttft_p50_vs_baseline", "ttft_p95_vs_baseline", "tokens_per_s_vs_baseline",
               "decode_tokens_per_s_vs_baseline", "tokens_per_s_vs_one_client", "baseline_tokens_per_s_vs_one_client"}
-UPLOAD_KEYS = {"clients", "num_files", "num_chunks", "upload_p50_ms", "upload_max_ms", "one_chunk_upload_ms",
-               "num_errors", "chats", "max_ttft_growth_ms", "ttft_p50_ms_without", "ttft_p50_ms_with",
-               "background_ms_max", "num_chats_waited_on_background"}
 TINY_MODEL = {"name": "random:tiny-llama", "device": "cpu"}
 WORDS = ("the river flows past an old mill near the town of harlow where people trade wool and the bridge "
          "was painted red in the spring by a team of workers from the valley").split()
 
 
 def dataset(path, num_questions: int = 3) -> str:
-    """MuSiQue-shaped questions with 3 passages each (the third, unused by the bench, fills uploads)."""
+    """MuSiQue-shaped questions with 3 passages each."""
     items = [{"question": f"where is mill number {qi}?", "answers": ["harlow"],
               "ctxs": [{"title": f"t{qi}{pi}", "text": " ".join(WORDS[pi + qi:] + WORDS[: pi + qi]) * 2}
                        for pi in range(3)]} for qi in range(num_questions)]
@@ -52,14 +48,13 @@ def test_bench_server_measures_both_servers_interleaved_and_writes_json(servers,
     out = tmp_path / "out.json"
     code = main(["bench", "server", "--url", server.url, "--baseline-url", baseline.url,
                  "--data", dataset(tmp_path / "data.json"), "--questions", "2", "--passages", "2",
-                 "--concurrency", "2,1", "--max-tokens", "3", "--repeats", "2", "--uploads", "2", "--upload-chars", "400",
-                 "--upload-lead", "0.05", "--stagger-ms", "10", "--settle-s", "0", "--out", str(out)])
+                 "--concurrency", "2,1", "--max-tokens", "3", "--repeats", "2",
+                 "--settle-s", "0", "--out", str(out)])
     lines = capsys.readouterr().out.strip().splitlines()
     assert code == 0
     summary = json.loads(lines[-1])
     assert json.loads(out.read_text()) == summary
     assert summary["bench"] == "server" and summary["concurrency"] == [1, 2] and summary["max_tokens"] == 3
-    assert summary["stagger_ms"] == 10
     assert summary["servers"]["server"]["url"] == server.url and summary["servers"]["baseline"]["ingest_s"] > 0
     for role in ("server", "baseline"):
         rows = summary["results"][role]
@@ -87,25 +82,11 @@ def test_bench_server_measures_both_servers_interleaved_and_writes_json(servers,
     assert {check["clients"] for check in summary["targets"]} == {1, 2}
     # interleaved: each level runs on both servers back to back, who goes first alternating from level to
     # level and, for a level, from repeat to repeat
-    chat_runs = [(s["clients"], s["server"]) for s in summary["schedule"] if "uploads" not in s]
+    chat_runs = [(s["clients"], s["server"]) for s in summary["schedule"]]
     assert chat_runs == [(1, "server"), (1, "baseline"), (2, "baseline"), (2, "server"),
                          (1, "baseline"), (1, "server"), (2, "server"), (2, "baseline")]
-    for role in ("server", "baseline"):
-        uploads = summary["uploads"][role]
-        assert set(uploads) == UPLOAD_KEYS and uploads["clients"] == 2 and uploads["num_files"] == 2
-        assert uploads["num_chunks"] >= 2 and uploads["one_chunk_upload_ms"] > 0 and uploads["num_errors"] == 0
-        assert [c["question"] for c in uploads["chats"]] == [0, 1]
-        for c in uploads["chats"]:
-            assert c["growth_ms"] == pytest.approx(c["ttft_ms_with"] - c["ttft_ms_without"])
-        assert uploads["max_ttft_growth_ms"] == max(c["growth_ms"] for c in uploads["chats"])
-        assert uploads["background_ms_max"] >= 0 and 0 <= uploads["num_chats_waited_on_background"] <= 2
-    # the uploaded files are deleted again; the questions' passages stay
-    import httpx
-
-    listing = httpx.get(f"{server.url}/v1/documents", params={"limit": 100}).json()
-    assert listing["total"] == 2 * 2 and all(d["id"].startswith("q") for d in listing["documents"])
     table = "\n".join(lines[:-1])
-    assert "TTFT p50 vs base" in table and "largest TTFT growth" in table and "baseline" in table
+    assert "TTFT p50 vs base" in table and "baseline" in table
 
 
 def test_bench_server_without_baseline_and_bad_arguments(servers, tmp_path, capsys):
@@ -116,7 +97,7 @@ def test_bench_server_without_baseline_and_bad_arguments(servers, tmp_path, caps
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(summary["results"]) == {"server"} and summary["results"]["server"][0]["num_requests"] == 2
     assert summary["ratios"][0]["ttft_p50_vs_baseline"] is None and summary["targets"] == []
-    assert summary["uploads"] is None
+    assert "uploads" not in summary
     assert main(["bench", "server", "--url", server.url, "--data", data, "--concurrency", "1,4",
                  "--questions", "2"]) == 2
     assert "each client asks its own" in capsys.readouterr().err
@@ -156,17 +137,6 @@ def test_level_statistics_and_ratios_on_known_answers():
     met = {(c["name"], c["clients"]): c["is_met"] for c in checks}
     assert met[("aggregate tok/s vs one client's", 2)] and met[("ttft p50 vs baseline", 2)]
     assert not met[("ttft p95 vs baseline", 2)] and met[("ttft p50 vs baseline", 1)]
-
-
-def test_upload_statistics_pair_each_chat_by_question():
-    upload = Upload("f.txt", 900.0, 3, ("f",))
-    plain = Round(2, 1.0, (Chat(0, answer(0.0, (0.1,), 0.2)), Chat(1, answer(0.0, (0.2,), 0.3))))
-    loaded = Round(2, 1.0, (Chat(1, answer(0.0, (0.25,), 0.3)), Chat(0, answer(0.0, (0.6,), 0.7))),
-                   (upload, upload))
-    stats = upload_stats([(plain, loaded, Upload("one.txt", 80.0, 1, ("one",)))])
-    assert [(c["question"], round(c["growth_ms"])) for c in stats["chats"]] == [(0, 500), (1, 50)]
-    assert stats["max_ttft_growth_ms"] == pytest.approx(500) and stats["num_chunks"] == 6
-    assert stats["one_chunk_upload_ms"] == 80.0 and stats["upload_max_ms"] == 900.0 and stats["num_files"] == 2
 
 
 @pytest.mark.slow

@@ -1,19 +1,6 @@
-"""`ragblend bench answers`: does the whole pipeline answer right, on real documents?
-
-Starts a server per distinct set of server settings (`ragblend serve` children on fresh data dirs, or
-uvicorn threads in this process with --in-process), uploads the question set's documents through
-POST /v1/documents/files (extraction and chunking as a user's upload gets them, KV precomputed), then
-asks every question in every setting through a streaming POST /v1/query, the settings taking turns
-question by question (the first setting moves on by one each question) so that drift hits all alike.
-Per answer: right (the question's pattern matches the answer), inside (its evidence pattern matches the
-text of a chunk the prompt held), the right source first among the sources and among them at all, ran to
-max_tokens (finish_reason `length`), TTFT (request sent to first token, here). Then a MuSiQue part: each
-question's passages ingested as documents (the doc set deleted first), the question asked in every
-setting, its passages deleted again; right and inside by the gold answers, normalized.
-Prints a table per part (documents: test half, dev half; MuSiQue), then one JSON object as the last line.
-The settings are bench/answers/settings.py; the questions bench/data/answers/questions.json
-(docs/benchmarks/answers.md).
-"""
+"""`ragblend bench answers`: does the whole pipeline answer right, on real documents? The settings side by
+side through live servers, taking turns question by question; each answer scored right, inside, source,
+ran to the cap, TTFT; then a MuSiQue part (docs/benchmarks/answers.md)."""
 
 from __future__ import annotations
 
@@ -31,7 +18,7 @@ import httpx
 
 from app.commands.client import error_message
 from app.commands.exit_codes import ExitCode
-from bench.answers.scoring import PARTS, answer_record, paired, print_tables, results, score_document_answer, \
+from bench.answers.scoring import answer_record, paired, print_tables, results, score_document_answer, \
     score_musique_answer
 from bench.answers.settings import SETTINGS, Setting, settings_named
 from bench.harness.client import QueryFailed, StreamedAnswer, delete_documents, stream_query, wait_for_kv

@@ -1,32 +1,10 @@
-"""`ragblend bench context-bound`: how many questions the model answers right depending on which chunks its
-prompt holds, up to the chunk that states the answer alone: the most any choice of context (reranking,
-fewer chunks, a better retriever) can still gain with this model.
-
-Per in-scope question of the answers set, one prompt per arrangement, the same question and sampling:
-- `retrieved`: the chunks the server's retrieval keeps (its ranking, top_k and relevance floor), in the
-  server's order: what a user's request gets;
-- `first`: retrieval's best chunk alone;
-- `answer`: the first retrieved chunk that states the answer (the set's evidence pattern) alone, or the
-  retrieved chunks when none does: the best choice among what retrieval found;
-- `stored`: the first chunk of the question's document that states the answer alone, retrieved or not: a
-  perfect retriever's.
-
-The documents are chunked and stored as an upload is (bench.answers.retrieval_quality.build_retriever), each
-question made a request and searched as the server does (app/query/serving.py build_rag_request,
-app/rag/pipeline.py relevant_chunks; the server's settings, its environment and YAML included). Answers
-come from the engine in this process (`--mode full` by default: the model reading the chunks, nothing
-reused; `blend` reuses each chunk's KV computed behind the prompt's sink, as ingestion does), decoded with
-the request's sampling (the server's generation defaults). Each answer is scored as `ragblend bench
-answers` scores it. A question retrieval refuses (the relevance floor, a name no document mentions) is
-counted as not answered in `retrieved`, `first` and `answer`. `right_in_any` counts the questions some
-arrangement answered right: an oracle choosing among them per question. The server's context budget
-(`retrieval.context_tokens`, off by default) is not applied: these prompts hold at most top_k chunks.
-"""
+"""`ragblend bench context-bound`: the model's right answers by which chunks its prompt holds (as retrieved,
+the best alone, the chunk stating the answer alone, retrieved or not): what a better context could still
+gain with this model (docs/benchmarks/answers.md#the-model-alone-ragblend-bench-context-bound)."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -39,7 +17,7 @@ from app.query.serving import build_rag_request
 from app.rag.pipeline import relevant_chunks
 from app.rag.types import RagRequest
 from bench.harness.sets import DEFAULT_SET, SetQuestion, load_set
-from bench.harness.output import emit_summary
+from bench.harness.output import emit_summary, refuse
 from bench.answers.retrieval_quality import Chunking, build_retriever
 from configs.enums import PrefillMode
 from configs.settings import Settings
@@ -177,9 +155,8 @@ def run(args: argparse.Namespace) -> int:
     arrangements = [a.strip() for a in args.arrangements.split(",") if a.strip()]
     unknown = [a for a in arrangements if a not in ARRANGEMENTS]
     if unknown or not arrangements:
-        print(f"ragblend bench context-bound: unknown arrangement(s) {unknown} (one of {', '.join(ARRANGEMENTS)})",
-              file=sys.stderr)
-        return ExitCode.USAGE
+        return refuse("context-bound", f"unknown arrangement(s) {unknown} (one of {', '.join(ARRANGEMENTS)})",
+                      ExitCode.USAGE)
     result = run_set(args, arrangements)
     summary, n = result["summary"], result["num_questions"]
     print(f"\n{result['set']} ({result['split']}): {n} questions in scope, the answer inside the retrieved text "

@@ -1,34 +1,18 @@
-"""`ragblend bench answers-pool RUN.json ...`: several runs of `ragblend bench answers` (each on its own
-question set, with its own servers) read as one, so a target is read on more questions than one set has.
-
-Per part (documents' test half, dev half, MuSiQue), the answers of every run are pooled: the same table as
-`ragblend bench answers` per setting (right, inside, sources, to the cap, refusals, TTFT), and each setting
-paired against the first one over every pooled question (the exact sign test). One set's test half is 18-48
-questions, where a gap of a few answers is within chance (docs/benchmarks/answers.md); the three sets'
-test halves together are 92.
-
-    ragblend bench answers-pool docs/results/answers_all_stop54.json docs/results/answers_holdout_stop54.json \
-        docs/results/answers_holdout2_stop54.json --out docs/results/answers_pooled_stop54.json
-
-Only runs' answers are read: nothing is asked again. A question is keyed by its run's set and its id, so
-two sets may use the same ids. The settings are those every run asked (`--settings` picks and orders
-them; the first is the one the others are paired against). A setting is known by its name: pool runs of
-one build, one model and one `--max-tokens` (other models or caps are refused). TTFTs pool runs taken at
-different times: compare a setting's against another's, both asked in turn in each run.
-"""
+"""`ragblend bench answers-pool RUN.json ...`: several `ragblend bench answers` runs (one per question set)
+read as one: each part pooled, every setting paired against the first; nothing is asked again
+(docs/benchmarks/answers.md#several-sets-as-one-ragblend-bench-answers-pool)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 from app.commands.exit_codes import ExitCode
 from bench.answers.scoring import paired, print_tables, results
 from bench.answers.settings import Setting
-from bench.harness.output import emit_summary
+from bench.harness.output import emit_summary, refuse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,13 +72,11 @@ def run(args: argparse.Namespace) -> int:
         runs = [load_run(path) for path in args.runs]
         names = pooled_settings(runs, args.settings)
     except ValueError as exc:
-        print(f"ragblend bench answers-pool: {exc}", file=sys.stderr)
-        return ExitCode.USAGE
+        return refuse("answers-pool", exc, ExitCode.USAGE)
     sets = [Path(r["set"]).parent.name for r in runs]  # each run's question set, by its folder
     mismatch = mismatched(runs, sets)
     if mismatch:
-        print(f"ragblend bench answers-pool: {mismatch}", file=sys.stderr)
-        return ExitCode.USAGE
+        return refuse("answers-pool", mismatch, ExitCode.USAGE)
     records = pooled_records(runs, sets, names)
     settings = [Setting(name) for name in names]
     summary = {

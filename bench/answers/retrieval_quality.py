@@ -1,19 +1,10 @@
-"""`ragblend bench retrieval-quality`: retrieval alone on the answers set, no LLM: per chunking, ranking
-mode, top_k and relevance floor, how often the retrieved text holds the answer (inside), the right
-document comes first, how many chunk tokens the prompt would hold, and (with a floor) how many
-in-scope questions it would refuse and out-of-scope ones it refuses.
-
-The documents are extracted and chunked as an upload is (the server's extractors, the LLM's tokenizer,
-the same chunker), embedded by the server's embedder, and stored in a real SQLite store (or Postgres,
---database-url) with its full-text index; the questions go through Retriever.search. Seconds per
-configuration, so the grid can be wide; the answers bench (`ragblend bench answers`) then checks the
-few candidates with the model. Tune on the dev half (the default).
-"""
+"""`ragblend bench retrieval-quality`: retrieval alone on the answers set, no LLM, per chunking, ranking, top_k
+and relevance floor: inside, source first, prompt tokens, refusals; seconds per configuration, so the grid
+can be wide (docs/benchmarks/retrieval.md#quality-ragblend-bench-retrieval-quality)."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +12,7 @@ from typing import Any, Sequence
 
 from app.commands.exit_codes import ExitCode
 from bench.harness.sets import DEFAULT_SET, QuestionSet, SetQuestion, load_set
-from bench.harness.output import emit_summary
+from bench.harness.output import emit_summary, refuse
 from bench.harness.postgres import empty_database
 from configs.enums import ChunkingMode, RetrievalMode
 
@@ -149,8 +140,7 @@ def run(args: argparse.Namespace) -> int:
         top_ks = [int(k) for k in args.top_k.split(",")]
         floors = [tuple(float(x) for x in f.split(":")) for f in args.floors.split(",") if f.strip()]
     except ValueError as exc:
-        print(f"ragblend bench retrieval-quality: {exc}", file=sys.stderr)
-        return ExitCode.USAGE
+        return refuse("retrieval-quality", exc, ExitCode.USAGE)
     questions = qset.split(args.split)
     results = {}
     for chunking in chunkings:

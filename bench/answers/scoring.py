@@ -1,6 +1,4 @@
-"""`ragblend bench answers`' scoring and summary: what each answer keeps, right / inside / source per part
-(in scope and out of scope apart), each setting paired against the first (an exact sign test), the tables.
-Pure functions of the records, tested on hand-made answers."""
+"""`ragblend bench answers`' scoring, pairing (an exact sign test) and tables: pure functions of the records."""
 
 from __future__ import annotations
 
@@ -67,13 +65,8 @@ def share(flags: Sequence[bool | None]) -> float | None:
 
 
 def part_row(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """One setting's figures over one part's answers (failed requests counted apart, in no rate). Right,
-    inside and sources are over the in-scope questions; the out-of-scope ones count apart (`oos_refused`:
-    answered with a refusal, as they should be), and `refused` is the share of in-scope ones refused.
-    `flagged`: answers warned of a number or name no source holds (in scope: how many, and how many of
-    them right; out of scope: how many of those not refused); `unmatched`: the same for answers warned that
-    no document uses a word of the question; `num_oos_unwarned`: neither refused nor warned either way, a
-    made-up answer presented as found."""
+    """One setting's figures over one part's answers: failed requests counted apart, in no rate; the in-scope
+    and out-of-scope questions apart (the columns: docs/benchmarks/answers.md#scoring)."""
     done = [r for r in records if r["error"] is None]
     ok = [r for r in done if not r.get("out_of_scope")]
     oos = [r for r in done if r.get("out_of_scope")]
@@ -125,11 +118,8 @@ def results(records: Sequence[dict[str, Any]], settings: Sequence[Setting]) -> d
 
 
 def paired_row(records: Sequence[dict[str, Any]], against: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """One setting's right answers against another's on the same questions (and repeats): both asked, in
-    scope and answered without error. Only the questions one gets right and the other wrong tell them
-    apart; `p_value` is the exact two-sided sign test over those (McNemar's exact test): the chance of a
-    split at least this uneven were both settings equally right. At 26 questions a few answers either way
-    are within it."""
+    """One setting's right answers against another's on the same in-scope questions and repeats; `p_value`:
+    the exact two-sided sign test over those only one got right (McNemar's exact test)."""
     def keyed(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any]]:
         return {(r["question"], r["repeat"]): r for r in rows if r["error"] is None and not r.get("out_of_scope")}
 

@@ -1,14 +1,7 @@
-"""Torch ops dispatched per layer, counted on CPU: a stand-in for a GPU's kernel launches that tests can
-hold (docs/benchmarks/gpu.md). On a GPU every dispatched op that is not a view is a launch, and a
-prefill of a 7B model was measured bound by them (54 ms of host time for 18.5 ms of GPU work); the
-CPU dispatches the same ops, so their count per layer, taken here on tiny random Llamas, follows what
-the GPU would launch without needing one.
-
-Each figure is a difference: the ops of a model with `MANY_LAYERS` layers less those of one with
-`FEW_LAYERS`, over the layers between, so what runs once per request (planning, the selection's
-read-back, the logits) cancels out and what is left is one layer's work past blend's check layer.
-Host syncs (`.item()`, `nonzero`, a boolean-mask index: what would stall a GPU's queue) are counted
-apart, as ../shared/tools/sync_proxy.py counts them: none may come per layer.
+"""Torch ops dispatched per layer, counted on CPU: a stand-in for a GPU's kernel launches that tests can hold
+(tests/test_dispatch_counts.py; docs/benchmarks/gpu.md#a-prefill-bound-by-the-gpu-not-the-host). Each figure is
+(ops of MANY_LAYERS layers - ops of FEW_LAYERS) / the layers between, so per-request work cancels; host syncs
+are counted apart (none may come per layer).
 
     python -m bench.device.dispatch_counts [--json]
 """

@@ -1,23 +1,7 @@
-"""What a device call carries for the server end to end, within its 64 MiB (docs/benchmarks/gpu.md).
-
-A lent GPU machine reaches nothing: it has torch, transformers and sentence-transformers, not the
-server's other dependencies, nor the embedded model packages (94 and 88 MB). So, here, `pack` writes
-into the checkout (both ignored by git):
-
-- `.device/tokenizer/`: the embedded SmolLM2's tokenizer files alone (~3.5 MB): a `random:<shape>`
-  model reads its prompts with it (`model.tokenizer`), its vocabulary grown to cover it;
-- `.device/embedder/`: all-MiniLM-L6-v2's configuration and tokenizer (~0.7 MB), without its weights
-  by default (`--embedder config`): `embedder`, run there, gives it seeded random ones, as the LLM
-  is random there too. Its cost per text is the real one's; which chunk a question retrieves is not
-  (the benches name their chunks: `chunk_ids`). `--embedder half` packs the real weights in fp16
-  (45 MB) instead, which does not fit beside the wheels today (the size check says so);
-- `.device/data/musique_dev.json`: the benches' questions;
-- `.whl/`: the wheels of the server's pure-Python dependencies the machine lacks (`WHEELS`, fetched as
-  ../shared/tools/device-wheels.sh fetches: cp312 manylinux, no dependencies).
-
-Then it adds up what a call carries (the tracked files, the untracked ones git does not ignore,
-`.device` and `.whl`) and fails above the limit. On the machine, `embedder --out DIR` writes a
-loadable embedder directory (fp32) for `retrieval.embedder`.
+"""What a device call carries for the server end to end, within its 64 MiB (docs/benchmarks/gpu.md): `pack`, here,
+writes `.device/` (the tokenizer alone, the embedder's configuration without its weights, the data set) and
+`.whl/` (the wheels of the server's pure-Python dependencies the GPU image lacks), both git-ignored, and
+checks the size; `embedder`, there, writes a loadable embedder (random weights, seeded, unless packed).
 
     python -m bench.device.pack pack [--embedder config|half] [--no-wheels] [--out .device]
     python -m bench.device.pack embedder --out /tmp/ragblend-embedder [--pack .device]

@@ -1,13 +1,7 @@
-"""The prefill on a lent GPU, at any shape (random weights): full, reuse and blend prefills (5 chunks of
-600 tokens from memory, the server's blend config) with the layers past the check from CUDA graphs
-(`model.prefill_graphs`) and eagerly, interleaved in rounds (`--model random:llama-3-8b`: GQA); then one
-profiled prefill each: its host (CPU) time against its GPU time, the measure of a prefill bound by the host.
-`--device cpu --model random:tiny-llama` runs it on CPU (the device script's dry run).
+"""The prefill on a lent GPU at any shape (random weights): full, reuse and blend, the prefill's graphs on and off,
+interleaved in rounds, then one profiled prefill each, host time against GPU time (docs/benchmarks/gpu.md).
 
-    python -m bench.device.probe --parts prefill [--model random:llama-7b] --out probe.json
-
-Retired (issue 64; docs/benchmarks/gpu.md keeps their figures): the first GPU run's parts `attention`,
-`scale` and `shapes` (`git show 164dcca:bench/device_probe.py`).
+    python -m bench.device.probe --parts prefill [--model random:llama-7b] [--device cpu] --out probe.json
 """
 
 from __future__ import annotations
@@ -16,13 +10,14 @@ import argparse
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
+
+from bench.harness.stats import timed_ms  # noqa: E402
 
 
 def _event_ms(fn) -> float:
@@ -41,14 +36,7 @@ PREFILL_MODES = ("full", "reuse", "blend")
 
 def _timer(device: torch.device):
     """ms of one call: CUDA events on a GPU (the device idle first), the host clock on CPU."""
-    if device.type == "cuda":
-        return _event_ms
-
-    def host_ms(fn) -> float:
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1000
-    return host_ms
+    return _event_ms if device.type == "cuda" else timed_ms
 
 
 def prefill(model: str, device_name: str, rounds: int, chunk_tokens: int) -> dict:

@@ -1,15 +1,6 @@
-"""The server end to end on a lent GPU (a step of bench/device/check.sh): one `ragblend serve` over a
-random-weight model of a real architecture, read through the packed tokenizer, with the packed
-embedder (bench/device/pack.py), started here on a free loopback port; then, against it,
-`ragblend bench server` (streaming clients at each count: TTFT, inter-token latency, tok/s),
-`ragblend bench server-modes` twice (TTFT per mode one request at a time and full's and blend's
-requests/s with 8 clients at once; then requests/s with 16), and the KV store's counters per tier from
-/metrics after that request stream.
-
-The model defaults to Llama-3-8B's shape: with GQA, 16 answers' caches of ~3.3k tokens and the
-decode bucket's pool take ~15 GB; at Llama-2-7B's (no GQA) they would take ~56 GB beside its 13.5 GB
-of weights, more than an 80 GB card leaves with the GPU KV tier. The scheduler runs up to 16 answers
-at once (its defaults are a CPU's: 8, and 4 GiB of KV).
+"""The server end to end on a lent GPU (bench/device/check.sh's `server` step): `ragblend serve` on a random model
+of a real shape with the packed tokenizer and embedder, then `bench server`, `bench server-modes` twice and
+the KV tiers' counters (docs/benchmarks/gpu.md). Llama-3-8B's shape by default: with GQA, 16 answers' caches fit.
 
     python -m bench.device.server --out-dir /tmp/work [--model random:llama-3-8b] [--device cuda]
 """

@@ -1,7 +1,5 @@
-"""The device check's tables and targets (bench/device/check.sh): every step's JSON in the work folder
-read into one summary.json and one summary.md (what a device call brings back: few files). Missing
-steps leave their rows out; a target whose figure is missing says so. Run after each step, so a call
-cut short still brings back what ran.
+"""The device check's tables and targets: every step's JSON in the work folder read into summary.json and
+summary.md, after each step, so a call cut short still brings back what ran (bench/device/check.sh).
 
     python -m bench.device.summary --work /tmp/device_check_work --out $OUT [--dry-run]
 """

@@ -1,18 +1,7 @@
-"""Batched decode on the real model: the time of one decode step for B = 1, 2, 4, 8 sequences (each
-over its own ~3k-token cache) against B separate single-sequence steps. (The B = 1 checks against the
-step before batching, parts `single` and `overhead`, answered their question and were retired in issue 64:
-docs/benchmarks/batch-decode.md; `git show 164dcca:bench/batch_decode_bench.py`.)
+"""`ragblend bench batch-decode`: one decode step for B sequences, each over its own cache, against B single
+steps, interleaved in rounds; `--parts graphed` times the CUDA-graphed bucket step (docs/benchmarks/batch-decode.md).
 
-    python -m bench.engine.batch_decode --threads 1 --out docs/results/batch_decode_cpu_int4_t1.json
-    python -m bench.engine.batch_decode --device cuda --model random:llama-7b --batch-sizes 1,2,4,8,16 \
-        --parts batch,graphed --out docs/results/batch_decode_h100_llama7b.json
-
-On CUDA (the prefill's own caches: every sequence gets a prefill of its own) the `graphed` part times
-`StaticBatch`, the bucketed step a CUDA graph replays, beside the eager batched step.
-
-Everything is measured side by side, interleaved in rounds (the machine is shared and noisy): each
-figure is the median over rounds of their mean step time, each ratio the median of ratios taken within
-one round. Tokens are greedy, EOS ignored.
+    python -m bench.engine.batch_decode --device cuda --model random:llama-7b --parts batch,graphed --out F.json
 """
 
 from __future__ import annotations
@@ -22,7 +11,6 @@ import json
 import os
 import platform
 import statistics
-import time
 from pathlib import Path
 
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # as the `ragblend` script sets it (app/cli.py)
@@ -56,8 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _prompt(engine: BlendEngine, num_tokens: int) -> list[Segment]:
-    """~num_tokens of real text (the repo's docs, repeated): decode speed depends on the length only.
-    Random ids where the model has no tokenizer (a random-weight shape on a bare GPU host)."""
+    """~num_tokens of the repo's docs (decode speed depends on the length only); random ids without a tokenizer."""
     if engine.tokenizer is None:
         generator = torch.Generator().manual_seed(0)
         return [Segment(tuple(torch.randint(100, engine.model.config.vocab_size, (num_tokens,),
@@ -98,11 +85,8 @@ def _batch_sweep(engine: BlendEngine, results: list[PrefillResult], batch_sizes:
 
 
 def _graphed_sweep(engine: BlendEngine, results: list[PrefillResult], batch_sizes: list[int], args) -> list[dict]:
-    """Per B: `StaticBatch`'s step for a bucket of B rows, on CUDA captured once (the caches have room
-    for every timed step, so no capture is timed) and replayed, on CPU its static step run eagerly (a
-    dry run of the code: the figures mean nothing there); the same figures as `_batch_sweep`. One B
-    after the other (each bucket's KV pool freed before the next: at 7B shape they would not fit
-    together), rounds within each."""
+    """Per B: `StaticBatch`'s step for a bucket of B rows, captured once and replayed on CUDA (eager on CPU: a
+    dry run); one B after the other (at 7B shape the buckets' KV pools would not fit together)."""
     decoders = [engine.decoder(r, is_graphed=False) for r in results[: max(batch_sizes)]]
     timings: dict[int, list[float]] = {b: [] for b in batch_sizes}
     for b in batch_sizes:

@@ -1,7 +1,5 @@
-"""A weight format against a reference format (fp32) in one run: full-prefill speed, decode speed
-and the format's own fidelity (teacher-forced KL(reference full || format full) on the reference's
-greedy answer, and greedy answer agreement). Both engines run side by side on each question, so a
-load shared with other processes hits both alike."""
+"""A weight format against a reference one (fp32), side by side on each question: prefill and decode speed, and
+the format's own fidelity (teacher-forced KL of its full prefill against the reference's; docs/benchmarks/weights.md)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""`ragblend bench engine`: TTFT and fidelity to a full prefill, per prefill mode and ratio.
-
-Every chunk's KV is precomputed before timing and held in memory. For each question, all variants
-run side by side in one process; the table shows medians over questions, then one JSON object is
-printed as the last line of stdout (and written to --out).
-"""
+"""`ragblend bench engine`: TTFT and fidelity to a full prefill per prefill mode and ratio, every row side by
+side on each question, the chunks' KV precomputed in memory (docs/benchmarks/engine.md)."""
 
 from __future__ import annotations
 
@@ -11,22 +7,18 @@ import argparse
 import time
 from dataclasses import dataclass, field, replace
 
-import torch
-
 from bench.engine.formats import compare_formats, print_formats
 from bench.engine.report import print_table, summarize
-from bench.engine.variants import (adaptive_variants, main_variants, selection_variants, spec_variants,
-                                   sweep_variants)
+from bench.engine.variants import adaptive_variants, main_variants, spec_variants
 from bench.harness.args import add_data, add_model, add_out
 from bench.harness.data import Question, load_questions
-from bench.harness.engine import greedy_ids, measure_decode, model_overrides, prompt_for, timed_prefill
+from bench.harness.engine import greedy_ids, load_engine, measure_decode, model_overrides, prompt_for, timed_prefill
 from bench.harness.fidelity import argmax_agreement, best_f1, mean_kl, token_f1
 from bench.harness.output import emit_summary
 from bench.harness.stats import safe_median
 from blend_engine.engine import BlendEngine
 from blend_engine.types import PrefillMode
 from configs.enums import DeviationKind, SinkMode, WeightFormat
-from configs.settings import load_settings
 
 
 @dataclass
@@ -38,9 +30,6 @@ class Record:
     num_prompt: int
     first_token_agrees: bool
     recompute_ratio: float | None = None  # the ratio used (adaptive: chosen per question)
-    unselected_mass: float | None = None  # the quality guard's signal (blend)
-    first_entropy: float | None = None  # entropy of the first token's distribution (a candidate guard signal)
-    last_token_shift: float | None = None  # another: the last token's attention change at the check (blend)
     tf_agreement: float | None = None
     tf_kl: float | None = None
     f1_vs_full: float | None = None
@@ -67,8 +56,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sink", default=None, choices=[s.value for s in SinkMode])
     parser.add_argument("--check-layers", default=None, help="e.g. 1 or 1,2,3 (gradual filtering)")
     parser.add_argument("--deviation", default=None, choices=[d.value for d in DeviationKind])
-    parser.add_argument("--selections", action="store_true",
-                        help="add a row per selection strategy at r=0.15 (deviation, chunk_start, query, ...)")
     parser.add_argument("--adaptive", default="",
                         help="adaptive-ratio rows: score-mass shares to cover, e.g. 0.5,0.7")
     parser.add_argument("--variant", action="append", default=[],
@@ -78,8 +65,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--answer-tokens", type=int, default=32, help="max tokens of the reference answer")
     parser.add_argument("--no-answers", action="store_true",
                         help="skip each variant's free-running answer (F1 columns empty; teacher-forced ones kept)")
-    parser.add_argument("--sweep", action="store_true",
-                        help="add ablation rows at r=0.15: K vs V deviation, check layers, gradual filtering, sinks")
     parser.add_argument("--decode-tokens", type=int, default=64,
                         help="decode ms/token over this many tokens, engine vs HF eager (0: skip)")
     parser.add_argument("--decode-questions", type=int, default=3, help="questions the decode rows are measured on")
@@ -87,18 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    settings = _settings(args)
-    engine = BlendEngine.from_config(settings.model, settings.blend)
+    settings, engine = load_engine(args.config, args.threads, **_overrides(args))
     questions = load_questions(args.data, args.questions, args.passages, args.first_question)
     if not questions:
         raise ValueError(f"no questions left after skipping {args.first_question}")
     variants = main_variants(engine.blend, settings.blend.sink, _ratios(args.ratios))
-    if args.sweep:
-        variants += sweep_variants(engine.blend, settings.blend.sink)
-    if args.selections:
-        variants += selection_variants(engine.blend, settings.blend.sink, engine.num_layers)
     variants += adaptive_variants(engine.blend, settings.blend.sink, _ratios(args.adaptive, allow_empty=True))
     variants += spec_variants(engine.blend, settings.blend.sink, args.variant)
     if args.no_prefix_row:
@@ -123,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _settings(args):
+def _overrides(args) -> dict:
     overrides: dict = {"model": model_overrides(args), "blend": {}}
     if args.sink:
         overrides["blend"]["sink"] = args.sink
@@ -131,7 +109,7 @@ def _settings(args):
         overrides["blend"]["check_layers"] = [int(x) for x in args.check_layers.split(",")]
     if args.deviation:
         overrides["blend"]["deviation"] = args.deviation
-    return load_settings(args.config, **overrides)
+    return overrides
 
 
 def _ratios(text: str, allow_empty: bool = False) -> list[float]:
@@ -139,10 +117,6 @@ def _ratios(text: str, allow_empty: bool = False) -> list[float]:
     if (not ratios and not allow_empty) or any(not 0 <= r <= 1 for r in ratios):
         raise ValueError(f"ratios and shares must be numbers in [0, 1], got {text!r}")
     return ratios
-
-
-def entropy(logits: torch.Tensor) -> float:
-    return float(torch.distributions.Categorical(logits=logits.float()).entropy())
 
 
 def bench_question(engine, question: Question, variants, runs: Runs, answer_tokens: int, is_quality: bool,
@@ -162,8 +136,7 @@ def bench_question(engine, question: Question, variants, runs: Runs, answer_toke
             result, ms, first = timed_prefill(engine, segments, variant, answer_tokens)
         stats = result.stats
         record = Record(ms, stats.num_recomputed_tokens, stats.num_prompt_tokens, first == full_first,
-                        stats.recompute_ratio, stats.unselected_mass, entropy(result.logits),
-                        stats.last_token_shift)
+                        stats.recompute_ratio)
         if is_quality:
             _score(engine, result, record, ref_ids, ref_logits, ref_text, question, answer_tokens, is_answered)
         runs.add(variant.label, record)

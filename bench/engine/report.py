@@ -51,9 +51,6 @@ def summarize(runs, variants, args, engine, is_quality: bool) -> dict:
             "f1_vs_full": safe_mean(r.f1_vs_full for r in recs if r.f1_vs_full is not None),
             "f1_vs_gold": safe_mean(r.f1_vs_gold for r in recs if r.f1_vs_gold is not None),
             "tf_kl_per_question": [r.tf_kl for r in recs],  # paired comparisons between rows
-            "unselected_mass_per_question": [r.unselected_mass for r in recs],  # candidate guard signals
-            "first_entropy_per_question": [r.first_entropy for r in recs],
-            "last_token_shift_per_question": [r.last_token_shift for r in recs],
         }
     return {
         "bench": "engine",
@@ -68,44 +65,7 @@ def summarize(runs, variants, args, engine, is_quality: bool) -> dict:
         "passages": args.passages,
         "median_prompt_tokens": safe_median(r.num_prompt for r in runs.records["full"]),
         "results": rows,
-        "guard": guard_report(runs, variants),
     }
-
-
-def guard_report(runs, variants) -> dict | None:
-    """How well the guard's signal (score share left unselected at the check) flags the worst
-    questions of the default-config blend row: the share of the 10% worst-KL questions among the
-    20% with the highest signal, and the rank correlation of signal and KL."""
-    label = next((v.label for v in variants if v.label == "blend@0.15"), None)
-    recs = [r for r in runs.records.get(label, []) if r.tf_kl is not None and r.unselected_mass is not None]
-    if len(recs) < 5:
-        return None
-    num_worst, num_flagged = max(1, round(0.1 * len(recs))), max(1, round(0.2 * len(recs)))
-    worst = set(sorted(range(len(recs)), key=lambda i: -recs[i].tf_kl)[:num_worst])
-    by_signal = sorted(range(len(recs)), key=lambda i: -recs[i].unselected_mass)
-    flagged = set(by_signal[:num_flagged])
-    return {
-        "variant": label,
-        "threshold": recs[by_signal[num_flagged - 1]].unselected_mass,
-        "share_flagged": num_flagged / len(recs),
-        "worst_kl_recall": len(worst & flagged) / num_worst,
-        "worst_kl_precision": len(worst & flagged) / num_flagged,
-        "spearman_signal_kl": _spearman([r.unselected_mass for r in recs], [r.tf_kl for r in recs]),
-        "spearman_first_entropy_kl": _spearman([r.first_entropy for r in recs], [r.tf_kl for r in recs]),
-        "spearman_last_token_shift_kl": _spearman([r.last_token_shift for r in recs], [r.tf_kl for r in recs]),
-    }
-
-
-def _spearman(xs: list[float], ys: list[float]) -> float:
-    def ranks(values):
-        order = sorted(range(len(values)), key=values.__getitem__)
-        out = [0.0] * len(values)
-        for rank, i in enumerate(order):
-            out[i] = float(rank)
-        return out
-
-    rx, ry = ranks(xs), ranks(ys)
-    return float(torch.corrcoef(torch.tensor([rx, ry]))[0, 1])
 
 
 def print_table(summary: dict) -> None:
@@ -129,10 +89,5 @@ def print_table(summary: dict) -> None:
               f"engine ({graph}) {fmt(decode['engine_tokens_per_s'], 1)} tok/s "
               f"({fmt(decode['engine_ms_per_token'], 2)} ms/token), HF eager {fmt(decode['hf_eager_tokens_per_s'], 1)} tok/s "
               f"({fmt(decode['hf_eager_ms_per_token'], 2)} ms/token), {decode['weights']} weights both")
-    guard = summary.get("guard")
-    if guard:
-        print(f"guard signal on {guard['variant']}: flagging the top {guard['share_flagged']:.0%} "
-              f"(unselected share > {guard['threshold']:.3f}) catches {guard['worst_kl_recall']:.0%} of the 10% "
-              f"worst-KL questions (precision {guard['worst_kl_precision']:.0%}); Spearman(signal, KL) = {guard['spearman_signal_kl']:.2f}")
     if not summary["is_quality_meaningful"]:
         print("(random weights: quality columns are meaningless and left empty)")

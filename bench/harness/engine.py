@@ -1,12 +1,9 @@
-"""An engine in this process, as the engine benches drive it: the model settings a bench's options ask
-for, a question's prompt with its chunks' KV precomputed (random token ids of the same lengths where the
-model has no tokenizer), a timed prefill to the first token, a greedy answer, and decode speed after a full
-prefill (the engine's decoder, CUDA-graphed on CUDA, against Hugging Face's eager decode).
+"""An engine in this process as the engine benches drive it: prompts with their chunks' KV precomputed, a timed
+prefill to the first token, greedy answers, decode speed against Hugging Face's eager decode.
 
-Synthetic prompts: the dataset's passages average 3.96 characters per SmolLM2 token and its questions 4.47
-(measured on ../shared/data/musique_dev.json), so 5 passages give about the same ~3k-token prompt as with
-the real tokenizer. The layout mirrors PromptBuilder's: a 30-token prefix (the chat header and system
-prompt), chunks with 2-token separators, then the question's suffix.
+Without a tokenizer (a random shape on a bare GPU host) the prompts are random ids of the real ones' lengths:
+the data set's passages average 3.96 characters per SmolLM2 token and its questions 4.47, laid out as
+PromptBuilder lays them (a 30-token prefix, 2-token separators, the question's suffix).
 """
 
 from __future__ import annotations
@@ -58,6 +55,19 @@ class Variant:
     mode: PrefillMode
     sink: SinkMode
     blend: BlendConfig | None = None
+
+
+def load_engine(config=None, threads: int | None = None, model_name: str | None = None, **overrides):
+    """The settings (`overrides` and `model_name` over `config`) and their engine; torch's CPU threads set
+    first where `threads` is given."""
+    from configs.settings import load_settings
+
+    if threads:
+        torch.set_num_threads(threads)
+    if model_name:
+        overrides["model"] = {**overrides.get("model", {}), "name": model_name}
+    settings = load_settings(config, **overrides)
+    return settings, BlendEngine.from_config(settings.model, settings.blend)
 
 
 def model_overrides(args: argparse.Namespace) -> dict:

@@ -1,7 +1,5 @@
-"""Servers a bench starts: `ragblend serve` started here, as a user would start it, each on a free loopback
-port over its own temporary data dir, its output in a log file there; by default this checkout's code under
-this interpreter, or another checkout's under its own. Or, for a quicker start, a server in this process
-(`started_server(..., in_process=True)`)."""
+"""Servers a bench starts: `ragblend serve` children on free loopback ports over temporary data dirs (this
+checkout's code, or another's under its own interpreter), or uvicorn threads in this process."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
-"""The question set of `ragblend bench answers` (bench/data/answers/questions.json) and its scoring.
-
-The set: real documents (files under the set's folder, each with its origin and package) and short
-factual questions about them, each with a `pattern` for a right answer, an `evidence` pattern for the
-passage stating the fact, its document and a fixed split (dev: tune on it; test: report it). Patterns
-are case-insensitive regular expressions matched against text whose white space is collapsed to single
-spaces (man pages justify with runs of spaces; a chunk may cut a line anywhere).
-
-Out-of-scope questions (`"out_of_scope": true`, no document, no evidence) ask what no document states:
-their right answer is a refusal (REFUSAL, unless the question brings its own pattern), never a fact.
-"""
+"""The question sets of `ragblend bench answers` (bench/data/*/questions.json) and their scoring: real documents,
+questions with a `pattern` for a right answer and an `evidence` pattern for the passage stating it, matched
+case-insensitively on white-space-collapsed text; out-of-scope questions, right when refused
+(docs/benchmarks/answers.md#the-question-set)."""
 
 from __future__ import annotations
 

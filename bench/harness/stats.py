@@ -62,6 +62,11 @@ def alternated(sides: Sequence[T], turn: int) -> Sequence[T]:
     return sides if turn % 2 == 0 else sides[::-1]
 
 
+def timed_ms(fn: Callable[[], object]) -> float:
+    """Milliseconds of one call of `fn`."""
+    return mean_ms(fn, 1)
+
+
 def mean_ms(step: Callable[[], object], num_steps: int) -> float:
     """Milliseconds per call of `step`, over `num_steps` calls in a row."""
     start = time.perf_counter()

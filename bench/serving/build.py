@@ -1,9 +1,6 @@
-"""A git revision of this repository built to run beside the current checkout (`ragblend bench compare`):
-its source in a git worktree detached at the revision's commit, under `<cache>/<full sha>/` and kept between
-runs, run by this interpreter where it has every dependency the revision declares (`Interpreter.SHARED`: two
-builds should differ by their code alone; two venvs leaned the figures 5-12%), else by its own virtualenv
-there, installed as the Makefile installs `.venv` (a stamp file says it is whole). docs/benchmarks/compare.md.
-"""
+"""A git revision built to run beside the current checkout (`ragblend bench compare`): a worktree under
+`<cache>/<full sha>/`, run by this interpreter where it has the revision's dependencies (two venvs leaned
+the figures 5-12%), else by its own venv (docs/benchmarks/compare.md)."""
 
 from __future__ import annotations
 

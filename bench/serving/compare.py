@@ -1,14 +1,5 @@
-"""`ragblend bench compare REV`: this checkout's server against REV's (any git revision of this
-repository), side by side on one machine, through the HTTP API; what a change to the engine, the KV store,
-the runtime or the RAG path quotes for its speed.
-
-REV is built by `bench.serving.build` (a worktree under `--cache-dir/<sha>/`, run by this interpreter where
-it has REV's dependencies, else a venv of its own). Both builds' `ragblend serve` start one after the other
-and stay up; the parts of each round (one user: a question asked again, a first ask, a retrieved first ask,
-decode tok/s; then `--clients` at once) run on one server at a time, strictly in turn, and the CPU the idle
-one used meanwhile is kept in `schedule`. Out: per measure and build the median over rounds with its
-min-max and IQR, and current/REV per round. The method in full: docs/benchmarks/compare.md.
-"""
+"""`ragblend bench compare REV`: this checkout's server against REV's, side by side, in turn, through the HTTP
+API; what a change to the engine, the KV store, the runtime or the RAG path quotes (docs/benchmarks/compare.md)."""
 
 from __future__ import annotations
 
@@ -100,8 +91,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for a server's /readyz")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--out", type=Path, help="the JSON's path (default: docs/results/compare_<rev sha>.json)")
-    # what server_bench.run_round reads besides: the chats start at once, nothing is uploaded
-    parser.set_defaults(stagger_ms=0.0, upload_lead=0.0)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -349,7 +338,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         with contextlib.ExitStack() as stack:
             servers = {}
-            for side, server in local.items():  # one after the other: see the module's docstring
+            # one after the other: a server's loading planner times prefills right after start-up
+            for side, server in local.items():
                 stack.enter_context(started(server, args.ready_timeout))
                 servers[side] = asyncio.run(warm_up(server.url, questions, args, auth))
             targets = [Target(side, server) for side, server in local.items()]

@@ -1,20 +1,5 @@
-"""`ragblend bench memory`: where a server's memory goes, and what an idle server holds.
-
-Two parts, each in processes of its own (a reading of this one would count the bench):
-
-- stages: a fresh interpreter builds what `ragblend serve` builds, one stage at a time (torch, the
-  server's modules, the engine, the embedder, the KV store, the planner's start-up measurement, the
-  engine loop's idle release), and reads its resident set after each (bench/serving/memory_stages.py); then
-  the model's weights by kind and the largest mappings.
-- server: `ragblend serve` started as a user starts it, on an empty data dir; read once ready and
-  idle, then the answers set's documents are uploaded and questions asked over the API (one at a
-  time), and it is read again once idle. The memory tier's KV (`ragblend_kv_bytes{tier="memory"}`
-  on /metrics) is a bound of its own (`store.max_memory_bytes`), and so is the prefix cache's
-  (`ragblend_prefix_cache_bytes`, `store.prefix_cache_bytes`): both are shown apart, and the server's
-  own memory is its RSS less the two.
-
-RSS = anonymous memory + pages of mapped files (shared libraries, a mapped checkpoint); both count.
-"""
+"""`ragblend bench memory`: where a server's memory goes, stage by stage through start-up (memory_stages, in a
+fresh interpreter) and a live server's idle and after questions, the two caches apart (docs/benchmarks/memory.md)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Reading a process's memory: its resident set (/proc/<pid>/status), the mappings that hold it
-(/proc/<pid>/smaps) and, for this process, what glibc's malloc holds free (mallinfo2).
-
-Resident set size (RSS) = anonymous pages (the heap, tensors, Python objects) + pages of mapped files
-(shared libraries, a memory-mapped checkpoint) + shared memory. File pages are clean and shared with
-the page cache, but they are in the process's RSS while mapped, so they are counted.
-"""
+"""A process's memory: its resident set (/proc/<pid>/status; anonymous + file pages + shared memory, all
+counted), the mappings that hold it (smaps) and, for this process, what glibc's malloc holds free."""
 
 from __future__ import annotations
 

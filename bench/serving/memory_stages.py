@@ -1,12 +1,5 @@
-"""What a server's start-up adds to its memory, stage by stage: run in a fresh interpreter by
-`ragblend bench memory` (`python -m bench.serving.memory_stages --data-dir D [--config F]`), which reads the
-JSON it prints on its last line.
-
-The stages build what `Components.build` and the lifespan build, in their order and with the same
-constructors: torch, the server's modules, the engine (the model loaded and converted), the retriever
-(the embedder, which encodes one text), the KV store, and the loading planner's start-up
-measurement. After the last, what the engine loop does when it goes idle (`release_free_memory`).
-"""
+"""What a server's start-up adds to its memory, stage by stage, in `Components.build`'s order and with its
+constructors; run in a fresh interpreter by `ragblend bench memory`, which reads its last line (JSON)."""
 
 from __future__ import annotations
 

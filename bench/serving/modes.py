@@ -1,10 +1,6 @@
-"""`ragblend bench server-modes`: end-to-end TTFT, decode and fidelity per prefill mode against a running
-server, one question at a time; then throughput per mode under concurrent clients, the modes alternated
-round by round (the CacheBlend paper's claim: blend serves more requests a second than full prefill).
-`--modes ""` skips the first part, `--throughput-modes ""` the second. How each is measured:
-docs/benchmarks/server.md#per-prefill-mode-ragblend-bench-server-modes. Prints tables, then one JSON object
-as the last line.
-"""
+"""`ragblend bench server-modes`: TTFT, decode and fidelity per prefill mode one question at a time, then
+requests/s per mode under concurrent clients, the modes alternated round by round
+(docs/benchmarks/server.md#per-prefill-mode-ragblend-bench-server-modes)."""
 
 from __future__ import annotations
 
@@ -21,7 +17,7 @@ from bench.harness.args import add_data, add_out, add_server, headers
 from bench.harness.data import Question, load_questions
 from bench.harness.output import emit_summary, refuse
 from bench.serving.server import WARMUP_TOKENS, round_questions, run_round
-from bench.harness.client import chunk_ids, ingest_ready, stream_query
+from bench.harness.client import StreamedAnswer, chunk_ids, ingest_ready, stream_query
 from bench.harness.stats import alternated as in_turn, ratio, spread
 from bench.serving.report import Round, level_stats
 
@@ -43,36 +39,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 @dataclass
-class Sample:
-    ttft_ms: float
-    total_ms: float
-    num_tokens: int
-    answer: str
-    server_ttft_ms: float
-    reused_tokens: int
-    prompt_tokens: int
-
-    @property
-    def tokens_per_s(self) -> float | None:
-        decode_s = (self.total_ms - self.ttft_ms) / 1000
-        return (self.num_tokens - 1) / decode_s if self.num_tokens > 1 and decode_s > 0 else None
-
-
-@dataclass
 class ModeRuns:
-    samples: list[Sample] = field(default_factory=list)
+    samples: list[StreamedAnswer] = field(default_factory=list)
     f1_gold: list[float] = field(default_factory=list)
     f1_full: list[float] = field(default_factory=list)
     agrees: list[float] = field(default_factory=list)
 
 
-async def ask(client: httpx.AsyncClient, question: str, ids: list[str], mode: str, max_tokens: int) -> Sample:
+async def ask(client: httpx.AsyncClient, question: str, ids: list[str], mode: str, max_tokens: int) -> StreamedAnswer:
     # the prefix cache off: each mode's prefill is measured, and every mode asks the same prompt
     body = {"question": question, "chunk_ids": ids, "mode": mode, "max_tokens": max_tokens, "prefix_cache": False}
-    answer = await stream_query(client, body)
-    usage = answer.usage
-    return Sample(answer.ttft_ms, answer.total_ms, answer.num_completion_tokens, answer.answer,
-                  answer.timings.get("ttft_ms", 0.0), usage.get("reused_tokens", 0), usage.get("prompt_tokens", 0))
+    return await stream_query(client, body)
 
 
 async def latency_phase(client, questions: list[Question], modes: list[str], max_tokens: int) -> dict[str, ModeRuns]:
@@ -100,8 +77,7 @@ def round_args(mode: str, max_tokens: int, ignore_eos: bool = True) -> argparse.
     """What server_bench.run_round reads: answers in `mode`, every one `max_tokens` long (`ignore_eos`) or
     at most that, the chats at once, the prefix cache off (the rounds ask the same questions again, and every
     mode asks them)."""
-    return argparse.Namespace(max_tokens=max_tokens, ignore_eos=ignore_eos, mode=mode, stagger_ms=0.0,
-                              upload_lead=0.0, prefix_cache="off")
+    return argparse.Namespace(max_tokens=max_tokens, ignore_eos=ignore_eos, mode=mode, prefix_cache="off")
 
 
 async def throughput_phase(client: httpx.AsyncClient, questions: list[Question], modes: list[str],
@@ -158,13 +134,13 @@ def throughput_summary(rounds: dict[str, list[Round]], schedule: list[dict], arg
 def summarize(runs: dict[str, ModeRuns], throughput: dict | None, args, ingest_s: float, model: str) -> dict:
     rows = {}
     for mode, run in runs.items():
-        rates = [r for r in (s.tokens_per_s for s in run.samples) if r is not None]
+        rates = [r for r in (s.decode_tokens_per_s for s in run.samples) if r is not None]
         rows[mode] = {
             "median_e2e_ttft_ms": median(s.ttft_ms for s in run.samples),
-            "median_server_ttft_ms": median(s.server_ttft_ms for s in run.samples),
+            "median_server_ttft_ms": median(s.timings.get("ttft_ms", 0.0) for s in run.samples),
             "median_tokens_per_s": median(rates) if rates else None,
-            "median_prompt_tokens": median(s.prompt_tokens for s in run.samples),
-            "median_reused_tokens": median(s.reused_tokens for s in run.samples),
+            "median_prompt_tokens": median(s.usage.get("prompt_tokens", 0) for s in run.samples),
+            "median_reused_tokens": median(s.usage.get("reused_tokens", 0) for s in run.samples),
             "answer_agreement_vs_full": mean(run.agrees),
             "f1_vs_full": mean(run.f1_full),
             "f1_vs_gold": mean(run.f1_gold),

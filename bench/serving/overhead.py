@@ -1,21 +1,5 @@
-"""`ragblend bench overhead`: the server's blend TTFT and decode against the bare engine's, same prompts.
-
-Issue 38's yardstick: a question through `/v1/query` (streamed, its passages given as `chunk_ids`, so
-the prompt is exactly the one `ragblend bench engine` builds: the question's passages in order, each one
-chunk whose KV was precomputed at ingestion) against the same prompt prefilled by a `BlendEngine` in this
-process (chunk KV in memory, `bench engine`'s `timed_prefill`). One `ragblend serve` child runs beside
-this process; the two take turns, question by question and round by round (who goes first alternates),
-so neither computes while the other does, and each pause before a turn lets the OpenMP threads of the
-other go to sleep. Per question it also records the server's own timings (queue, retrieval, KV load,
-prefill) so the table says where a gap lies: the rest of the server TTFT after its prefill (first sample,
-delivery), and the client's over the server's (HTTP, SSE).
-
-Decode: tokens per second of a 64-token answer (EOS ignored) through the API against the engine's own
-decode after a prefill of the same prompt (`bench engine`'s decode row: `measure_decode`).
-
-Server settings: `--config FILE` and `--server-env NAME=VALUE` (both servers' environment, e.g.
-`RAGBLEND_MODEL__CPU_THREADS=2`); the engine here loads the same settings (`--config`).
-"""
+"""`ragblend bench overhead`: the server's blend TTFT and decode against the bare engine's on the same prompts,
+in turn, with the server's own timings to say where a gap lies (docs/benchmarks/overhead.md)."""
 
 from __future__ import annotations
 
@@ -29,7 +13,7 @@ from typing import Any, Sequence
 import httpx
 
 from bench.harness.args import add_data, add_out
-from bench.harness.engine import Variant, measure_decode, prompt_for, timed_prefill
+from bench.harness.engine import Variant, load_engine, measure_decode, prompt_for, timed_prefill
 from bench.harness.servers import LocalServer, environment_pairs, started
 from bench.harness.data import Question, load_questions
 from bench.harness.output import emit_summary
@@ -37,7 +21,6 @@ from bench.harness.client import chunk_ids, ingest, stream_query
 from bench.harness.stats import spread
 from blend_engine.engine import BlendEngine
 from blend_engine.types import PrefillMode
-from configs.settings import load_settings
 
 PAUSE_S = 1.0  # between turns: the other side's spinning OpenMP threads sleep, its load leaves the window
 
@@ -77,8 +60,7 @@ async def _server_turn(client: httpx.AsyncClient, qi: int, question: Question, m
 
 def run(args: argparse.Namespace) -> int:
     questions = load_questions(args.data, args.questions, args.passages, args.first_question)
-    settings = load_settings(args.config)
-    engine = BlendEngine.from_config(settings.model, settings.blend)
+    settings, engine = load_engine(args.config)
     variant = Variant("blend", PrefillMode.BLEND, settings.blend.sink, engine.blend)
     cache: dict[int, dict] = {qi: {} for qi in range(len(questions))}
     for qi, question in enumerate(questions):  # every prompt's chunk KV precomputed, and a first (slow) call

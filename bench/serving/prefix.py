@@ -1,21 +1,6 @@
-"""`ragblend bench prefix`: the prefix cache against a running server, side by side, in one run.
-
-Ingests each question's MuSiQue passages (one passage, one chunk, KV precomputed), then per question,
-through /v1/chat/completions with `chunk_ids` set to its passages, streaming, greedy:
-- `blend, cache off`: the question (`prefix_cache: false`): a fresh prefill as the server plans it;
-- `no match`: the same prompt with the prefix cache on, the first time it is seen (a lookup that finds
-  only the system prompt, reused only where computing the rest is predicted sooner than blending it,
-  then the prompt kept): the cost of the cache where nothing matches;
-- `exact repeat`: the same prompt again (kept whole: nothing computed);
-- `follow-up`: the conversation going on over the same passages (the question, the `no match` answer,
-  then `--follow-up`): the kept prompt reused, only the answer and the new question computed;
-- `follow-up, cache off`: the same follow-up prompt with the prefix cache off (a fresh blend of it).
-The two pairs (cache off / on) alternate their order from question to question, so drift hits both.
-Per row: end-to-end TTFT (request sent to first token received), the server's TTFT and prefill, the
-prompt and prefix-cached tokens; the targets of issue 42 (exact repeat <= 143 ms, vLLM's; follow-up
-<= 0.3x its fresh blend; no match within 2% of cache off), and the prefix cache's bytes against its
-bound from /metrics. Prints a table, then one JSON object as the last line (also written to --out).
-"""
+"""`ragblend bench prefix`: the prefix cache against a running server, its rows side by side per question (a
+fresh blend, no match, an exact repeat, a follow-up with and without the cache) and issue 42's targets
+(docs/design/kv-store.md#the-prefix-cache)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
-"""`ragblend bench server`'s records, statistics and tables: a round's chats (and uploads) in, one
-row per level and server, the ratios to the baseline and to one client, the upload scenario's
-TTFT growth, the issue's targets; pure functions of the records, tested on hand-made answers."""
+"""`ragblend bench server`'s records, statistics, targets and tables: pure functions of the records."""
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
 from statistics import mean, median
@@ -33,21 +31,12 @@ class Chat:
 
 
 @dataclass(frozen=True)
-class Upload:
-    name: str
-    ms: float
-    num_chunks: int
-    document_ids: tuple[str, ...]
-
-
-@dataclass(frozen=True)
 class Round:
-    """`clients` chats started at once (and uploads, if any); wall_s: first request out to last chat done."""
+    """`clients` chats started at once; wall_s: first request out to last chat done."""
 
     clients: int
     wall_s: float
     chats: tuple[Chat, ...]
-    uploads: tuple[Upload, ...] = ()
 
 
 # ---- statistics ------------------------------------------------------------------------------
@@ -109,38 +98,6 @@ def ratio_rows(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]
     return rows
 
 
-def upload_stats(runs: Sequence[tuple[Round, Round, Upload]]) -> dict[str, Any]:
-    """Each chat's TTFT without and with the uploads (median over repeats, by question), the largest growth."""
-    without, with_uploads = defaultdict(list), defaultdict(list)
-    for plain, loaded, _ in runs:
-        for chat_round, by_question in ((plain, without), (loaded, with_uploads)):
-            for c in chat_round.chats:
-                if c.answer is not None:
-                    by_question[c.question].append(c.answer.ttft_ms)
-    chats = [{"question": qi, "ttft_ms_without": median(without[qi]), "ttft_ms_with": median(with_uploads[qi]),
-              "growth_ms": median(with_uploads[qi]) - median(without[qi])}
-             for qi in sorted(set(without) & set(with_uploads))]
-    upload_ms = [u.ms for _, loaded, _ in runs for u in loaded.uploads]
-    # what the server says each chat waited on background work before its first token (one unit at most)
-    background_ms = [c.answer.timings["background_ms"] for _, loaded, _ in runs for c in loaded.chats
-                     if c.answer is not None and "background_ms" in c.answer.timings]
-    return {
-        "clients": runs[0][1].clients,
-        "num_files": len(runs[0][1].uploads),
-        "num_chunks": median(sum(u.num_chunks for u in loaded.uploads) for _, loaded, _ in runs),
-        "upload_p50_ms": percentile(upload_ms, 50),
-        "upload_max_ms": max(upload_ms),
-        "one_chunk_upload_ms": median(one.ms for _, _, one in runs),
-        "num_errors": sum(c.answer is None for plain, loaded, _ in runs for c in plain.chats + loaded.chats),
-        "chats": chats,
-        "max_ttft_growth_ms": max((c["growth_ms"] for c in chats), default=None),
-        "background_ms_max": max(background_ms, default=None),  # None: a server that does not report it
-        "num_chats_waited_on_background": sum(ms > 0 for ms in background_ms),
-        "ttft_p50_ms_without": percentile([t for ts in without.values() for t in ts], 50),
-        "ttft_p50_ms_with": percentile([t for ts in with_uploads.values() for t in ts], 50),
-    }
-
-
 def target_checks(summary: dict[str, Any]) -> list[dict[str, Any]]:
     """Issue 23's targets, where this run measured what they need (a baseline, 1 client, a larger level)."""
     ratios = {row["clients"]: row for row in summary["ratios"]}
@@ -199,27 +156,3 @@ def print_tables(summary: dict[str, Any]) -> None:
     for check in summary["targets"]:
         print(f"target: {check['name']} at {check['clients']} client(s) {check['bound']}: {check['value']:.2f} "
               f"{'met' if check['is_met'] else 'NOT met'}")
-    if summary["uploads"]:
-        print_uploads(summary["uploads"])
-
-
-def print_uploads(uploads: dict[str, dict[str, Any]]) -> None:
-    any_run = next(iter(uploads.values()))
-    print(f"\nuploads: {any_run['num_files']} files ({any_run['num_chunks']:.0f} chunks) during "
-          f"{any_run['clients']} chats; TTFT ms without -> with the uploads")
-    roles = list(uploads)
-    print(f"{'question':>8}" + "".join(f"{role + ' without':>18}{'with':>8}{'growth':>8}" for role in roles))
-    by_role = {role: {c["question"]: c for c in run["chats"]} for role, run in uploads.items()}
-    for qi in sorted(set().union(*by_role.values())):
-        cells = []
-        for role in roles:
-            c = by_role[role].get(qi)
-            cells.append(f"{fmt(c and c['ttft_ms_without'], 0):>18}{fmt(c and c['ttft_ms_with'], 0):>8}"
-                         f"{fmt(c and c['growth_ms'], 0):>8}")
-        print(f"{qi:>8}" + "".join(cells))
-    for role, run in uploads.items():
-        print(f"{role}: largest TTFT growth {fmt(run['max_ttft_growth_ms'], 0)} ms; upload p50 "
-              f"{fmt(run['upload_p50_ms'], 0)} ms, max {fmt(run['upload_max_ms'], 0)} ms; one-chunk upload alone "
-              f"{fmt(run['one_chunk_upload_ms'], 0)} ms; errors {run['num_errors']}; background work before a "
-              f"chat's first token: at most {fmt(run['background_ms_max'], 0)} ms "
-              f"({run['num_chats_waited_on_background']} chats waited on some)")

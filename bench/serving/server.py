@@ -1,11 +1,5 @@
-"""`ragblend bench server`: many streaming users at once, side by side with a one-at-a-time baseline.
-
-Per concurrency level, that many streaming /v1/query clients start at once, each its own MuSiQue question
-over its own ingested passages: TTFT and inter-token latency p50/p95, aggregate tok/s, req/s, decode tok/s,
-queue wait; the server at --url against a baseline at --baseline-url (scheduler.max_running=1), or both
-started here (--serve), the levels interleaved. `--uploads N`: N files uploaded during the largest level's
-chats. The method and its figures: docs/benchmarks/server.md. Prints tables, then one JSON object last.
-"""
+"""`ragblend bench server`: many streaming users at once, side by side with a one-at-a-time baseline
+(docs/benchmarks/server.md). The upload scenario was retired in issue 64 (`git show 66ac7e4:bench/serving/server.py`)."""
 
 from __future__ import annotations
 
@@ -17,27 +11,23 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import httpx
 
-from app.commands.client import error_message
 from app.commands.exit_codes import ExitCode
 from bench.harness.args import add_data, add_out, add_server, headers
 from bench.harness.data import Question, load_questions
 from bench.harness.output import emit_summary, refuse
 from bench.harness.stats import alternated as in_turn
-from bench.harness.client import QueryFailed, chunk_ids, delete_documents, ingest_ready, stream_query
-from bench.serving.report import (
-    Chat, Role, Round, Upload, level_stats, print_tables, ratio_rows, target_checks, upload_stats,
-)
+from bench.harness.client import QueryFailed, chunk_ids, ingest_ready, stream_query
+from bench.serving.report import Chat, Role, Round, level_stats, print_tables, ratio_rows, target_checks
 from configs.enums import RequestMode
 
 # The baseline: one sequence at a time (the scheduler's off switch). An environment variable, so the
 # same `ragblend serve` command line starts both servers.
 BASELINE_ENV = {"RAGBLEND_SCHEDULER__MAX_RUNNING": "1"}
 WARMUP_TOKENS = 4
-ONE_CHUNK_CHARS = 1000  # well under one chunk (retrieval.chunk_tokens, 384 tokens by default)
 
 
 def concurrency_levels(text: str) -> list[int]:
@@ -76,16 +66,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "the answers' length says, not where the model happens to stop")
     parser.add_argument("--mode", choices=[m.value for m in RequestMode], help="prefill mode (default: the server's)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds per level and server")
-    parser.add_argument("--uploads", type=int, default=0,
-                        help="files uploaded during the largest level's chats (0: no upload scenario)")
-    parser.add_argument("--upload-chars", type=int, default=16_000,
-                        help="characters per uploaded file (under retrieval.max_inline_kv_chars: KV computed inline)")
-    parser.add_argument("--upload-lead", type=float, default=0.5,
-                        help="seconds the uploads start before the chats (so they are in the server's queue)")
-    parser.add_argument("--stagger-ms", type=float, default=0.0,
-                        help="start a round's chats this far apart, in a fixed order (0: all at once): the server "
-                             "then serves them in the same order every round, so a chat's TTFT compares across "
-                             "rounds (the uploads' per-chat growth)")
     parser.add_argument("--settle-s", type=float, default=3.0,
                         help="seconds of rest before each round: a round run right after the other server's "
                              "heavy one measured up to ~19%% slower, with that server idle (docs/benchmarks/server.md)")
@@ -119,68 +99,17 @@ async def chat(client: httpx.AsyncClient, questions: Sequence[Question], qi: int
         return Chat(qi, None, f"{type(exc).__name__}: {exc}")
 
 
-async def upload(client: httpx.AsyncClient, name: str, data: bytes) -> Upload:
-    start = time.perf_counter()
-    response = await client.post("/v1/documents/files", files=[("files", (name, data, "text/plain"))])
-    ms = (time.perf_counter() - start) * 1000
-    if response.status_code != 201:
-        raise QueryFailed(f"uploading {name}: {error_message(response)}")
-    documents = response.json()["documents"]
-    return Upload(name, ms, sum(len(d["chunks"]) for d in documents), tuple(d["id"] for d in documents))
-
-
 async def run_round(client: httpx.AsyncClient, questions: Sequence[Question], indices: Sequence[int],
-                    args: argparse.Namespace, files: Sequence[tuple[str, bytes]] = ()) -> Round:
-    """The chats of `indices` started at once, after `files` (uploaded one request each, as the web page
-    does) have had `args.upload_lead` seconds to reach the server's queue."""
-    uploads = [asyncio.create_task(upload(client, name, data)) for name, data in files]
-    if uploads:
-        await asyncio.sleep(args.upload_lead)
+                    args: argparse.Namespace) -> Round:
+    """The chats of `indices` started at once."""
     start = time.perf_counter()
-
-    async def staggered(position: int, question: int) -> Chat:
-        await asyncio.sleep(position * args.stagger_ms / 1000)
-        return await chat(client, questions, question, args)
-
-    chats = await asyncio.gather(*(staggered(i, qi) for i, qi in enumerate(indices)))
-    wall_s = time.perf_counter() - start
-    return Round(len(indices), wall_s, tuple(chats), tuple(await asyncio.gather(*uploads)))
+    chats = await asyncio.gather(*(chat(client, questions, qi, args) for qi in indices))
+    return Round(len(indices), time.perf_counter() - start, tuple(chats))
 
 
 def round_questions(num_clients: int, repeat: int, num_questions: int) -> list[int]:
     """Distinct questions for one round's clients, moving on through the set from one repeat to the next."""
     return [(repeat * num_clients + j) % num_questions for j in range(num_clients)]
-
-
-def filler_passages(path: Path, num_questions: int, num_passages: int) -> list[str]:
-    """Passages the benched questions do not use (for the uploaded files): later questions' passages,
-    then the benched questions' unused ones; everything when the data set has no other."""
-    items = load_questions(path, 1_000_000, 1_000)
-    rest = [p for q in items[num_questions:] for p in q.passages]
-    rest += [p for q in items[:num_questions] for p in q.passages[num_passages:]]
-    return rest or [p for q in items for p in q.passages]
-
-
-class UploadTexts:
-    """Upload files cut from the filler passages, each from where the last ended (so no two files share
-    text, and no chunk's KV is already stored, while the passages last)."""
-
-    def __init__(self, passages: Sequence[str]):
-        self.passages, self.cursor = list(passages), 0
-
-    def text(self, title: str, num_chars: int) -> str:
-        parts, size = [title], len(title)
-        while size < num_chars:
-            passage = self.passages[self.cursor % len(self.passages)]
-            self.cursor += 1
-            parts.append(passage)
-            size += len(passage) + 2
-        text = "\n\n".join(parts)[:num_chars]
-        return text[: text.rfind(" ")] if " " in text[len(title):] else text
-
-    def files(self, tag: str, num_files: int, num_chars: int) -> list[tuple[str, bytes]]:
-        return [(f"bench-upload-{tag}-{i}.txt", self.text(f"Bench upload {tag}, file {i}", num_chars).encode())
-                for i in range(num_files)]
 
 
 async def prepare(url: str, questions: Sequence[Question], args: argparse.Namespace,
@@ -211,35 +140,7 @@ async def chat_levels(targets: Sequence[Target], clients: dict[Role, httpx.Async
     return levels
 
 
-async def upload_scenario(targets: Sequence[Target], clients: dict[Role, httpx.AsyncClient],
-                          questions: Sequence[Question], filler: Sequence[str], args: argparse.Namespace,
-                          schedule: list[dict[str, Any]]) -> dict[Role, list[tuple[Round, Round, Upload]]]:
-    """Per repeat and server: a one-chunk upload alone, the largest level's chats, the same chats with
-    `args.uploads` files uploaded meanwhile; the uploads are deleted after."""
-    num_clients = max(args.concurrency)
-    texts = {t.role: UploadTexts(filler) for t in targets}  # the same files for both servers
-    runs: dict[Role, list[tuple[Round, Round, Upload]]] = {t.role: [] for t in targets}
-    for repeat in range(args.repeats):
-        for target in in_turn(targets, repeat):
-            client, tag = clients[target.role], f"r{repeat}"
-            one_text = texts[target.role].text(f"Bench upload {tag}, one chunk", ONE_CHUNK_CHARS)
-            one = await upload(client, f"bench-upload-{tag}-one.txt", one_text.encode())
-            await delete_documents(client, one.document_ids)
-            indices = round_questions(num_clients, repeat, len(questions))
-            await asyncio.sleep(args.settle_s)
-            without = await run_round(client, questions, indices, args)
-            files = texts[target.role].files(tag, args.uploads, args.upload_chars)
-            await asyncio.sleep(args.settle_s)
-            with_uploads = await run_round(client, questions, indices, args, files)
-            await delete_documents(client, [i for u in with_uploads.uploads for i in u.document_ids])
-            runs[target.role].append((without, with_uploads, one))
-            schedule.append({"repeat": repeat, "clients": num_clients, "server": target.role.value,
-                             "uploads": args.uploads})
-    return runs
-
-
-async def measure(targets: Sequence[Target], questions: Sequence[Question], filler: Sequence[str],
-                  args: argparse.Namespace, headers: dict[str, str],
+async def measure(targets: Sequence[Target], questions: Sequence[Question], args: argparse.Namespace, headers: dict[str, str],
                   prepared: dict[Role, dict[str, Any]] | None = None) -> dict[str, Any]:
     """`prepared`: the servers' `prepare` results where that ran already."""
     servers = prepared or {t.role: await prepare(t.url, questions, args, headers) for t in targets}
@@ -248,7 +149,6 @@ async def measure(targets: Sequence[Target], questions: Sequence[Question], fill
     schedule: list[dict[str, Any]] = []  # what ran, in order
     try:
         levels = await chat_levels(targets, clients, questions, args, schedule)
-        uploads = await upload_scenario(targets, clients, questions, filler, args, schedule) if args.uploads else None
     finally:
         for client in clients.values():
             await client.aclose()
@@ -258,7 +158,6 @@ async def measure(targets: Sequence[Target], questions: Sequence[Question], fill
         "servers": {role.value: info for role, info in servers.items()},
         "results": results,
         "ratios": ratio_rows(results),
-        "uploads": {role.value: upload_stats(runs) for role, runs in uploads.items()} if uploads else None,
         "schedule": schedule,
     }
 
@@ -270,10 +169,8 @@ def check_args(args: argparse.Namespace) -> None:
         args.questions = max(args.concurrency)
     if args.questions < max(args.concurrency):
         raise ValueError(f"--questions {args.questions} < {max(args.concurrency)} clients: each client asks its own")
-    if args.repeats < 1 or args.max_tokens < 1 or args.uploads < 0 or args.upload_chars < 100 or args.stagger_ms < 0 \
-            or args.settle_s < 0:
-        raise ValueError("--repeats and --max-tokens must be >= 1, --uploads, --stagger-ms and --settle-s >= 0, "
-                         "--upload-chars >= 100")
+    if args.repeats < 1 or args.max_tokens < 1 or args.settle_s < 0:
+        raise ValueError("--repeats and --max-tokens must be >= 1, --settle-s >= 0")
     if args.baseline_env and not args.serve:
         raise ValueError("--baseline-env sets the environment of the baseline --serve starts: give --serve")
     baseline_environment(args.baseline_env)  # a malformed pair is refused before any server starts
@@ -284,15 +181,11 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 async def bench(args: argparse.Namespace, targets: Sequence[Target], questions: Sequence[Question],
-                filler: Sequence[str], headers: dict[str, str],
-                prepared: dict[Role, dict[str, Any]] | None = None) -> dict[str, Any]:
-    measured = await measure(targets, questions, filler, args, headers, prepared)
+                headers: dict[str, str], prepared: dict[Role, dict[str, Any]] | None = None) -> dict[str, Any]:
+    measured = await measure(targets, questions, args, headers, prepared)
     summary = {"bench": "server", "concurrency": args.concurrency, "questions": args.questions,
                "passages": args.passages, "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "mode": args.mode,
-               "repeats": args.repeats,
-               "upload_files": args.uploads, "upload_chars": args.upload_chars, "stagger_ms": args.stagger_ms,
-               "settle_s": args.settle_s,
-               **measured}
+               "repeats": args.repeats, "settle_s": args.settle_s, **measured}
     summary["targets"] = target_checks(summary)
     return summary
 
@@ -305,24 +198,21 @@ def run(args: argparse.Namespace) -> int:
     questions = load_questions(args.data, args.questions, args.passages)
     if len(questions) < args.questions:
         return refuse("server", f"{args.data} has {len(questions)} questions, {args.questions} needed", ExitCode.USAGE)
-    filler = filler_passages(args.data, args.questions, args.passages) if args.uploads else []
     auth = headers(args)
     if args.serve:
-        summary = serve_and_bench(args, questions, filler, auth)
+        summary = serve_and_bench(args, questions, auth)
     else:
         targets = [Target(Role.SERVER, args.url)]
         if args.baseline_url:
             targets.append(Target(Role.BASELINE, args.baseline_url))
-        summary = asyncio.run(bench(args, targets, questions, filler, auth))
+        summary = asyncio.run(bench(args, targets, questions, auth))
     print_tables(summary)
     emit_summary(summary, args.out, indent=2)
     num_errors = sum(row["num_errors"] for rows in summary["results"].values() for row in rows)
-    num_errors += sum(run["num_errors"] for run in (summary["uploads"] or {}).values())
     return ExitCode.FAILED if num_errors else ExitCode.OK
 
 
-def serve_and_bench(args: argparse.Namespace, questions: Sequence[Question], filler: Sequence[str],
-                    headers: dict[str, str]) -> dict[str, Any]:
+def serve_and_bench(args: argparse.Namespace, questions: Sequence[Question], headers: dict[str, str]) -> dict[str, Any]:
     from bench.harness.servers import LocalServer, started
 
     config = args.config.resolve() if args.config else None
@@ -338,7 +228,7 @@ def serve_and_bench(args: argparse.Namespace, questions: Sequence[Question], fil
             stack.enter_context(started(server, args.ready_timeout))
             prepared[role] = asyncio.run(prepare(server.url, questions, args, headers))
         targets = [Target(role, server.url) for role, server in local.items()]
-        summary = asyncio.run(bench(args, targets, questions, filler, headers, prepared))
+        summary = asyncio.run(bench(args, targets, questions, headers, prepared))
     summary["servers"][Role.BASELINE.value].update(env=baseline_env)
     summary["servers"][Role.SERVER.value]["env"] = {name: os.environ[name] for name in baseline_env
                                                     if name in os.environ}

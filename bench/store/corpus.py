@@ -1,28 +1,8 @@
-"""`ragblend bench corpus`: the collection's KV budget at corpus scale.
-
-A synthetic collection (default 2,000 documents of 1,536 tokens, 3.1M tokens, 3 chunks each) is
-ingested into a real KVStore (disk tier, the configured entry format) under KV budgets of 10%, 30%
-and 100% of the collection's KV, then a Zipf(1.0) stream of questions over the documents (their
-popularity a random permutation of the ingestion order) asks for each document's chunks, exactly as
-the server does: `handle` per chunk (counted by the budget), a miss computed after the question and
-offered to the budget (`Admission.USE`, as the repairer does), an ingested chunk offered at ingestion
-(`Admission.PRECOMPUTE`, as the writer does).
-
-What is measured where (this 2-core CPU cannot precompute 3M tokens with SmolLM2 in a bench run, nor,
-shared and loaded, even with the tiny random model: ~0.2 s per 512-token chunk, 20 min per ingest):
-- the collection, hit rates and bytes on disk: every chunk's entry holds KV of the tiny random model's
-  shape (random:tiny-llama: 4 layers, 2 KV heads of 16, 512 B/token in float16), its values random
-  (seeded per chunk; `--collection-kv model` computes them with that model instead, slower), encoded
-  in the configured format and stored by the real store; hit rates, admissions and evictions do not
-  depend on the KV's values; bytes on disk scale with the KV shape and compress like random data (the
-  JSON also gives the collection at SmolLM2's bytes per token, measured in the TTFT step);
-- TTFT: measured with the real model (SmolLM2) on a prompt of the same shape (a question and one
-  document's 3 chunks of 512 tokens), for each number of chunks missing (0..3), through the server's
-  own prefill executor (`--mode auto`, the server's default: the loading planner's plan while a chunk
-  is stored, hits streamed from the disk tier in the configured format, pipelined; a full prefill when
-  every chunk is missing); each stream question's TTFT is that measured median for its number of misses.
-Prints a table, then one JSON object (also written to --out).
-"""
+"""`ragblend bench corpus`: the collection's KV budget at corpus scale. A synthetic collection (random KV of a
+tiny model's shape: hit rates do not depend on its values) is ingested into a real KVStore under each
+budget, then a Zipf stream of questions asks for each document's chunks as the server does; each question's
+TTFT is the real model's, measured through the server's prefill executor per number of chunks missing
+(docs/benchmarks/corpus.md)."""
 
 from __future__ import annotations
 
@@ -38,6 +18,7 @@ import numpy as np
 import torch
 
 from bench.harness.args import add_out
+from bench.harness.engine import load_engine
 from bench.harness.output import emit_summary
 from blend_engine.config import ModelConfig
 from blend_engine.engine import BlendEngine
@@ -65,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", default="auto", choices=[m.value for m in RequestMode],
                         help="the TTFT step's request mode (auto: the server's default)")
     parser.add_argument("--smollm2-bytes-per-token", type=float, default=None,
-                        help="bytes at rest per token of the real model's KV in this format (kv-codec bench)")
+                        help="bytes at rest per token of the real model's KV in this format (docs/benchmarks/kv-codec.md)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
     add_out(parser)
@@ -145,13 +126,9 @@ def stream(store: KVStore, collection: Collection, order: np.ndarray, ttft_ms: l
 
 
 def measure_ttft(args: argparse.Namespace, num_chunks: int) -> tuple[list[float], dict]:
-    """TTFT (ms, median of repeats) of a question over one document's chunks with 0..num_chunks of
-    them missing, on the real model, through the server's own prefill executor in `--mode` (auto, the
-    server's default: the loading planner's plan where a chunk is stored, a full prefill where none
-    is): hits streamed from the disk tier in the configured format (pipelined)."""
-    overrides = {"model": {"name": args.ttft_model}} if args.ttft_model else {}
-    settings = load_settings(**overrides)
-    engine = BlendEngine.from_config(settings.model, settings.blend)
+    """TTFT (ms, median of repeats) of a question over one document's chunks with 0..num_chunks of them
+    missing, through the server's prefill executor in `--mode`, hits streamed from the disk tier."""
+    settings, engine = load_engine(model_name=args.ttft_model)
     rng = np.random.default_rng(args.seed)
     vocab = engine.tokenizer.vocab_size if engine.tokenizer is not None else 256
     chunks = [tuple(int(t) for t in rng.integers(100, vocab - 100, args.chunk_tokens)) for _ in range(num_chunks)]

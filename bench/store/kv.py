@@ -1,11 +1,7 @@
-"""`ragblend bench kv`: blend TTFT with the chunk caches in memory, on disk and in Redis, each
-streamed with and without pipelining, against the `full` baseline; plus load throughput per tier.
-
-Rows `+auto` run a prefill the way the server's `mode: auto` does (full, blend, mixed or split, as the
-loading planner plans it), each store's cost model fitted on the engine first.
-
-Prints a table, then one JSON object as the last line of stdout (same form as the engine bench).
-"""
+"""`ragblend bench kv`: blend TTFT with the chunks' KV in memory, on disk (float16, int4) and in Redis, streamed
+with and without pipelining, and as the loading planner plans it (`+auto`), against a full prefill; load
+throughput per tier (docs/benchmarks/kv-store.md, kv-planner.md). The `disk-int8` and loader-priority
+(`+normal`) rows were retired in issue 64 (`git show 66ac7e4:bench/store/kv.py`)."""
 
 from __future__ import annotations
 
@@ -26,12 +22,11 @@ from typing import Callable, Sequence
 import torch
 
 from bench.harness.args import add_out
+from bench.harness.engine import load_engine
 from bench.harness.output import emit_summary
-from blend_engine.engine import BlendEngine
 from blend_engine.kv import KVShape
 from blend_engine.types import BlendConfig, PrefillMode, PrefillResult, Segment
-from configs.enums import KVQuantization, LoaderPriority, StorageDtype
-from configs.settings import load_settings
+from configs.enums import KVQuantization, StorageDtype
 from kv_store import KVStore, StoreConfig, Tier
 from kv_store.loader import StoredChunk, handles_in
 from kv_store.planner import LoadPlan, PlanKind, PlanRequest
@@ -46,16 +41,13 @@ class Streamed:
     store: str
     is_pipelined: bool
     is_auto: bool = False  # plan=auto: the loading planner picks full, blend (its ratio) or mixed
-    loader_priority: LoaderPriority | None = None  # the pipelined reader thread's; None: as configured (auto)
 
 
 STREAMED = [Streamed("disk", "disk", False), Streamed("disk+pipe", "disk", True), Streamed("redis", "redis", False),
-            Streamed("redis+pipe", "redis", True), Streamed("disk-int8+pipe", "disk-int8", True),
-            Streamed("disk-int4", "disk-int4", False), Streamed("disk-int4+pipe", "disk-int4", True),
-            Streamed("disk+pipe+auto", "disk", True, is_auto=True), Streamed("redis+pipe+auto", "redis", True, is_auto=True),
-            # the reader thread at normal priority (the default on CPU is idle): side by side with the rows above
-            Streamed("disk+pipe+normal", "disk", True, loader_priority=LoaderPriority.NORMAL),
-            Streamed("disk-int4+pipe+normal", "disk-int4", True, loader_priority=LoaderPriority.NORMAL)]
+            Streamed("redis+pipe", "redis", True), Streamed("disk-int4", "disk-int4", False),
+            Streamed("disk-int4+pipe", "disk-int4", True), Streamed("disk+pipe+auto", "disk", True, is_auto=True),
+            Streamed("redis+pipe+auto", "redis", True, is_auto=True)]
+TIERS = ("disk", "redis", "disk-int4")
 
 
 PromptFn = Callable[[Sequence[object]], list[Segment]]  # per-chunk caches (or None) -> prompt segments
@@ -149,8 +141,6 @@ def make_stores(fingerprint: str, shape: KVShape, base: StoreConfig, workdir: Pa
     configs = {
         "memory": dataclasses.replace(base, max_memory_bytes=1 << 40),
         "disk": dataclasses.replace(base, disk_enabled=True, disk_dir=workdir / "disk"),
-        "disk-int8": dataclasses.replace(base, disk_enabled=True, disk_dir=workdir / "disk-int8",
-                                         quantization=KVQuantization.INT8),
         "disk-int4": dataclasses.replace(base, disk_enabled=True, disk_dir=workdir / "disk-int4",
                                          quantization=KVQuantization.INT4),
     }
@@ -200,7 +190,7 @@ def run_question(engine, stores, item, args, blend, sink) -> dict:
                 return result
             segments = prompt(handles)
             source = store.layer_source(handles_in(segments), engine.device, engine.dtype, spec.is_pipelined,
-                                        start_layer, engine.precompute, spec.loader_priority)
+                                        start_layer, engine.precompute)
             try:
                 return engine.prefill(segments, blend=blend, kv_source=source)
             finally:
@@ -215,7 +205,7 @@ def run_question(engine, stores, item, args, blend, sink) -> dict:
     full_ms, full_results = best_of(1, full)
     fns = {"memory": lambda: engine.prefill(prompt([mem_store.get(k) for k in mem_keys]), blend=blend)}
     fns.update({spec.name: streamed(spec) for spec in STREAMED if spec.store in stores})
-    for tier in ("disk", "redis", "disk-int8", "disk-int4"):
+    for tier in TIERS:
         if tier in stores:
             fns["load_alone:" + tier] = load_alone(engine, stores[tier], keys[tier], start_layer, tier != "redis")
     row, results = best_of(args.repeats, fns)
@@ -232,7 +222,7 @@ def run_question(engine, stores, item, args, blend, sink) -> dict:
         row[name + ":kv_wait"] = results[name].stats.kv_load_ms  # engine side: includes its concat
         row[name + ":source_wait"] = source_wait_ms[name]  # blocked on loads alone
         row[name + ":max_logit_diff"] = float((results[name].logits - ref.logits).abs().max())
-    for tier in ("disk", "redis", "disk-int8", "disk-int4"):
+    for tier in TIERS:
         if tier in stores:
             row["bytes:" + tier] = results["load_alone:" + tier]
     row["agree"] = agree
@@ -259,10 +249,10 @@ def summarize(rows: list[dict]) -> dict:
     summary = {k: mean(r[k] for r in rows) for k in rows[0] if k not in ("agree", "plans") and all(k in r for r in rows)}
     summary["plans"] = {name: sorted({r["plans"][name] for r in rows}) for name in rows[0]["plans"]}
     summary["top1_agreement_vs_memory_blend"] = {k: mean(r["agree"][k] for r in rows) for k in rows[0]["agree"]}
-    for tier in ("disk", "redis", "disk-int8", "disk-int4"):
+    for tier in TIERS:
         if "load_alone:" + tier in summary:
             summary["throughput_MBps:" + tier] = summary["bytes:" + tier] / summary["load_alone:" + tier] / 1e3
-    for tier in ("disk", "redis", "disk-int8", "disk-int4"):
+    for tier in TIERS:
         if tier + "+pipe" not in summary:
             continue
         load, compute = summary["load_alone:" + tier], summary["compute_alone"]
@@ -285,7 +275,7 @@ def print_table(s: dict) -> None:
     print(f"(auto: the loading planner chose {s['plans']}; disk ratio {s['auto_ratio']:.3f})")
     print()
     print(f"{'tier':<12}{'load alone ms':>15}{'MB/s':>10}{'compute alone ms':>18}{'1.1*max ms':>12}")
-    for tier in ("disk", "redis", "disk-int8", "disk-int4"):
+    for tier in TIERS:
         if "load_alone:" + tier in s:
             load = s["load_alone:" + tier]
             bound = 1.1 * max(load, s["compute_alone"])
@@ -294,11 +284,7 @@ def print_table(s: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    overrides = {"model": {"name": args.model}} if args.model else {}
-    settings = load_settings(**overrides)
-    engine = BlendEngine.from_config(settings.model, settings.blend)
+    settings, engine = load_engine(threads=args.threads, model_name=args.model)
     blend = engine.blend  # the settings' config, fitted to the model
     if args.ratio is not None:
         blend = dataclasses.replace(blend, recompute_ratio=args.ratio)
