@@ -42,6 +42,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "engine"): ("bench.engine.prefill", "engine benchmark: TTFT and fidelity per prefill mode"),
     ("bench", "batch-decode"): ("bench.engine.batch_decode", "one decode step for B sequences at once against B "
                                 "single steps (eager, and CUDA-graphed buckets on a GPU)"),
+    ("bench", "llamacpp"): ("bench.engine.llamacpp", "each model on one GGUF file beside llama.cpp: first load and "
+                            "warm start, TTFT (llama.cpp full; ragblend full, blend, reuse), decode tok/s, RSS"),
     ("bench", "kv"): ("bench.store.kv", "KV store benchmark: blend TTFT per tier, pipelined or not"),
     ("bench", "corpus"): ("bench.store.corpus", "KV budget at corpus scale: hit rate and TTFT per budget, Zipf stream"),
     ("bench", "server"): ("bench.serving.server", "concurrent streaming clients against servers, side by side with a "
