@@ -39,14 +39,17 @@ class ModelConfig:
     """Which model runs, where and how (the `model` section)."""
 
     name: Annotated[str, Field(
-        description="'smollm2' (the embedded SmolLM2-135M-Instruct GGUF), a local HF model directory, "
-        "a .gguf file, or 'random:<shape>' (random weights of a real architecture, e.g. random:llama-7b).")] = "smollm2"
+        description="A catalogue model (`ragblend models list`: smollm2, the embedded SmolLM2-135M-Instruct; "
+        "qwen2.5-coder-0.5b; qwen2.5-coder-1.5b; installed by `ragblend models install NAME`), a .gguf file (llama, "
+        "qwen2, qwen3; read natively: docs/choosing-a-model.md), a local HF model directory, or 'random:<shape>' "
+        "(random weights of a real architecture, e.g. random:llama-7b).")] = "smollm2"
     device: Annotated[Literal["auto", "cpu", "cuda"], Field(description="auto: CUDA when present, else CPU.")] = "auto"
     dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], Field(
         description="auto: float32 on CPU, bfloat16 on CUDA.")] = "auto"
     weights: Annotated[WeightFormat, Field(
-        description="Linear layers' weights: auto (int4 on CPU, int8 where a shape does not fit int4) | fp32 "
-        "(as loaded) | bf16 | int8 | int4 (CPU).")] = WeightFormat.AUTO
+        description="Linear layers' weights: auto (CPU: a GGUF's each as stored, i.e. gguf; a model directory's "
+        "int4, int8 where a shape does not fit int4) | fp32 (as loaded; a GGUF's dequantized) | bf16 | int8 | int4 (CPU) "
+        "| gguf (a GGUF's 4-bit types level for level in int4, the others in int8; CPU).")] = WeightFormat.AUTO
     gemm_dtype: Annotated[Literal["auto", "float32", "bfloat16"], Field(
         description="CPU, quantized weights: what prefill multiplies their dequantized copy in. auto: bfloat16 where "
         "bf16 GEMMs measured clearly faster than fp32 ones on this CPU (once per machine, kept in cache_dir: "
@@ -76,8 +79,9 @@ class ModelConfig:
         "modes) run their linear parts as CUDA graphs captured per token-count bucket, the K/V writes and the "
         "attention eagerly (docs/benchmarks/gpu.md); false: every layer eagerly. No effect on CPU.")] = True
     cache_dir: Annotated[Path, Field(
-        description="Where a GGUF model's converted copy (safetensors + tokenizer) is kept for warm starts, and this "
-        "machine's measured bf16 and fp32 GEMM speeds (cpu-gemm.json: gemm_dtype auto).")] = (
+        description="Where catalogue models are installed; where a GGUF model's config, tokenizer and packed weights "
+        "are kept for warm starts (read from the file once); and this machine's measured bf16 and fp32 GEMM speeds "
+        "(cpu-gemm.json: gemm_dtype auto).")] = (
         Path("~/.cache/ragblend/models"))
     system_prompt: Annotated[str, Field(description="System message of every RAG prompt.")] = (
         "You are a helpful assistant. Answer the question using the documents.")

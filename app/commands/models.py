@@ -23,6 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     listing = actions.add_parser("list", help="the catalogue: name, installed or not, size, what it is for")
     install = actions.add_parser("install", help="download a catalogue model and check its hash")
     install.add_argument("name", help="a catalogue name (ragblend models list)")
+    install.add_argument("--no-prepare", action="store_true",
+                         help="only download and check: the first server start reads and packs the file instead")
     for sub in (listing, install):
         sub.add_argument("--dir", type=Path, help="where models are installed (default: the settings' model.cache_dir)")
 
@@ -43,11 +45,23 @@ def run(args: argparse.Namespace) -> int:
         return ExitCode.USAGE
     try:
         path = install(CATALOGUE[args.name], models_dir)
+        if not args.no_prepare:
+            print(f"{args.name}: {path} (SHA-256 checked); reading its config, tokenizer and weights once...", flush=True)
+            prepare(args.name, models_dir)
     except (OSError, ValueError, subprocess.CalledProcessError) as exc:
         print(f"ragblend models install {args.name}: {exc}", file=sys.stderr)
         return ExitCode.FAILED
-    print(f"{args.name}: {path} (SHA-256 checked); serve it with RAGBLEND_MODEL__NAME={args.name}")
+    print(f"{args.name}: ready at {path}; serve it with RAGBLEND_MODEL__NAME={args.name}")
     return ExitCode.OK
+
+
+def prepare(name: str, models_dir: Path) -> None:
+    """The model loaded once as a server would (the default weight format), so that what a GGUF's first load
+    reads and packs (blend_engine/gguf_loader.py) is kept and the server's first start is a warm one."""
+    from blend_engine.config import ModelConfig
+    from blend_engine.loader import load_model
+
+    load_model(ModelConfig(name=name, cache_dir=models_dir))
 
 
 def install(model: CatalogueModel, models_dir: Path) -> Path:
