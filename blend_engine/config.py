@@ -42,7 +42,8 @@ class ModelConfig:
         description="A catalogue model (`ragblend models list`: smollm2, the embedded SmolLM2-135M-Instruct; "
         "qwen2.5-coder-0.5b; qwen2.5-coder-1.5b; installed by `ragblend models install NAME`), a .gguf file (llama, "
         "qwen2, qwen3; read natively: docs/choosing-a-model.md), a local HF model directory, or 'random:<shape>' "
-        "(random weights of a real architecture, e.g. random:llama-7b).")] = "smollm2"
+        "(random weights of a real architecture, e.g. random:llama-7b). The default answers the most right within "
+        "a 1.5 s TTFT on 2 cores (docs/decisions/0030).")] = "qwen2.5-coder-1.5b"
     device: Annotated[Literal["auto", "cpu", "cuda"], Field(description="auto: CUDA when present, else CPU.")] = "auto"
     dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], Field(
         description="auto: float32 on CPU, bfloat16 on CUDA.")] = "auto"

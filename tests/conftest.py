@@ -5,6 +5,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the tests that need a real model run the embedded SmolLM2 (98 MB, in the environment after `make install`): the
+# default model is a 1.1 GB download that `make run` makes, not `make test` (docs/testing.md)
+os.environ.setdefault("RAGBLEND_MODEL__NAME", "smollm2")
 
 
 def pytest_addoption(parser):

@@ -21,6 +21,8 @@ import httpx
 import pytest
 import yaml
 
+from blend_engine.config import ModelConfig
+
 ROOT = Path(__file__).resolve().parents[1]
 REPLICAS = ("ragblend-a", "ragblend-b")
 SECRETS = {"RAGBLEND_API_KEY": "k", "RAGBLEND_DB_PASSWORD": "p", "RAGBLEND_REDIS_PASSWORD": "r3dis-secret"}
@@ -173,16 +175,17 @@ def test_the_image_runs_as_an_unprivileged_user():
     uid = users[-1].split(":")[0]
     assert re.search(rf"useradd [^\n]*--uid {uid}\b", dockerfile)
     assert "chown ragblend:ragblend /data" in dockerfile  # its data volume is its own
-    # the build's warm-up (the converted model) runs as that user, into the home it serves with
-    assert dockerfile.index("USER ") < dockerfile.index("BlendEngine.from_config")
+    # the build installs the default model as that user, into the home it serves with
+    assert dockerfile.index("USER ") < dockerfile.index(f"RUN ragblend models install {ModelConfig.name}\n")
     # and the embedder's ONNX export (the default runtime), into the cache the server reads
     assert dockerfile.index("USER ") < dockerfile.index("cache_dir=s.retrieval.embedder_cache_dir")
 
 
 def test_the_images_warm_up_runs_and_fills_the_caches_the_server_reads(tmp_path):
     """The Dockerfile's build-time warm-up, run here as written (its `python -c` step under a fresh
-    HOME): it must run (a renamed constructor once broke it unnoticed), and leave the converted model and
-    the embedder's ONNX export where a server started with that HOME looks for them."""
+    HOME): it must run (a renamed constructor once broke it unnoticed), and leave the embedder's ONNX export
+    where a server started with that HOME looks for it. (The step before it, `ragblend models install`, is a
+    1.1 GB download: tests/test_models_command.py holds what it does.)"""
     import sys
 
     dockerfile = (ROOT / "Dockerfile").read_text()
@@ -196,7 +199,6 @@ def test_the_images_warm_up_runs_and_fills_the_caches_the_server_reads(tmp_path)
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert any((tmp_path / ".cache" / "ragblend" / "models").iterdir())
     assert list((tmp_path / ".cache" / "ragblend" / "embedder").glob("*/export.json"))
 
 

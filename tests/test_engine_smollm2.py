@@ -23,7 +23,7 @@ QUESTION = "In which year was the bridge of Brindlemoor built?"
 
 @pytest.fixture(scope="module")
 def engine():
-    return BlendEngine.from_config(ModelConfig())
+    return BlendEngine.from_config(ModelConfig(name="smollm2"))
 
 
 def answer(engine, segments, mode, max_tokens=20, blend=None):
@@ -102,7 +102,7 @@ def test_stop_filter_holds_back_partial_matches():
 def test_warm_load_reads_the_kept_config_and_tokenizer(tmp_path):
     """The GGUF's config, tokenizer and tensor table are read once into model.cache_dir; a later load reads
     them from there (no second parse of the file), and the directory is a tokenizer for the tests."""
-    settings = ModelConfig()
+    settings = ModelConfig(name="smollm2")
     directory = embedded_tokenizer_dir(settings.cache_dir)
     assert {"config.json", "tokenizer.json", "tensors.json"} <= {p.name for p in directory.iterdir()}
     assert not list(directory.glob("*.safetensors"))  # no weights: they are read from the GGUF itself

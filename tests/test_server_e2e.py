@@ -37,7 +37,7 @@ def make_settings(data_dir, **overrides):
 
 @pytest.fixture(scope="module")
 def engine():
-    return BlendEngine.from_config(ModelConfig())
+    return BlendEngine.from_config(ModelConfig(name="smollm2"))
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,13 @@ def test_defaults_come_from_the_yaml():
     settings = load_settings()
     assert settings.blend.mode == RequestMode.AUTO
     assert settings.blend.recompute_ratio == 0.15
-    assert settings.model.name == "smollm2"
+    assert settings.model.name == "smollm2"  # tests/conftest.py's RAGBLEND_MODEL__NAME: the tests' model
+
+
+def test_the_default_model_is_the_one_chosen_by_measurement(monkeypatch):
+    """docs/decisions/0030: Qwen2.5-Coder-1.5B; `make run` installs it, the tests set SmolLM2 (conftest)."""
+    monkeypatch.delenv("RAGBLEND_MODEL__NAME")
+    assert load_settings().model.name == "qwen2.5-coder-1.5b"
 
 
 def test_env_overrides_yaml_and_overrides_win(monkeypatch, tmp_path):

@@ -43,8 +43,12 @@ def run(args: argparse.Namespace) -> int:
     if args.name not in CATALOGUE:
         print(f"ragblend models install: no model {args.name!r}; one of {', '.join(CATALOGUE)}", file=sys.stderr)
         return ExitCode.USAGE
+    model = CATALOGUE[args.name]
     try:
-        path = install(CATALOGUE[args.name], models_dir)
+        if _is_installed(model, models_dir):  # `make run` asks at every start: nothing to do
+            print(f"{args.name}: installed at {model.path(models_dir)}")
+            return ExitCode.OK
+        path = install(model, models_dir)
         if not args.no_prepare:
             print(f"{args.name}: {path} (SHA-256 checked); reading its config, tokenizer and weights once...", flush=True)
             prepare(args.name, models_dir)
@@ -53,6 +57,14 @@ def run(args: argparse.Namespace) -> int:
         return ExitCode.FAILED
     print(f"{args.name}: ready at {path}; serve it with RAGBLEND_MODEL__NAME={args.name}")
     return ExitCode.OK
+
+
+def _is_installed(model: CatalogueModel, models_dir: Path) -> bool:
+    """Whether `model`'s file is in place and checked (its record matches: no hashing here)."""
+    from blend_engine.catalogue import is_recorded
+
+    path = model.path(models_dir)
+    return path.is_file() and is_recorded(model, path, models_dir)
 
 
 def prepare(name: str, models_dir: Path) -> None:
