@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType as QT
 from torch import nn
 
 from blend_engine.embedding import Int8BlockEmbedding
@@ -83,10 +84,8 @@ class GGUFTensors:
     def raw(self, name: str, rows: slice = slice(None)) -> np.ndarray:
         """The tensor's bytes, [r, row_bytes] uint8, for `rows` (all by default)."""
         entry = self.entry(name)
-        cols = entry.shape[-1]
-        num_rows = entry.num_bytes // row_bytes(entry.qtype, cols)
-        start, stop, _ = rows.indices(num_rows)
-        width = row_bytes(entry.qtype, cols)
+        width = row_bytes(entry.qtype, entry.shape[-1])
+        start, stop, _ = rows.indices(entry.num_bytes // width)
         data = np.fromfile(self.path, dtype=np.uint8, count=(stop - start) * width, offset=entry.offset + start * width)
         return data.reshape(stop - start, width)
 
@@ -197,12 +196,12 @@ def load_gguf(path: Path, cache_dir: Path, fmt: WeightFormat, device: torch.devi
     fmt = resolve_gguf_format(fmt, device)
     packed = model_dir / f"packed-{fmt.value}-{_packing_key()}.pt"
     is_kept = fmt in (WeightFormat.GGUF, WeightFormat.INT4, WeightFormat.INT8) and dtype == torch.float32
-    if is_kept and packed.is_file():
-        _restore(model, packed)
-    else:
+    if not (is_kept and _restore(model, packed)):
         _fill(model, cached_tensors(path, model_dir), fmt, dtype)
         if is_kept:
             _keep(model, packed)
+    if hasattr(model.config, "tie_word_embeddings"):
+        model.config.tie_word_embeddings = False  # the lm_head is a module of its own now: nothing re-ties it
     model.name_or_path = str(path)  # the KV fingerprint digests the file (blend_engine/weights_id.py)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     return model.to(device).eval(), tokenizer
@@ -210,7 +209,7 @@ def load_gguf(path: Path, cache_dir: Path, fmt: WeightFormat, device: torch.devi
 
 # ---- the packed modules kept for warm starts -------------------------------------------------------------
 # Decoding and packing Qwen2.5-1.5B's 1.3 billion weights (the int4 kernel's layout, prefill's bf16 copies)
-# takes ~20 s on 2 cores; reading them back ~2 s. They are kept beside the config (3.5 GB for that model),
+# takes ~20 s on 2 cores; reading them back ~2 s. They are kept beside the config (3.6 GB for that model),
 # keyed by the weight format, torch's version and the CPU's vector ISA (the packing is torch's, per machine).
 
 
@@ -245,13 +244,21 @@ def _keep(model: nn.Module, target: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _restore(model: nn.Module, source: Path) -> None:
-    """`model` (on the meta device) filled from a `_keep` file."""
-    # read, not mapped: the engine fuses layers into new buffers, and a mapping that any tensor still views
-    # stays in the process's memory whole (safetensors' views peaked at twice the model)
-    kept = torch.load(source, map_location="cpu", weights_only=True)
-    kinds: dict[str, str] = json.loads(kept["kinds"])
-    tensors: dict[str, torch.Tensor] = kept["tensors"]
+def _restore(model: nn.Module, source: Path) -> bool:
+    """`model` (on the meta device) filled from a `_keep` file; False (the model untouched) where there is none,
+    or it cannot be read (removed then, so that this start packs the file again and keeps a good copy)."""
+    if not source.is_file():
+        return False
+    try:
+        # read, not mapped: the engine fuses layers into new buffers, and a mapping that any tensor still views
+        # stays in the process's memory whole (safetensors' views peaked at twice the model)
+        kept = torch.load(source, map_location="cpu", weights_only=True)
+        kinds: dict[str, str] = json.loads(kept["kinds"])
+        tensors: dict[str, torch.Tensor] = kept["tensors"]
+    except Exception as exc:  # a damaged file fails in torch's zip reader, in pickle or in json
+        log.warning("the packed weights in %s cannot be read (%s): packing the GGUF again", source, exc)
+        source.unlink(missing_ok=True)
+        return False
     for name, kind in kinds.items():
         part = lambda key: tensors.get(f"{name}.{key}")  # noqa: E731
         if kind == "Int4Linear":
@@ -266,8 +273,7 @@ def _restore(model: nn.Module, source: Path) -> None:
         if param.device.type == "meta":
             parent, _, leaf = name.rpartition(".")
             model.get_submodule(parent)._parameters[leaf] = nn.Parameter(tensors[name], requires_grad=False)
-    if hasattr(model.config, "tie_word_embeddings"):
-        model.config.tie_word_embeddings = False
+    return True
 
 
 def _fill(model: nn.Module, tensors: GGUFTensors, fmt: WeightFormat, dtype: torch.dtype) -> None:
@@ -314,8 +320,6 @@ def _fill(model: nn.Module, tensors: GGUFTensors, fmt: WeightFormat, dtype: torc
                 name = f"{gguf_name(module_name)}.{leaf}"
                 value = tensors.dequantized(name).reshape(param.shape).to(dtype)
                 module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
-    if hasattr(model.config, "tie_word_embeddings"):
-        model.config.tie_word_embeddings = False  # the lm_head is its own module now: nothing re-ties it
 
 
 def _unleave(t: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -338,7 +342,7 @@ def _linear(tensors: GGUFTensors, name: str, module: nn.Linear, fmt: WeightForma
     if fmt in (WeightFormat.GGUF, WeightFormat.INT4) and is_int4 and entry.qtype in INT4_TYPES:
         blocks = tensors.blocks(f"{name}.weight")
         # stored value = level * scale + offset; the kernel's = (q - 8) * scale + zero with q in 0..15
-        shift = 8 if blocks.levels.min() < 0 else 0  # Q4_0's levels are -8..7, Q4_1's and Q4_K's 0..15
+        shift = 8 if entry.qtype == QT.Q4_0 else 0  # Q4_0's levels are -8..7, Q4_1's and Q4_K's 0..15
         offsets = blocks.offsets if blocks.offsets is not None else torch.zeros_like(blocks.scales)
         zero = offsets + (8 - shift) * blocks.scales
         return Int4Linear.from_levels(order(blocks.levels.to(torch.int32) + shift), order(blocks.scales),

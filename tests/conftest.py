@@ -64,3 +64,15 @@ def open_store(store_kind, tmp_path, request):
     yield open_
     for store in opened:
         store.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _model_from_yaml(request):
+    """A module whose servers take their model from a YAML config (`MODEL_FROM_YAML = True`): the environment's
+    RAGBLEND_MODEL__NAME (set above for every other test) would win over the file, so it is unset for them."""
+    if not getattr(request.module, "MODEL_FROM_YAML", False):
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("RAGBLEND_MODEL__NAME", raising=False)
+        yield

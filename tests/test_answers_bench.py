@@ -24,6 +24,8 @@ from bench.answers.settings import Setting, settings_named
 from bench.harness.client import StreamedAnswer
 from tests.docgen import make_pdf
 
+MODEL_FROM_YAML = True  # its servers' model is the YAML config's (tests/conftest.py)
+
 TINY_CONFIG = 'model: {"name": "random:tiny-llama", "device": "cpu"}\n'
 ROW_KEYS = {"num_questions", "num_answers", "num_errors", "errors", "right", "num_right", "inside", "num_inside",
             "right_when_inside", "source_top", "source_any", "num_source_scored", "ran_to_cap", "num_ran_to_cap",

@@ -19,6 +19,8 @@ import pytest
 from crash_harness import (CONFIG, Model, ServerProcess, check_invariants, check_lexical_index, fork_context,
                            start_workload)
 
+MODEL_FROM_YAML = True  # its servers' model is the YAML config's (tests/conftest.py)
+
 
 @pytest.mark.slow  # ~100 s at the default 30 crash points
 def test_random_kills_during_writes_leave_every_invariant_intact(tmp_path):

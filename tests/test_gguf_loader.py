@@ -224,3 +224,14 @@ def test_the_kept_table_serves_a_warm_start_without_parsing_the_file(files, tmp_
     monkeypatch.setattr(gguf_loader, "read_header", lambda p: pytest.fail("the header parsed again"))
     loaded = load_model(settings(path, tmp_path))
     assert isinstance(loaded.model.model.layers[0].self_attn.q_proj, Int4Linear)
+
+
+def test_damaged_packed_weights_are_packed_again(files, tmp_path):
+    """A kept file of packed weights that cannot be read (a disk error) costs that start its speed: the GGUF
+    is packed again, the same weights, and a good copy kept."""
+    first = load_model(settings(files["qwen2"], tmp_path)).model
+    (kept,) = tmp_path.rglob("packed-gguf-*.pt")
+    kept.write_bytes(kept.read_bytes()[:1000])
+    again = load_model(settings(files["qwen2"], tmp_path)).model
+    assert torch.equal(again.model.layers[0].self_attn.q_proj.packed, first.model.layers[0].self_attn.q_proj.packed)
+    assert kept.stat().st_size > 1000

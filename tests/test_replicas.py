@@ -28,6 +28,8 @@ except ImportError:  # tests/ is not a package: pytest put it on sys.path itself
         HEADERS, ask, fork_context, ingest, listed, metric, start_replicas, stop_all, until, write_config,
     )
 
+MODEL_FROM_YAML = True  # its servers' model is the YAML config's (tests/conftest.py)
+
 FOLLOW_S = 1.0  # the issue's bound on change propagation between replicas
 REDIS_PASSWORD = "replica-redis-secret"
 

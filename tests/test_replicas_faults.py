@@ -28,6 +28,8 @@ except ImportError:  # tests/ is not a package: pytest put it on sys.path itself
 
 from kv_store.disk import SUFFIX
 
+MODEL_FROM_YAML = True  # its servers' model is the YAML config's (tests/conftest.py)
+
 FAULTS_CONFIG_EXTRA = """\
   disk_enabled: true                # each replica's own disk tier too: orphans there must be collected
   write_tiers: [disk, redis]

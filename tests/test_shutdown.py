@@ -15,6 +15,8 @@ import pytest
 
 from tests.shutdown_harness import ServeProcess, in_background
 
+MODEL_FROM_YAML = True  # its servers' model is the YAML config's (tests/conftest.py)
+
 pytestmark = pytest.mark.slow
 
 BOUND_S = 60.0  # the hang this guards against lasted for ever; a clean shutdown here takes seconds
