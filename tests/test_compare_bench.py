@@ -21,6 +21,7 @@ from bench.harness.servers import REPO_ROOT, process_tree_cpu_s
 from test_server_bench import TINY_MODEL, dataset
 
 ROUNDS, CLIENTS = 2, 2
+MODEL_FROM_YAML = True  # the servers' model is TINY_MODEL, from a YAML config or load_settings
 
 
 @pytest.fixture

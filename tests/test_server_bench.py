@@ -22,6 +22,7 @@ LEVEL_KEYS = {"clients", "num_rounds", "num_requests", "num_errors", "errors", "
 RATIO_KEYS = {"clients", "ttft_p50_vs_baseline", "ttft_p95_vs_baseline", "tokens_per_s_vs_baseline",
               "decode_tokens_per_s_vs_baseline", "tokens_per_s_vs_one_client", "baseline_tokens_per_s_vs_one_client"}
 TINY_MODEL = {"name": "random:tiny-llama", "device": "cpu"}
+MODEL_FROM_YAML = True  # the servers' model is TINY_MODEL, from a YAML config or load_settings
 WORDS = ("the river flows past an old mill near the town of harlow where people trade wool and the bridge "
          "was painted red in the spring by a team of workers from the valley").split()
 
