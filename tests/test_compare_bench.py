@@ -190,6 +190,24 @@ def test_a_worktree_deleted_by_hand_is_made_again(tmp_path):
         compare_build.remove_worktree(path)
 
 
+def test_a_worktree_whose_registration_is_gone_is_made_again(tmp_path):
+    """A cached worktree outlives its repository's record of it (the repository cloned again, or its
+    worktrees pruned): git no longer reads it, so it is made again; --skip-build says so."""
+    sha = compare_build.resolve("HEAD")
+    path = tmp_path / sha / "src"
+    compare_build.worktree(sha, path, is_creating=True)
+    try:
+        compare_build.git(REPO_ROOT, "worktree", "remove", "--force", str(path))
+        shutil.copytree(REPO_ROOT / "bench", path / "bench")  # the orphan: files, and a .git that points nowhere
+        (path / ".git").write_text(f"gitdir: {tmp_path / 'gone'}\n")
+        with pytest.raises(compare_build.BuildError, match="no longer a worktree"):
+            compare_build.worktree(sha, path, is_creating=False)
+        assert compare_build.worktree(sha, path, is_creating=True) == path
+        assert compare_build.git(path, "rev-parse", "HEAD") == sha
+    finally:
+        compare_build.remove_worktree(path)
+
+
 def test_unmet_requirements_names_what_this_interpreter_lacks(tmp_path):
     """REV's declared dependencies against this interpreter's distributions: markers evaluated, versions
     compared, a missing package or file said so."""

@@ -86,10 +86,18 @@ def current_build(repo: Path = REPO_ROOT) -> Build:
 def worktree(sha: str, path: Path, is_creating: bool, repo: Path = REPO_ROOT) -> Path:
     """A worktree of `repo` at `path` detached at `sha`: the one there, or (`is_creating`) a new one."""
     if (path / ".git").exists():
-        head = git(path, "rev-parse", "HEAD")
-        if head != sha:
-            raise BuildError(f"{path} is checked out at {head}, not {sha}; remove it: git worktree remove --force {path}")
-        return path
+        try:
+            head = git(path, "rev-parse", "HEAD")
+        except BuildError:  # its registration is gone (the repository cloned again, or pruned): an orphan
+            if not is_creating:
+                raise BuildError(f"{path} is no longer a worktree of {repo}: run without --skip-build to make it "
+                                 "again") from None
+            shutil.rmtree(path)
+        else:
+            if head != sha:
+                raise BuildError(f"{path} is checked out at {head}, not {sha}; remove it: "
+                                 f"git worktree remove --force {path}")
+            return path
     if not is_creating:
         raise BuildError(f"no worktree of {sha} at {path}: run without --skip-build to make it")
     path.parent.mkdir(parents=True, exist_ok=True)
