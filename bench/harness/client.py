@@ -1,11 +1,10 @@
 """The server benches' HTTP client: a server's readiness and model, questions' passages ingested (one
 passage, one chunk, KV precomputed), documents deleted, background KV waited for, and one streamed
-/v1/query or /v1/chat/completions timing each event's arrival here (time.perf_counter)."""
+/v1/query timing each event's arrival here (time.perf_counter)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -160,33 +159,3 @@ async def stream_query(client: httpx.AsyncClient, body: dict[str, Any]) -> Strea
     return StreamedAnswer(sent, tuple(token_s), end, "".join(pieces), done, tuple(sources),
                           None if unmatched is None else tuple(unmatched))
 
-
-async def stream_chat(client: httpx.AsyncClient, body: dict[str, Any]) -> StreamedAnswer:
-    """POST /v1/chat/completions with stream=true (OpenAI's chunks); the last chunk's usage, timings,
-    mode and plan as the `done` dict; raises QueryFailed with the server's message on an error."""
-    pieces: list[str] = []
-    token_s: list[float] = []
-    done: dict[str, Any] = {}
-    sources: list[dict[str, Any]] = []
-    sent = time.perf_counter()
-    async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
-        if response.status_code != 200:
-            await response.aread()
-            raise QueryFailed(error_message(response))
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: "):])
-            if "error" in chunk:
-                raise QueryFailed(chunk["error"]["message"])
-            sources = chunk.get("sources") or sources  # the first chunk's
-            content = chunk["choices"][0]["delta"].get("content") if chunk.get("choices") else None
-            if content:
-                token_s.append(time.perf_counter())
-                pieces.append(content)
-            if chunk.get("usage"):
-                done = {name: chunk.get(name) for name in ("usage", "timings", "mode", "plan", "recompute_ratio")}
-    end = time.perf_counter()
-    if not done:
-        raise QueryFailed("the stream ended without a usage chunk")
-    return StreamedAnswer(sent, tuple(token_s), end, "".join(pieces), done, tuple(sources))
