@@ -44,7 +44,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
                                 "single steps (eager, and CUDA-graphed buckets on a GPU)"),
     ("bench", "llamacpp"): ("bench.engine.llamacpp", "each model on one GGUF file beside llama.cpp: first load and "
                             "warm start, TTFT (llama.cpp full; ragblend full, blend, reuse), decode tok/s, RSS"),
-    ("bench", "kv"): ("bench.store.kv", "KV store benchmark: blend TTFT per tier, pipelined or not"),
+    ("bench", "kv"): ("bench.store.kv", "KV store benchmark: blend TTFT per tier, pipelined, and as the loading planner plans it"),
     ("bench", "server"): ("bench.serving.server", "concurrent streaming clients against servers, side by side with a "
                           "one-sequence-at-a-time baseline: TTFT, inter-token latency, aggregate tok/s"),
     ("bench", "compare"): ("bench.serving.compare", "this checkout's server against a git revision's, side by side: "

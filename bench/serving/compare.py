@@ -25,7 +25,7 @@ from bench.harness.data import Question, load_questions
 from bench.harness.output import emit_summary, refuse
 from bench.serving.server import WARMUP_TOKENS, prepare, request_body, round_questions, run_round
 from bench.harness.client import QueryFailed, StreamedAnswer, stream_query
-from bench.harness.stats import alternated as in_turn, percentile, ratio, spread
+from bench.harness.stats import in_turn, percentile, ratio, spread
 from configs.enums import RequestMode
 
 IDLE_SHARE_WARNING = 0.05  # of one core, over a part's wall time

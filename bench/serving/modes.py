@@ -18,7 +18,7 @@ from bench.harness.data import Question, load_questions
 from bench.harness.output import emit_summary, refuse
 from bench.serving.server import WARMUP_TOKENS, round_questions, run_round
 from bench.harness.client import StreamedAnswer, chunk_ids, ingest_ready, stream_query
-from bench.harness.stats import alternated as in_turn, ratio, spread
+from bench.harness.stats import in_turn, ratio, spread
 from bench.serving.report import Round, level_stats
 
 

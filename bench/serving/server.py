@@ -19,7 +19,7 @@ from app.commands.exit_codes import ExitCode
 from bench.harness.args import add_data, add_out, add_server, headers
 from bench.harness.data import Question, load_questions
 from bench.harness.output import emit_summary, refuse
-from bench.harness.stats import alternated as in_turn
+from bench.harness.stats import in_turn
 from bench.harness.client import QueryFailed, chunk_ids, ingest_ready, stream_query
 from bench.serving.report import Chat, Role, Round, level_stats, print_tables, ratio_rows, target_checks
 from configs.enums import RequestMode

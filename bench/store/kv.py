@@ -1,7 +1,7 @@
 """`ragblend bench kv`: blend TTFT with the chunks' KV in memory, on disk (float16, int4) and in Redis, streamed
-with and without pipelining, and as the loading planner plans it (`+auto`), against a full prefill; load
-throughput per tier (docs/benchmarks/kv-store.md, kv-planner.md). The `disk-int8` and loader-priority
-(`+normal`) rows were retired in issue 64 (`git show 66ac7e4:bench/store/kv.py`)."""
+pipelined, and as the loading planner plans it (`+auto`), against a full prefill; load throughput per tier
+(docs/benchmarks/kv-store.md, kv-planner.md). Retired in issue 64: the `disk-int8` and loader-priority
+(`+normal`) rows (`git show 66ac7e4:bench/store/kv.py`), the rows not pipelined (`git show 50937cd:bench/store/kv.py`)."""
 
 from __future__ import annotations
 
@@ -35,18 +35,16 @@ from runtime.planning import measure_engine
 
 @dataclasses.dataclass(frozen=True)
 class Streamed:
-    """A blend run whose chunk caches stream from one store."""
+    """A blend run whose chunk caches stream from one store, pipelined (the store's default: layer i+1 read
+    while the engine computes layer i)."""
 
     name: str
     store: str
-    is_pipelined: bool
     is_auto: bool = False  # plan=auto: the loading planner picks full, blend (its ratio) or mixed
 
 
-STREAMED = [Streamed("disk", "disk", False), Streamed("disk+pipe", "disk", True), Streamed("redis", "redis", False),
-            Streamed("redis+pipe", "redis", True), Streamed("disk-int4", "disk-int4", False),
-            Streamed("disk-int4+pipe", "disk-int4", True), Streamed("disk+pipe+auto", "disk", True, is_auto=True),
-            Streamed("redis+pipe+auto", "redis", True, is_auto=True)]
+STREAMED = [Streamed("disk+pipe", "disk"), Streamed("redis+pipe", "redis"), Streamed("disk-int4+pipe", "disk-int4"),
+            Streamed("disk+pipe+auto", "disk", is_auto=True), Streamed("redis+pipe+auto", "redis", is_auto=True)]
 TIERS = ("disk", "redis", "disk-int4")
 
 
@@ -62,18 +60,18 @@ def fit_planners(engine, stores: dict[str, KVStore], blend: BlendConfig, sizes: 
 
 
 def planned_prefill(engine, store: KVStore, handles: list[StoredChunk], prompt: PromptFn, blend: BlendConfig,
-                    start_layer: int, is_pipelined: bool) -> tuple[PrefillResult, LoadPlan]:
+                    start_layer: int) -> tuple[PrefillResult, LoadPlan]:
     segments = prompt(handles)
     num_fresh = sum(len(s.token_ids) for s in segments) - sum(h.num_tokens for h in handles)
     request = PlanRequest(handles, sum(len(s.token_ids) for s in segments), num_fresh, start_layer,
-                          engine.num_layers, is_pipelined)
+                          engine.num_layers)
     plan = store.plan(request)
     if plan.kind is PlanKind.FULL:
         return engine.prefill(prompt([None] * len(handles)), mode=PrefillMode.FULL), plan
     used = [h if is_reused else None for h, is_reused in zip(handles, plan.reused_mask(handles))]
     segments = prompt(used)
-    source = store.layer_source(handles_in(segments), engine.device, engine.dtype, is_pipelined,
-                                start_layer, engine.precompute)
+    source = store.layer_source(handles_in(segments), engine.device, engine.dtype, pipelined=True,
+                                start_layer=start_layer, recompute=engine.precompute)
     try:
         return engine.prefill(segments, blend=dataclasses.replace(blend, recompute_ratio=plan.ratio), kv_source=source), plan
     finally:
@@ -185,12 +183,12 @@ def run_question(engine, stores, item, args, blend, sink) -> dict:
                 drop_page_cache(store, store_keys)  # a cold read: the entries are not in the page cache
             handles = [store.handle(k) for k in store_keys]
             if spec.is_auto:
-                result, plan = planned_prefill(engine, store, handles, prompt, blend, start_layer, spec.is_pipelined)
+                result, plan = planned_prefill(engine, store, handles, prompt, blend, start_layer)
                 plans[spec.name], source_wait_ms[spec.name] = plan.kind.value, result.stats.kv_load_ms
                 return result
             segments = prompt(handles)
-            source = store.layer_source(handles_in(segments), engine.device, engine.dtype, spec.is_pipelined,
-                                        start_layer, engine.precompute)
+            source = store.layer_source(handles_in(segments), engine.device, engine.dtype, pipelined=True,
+                                        start_layer=start_layer, recompute=engine.precompute)
             try:
                 return engine.prefill(segments, blend=blend, kv_source=source)
             finally:
