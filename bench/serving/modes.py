@@ -16,8 +16,8 @@ from bench.harness.fidelity import best_f1, normalize_answer, token_f1
 from bench.harness.args import add_data, add_out, add_server, headers
 from bench.harness.data import Question, load_questions
 from bench.harness.output import emit_summary, refuse
-from bench.serving.server import WARMUP_TOKENS, round_questions, run_round
-from bench.harness.client import StreamedAnswer, chunk_ids, ingest_ready, stream_query
+from bench.serving.server import WARMUP_TOKENS, request_body, round_questions, run_round
+from bench.harness.client import StreamedAnswer, ingest_ready, stream_query
 from bench.harness.stats import in_turn, ratio, spread
 from bench.serving.report import Round, level_stats
 
@@ -46,19 +46,19 @@ class ModeRuns:
     agrees: list[float] = field(default_factory=list)
 
 
-async def ask(client: httpx.AsyncClient, question: str, ids: list[str], mode: str, max_tokens: int) -> StreamedAnswer:
-    # the prefix cache off: each mode's prefill is measured, and every mode asks the same prompt
-    body = {"question": question, "chunk_ids": ids, "mode": mode, "max_tokens": max_tokens, "prefix_cache": False}
-    return await stream_query(client, body)
+async def ask(client: httpx.AsyncClient, questions: list[Question], qi: int, mode: str, max_tokens: int) -> StreamedAnswer:
+    """Question `qi` over its passages in `mode`, the prefix cache off (every mode asks the same prompt, and
+    each mode's prefill is measured), the answer ending at end of text."""
+    return await stream_query(client, request_body(questions[qi], qi, round_args(mode, max_tokens, ignore_eos=False)))
 
 
 async def latency_phase(client, questions: list[Question], modes: list[str], max_tokens: int) -> dict[str, ModeRuns]:
     runs = {mode: ModeRuns() for mode in modes}
-    await ask(client, questions[0].question, chunk_ids(0, questions[0]), modes[-1], 4)  # warm-up
+    await ask(client, questions, 0, modes[-1], WARMUP_TOKENS)
     for qi, question in enumerate(questions):
         reference = None
         for mode in modes:
-            sample = await ask(client, question.question, chunk_ids(qi, question), mode, max_tokens)
+            sample = await ask(client, questions, qi, mode, max_tokens)
             reference = sample.answer if reference is None else reference
             run = runs[mode]
             run.samples.append(sample)
