@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from bench.harness.args import add_data, add_out
-from bench.harness.output import cpu_name, emit_summary, fmt, refuse
+from bench.harness.output import cpu_name, emit_summary, fmt, refuse, table
 
 MODES = ("full", "blend", "reuse")
 
@@ -175,12 +175,12 @@ CHILDREN = {"load": load_child, "llama": llama_child, "engine": engine_child}
 
 
 def print_table(rows: dict[str, dict]) -> None:
-    print(f"{'model':22} {'first s':>8} {'warm s':>7} {'load RSS':>9} {'llama full':>11} {'rb full':>9} "
-          f"{'rb blend':>9} {'blend/llama':>11} {'llama tok/s':>11} {'rb tok/s':>9} {'llama RSS':>10} {'rb RSS':>8}")
-    for name, row in rows.items():
-        first, warm, llama, ours = (row.get(k, {}) for k in ("first_load", "warm_start", "llama.cpp", "ragblend"))
-        print(f"{name:22} {fmt(first.get('load_s')):>8} {fmt(warm.get('load_s')):>7} "
-              f"{fmt(first.get('peak_rss_mb'), 0):>9} {fmt(llama['full_ttft_ms'], 0):>11} "
-              f"{fmt(ours['full_ttft_ms'], 0):>9} {fmt(ours['blend_ttft_ms'], 0):>9} "
-              f"{fmt(ours['blend_ttft_ms'] / llama['full_ttft_ms'], 2):>11} {fmt(llama['decode_tok_s']):>11} "
-              f"{fmt(ours['decode_tok_s']):>9} {fmt(llama['peak_rss_mb'], 0):>10} {fmt(ours['peak_rss_mb'], 0):>8}")
+    parts = {name: [row.get(k, {}) for k in ("first_load", "warm_start", "llama.cpp", "ragblend")]
+             for name, row in rows.items()}
+    print(table(["model", "first s", "warm s", "load RSS", "llama full", "rb full", "rb blend", "blend/llama",
+                 "llama tok/s", "rb tok/s", "llama RSS", "rb RSS"], (
+        [name, fmt(first.get("load_s")), fmt(warm.get("load_s")), fmt(first.get("peak_rss_mb"), 0),
+         fmt(llama["full_ttft_ms"], 0), fmt(ours["full_ttft_ms"], 0), fmt(ours["blend_ttft_ms"], 0),
+         fmt(ours["blend_ttft_ms"] / llama["full_ttft_ms"], 2), fmt(llama["decode_tok_s"]), fmt(ours["decode_tok_s"]),
+         fmt(llama["peak_rss_mb"], 0), fmt(ours["peak_rss_mb"], 0)]
+        for name, (first, warm, llama, ours) in parts.items())))

@@ -22,7 +22,7 @@ from bench.serving.build import Build, BuildError
 from bench.harness.servers import REPO_ROOT, LocalServer, started
 from bench.harness.args import add_api_key, headers
 from bench.harness.data import DEFAULT_DATA, Question, load_questions
-from bench.harness.output import emit_summary, refuse
+from bench.harness.output import emit_summary, refuse, table
 from bench.serving.server import WARMUP_TOKENS, add_request_arguments, prepare, request_body, round_questions, \
     run_round
 from bench.harness.client import QueryFailed, StreamedAnswer, stream_query
@@ -271,10 +271,12 @@ def summarize(args: argparse.Namespace, builds: dict[Side, Build], servers: dict
 # ---- the table ------------------------------------------------------------------------------------
 
 
-def _cell(stats: dict[str, Any], digits: int, suffix: str = "") -> str:
+def _cell(stats: dict[str, Any], unit: str) -> str:
+    """The median [min-max] over rounds: ratios ("x") to 2 places, rates and seconds to 1, milliseconds to 0."""
     if stats["median"] is None:
         return "-"
-    return (f"{stats['median']:.{digits}f}{suffix} [{stats['min']:.{digits}f}-{stats['max']:.{digits}f}]")
+    digits, suffix = {"x": (2, "x"), "tok/s": (1, ""), "s": (1, "")}.get(unit, (0, ""))
+    return f"{stats['median']:.{digits}f}{suffix} [{stats['min']:.{digits}f}-{stats['max']:.{digits}f}]"
 
 
 def print_table(summary: dict[str, Any]) -> None:
@@ -287,11 +289,9 @@ def print_table(summary: dict[str, Any]) -> None:
           f"{summary['rounds']} round(s), prompt ~{mean(prompts) if prompts else 0:.0f} tokens, "
           f"{summary['max_tokens']} tokens an answer, mode {mode}")
     print("median over rounds [min-max]; ratio: current/REV per round")
-    print(f"{'measure':<34}{'REV':>22}{'current':>22}{'current/REV':>20}  better")
-    for m in summary["measures"].values():
-        digits = 1 if m["unit"] in ("tok/s", "s") else 0
-        print(f"{m['label'] + ' (' + m['unit'] + ')':<34}{_cell(m['rev'], digits):>22}"
-              f"{_cell(m['current'], digits):>22}{_cell(m['ratio'], 2, 'x'):>20}  {m['better']}")
+    print(table(["measure", "REV", "current", "current/REV", "better"], (
+        [f"{m['label']} ({m['unit']})", _cell(m["rev"], m["unit"]), _cell(m["current"], m["unit"]),
+         _cell(m["ratio"], "x"), m["better"]] for m in summary["measures"].values())))
     for side, info in builds.items():
         print(f"{side}: modes {info['modes']}, errors {info['num_errors']}")
     idle = summary["idle"]

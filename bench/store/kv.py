@@ -21,9 +21,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from bench.harness.args import add_out
+from app.readiness import free_port
+from bench.harness.args import add_data, add_out
 from bench.harness.engine import load_engine
-from bench.harness.output import emit_summary
+from bench.harness.output import emit_summary, fmt, table
 from blend_engine.kv import KVShape
 from blend_engine.types import BlendConfig, PrefillMode, PrefillResult, Segment
 from configs.enums import KVQuantization, StorageDtype
@@ -79,9 +80,7 @@ def planned_prefill(engine, store: KVStore, handles: list[StoredChunk], prompt: 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", default="../shared/data/musique_dev.json", help="MuSiQue-format JSON")
-    parser.add_argument("--questions", type=int, default=5, help="questions to run")
-    parser.add_argument("--passages", type=int, default=10, help="passages (chunks) per prompt")
+    add_data(parser, questions=5, passages=10)
     add_out(parser)
     parser.add_argument("--model", default=None, help="model name (default: settings' model.name)")
     parser.add_argument("--ratio", type=float, default=None, help="blend recompute ratio (default: settings)")
@@ -97,9 +96,7 @@ class LocalRedis:
     """A throw-away redis-server on 127.0.0.1 (no persistence) for the bench's Redis tier."""
 
     def __init__(self, workdir: Path):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         cmd = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                "--dir", str(workdir)]
         self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -264,21 +261,16 @@ def summarize(rows: list[dict]) -> dict:
 
 def print_table(s: dict) -> None:
     agree = s["top1_agreement_vs_memory_blend"]
-    print(f"{'config':<22}{'TTFT ms':>10}{'x memory':>10}{'load wait ms':>14}{'top1=mem':>10}")
-    print(f"{'full':<22}{s['full']:>10.1f}{s['full'] / s['memory']:>10.2f}{'-':>14}{agree['full']:>10.2f}")
-    print(f"{'blend memory':<22}{s['memory']:>10.1f}{1.0:>10.2f}{'-':>14}{1.0:>10.2f}")
-    for name in (spec.name for spec in STREAMED if spec.name in s):
-        ratio, wait = s[name] / s["memory"], s[name + ":source_wait"]
-        print(f"{'blend ' + name:<22}{s[name]:>10.1f}{ratio:>10.2f}{wait:>14.1f}{agree[name]:>10.2f}")
-    print(f"(auto: the loading planner chose {s['plans']}; disk ratio {s['auto_ratio']:.3f})")
-    print()
-    print(f"{'tier':<12}{'load alone ms':>15}{'MB/s':>10}{'compute alone ms':>18}{'1.1*max ms':>12}")
-    for tier in TIERS:
-        if "load_alone:" + tier in s:
-            load = s["load_alone:" + tier]
-            bound = 1.1 * max(load, s["compute_alone"])
-            rate = s["throughput_MBps:" + tier]
-            print(f"{tier:<12}{load:>15.1f}{rate:>10.0f}{s['compute_alone']:>18.1f}{bound:>12.1f}")
+    streamed = [spec.name for spec in STREAMED if spec.name in s]
+    print(table(["config", "TTFT ms", "x memory", "load wait ms", "top1=mem"], [
+        ["full", fmt(s["full"]), fmt(s["full"] / s["memory"], 2), "-", fmt(agree["full"], 2)],
+        ["blend memory", fmt(s["memory"]), fmt(1.0, 2), "-", fmt(1.0, 2)],
+        *(["blend " + name, fmt(s[name]), fmt(s[name] / s["memory"], 2), fmt(s[name + ":source_wait"]),
+           fmt(agree[name], 2)] for name in streamed)]))
+    print(f"(auto: the loading planner chose {s['plans']}; disk ratio {s['auto_ratio']:.3f})\n")
+    print(table(["tier", "load alone ms", "MB/s", "compute alone ms", "1.1*max ms"], (
+        [tier, fmt(s["load_alone:" + tier]), fmt(s["throughput_MBps:" + tier], 0), fmt(s["compute_alone"]),
+         fmt(1.1 * max(s["load_alone:" + tier], s["compute_alone"]))] for tier in TIERS if "load_alone:" + tier in s)))
 
 
 def run(args: argparse.Namespace) -> int:
