@@ -12,7 +12,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import httpx
 
@@ -21,14 +21,13 @@ from app.commands.exit_codes import ExitCode
 from bench.answers.scoring import answer_record, paired, print_tables, results, score_document_answer, \
     score_musique_answer
 from bench.answers.settings import SETTINGS, Setting, settings_named
-from bench.harness.client import QueryFailed, StreamedAnswer, delete_documents, stream_query, wait_for_kv
+from bench.harness.client import WARMUP_TOKENS, QueryFailed, StreamedAnswer, delete_documents, stream_query, \
+    wait_for_kv
 from bench.harness.data import Question, load_questions
 from bench.harness.output import emit_summary, refuse
 from bench.harness.servers import started_server
 from bench.harness.sets import DEFAULT_SET, QuestionSet, SetQuestion, contains_gold, load_set
 from bench.harness.stats import in_turn
-
-WARMUP_TOKENS = 4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -113,13 +112,15 @@ def request_body(setting: Setting, question: str, args: argparse.Namespace) -> d
     return {**body, **setting.request}
 
 
-async def ask(client: httpx.AsyncClient, setting: Setting, question: str, args: argparse.Namespace
-              ) -> StreamedAnswer | str:
-    """The streamed answer, or the error's text (a failed request is counted, not fatal)."""
+async def ask(client: httpx.AsyncClient, setting: Setting, question: str, args: argparse.Namespace,
+              record: dict[str, Any], score: Callable[[StreamedAnswer], dict[str, Any]]) -> dict[str, Any]:
+    """`record` with the answer and its `score`, or with the error's text (a failed request is counted, not
+    fatal)."""
     try:
-        return await stream_query(client, request_body(setting, question, args))
+        got = await stream_query(client, request_body(setting, question, args))
     except (QueryFailed, httpx.HTTPError) as exc:
-        return f"{type(exc).__name__}: {exc}"
+        return {**record, "error": f"{type(exc).__name__}: {exc}"}
+    return {**record, "error": None, **answer_record(got), **score(got)}
 
 
 async def warm_up(clients: Mapping[str, httpx.AsyncClient], settings: Sequence[Setting], question: str,
@@ -138,13 +139,10 @@ async def document_part(clients: Mapping[str, httpx.AsyncClient], settings: Sequ
         for qi, question in enumerate(questions):
             progress(f"documents: question {qi + 1}/{len(questions)}, repeat {repeat + 1}/{args.repeats}")
             for setting in in_turn(settings, qi + repeat):
-                got = await ask(clients[setting.server_key], setting, question.question, args)
                 record = {"part": f"docs_{question.split}", "question": question.id, "document": question.document,
                           "setting": setting.name, "repeat": repeat}
-                if isinstance(got, str):
-                    records.append({**record, "error": got})
-                else:
-                    records.append({**record, "error": None, **answer_record(got), **score_document_answer(question, got)})
+                records.append(await ask(clients[setting.server_key], setting, question.question, args, record,
+                                         lambda got: score_document_answer(question, got)))
     return records
 
 
@@ -162,14 +160,10 @@ async def musique_part(clients: Mapping[str, httpx.AsyncClient], settings: Seque
         expected = {doc_id for doc_id, text in zip(ids, question.passages) if contains_gold(text, question.answers)}
         for repeat in range(args.repeats):
             for setting in in_turn(settings, mi + repeat):
-                got = await ask(clients[setting.server_key], setting, question.question, args)
                 record = {"part": "musique", "question": f"musique-{mi}", "gold": list(question.answers),
                           "num_gold_passages": len(expected), "setting": setting.name, "repeat": repeat}
-                if isinstance(got, str):
-                    records.append({**record, "error": got})
-                else:
-                    records.append({**record, "error": None, **answer_record(got),
-                                    **score_musique_answer(question.answers, expected, got)})
+                records.append(await ask(clients[setting.server_key], setting, question.question, args, record,
+                                         lambda got: score_musique_answer(question.answers, expected, got)))
         for client in clients.values():
             await delete_documents(client, ids)
     return records, ingest_s

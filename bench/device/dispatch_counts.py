@@ -3,23 +3,23 @@
 (ops of MANY_LAYERS layers - ops of FEW_LAYERS) / the layers between, so per-request work cancels; host syncs
 are counted apart (none may come per layer).
 
-    python -m bench.device.dispatch_counts [--json]
+    python -m bench.device.dispatch_counts
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import astuple, dataclass
 from enum import Enum
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from bench.harness.output import table
 from blend_engine.attention import AttentionBackend
 from blend_engine.engine import BlendEngine
 from blend_engine.types import BlendConfig, PrefillMode, SamplingParams, Segment
@@ -77,10 +77,6 @@ class Count:
 
     def per_layer(self, fewer: Count, num_layers: int) -> Count:
         return Count(*((a - b) / num_layers for a, b in zip(astuple(self), astuple(fewer))))
-
-
-def astuple(count: Count) -> tuple[float, float, float]:
-    return count.ops, count.launches, count.syncs
 
 
 def tiny_engine(num_layers: int, seed: int = 0) -> BlendEngine:
@@ -189,18 +185,12 @@ def all_counts() -> dict[str, Count]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    args = parser.parse_args()
+    """The figures as docs/benchmarks/gpu.md's table gives them (tests/test_dispatch_counts.py bounds them)."""
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     torch.set_num_threads(1)
-    counts = all_counts()
-    if args.json:
-        print(json.dumps({name: asdict(count) for name, count in counts.items()}, indent=1))
-        return 0
     print(f"torch ops dispatched per layer (tiny Llama, {MANY_LAYERS} layers less {FEW_LAYERS}, CPU)\n")
-    print("| what | ops | of which not views (a launch each on a GPU) | host syncs |\n| --- | ---: | ---: | ---: |")
-    for name, count in counts.items():
-        print(f"| {name} | {count.ops:g} | {count.launches:g} | {count.syncs:g} |")
+    print(table(["what", "ops", "of which not views (a launch each on a GPU)", "host syncs"], (
+        [name, f"{c.ops:g}", f"{c.launches:g}", f"{c.syncs:g}"] for name, c in all_counts().items()), markdown=True))
     return 0
 
 

@@ -16,6 +16,9 @@ from app.commands.client import error_message
 from bench.harness.data import Question
 
 
+WARMUP_TOKENS = 4  # a warm-up answer's length: a server's first requests pay one-off costs, not counted
+
+
 class QueryFailed(Exception):
     """A query answered with an HTTP error or an in-stream `error` event; the message is the server's."""
 

@@ -20,14 +20,13 @@ from bench.harness.args import add_data, add_out, add_server, headers
 from bench.harness.data import Question, load_questions
 from bench.harness.output import emit_summary, refuse
 from bench.harness.stats import in_turn
-from bench.harness.client import QueryFailed, chunk_ids, ingest_ready, stream_query
+from bench.harness.client import WARMUP_TOKENS, QueryFailed, chunk_ids, ingest_ready, stream_query
 from bench.serving.report import Chat, Role, Round, level_stats, print_tables, ratio_rows, target_checks
 from configs.enums import RequestMode
 
 # The baseline: one sequence at a time (the scheduler's off switch). An environment variable, so the
 # same `ragblend serve` command line starts both servers.
 BASELINE_ENV = {"RAGBLEND_SCHEDULER__MAX_RUNNING": "1"}
-WARMUP_TOKENS = 4
 
 
 def concurrency_levels(text: str) -> list[int]:
