@@ -1,14 +1,11 @@
-"""Torch ops dispatched per layer, counted on CPU: a stand-in for a GPU's kernel launches that tests can hold
-(tests/test_dispatch_counts.py; docs/benchmarks/gpu.md#a-prefill-bound-by-the-gpu-not-the-host). Each figure is
-(ops of MANY_LAYERS layers - ops of FEW_LAYERS) / the layers between, so per-request work cancels; host syncs
-are counted apart (none may come per layer).
-
-    python -m bench.device.dispatch_counts
-"""
+"""Torch ops dispatched per layer, counted on CPU: a stand-in for a GPU's kernel launches that
+tests/test_dispatch_counts.py holds under bounds (docs/benchmarks/gpu.md#torch-ops-per-layer-counted-on-cpu).
+Each figure is (ops of MANY_LAYERS layers - ops of FEW_LAYERS) / the layers between, so per-request work
+cancels; host syncs are counted apart (none may come per layer). It was `python -m bench.device.dispatch_counts`
+until issue 64 (its table: `git show 50937cd:bench/device/dispatch_counts.py`)."""
 
 from __future__ import annotations
 
-import argparse
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,16 +16,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from bench.harness.output import table
 from blend_engine.attention import AttentionBackend
 from blend_engine.engine import BlendEngine
 from blend_engine.types import BlendConfig, PrefillMode, SamplingParams, Segment
+from engine_models import VOCAB
 
 FEW_LAYERS, MANY_LAYERS = 4, 12
 SYNC_OPS = frozenset({"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
                       "aten.item.default", "aten._assert_async.msg"})
 BLEND = BlendConfig.cacheblend(recompute_ratio=0.15, check_layers=(1,))
-VOCAB = 256
 GRAPH_REPLAY = "graph replay"
 
 
@@ -80,7 +76,7 @@ class Count:
 
 
 def tiny_engine(num_layers: int, seed: int = 0) -> BlendEngine:
-    """A random Llama with GQA (hidden 64, 4 heads, 2 KV heads), fp32 on CPU, as tests/engine_models.py's."""
+    """A random Llama with GQA (hidden 64, 4 heads, 2 KV heads), fp32 on CPU, as engine_models.py's."""
     torch.manual_seed(seed)
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=4096)
@@ -183,16 +179,3 @@ def all_counts() -> dict[str, Count]:
     counts["batched decode step (B = 4, eager)"] = per_layer(batch_decode_step)
     return counts
 
-
-def main() -> int:
-    """The figures as docs/benchmarks/gpu.md's table gives them (tests/test_dispatch_counts.py bounds them)."""
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
-    torch.set_num_threads(1)
-    print(f"torch ops dispatched per layer (tiny Llama, {MANY_LAYERS} layers less {FEW_LAYERS}, CPU)\n")
-    print(table(["what", "ops", "of which not views (a launch each on a GPU)", "host syncs"], (
-        [name, f"{c.ops:g}", f"{c.launches:g}", f"{c.syncs:g}"] for name, c in all_counts().items()), markdown=True))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
