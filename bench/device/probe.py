@@ -15,6 +15,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from bench.device.summary import prefill_tables  # noqa: E402
 from bench.harness.args import add_out  # noqa: E402
 from bench.harness.output import emit_summary  # noqa: E402
 from bench.harness.stats import timed_ms  # noqa: E402
@@ -93,16 +94,7 @@ def prefill(model: str, device_name: str, rounds: int, chunk_tokens: int) -> dic
             out["profile"][f"{mode}_{'graphed' if is_graphed else 'eager'}"] = {
                 "cpu_ms": cpu_ms, "gpu_ms": gpu_ms, "cpu_over_gpu": cpu_ms / gpu_ms if gpu_ms else None}
     engine.is_prefill_graphed = engine.device.type == "cuda"
-    print(f"\nprefill, {engine.model_name} on {device}: {out['num_prompt_tokens']} prompt tokens, blend recomputes "
-          f"{out['num_recomputed_blend']}; medians of {rounds} rounds\n")
-    print("| mode | eager ms | graphed ms | graphed speed-up | vs full, graphed |\n| --- | ---: | ---: | ---: | ---: |")
-    for mode in PREFILL_MODES:
-        print(f"| {mode} | {out['ms'][f'{mode}_eager']:.1f} | {out['ms'][f'{mode}_graphed']:.1f} | "
-              f"{out['graphed_speedup'][mode]:.2f}x | {out['speedup_vs_full'][f'{mode}_graphed']:.2f}x |")
-    print("\n| profiled prefill | host (CPU) ms | GPU ms | host / GPU |\n| --- | ---: | ---: | ---: |")
-    for name, row in out["profile"].items():
-        over = "" if row["cpu_over_gpu"] is None else f"{row['cpu_over_gpu']:.2f}"
-        print(f"| {name} | {row['cpu_ms']:.1f} | {row['gpu_ms']:.1f} | {over} |")
+    print("\n" + "\n".join(prefill_tables(out)))
     return out
 
 

@@ -94,6 +94,21 @@ def load(work: Path) -> Figures:
     return figures
 
 
+def prefill_tables(p: Figures) -> list[str]:
+    """The probe's prefill figures (bench/device/probe.py prints them too): per mode eager and graphed, then
+    each profiled prefill's host time against its GPU time."""
+    return [f"## Prefill, {p['model']} on {p['device']} ({p['num_prompt_tokens']} tokens, blend recomputes "
+            f"{p['num_recomputed_blend']}; medians of {p['rounds']} rounds)", "",
+            table(["mode", "eager ms", "graphed ms", "graphed speed-up", "vs full, eager", "vs full, graphed"], (
+                [mode, fmt(p["ms"][f"{mode}_eager"]), fmt(p["ms"][f"{mode}_graphed"]),
+                 fmt(p["graphed_speedup"][mode], 2, "x"), fmt(p["speedup_vs_full"][f"{mode}_eager"], 2, "x"),
+                 fmt(p["speedup_vs_full"][f"{mode}_graphed"], 2, "x")] for mode in ("full", "reuse", "blend")),
+                markdown=True), "",
+            table(["profiled prefill", "host (CPU) ms", "GPU ms", "host / GPU"], (
+                [name, fmt(row["cpu_ms"]), fmt(row["gpu_ms"]), fmt(row["cpu_over_gpu"], 2)]
+                for name, row in p["profile"].items()), markdown=True)]
+
+
 def markdown(summary: Figures) -> str:
     f, out = summary["figures"], []
     kind = "DRY RUN on CPU, tiny model: no figure below means anything" if summary["dry_run"] else "GPU run"
@@ -105,19 +120,8 @@ def markdown(summary: Figures) -> str:
     out += ["", "## Targets", "", table(["target", "measured", "bound", "met"], (
         [t["name"], fmt(t["value"], 2), t["bound"], met[t["is_met"]]] for t in summary["targets"]), markdown=True)]
     for key in ("prefill_7b", "prefill_8b"):
-        if key not in f:
-            continue
-        p = f[key]["prefill"]
-        out += ["", f"## Prefill, {p['model']} on {p['device']} ({p['num_prompt_tokens']} tokens, blend recomputes "
-                f"{p['num_recomputed_blend']}; medians of {p['rounds']} rounds)", "",
-                table(["mode", "eager ms", "graphed ms", "graphed speed-up", "vs full, eager", "vs full, graphed"], (
-                    [mode, fmt(p["ms"][f"{mode}_eager"]), fmt(p["ms"][f"{mode}_graphed"]),
-                     fmt(p["graphed_speedup"][mode], 2, "x"), fmt(p["speedup_vs_full"][f"{mode}_eager"], 2, "x"),
-                     fmt(p["speedup_vs_full"][f"{mode}_graphed"], 2, "x")] for mode in ("full", "reuse", "blend")),
-                    markdown=True), "",
-                table(["profiled prefill", "host (CPU) ms", "GPU ms", "host / GPU"], (
-                    [name, fmt(row["cpu_ms"]), fmt(row["gpu_ms"]), fmt(row["cpu_over_gpu"], 2)]
-                    for name, row in p["profile"].items()), markdown=True)]
+        if key in f:
+            out += ["", *prefill_tables(f[key]["prefill"])]
     if "engine_7b" in f:
         e = f["engine_7b"]
         out += ["", f"## Engine bench, {e['model']} ({e['questions']} questions, median prompt "

@@ -20,7 +20,7 @@ import torch  # noqa: E402
 
 from bench.harness.args import add_model, add_out  # noqa: E402
 from bench.harness.engine import model_overrides  # noqa: E402
-from bench.harness.output import cpu_name, emit_summary  # noqa: E402
+from bench.harness.output import cpu_name, emit_summary, fmt, table  # noqa: E402
 from bench.harness.stats import mean_ms  # noqa: E402
 from blend_engine.batch_decode import StaticBatch, batch_step  # noqa: E402
 from blend_engine.decode import Decoder  # noqa: E402
@@ -135,13 +135,11 @@ def run(args: argparse.Namespace) -> int:
     for name, rows in (("eager batched step", sweep), ("CUDA-graphed bucket step (StaticBatch)", graphed)):
         if not rows:
             continue
-        print(f"\n{name}\n\n| B | step ms | ms / token | vs B single steps | vs the B = 1 step |")
-        print("| ---: | ---: | ---: | ---: | ---: |")
         one = next((row["step_ms"] for row in rows if row["batch_size"] == 1), None)
-        for row in rows:
-            speedup, ms = row["speedup_vs_single_steps"], row["step_ms"]
-            print(f"| {row['batch_size']} | {ms:.2f} | {row['ms_per_token']:.2f} | "
-                  f"{'' if speedup is None else f'{speedup:.2f}x'} | {'' if one is None else f'{ms / one:.2f}x'} |")
+        print(f"\n{name}\n\n" + table(["B", "step ms", "ms / token", "vs B single steps", "vs the B = 1 step"], (
+            [row["batch_size"], fmt(row["step_ms"], 2), fmt(row["ms_per_token"], 2),
+             fmt(row["speedup_vs_single_steps"], 2, "x"), fmt(row["step_ms"] / one if one else None, 2, "x")] for row in rows),
+            markdown=True))
     emit_summary({
         "machine": {"cpu": cpu_name(), "num_cpus": os.cpu_count(), "platform": platform.platform(),
                     "torch": torch.__version__, "load_avg_1m_at_end": os.getloadavg()[0]},

@@ -10,7 +10,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Iterator, Mapping, Sequence
+from typing import IO, Any, Iterator, Mapping
 
 import yaml
 
@@ -97,18 +97,6 @@ class LocalServer:
             self._log.close()
         if self._dir is not None:
             self._dir.cleanup()
-
-
-def environment_pairs(specs: Sequence[str], option: str) -> dict[str, str]:
-    """`NAME=VALUE` strings (a server's environment given on the command line) as a mapping;
-    ValueError naming `option` for one without a name or an `=`."""
-    env = {}
-    for spec in specs:
-        name, sep, value = spec.partition("=")
-        if not sep or not name:
-            raise ValueError(f"{option} takes NAME=VALUE, got {spec!r}")
-        env[name] = value
-    return env
 
 
 def process_tree_cpu_s(pid: int) -> float | None:

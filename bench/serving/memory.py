@@ -18,7 +18,7 @@ import yaml
 
 from bench.harness.sets import DEFAULT_SET, load_set
 from bench.serving.memory_probe import MB, mappings, read_rss
-from bench.harness.output import emit_summary
+from bench.harness.output import emit_summary, fmt, table
 from bench.harness.servers import REPO_ROOT
 
 MEMORY_TIER = re.compile(r'^ragblend_kv_bytes\{tier="memory"\} (\S+)$', re.MULTILINE)
@@ -118,21 +118,18 @@ def run_server(config: Path | None, args: argparse.Namespace) -> dict[str, Any]:
 def print_tables(summary: dict[str, Any]) -> None:
     stages = summary.get("stages")
     if stages:
-        print("| stage | RSS MB | anon | file | added | malloc used | malloc free |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-        previous = 0.0
-        for row in stages["stages"]:
-            print(f"| {row['stage']} | {row['rss_mb']:.0f} | {row['anon_mb']:.0f} | {row['file_mb']:.0f} | "
-                  f"{row['rss_mb'] - previous:+.0f} | {row.get('malloc_used_mb', 0):.0f} | {row.get('malloc_free_mb', 0):.0f} |")
-            previous = row["rss_mb"]
+        rows = stages["stages"]
+        print(table(["stage", "RSS MB", "anon", "file", "added", "malloc used", "malloc free"], (
+            [row["stage"], fmt(row["rss_mb"], 0), fmt(row["anon_mb"], 0), fmt(row["file_mb"], 0),
+             f"{row['rss_mb'] - (rows[i - 1]['rss_mb'] if i else 0.0):+.0f}", fmt(row.get("malloc_used_mb", 0), 0),
+             fmt(row.get("malloc_free_mb", 0), 0)] for i, row in enumerate(rows)), markdown=True))
         print("\nweights (MB):", ", ".join(f"{k} {v}" for k, v in stages["weights_mb"].items()))
     server = summary.get("server")
     if server:
-        print("\n| server | RSS MB | anon | file | peak | memory tier | prefix cache | RSS less the two caches |\n"
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-        for row in server["readings"]:
-            print(f"| {row['label']} | {row['rss_mb']:.0f} | {row['anon_mb']:.0f} | {row['file_mb']:.0f} | "
-                  f"{row['peak_mb']:.0f} | {row['memory_tier_mb']:.0f} | {row['prefix_cache_mb']:.0f} | "
-                  f"{row['own_mb']:.0f} |")
+        print("\n" + table(["server", "RSS MB", "anon", "file", "peak", "memory tier", "prefix cache",
+                            "RSS less the two caches"], ([row["label"], *(fmt(row[key], 0) for key in (
+                                "rss_mb", "anon_mb", "file_mb", "peak_mb", "memory_tier_mb", "prefix_cache_mb",
+                                "own_mb"))] for row in server["readings"]), markdown=True))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -242,9 +242,11 @@ def serve_and_bench(args: argparse.Namespace, questions: Sequence[Question], hea
 
 
 def baseline_environment(pairs: Sequence[str] | None) -> dict[str, str]:
-    """`--baseline-env NAME=VALUE ...` as a mapping; none given: one request at a time (BASELINE_ENV)."""
-    if not pairs:
-        return dict(BASELINE_ENV)
-    from bench.harness.servers import environment_pairs
-
-    return environment_pairs(pairs, "--baseline-env")
+    """`--baseline-env NAME=VALUE ...` as a mapping; none given: one request at a time (BASELINE_ENV).
+    ValueError for a pair without a name or an `=`."""
+    env = {}
+    for name, sep, value in (pair.partition("=") for pair in pairs or ()):
+        if not sep or not name:
+            raise ValueError(f"--baseline-env takes NAME=VALUE, got {name + sep + value!r}")
+        env[name] = value
+    return env or dict(BASELINE_ENV)
