@@ -100,10 +100,6 @@ async def throughput_phase(client: httpx.AsyncClient, questions: list[Question],
     return rounds, schedule
 
 
-def round_requests_per_s(rounds: list[Round]) -> list[float]:
-    return [sum(c.answer is not None for c in r.chats) / r.wall_s for r in rounds]
-
-
 def answer_lengths(rounds: list[Round]) -> dict[str, float]:
     """Completion tokens per answer over the rounds: with natural answers the modes' decode work differs by
     what they answer, so it is reported beside their requests/s."""
@@ -116,8 +112,7 @@ def throughput_summary(rounds: dict[str, list[Round]], schedule: list[dict], arg
     first mode's round by round, and its TTFT p50/p95 over the first mode's."""
     if not rounds:
         return None
-    rows = {mode: {**level_stats(mode_rounds), "requests_per_s_rounds": round_requests_per_s(mode_rounds),
-                   "completion_tokens_per_answer": answer_lengths(mode_rounds)}
+    rows = {mode: {**level_stats(mode_rounds), "completion_tokens_per_answer": answer_lengths(mode_rounds)}
             for mode, mode_rounds in rounds.items()}
     first, *others = rows
     vs_first = {}

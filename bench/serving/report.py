@@ -51,6 +51,7 @@ def level_stats(rounds: Sequence[Round]) -> dict[str, Any]:
     queue = [a.timings["queue_ms"] for a in answers if "queue_ms" in a.timings]
     decode = [rate for a in answers if (rate := a.decode_tokens_per_s) is not None]
     tokens = [sum(c.answer.num_completion_tokens for c in r.chats if c.answer is not None) for r in rounds]
+    requests_per_s = [sum(c.answer is not None for c in r.chats) / r.wall_s for r in rounds]
     return {
         "clients": rounds[0].clients,
         "num_rounds": len(rounds),
@@ -65,7 +66,8 @@ def level_stats(rounds: Sequence[Round]) -> dict[str, Any]:
         "queue_p50_ms": percentile(queue, 50),  # None: the server reports no queue wait
         "queue_p95_ms": percentile(queue, 95),
         "tokens_per_s": median(n / r.wall_s for n, r in zip(tokens, rounds)),
-        "requests_per_s": median(sum(c.answer is not None for c in r.chats) / r.wall_s for r in rounds),
+        "requests_per_s": median(requests_per_s),
+        "requests_per_s_rounds": requests_per_s,
         "wall_s": median(r.wall_s for r in rounds),
         "wall_s_rounds": [r.wall_s for r in rounds],
         "completion_tokens": sum(tokens),
