@@ -70,13 +70,21 @@ def planned_prefill(engine, store: KVStore, handles: list[StoredChunk], prompt: 
     if plan.kind is PlanKind.FULL:
         return engine.prefill(prompt([None] * len(handles)), mode=PrefillMode.FULL), plan
     used = [h if is_reused else None for h, is_reused in zip(handles, plan.reused_mask(handles))]
-    segments = prompt(used)
+    result, _ = streamed_prefill(engine, store, prompt(used), dataclasses.replace(blend, recompute_ratio=plan.ratio),
+                                 start_layer)
+    return result, plan
+
+
+def streamed_prefill(engine, store: KVStore, segments: list[Segment], blend: BlendConfig,
+                     start_layer: int) -> tuple[PrefillResult, float]:
+    """A blend prefill whose chunks' KV streams from `store`, pipelined; and the ms the engine blocked on it."""
     source = store.layer_source(handles_in(segments), engine.device, engine.dtype, pipelined=True,
                                 start_layer=start_layer, recompute=engine.precompute)
     try:
-        return engine.prefill(segments, blend=dataclasses.replace(blend, recompute_ratio=plan.ratio), kv_source=source), plan
+        result = engine.prefill(segments, blend=blend, kv_source=source)
     finally:
         source.close()
+    return result, source.stats.wait_seconds * 1000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -183,14 +191,8 @@ def run_question(engine, stores, item, args, blend, sink) -> dict:
                 result, plan = planned_prefill(engine, store, handles, prompt, blend, start_layer)
                 plans[spec.name], source_wait_ms[spec.name] = plan.kind.value, result.stats.kv_load_ms
                 return result
-            segments = prompt(handles)
-            source = store.layer_source(handles_in(segments), engine.device, engine.dtype, pipelined=True,
-                                        start_layer=start_layer, recompute=engine.precompute)
-            try:
-                return engine.prefill(segments, blend=blend, kv_source=source)
-            finally:
-                source.close()
-                source_wait_ms[spec.name] = source.stats.wait_seconds * 1000
+            result, source_wait_ms[spec.name] = streamed_prefill(engine, store, prompt(handles), blend, start_layer)
+            return result
 
         return fn
 
