@@ -55,6 +55,21 @@ def ingest_ready(url: str, headers: dict[str, str], timeout_s: float, questions:
         return model, ingest(client, questions)
 
 
+def metrics(client: httpx.Client, prefix: str = "ragblend_") -> dict[str, dict[str, float]]:
+    """The server's /metrics families named `prefix`...: family (less the prefix) -> its samples by their
+    `tier` label ("" for none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = client.get("/metrics")
+    response.raise_for_status()
+    out: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            if family.name.startswith(prefix) and not sample.name.endswith("_created"):
+                out.setdefault(family.name.removeprefix(prefix), {})[sample.labels.get("tier", "")] = sample.value
+    return out
+
+
 async def delete_documents(client: httpx.AsyncClient, ids: Sequence[str]) -> None:
     for doc_id in ids:
         response = await client.delete(f"/v1/documents/{doc_id}")

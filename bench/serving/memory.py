@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 import tempfile
@@ -16,13 +15,12 @@ from typing import Any
 import httpx
 import yaml
 
+from bench.harness.client import metrics
 from bench.harness.sets import DEFAULT_SET, load_set
 from bench.serving.memory_probe import MB, mappings, read_rss
 from bench.harness.output import emit_summary, fmt, table
 from bench.harness.servers import REPO_ROOT
 
-MEMORY_TIER = re.compile(r'^ragblend_kv_bytes\{tier="memory"\} (\S+)$', re.MULTILINE)
-PREFIX_CACHE = re.compile(r"^ragblend_prefix_cache_bytes (\S+)$", re.MULTILINE)
 
 
 
@@ -53,18 +51,11 @@ def run_stages(config: Path | None, timeout_s: float) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def cache_mb(client: httpx.Client) -> tuple[float, float]:
-    """The memory tier's bytes and the prefix cache's from /metrics, in MB (0 where absent)."""
-    response = client.get("/metrics")
-    response.raise_for_status()
-    found = [pattern.search(response.text) for pattern in (MEMORY_TIER, PREFIX_CACHE)]
-    tier, prefix = (round(float(f.group(1)) / MB, 1) if f else 0.0 for f in found)
-    return tier, prefix
-
-
 def reading(pid: int, client: httpx.Client, label: str) -> dict[str, Any]:
-    rss = read_rss(pid)
-    tier, prefix = cache_mb(client)
+    """RSS, and the two caches' bytes in it (the memory tier's, the prefix cache's; 0 where absent), in MB."""
+    rss, found = read_rss(pid), metrics(client)
+    tier, prefix = (round(found.get(name, {}).get(key, 0.0) / MB, 1)
+                    for name, key in (("kv_bytes", "memory"), ("prefix_cache_bytes", "")))
     return {"label": label, **rss.as_dict(), "memory_tier_mb": tier, "prefix_cache_mb": prefix,
             "own_mb": round(rss.rss_mb - tier - prefix, 1), "mappings_mb": mappings(pid)}
 
