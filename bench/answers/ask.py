@@ -11,6 +11,7 @@ import json
 import sys
 import time
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -253,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
     asked = Counter((q.document, q.split) for q in questions)
     summary = {
         "bench": "answers", "set": str(args.set), "model": measured["servers"][0]["model"], "split": args.split,
-        "settings": [s.as_json() for s in settings], "repeats": args.repeats, "max_tokens": args.max_tokens,
+        "settings": [asdict(s) for s in settings], "repeats": args.repeats, "max_tokens": args.max_tokens,
         "documents": {d.id: {"file": d.path.name, "format": d.format, "origin": d.origin, "package": d.package}
                       for d in qset.documents},
         "questions_asked": {d.id: {s: asked[(d.id, s)] for s in ("dev", "test")} for d in qset.documents},

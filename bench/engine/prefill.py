@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import dataclass, field, replace
+from collections import defaultdict
+from dataclasses import dataclass, replace
 
 from bench.engine.formats import compare_formats, print_formats
 from bench.engine.report import print_table, summarize
@@ -37,12 +38,7 @@ class Record:
     answer: str = ""
 
 
-@dataclass
-class Runs:
-    records: dict[str, list[Record]] = field(default_factory=dict)
-
-    def add(self, label: str, record: Record) -> None:
-        self.records.setdefault(label, []).append(record)
+Runs = dict[str, list[Record]]  # a variant's label -> its records, question by question
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     if args.no_prefix_row:
         variants = [v for v in variants if v.mode != PrefillMode.PREFIX]
     is_quality = not engine.is_random
-    runs = Runs()
+    runs: Runs = defaultdict(list)
     _warm_up(engine, questions[0], variants)
     for i, question in enumerate(questions):
         t0 = time.perf_counter()
@@ -127,7 +123,7 @@ def bench_question(engine, question: Question, variants, runs: Runs, answer_toke
                         stats.recompute_ratio)
         if is_quality:
             _score(engine, result, record, ref_ids, ref_logits, ref_text, question, answer_tokens, is_answered)
-        runs.add(variant.label, record)
+        runs[variant.label].append(record)
 
 
 def _score(engine, result, record: Record, ref_ids, ref_logits, ref_text, question, answer_tokens,

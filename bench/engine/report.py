@@ -17,14 +17,14 @@ def _is_cacheblend(variant) -> bool:
 
 
 def summarize(runs, variants, args, engine, is_quality: bool) -> dict:
-    full_ttft = safe_median(r.ttft_ms for r in runs.records["full"])
+    full_ttft = safe_median(r.ttft_ms for r in runs["full"])
     reuse_kl: dict = {}  # per sink, CacheBlend's reuse (no scale): the reference of every row's KL ratio
     for v in sorted((v for v in variants if v.mode == PrefillMode.REUSE), key=lambda v: not _is_cacheblend(v)):
         if v.sink not in reuse_kl:
-            reuse_kl[v.sink] = safe_mean(r.tf_kl for r in runs.records[v.label] if r.tf_kl is not None)
+            reuse_kl[v.sink] = safe_mean(r.tf_kl for r in runs[v.label] if r.tf_kl is not None)
     rows = {}
     for v in variants:
-        recs = runs.records[v.label]
+        recs = runs[v.label]
         ttft = safe_median(r.ttft_ms for r in recs)
         kl = safe_mean(r.tf_kl for r in recs if r.tf_kl is not None)
         ref_kl = reuse_kl.get(v.sink)
@@ -63,7 +63,7 @@ def summarize(runs, variants, args, engine, is_quality: bool) -> dict:
         "questions": args.questions,
         "first_question": args.first_question,
         "passages": args.passages,
-        "median_prompt_tokens": safe_median(r.num_prompt for r in runs.records["full"]),
+        "median_prompt_tokens": safe_median(r.num_prompt for r in runs["full"]),
         "results": rows,
     }
 

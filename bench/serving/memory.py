@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,7 @@ def reading(pid: int, client: httpx.Client, label: str) -> dict[str, Any]:
     rss, found = read_rss(pid), metrics(client)
     tier, prefix = (round(found.get(name, {}).get(key, 0.0) / MB, 1)
                     for name, key in (("kv_bytes", "memory"), ("prefix_cache_bytes", "")))
-    return {"label": label, **rss.as_dict(), "memory_tier_mb": tier, "prefix_cache_mb": prefix,
+    return {"label": label, **asdict(rss), "memory_tier_mb": tier, "prefix_cache_mb": prefix,
             "own_mb": round(rss.rss_mb - tier - prefix, 1), "mappings_mb": mappings(pid)}
 
 

@@ -276,7 +276,7 @@ def print_table(s: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    settings, engine = load_engine(threads=args.threads, model_name=args.model)
+    settings, engine = load_engine(threads=args.threads, model={"name": args.model} if args.model else {})
     blend = engine.blend  # the settings' config, fitted to the model
     if args.ratio is not None:
         blend = dataclasses.replace(blend, recompute_ratio=args.ratio)
