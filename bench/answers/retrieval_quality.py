@@ -13,7 +13,7 @@ from typing import Any, Sequence
 from app.commands.exit_codes import ExitCode
 from bench.harness.sets import DEFAULT_SET, QuestionSet, SetQuestion, load_set
 from bench.harness.output import emit_summary, fmt, refuse, table
-from bench.harness.postgres import empty_database
+from bench.harness.postgres import empty_store
 from configs.enums import ChunkingMode, RetrievalMode
 
 
@@ -52,7 +52,8 @@ def parse_chunkings(text: str) -> list[Chunking]:
 
 
 def build_retriever(qset: QuestionSet, chunking: Chunking, overlap: int, data_dir: Path, database_url: str | None):
-    """A retriever over the set's documents chunked as the server would (no KV)."""
+    """A retriever over the set's documents chunked as the server would (no KV); in Postgres at `database_url`,
+    emptied first (one configuration at a time in the database)."""
     import numpy as np
 
     from app.documents.writes import MARKDOWN_FORMATS
@@ -69,12 +70,7 @@ def build_retriever(qset: QuestionSet, chunking: Chunking, overlap: int, data_di
     tokenizer = _embedded_tokenizer(ModelConfig().cache_dir)
     chunker = Chunker(lambda text: list(encode_text(tokenizer, text)), tokenizer.decode, chunking.tokens,
                       min(overlap, chunking.tokens - 1))
-    store = None
-    if database_url:
-        from retrieval.pg_store import PostgresDocumentStore
-
-        store = PostgresDocumentStore(database_url)
-    retriever = Retriever.open(data_dir, RetrievalConfig(), store)
+    retriever = Retriever.open(data_dir, RetrievalConfig(), empty_store(database_url))
     for doc in qset.documents:
         (extracted,) = extract_file(doc.path.name, doc.path.read_bytes(), ExtractionLimits.of(LimitsConfig()), doc.id)
         chunks = chunker.split(extracted.text, chunking.mode, is_markdown=extracted.file_format.value in MARKDOWN_FORMATS)
@@ -145,8 +141,6 @@ def run(args: argparse.Namespace) -> int:
     results = {}
     for chunking in chunkings:
         with tempfile.TemporaryDirectory(prefix="ragblend-retrieval-quality-") as tmp:
-            if args.database_url:  # one configuration at a time in the database: start empty
-                empty_database(args.database_url)
             retriever = build_retriever(qset, chunking, args.overlap, Path(tmp), args.database_url)
             try:
                 num_chunks = retriever.store.num_chunks()
