@@ -20,8 +20,8 @@ from app.commands.exit_codes import ExitCode
 from bench.serving import build as compare_build
 from bench.serving.build import Build, BuildError
 from bench.harness.servers import REPO_ROOT, LocalServer, started
-from bench.harness.args import add_api_key, headers
-from bench.harness.data import DEFAULT_DATA, Question, load_questions
+from bench.harness.args import add_api_key, add_data, headers
+from bench.harness.data import Question, load_questions
 from bench.harness.output import emit_summary, refuse, table
 from bench.serving.server import WARMUP_TOKENS, add_request_arguments, prepare, request_body, round_questions, \
     run_round
@@ -59,12 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("rev", help="the git revision to compare this checkout with (a sha, branch, tag, HEAD~3...)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds; each measures every part on both builds")
     parser.add_argument("--clients", type=int, default=8, help="streaming clients at once in a round's concurrent part")
-    parser.add_argument("--questions", type=int,
-                        help="questions the concurrent part's clients draw from (default and least: --clients)")
-    parser.add_argument("--first-question", type=int, default=0, help="skip this many of the data set's questions")
-    parser.add_argument("--passages", type=int, default=5, help="passages per question (5: a ~3k-token prompt)")
+    add_data(parser, questions=None, first_question=0,
+             questions_help="questions the concurrent part's clients draw from (default and least: --clients)")
     add_request_arguments(parser, is_ignoring_eos=True)  # a decode rate needs answers of one length
-    parser.add_argument("--data", type=Path, default=Path(DEFAULT_DATA))
     parser.add_argument("--python", type=Path,
                         help="run REV under this interpreter (one with REV's dependencies) instead of building a venv")
     parser.add_argument("--venv", choices=[compare_build.Interpreter.SHARED.value, compare_build.Interpreter.OWN.value],

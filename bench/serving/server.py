@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the stall bound against none")
     parser.add_argument("--concurrency", type=concurrency_levels, default=concurrency_levels("1,2,4,8"),
                         help="comma-separated client counts, e.g. 1,2,4,8")
-    add_data(parser, questions=None)  # default and least: the largest client count
+    add_data(parser, questions=None, questions_help="questions (default and least: the largest client count)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds per level and server")
     add_request_arguments(parser, is_ignoring_eos=False)
     add_out(parser)
