@@ -23,7 +23,7 @@ from bench.answers.scoring import answer_record, paired, print_tables, results, 
     score_musique_answer
 from bench.answers.settings import SETTINGS, Setting, settings_named
 from bench.harness.client import WARMUP_TOKENS, QueryFailed, StreamedAnswer, delete_documents, stream_query, \
-    wait_for_kv
+    upload_documents, wait_for_kv
 from bench.harness.data import Question, load_questions
 from bench.harness.output import emit_summary, refuse
 from bench.harness.servers import started_server
@@ -67,24 +67,6 @@ def server_groups(settings: Sequence[Setting]) -> dict[str, list[Setting]]:
 
 
 # ---- ingest --------------------------------------------------------------------------------------
-
-
-async def upload_documents(client: httpx.AsyncClient, qset: QuestionSet, kv_timeout_s: float) -> dict[str, dict]:
-    """Every document of the set through POST /v1/documents/files, one file a request, under its set
-    id; then waits for any background KV. Per document: format, pages, chunks, seconds."""
-    out: dict[str, dict] = {}
-    for doc in qset.documents:
-        start = time.perf_counter()
-        response = await client.post("/v1/documents/files", files=[("files", (doc.path.name, doc.path.read_bytes()))],
-                                     data={"ids": doc.id})
-        if response.status_code != 201:
-            raise QueryFailed(f"uploading {doc.path.name}: {error_message(response)}")
-        (document,) = response.json()["documents"]
-        out[doc.id] = {"format": document["format"], "num_pages": document.get("num_pages"),
-                       "num_chunks": len(document["chunks"]), "num_tokens": sum(c["num_tokens"] for c in document["chunks"]),
-                       "upload_s": time.perf_counter() - start, "kv_pending": document.get("kv_pending", False)}
-    await wait_for_kv(client, [d for d, info in out.items() if info["kv_pending"]], kv_timeout_s)
-    return out
 
 
 async def ingest_passages(client: httpx.AsyncClient, ids: Sequence[str], passages: Sequence[str],
@@ -196,7 +178,7 @@ async def measure(urls: Mapping[str, str], settings: Sequence[Setting], qset: Qu
         for key, client in clients.items():
             model = (await client.get("/v1/models")).json()["data"][0]["id"]
             start = time.perf_counter()
-            documents = await upload_documents(client, qset, args.kv_timeout) if questions else {}
+            documents = await upload_documents(client, qset.documents, args.kv_timeout) if questions else {}
             progress(f"server {urls[key]}: {model}, {len(documents)} documents in "
                      f"{sum(d['num_chunks'] for d in documents.values())} chunks, {time.perf_counter() - start:.0f} s")
             servers.append({"settings": [s.name for s in settings if s.server_key == key], "overrides": json.loads(key),

@@ -1,6 +1,6 @@
-"""The server benches' HTTP client: a server's readiness and model, questions' passages ingested (one
-passage, one chunk, KV precomputed), documents deleted, background KV waited for, and one streamed
-/v1/query timing each event's arrival here (time.perf_counter)."""
+"""The server benches' HTTP client: a server's readiness, model and /metrics, questions' passages ingested (one
+passage, one chunk, KV precomputed), a question set's documents uploaded, documents deleted, background KV
+waited for, and one streamed /v1/query timing each event's arrival here (time.perf_counter)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import httpx
 from app.commands.ask import iter_events
 from app.commands.client import error_message
 from bench.harness.data import Question
+from bench.harness.sets import SetDocument
 
 
 WARMUP_TOKENS = 4  # a warm-up answer's length: a server's first requests pay one-off costs, not counted
@@ -67,6 +68,25 @@ def metrics(client: httpx.Client, prefix: str = "ragblend_") -> dict[str, dict[s
         for sample in family.samples:
             if family.name.startswith(prefix) and not sample.name.endswith("_created"):
                 out.setdefault(family.name.removeprefix(prefix), {})[sample.labels.get("tier", "")] = sample.value
+    return out
+
+
+async def upload_documents(client: httpx.AsyncClient, documents: Sequence[SetDocument], kv_timeout_s: float
+                           ) -> dict[str, dict]:
+    """A question set's documents through POST /v1/documents/files, one file a request, under their set
+    ids; then waits for any background KV. Per document: format, pages, chunks, seconds."""
+    out: dict[str, dict] = {}
+    for doc in documents:
+        start = time.perf_counter()
+        response = await client.post("/v1/documents/files", files=[("files", (doc.path.name, doc.path.read_bytes()))],
+                                     data={"ids": doc.id})
+        if response.status_code != 201:
+            raise QueryFailed(f"uploading {doc.path.name}: {error_message(response)}")
+        (document,) = response.json()["documents"]
+        out[doc.id] = {"format": document["format"], "num_pages": document.get("num_pages"),
+                       "num_chunks": len(document["chunks"]), "num_tokens": sum(c["num_tokens"] for c in document["chunks"]),
+                       "upload_s": time.perf_counter() - start, "kv_pending": document.get("kv_pending", False)}
+    await wait_for_kv(client, [d for d, info in out.items() if info["kv_pending"]], kv_timeout_s)
     return out
 
 

@@ -4,6 +4,7 @@ fresh interpreter) and a live server's idle and after questions, the two caches 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from typing import Any
 import httpx
 import yaml
 
-from bench.harness.client import metrics
+from bench.harness.client import metrics, upload_documents
 from bench.harness.sets import DEFAULT_SET, load_set
 from bench.serving.memory_probe import MB, mappings, read_rss
 from bench.harness.output import emit_summary, fmt, table
@@ -70,17 +71,12 @@ def exercise(client: httpx.Client, num_questions: int, num_documents: int | None
     wanted = {q.document for q in questions}
     documents = [d for d in qset.documents if d.id in wanted] if num_documents is None else \
         list(qset.documents[:num_documents])
-    for doc in documents:
-        response = client.post("/v1/documents/files", files=[("files", (doc.path.name, doc.path.read_bytes()))],
-                               data={"ids": doc.id})
-        if response.status_code != 201:
-            raise RuntimeError(f"uploading {doc.path.name}: {response.status_code} {response.text[:300]}")
-    deadline = time.monotonic() + kv_timeout_s
-    for doc in documents:
-        while not all(c["kv_cached"] for c in client.get(f"/v1/documents/{doc.id}").json()["chunks"]):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"document {doc.id}'s KV not computed within {kv_timeout_s:.0f} s")
-            time.sleep(0.5)
+
+    async def upload() -> None:
+        async with httpx.AsyncClient(base_url=client.base_url, headers=client.headers, timeout=kv_timeout_s) as http:
+            await upload_documents(http, documents, kv_timeout_s)
+
+    asyncio.run(upload())
     ttfts = []
     for question in questions:
         response = client.post("/v1/query", json={"question": question.question, "max_tokens": max_tokens})
