@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import shutil
 import statistics
 import subprocess
@@ -21,6 +20,7 @@ import time
 from pathlib import Path
 
 from bench.harness.args import add_data, add_out
+from bench.harness.memory import read_rss
 from bench.harness.output import cpu_name, emit_summary, fmt, refuse, table
 
 MODES = ("full", "blend", "reuse")
@@ -93,10 +93,6 @@ def child(args: argparse.Namespace, part: str, path: Path, cache_dir: Path | Non
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def load_child(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     from blend_engine.config import ModelConfig
@@ -105,7 +101,7 @@ def load_child(args: argparse.Namespace) -> dict:
     imported = time.perf_counter()
     loaded = load_model(ModelConfig(name=args.models, cache_dir=args.cache_dir))
     model_bytes = sum(t.nbytes for t in [*loaded.model.parameters(), *loaded.model.buffers()])
-    return {"import_s": imported - start, "load_s": time.perf_counter() - imported, "peak_rss_mb": peak_rss_mb(),
+    return {"import_s": imported - start, "load_s": time.perf_counter() - imported, "peak_rss_mb": read_rss().peak_mb,
             "model_mb": model_bytes / 2**20}
 
 
@@ -138,7 +134,7 @@ def engine_child(args: argparse.Namespace) -> dict:
     decode = measure_decode(engine, segments[0], args.decode_tokens, with_hf=False)
     return {"prompt_ids": [[t for s in prompt for t in s.token_ids] for prompt in segments],
             **{f"{m}_ttft_ms": statistics.median(v) for m, v in ttft.items()},
-            "decode_tok_s": 1000 / decode.engine_ms_per_token, "peak_rss_mb": peak_rss_mb()}
+            "decode_tok_s": 1000 / decode.engine_ms_per_token, "peak_rss_mb": read_rss().peak_mb}
 
 
 def llama_child(args: argparse.Namespace) -> dict:
@@ -146,7 +142,7 @@ def llama_child(args: argparse.Namespace) -> dict:
     import numpy as np
     from llama_cpp import Llama
 
-    rss_before = peak_rss_mb()
+    rss_before = read_rss().peak_mb
     llm = Llama(args.models, n_ctx=4096, n_batch=512, n_threads=args.threads, n_threads_batch=args.threads,
                 verbose=False)
     vocab = llm.n_vocab()
@@ -167,7 +163,7 @@ def llama_child(args: argparse.Namespace) -> dict:
                 llm.eval([token])
                 token = next_token()
             decode = args.decode_tokens / (time.perf_counter() - start)
-    return {"full_ttft_ms": statistics.median(ttft), "decode_tok_s": decode, "peak_rss_mb": peak_rss_mb(),
+    return {"full_ttft_ms": statistics.median(ttft), "decode_tok_s": decode, "peak_rss_mb": read_rss().peak_mb,
             "rss_before_load_mb": rss_before}
 
 

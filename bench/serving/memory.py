@@ -19,7 +19,7 @@ import yaml
 
 from bench.harness.client import metrics, upload_documents
 from bench.harness.sets import DEFAULT_SET, load_set
-from bench.serving.memory_probe import MB, mappings, read_rss
+from bench.harness.memory import MB, mappings, read_rss
 from bench.harness.output import emit_summary, fmt, table
 from bench.harness.servers import REPO_ROOT
 

@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.serving.memory_probe import MB, malloc_mb, mappings, read_rss
+from bench.harness.memory import MB, malloc_mb, mappings, read_rss
 
 STAGES = ("interpreter", "import torch", "server modules", "engine loaded", "embedder", "KV store",
           "planner measurement", "idle release")
