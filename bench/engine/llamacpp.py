@@ -13,14 +13,13 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from bench.harness.args import add_data, add_out
 from bench.harness.memory import read_rss
+from bench.harness.servers import child_summary
 from bench.harness.output import cpu_name, emit_summary, fmt, refuse, table
 
 MODES = ("full", "blend", "reuse")
@@ -80,17 +79,14 @@ def measure_model(name: str, args: argparse.Namespace) -> dict:
 def child(args: argparse.Namespace, part: str, path: Path, cache_dir: Path | None = None,
           prompts: Path | None = None) -> dict:
     """`part` of the bench for the model at `path`, in a fresh process: its JSON line."""
-    command = [sys.executable, "-m", "app.cli", "bench", "llamacpp", "--child", part, "--models", str(path),
+    command = ["app.cli", "bench", "llamacpp", "--child", part, "--models", str(path),
                "--data", str(args.data), "--questions", str(args.questions), "--passages", str(args.passages),
                "--decode-tokens", str(args.decode_tokens), "--threads", str(args.threads)]
     if cache_dir is not None:
         command += ["--cache-dir", str(cache_dir)]
     if prompts is not None:
         command += ["--prompts", str(prompts)]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise RuntimeError(f"the {part} process failed: {done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return child_summary(command, f"the {part} process")
 
 
 def load_child(args: argparse.Namespace) -> dict:

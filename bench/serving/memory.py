@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict
@@ -21,7 +18,7 @@ from bench.harness.client import metrics, upload_documents
 from bench.harness.sets import DEFAULT_SET, load_set
 from bench.harness.memory import MB, mappings, read_rss
 from bench.harness.output import emit_summary, fmt, table
-from bench.harness.servers import REPO_ROOT
+from bench.harness.servers import child_summary
 
 
 
@@ -44,13 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_stages(config: Path | None, timeout_s: float) -> dict[str, Any]:
     """bench/serving/memory_stages.py in a fresh interpreter on an empty data dir: its summary."""
     with tempfile.TemporaryDirectory(prefix="ragblend-memory-stages-") as tmp:
-        argv = [sys.executable, "-m", "bench.serving.memory_stages", "--data-dir", str(Path(tmp) / "data")]
+        argv = ["bench.serving.memory_stages", "--data-dir", str(Path(tmp) / "data")]
         if config is not None:
             argv += ["--config", str(config)]
-        done = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s)
-    if done.returncode != 0:
-        raise RuntimeError(f"the stages process failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        return child_summary(argv, "the stages process", timeout_s)
 
 
 def reading(pid: int, client: httpx.Client, label: str) -> dict[str, Any]:
