@@ -44,18 +44,13 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
                                 "single steps (eager, and CUDA-graphed buckets on a GPU)"),
     ("bench", "llamacpp"): ("bench.engine.llamacpp", "each model on one GGUF file beside llama.cpp: first load and "
                             "warm start, TTFT (llama.cpp full; ragblend full, blend, reuse), decode tok/s, RSS"),
-    ("bench", "kv"): ("bench.store.kv", "KV store benchmark: blend TTFT per tier, pipelined or not"),
-    ("bench", "corpus"): ("bench.store.corpus", "KV budget at corpus scale: hit rate and TTFT per budget, Zipf stream"),
+    ("bench", "kv"): ("bench.store.kv", "KV store benchmark: blend TTFT per tier, pipelined, and as the loading planner plans it"),
     ("bench", "server"): ("bench.serving.server", "concurrent streaming clients against servers, side by side with a "
                           "one-sequence-at-a-time baseline: TTFT, inter-token latency, aggregate tok/s"),
     ("bench", "compare"): ("bench.serving.compare", "this checkout's server against a git revision's, side by side: "
                            "TTFT asked again and first ask, decode tok/s, concurrent clients; ratios"),
-    ("bench", "overhead"): ("bench.serving.overhead", "the server's blend TTFT and decode against the bare engine's, "
-                            "same prompts, in turn: ratios and where the server's time goes"),
     ("bench", "server-modes"): ("bench.serving.modes", "end-to-end TTFT and fidelity per prefill mode against a "
                                 "running server"),
-    ("bench", "prefix"): ("bench.serving.prefix", "the prefix cache against a running server: a fresh blend, the same "
-                          "prompt again, a follow-up turn and no match, side by side"),
     ("bench", "retrieval"): ("bench.serving.retrieval", "retrieval latency per ranking mode (dense, lexical, hybrid) "
                              "and store (SQLite, Postgres) at a given number of chunks: p50/p99"),
     ("bench", "memory"): ("bench.serving.memory", "where a server's memory goes: RSS stage by stage through start-up, "
@@ -66,8 +61,6 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
                                 "each part pooled over them, settings paired against the first"),
     ("bench", "retrieval-quality"): ("bench.answers.retrieval_quality", "retrieval alone on the answers set (no LLM): inside, "
                                      "source, prompt tokens per chunking, mode, top_k and relevance floor"),
-    ("bench", "context-bound"): ("bench.answers.context_bound", "the model's right answers by which chunks its prompt holds: "
-                                 "as retrieved, the best alone, the chunk stating the answer alone (a bound)"),
 }
 
 

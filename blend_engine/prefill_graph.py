@@ -160,7 +160,7 @@ class PrefillGraphs:
         self._buckets: OrderedDict[int, PrefillBucket] = OrderedDict()  # by rows, least recently used first
         self._in_use: set[int] = set()
         self._pool: tuple[int, int] | None = None
-        # what each replay (or, off CUDA, each static call) runs inside: bench/device/dispatch_counts.py leaves
+        # what each replay (or, off CUDA, each static call) runs inside: tests/dispatch_counts.py leaves
         # the ops a graph would replay out of its counts through it
         self.replay_scope: Callable[[], AbstractContextManager] = contextlib.nullcontext
 

@@ -1,4 +1,4 @@
-"""Torch ops dispatched per layer (bench/device/dispatch_counts.py), held under bounds: on a GPU each op that is
+"""Torch ops dispatched per layer (dispatch_counts.py), held under bounds: on a GPU each op that is
 not a view is a kernel launch, and a 7B prefill was measured bound by them (docs/benchmarks/gpu.md).
 Each bound is the count when it was set plus a small margin: a change that adds ops to every layer
 fails here, and says by how many. No host sync may come per layer, on any path."""
@@ -6,7 +6,7 @@ fails here, and says by how many. No host sync may come per layer, on any path."
 import pytest
 import torch
 
-from bench.device.dispatch_counts import Count, Path, all_counts
+from dispatch_counts import Count, Path, all_counts
 
 # name -> (ops, launches): the counts of docs/benchmarks/gpu.md ("Torch ops per layer") plus a margin
 BOUNDS = {

@@ -24,7 +24,8 @@ def test_bench_engine_prints_table_then_json(tmp_path, capsys):
     item = {"question": "where is the old mill?", "answers": ["harlow"],
             "ctxs": [{"title": f"t{i}", "text": " ".join(words[i:] + words[:i]) * 2} for i in range(3)]}
     _, args = bench_args(tmp_path, [item, item], "--questions", "2", "--passages", "3", "--ratios", "0.1,0.5",
-                              "--model", "random:tiny-llama", "--adaptive", "0.5",
+                              "--model", "random:tiny-llama",
+                              "--variant", "is_ratio_adaptive=true adaptive_mass=0.5",
                               "--variant", "selection=deviation deviation=key check_layers=1,2,3",
                               "--out", str(tmp_path / "out.json"))
     assert engine_bench.run(args) == 0
@@ -35,7 +36,7 @@ def test_bench_engine_prints_table_then_json(tmp_path, capsys):
     spec = "blend selection=deviation deviation=key check_layers=1,2,3"  # what --sweep's rows asked (retired)
     assert {"full", "prefix", "reuse", "blend@0.10", "blend@0.50", spec} <= set(rows)
     assert rows[spec]["selection"] == "deviation" and rows[spec]["check_layers"] == [1, 2, 3]
-    assert 0.05 <= rows["blend@adaptive m=0.50"]["mean_recompute_ratio"] <= 0.5
+    assert 0.05 <= rows["blend is_ratio_adaptive=true adaptive_mass=0.5"]["mean_recompute_ratio"] <= 0.5
     assert rows["full"]["speedup_vs_full"] == 1.0
     assert rows["reuse"]["median_tokens_recomputed"] < rows["blend@0.50"]["median_tokens_recomputed"]
     assert not summary["is_quality_meaningful"] and rows["reuse"]["tf_kl_mean"] is None  # random weights

@@ -29,7 +29,7 @@ def test_bench_kv_prints_table_then_json(tmp_path, capsys):
     assert json.loads((tmp_path / "out.json").read_text()) == summary
     assert summary["bench"] == "kv" and summary["passages"] == 3 and summary["bytes:disk"] > 0
     # fp16 in every tier: streamed logits equal the memory tier's exactly
-    assert summary["disk+pipe:max_logit_diff"] == 0.0 and summary["disk:max_logit_diff"] == 0.0
+    assert summary["disk+pipe:max_logit_diff"] == 0.0
     assert summary["top1_agreement_vs_memory_blend"]["disk+pipe"] == 1
     assert summary["min_recompute_ratio"] <= summary["auto_ratio"] <= 1.0
 

@@ -17,6 +17,7 @@ from configs.settings import load_settings
 
 LEVEL_KEYS = {"clients", "num_rounds", "num_requests", "num_errors", "errors", "ttft_p50_ms", "ttft_p95_ms",
               "itl_p50_ms", "itl_p95_ms", "itl_max_ms", "queue_p50_ms", "queue_p95_ms", "tokens_per_s", "requests_per_s",
+              "requests_per_s_rounds",
               "wall_s", "wall_s_rounds", "completion_tokens", "decode_tokens_per_s_p50", "server_ttft_p50_ms",
               "server_prefill_p50_ms", "mean_prompt_tokens", "modes"}
 RATIO_KEYS = {"clients", "ttft_p50_vs_baseline", "ttft_p95_vs_baseline", "tokens_per_s_vs_baseline",

@@ -11,8 +11,9 @@ import json
 import sys
 import time
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import httpx
 
@@ -21,14 +22,13 @@ from app.commands.exit_codes import ExitCode
 from bench.answers.scoring import answer_record, paired, print_tables, results, score_document_answer, \
     score_musique_answer
 from bench.answers.settings import SETTINGS, Setting, settings_named
-from bench.harness.client import QueryFailed, StreamedAnswer, delete_documents, stream_query, wait_for_kv
+from bench.harness.client import WARMUP_TOKENS, QueryFailed, StreamedAnswer, delete_documents, stream_query, \
+    upload_documents, wait_for_kv
 from bench.harness.data import Question, load_questions
 from bench.harness.output import emit_summary, refuse
 from bench.harness.servers import started_server
 from bench.harness.sets import DEFAULT_SET, QuestionSet, SetQuestion, contains_gold, load_set
 from bench.harness.stats import in_turn
-
-WARMUP_TOKENS = 4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,24 +69,6 @@ def server_groups(settings: Sequence[Setting]) -> dict[str, list[Setting]]:
 # ---- ingest --------------------------------------------------------------------------------------
 
 
-async def upload_documents(client: httpx.AsyncClient, qset: QuestionSet, kv_timeout_s: float) -> dict[str, dict]:
-    """Every document of the set through POST /v1/documents/files, one file a request, under its set
-    id; then waits for any background KV. Per document: format, pages, chunks, seconds."""
-    out: dict[str, dict] = {}
-    for doc in qset.documents:
-        start = time.perf_counter()
-        response = await client.post("/v1/documents/files", files=[("files", (doc.path.name, doc.path.read_bytes()))],
-                                     data={"ids": doc.id})
-        if response.status_code != 201:
-            raise QueryFailed(f"uploading {doc.path.name}: {error_message(response)}")
-        (document,) = response.json()["documents"]
-        out[doc.id] = {"format": document["format"], "num_pages": document.get("num_pages"),
-                       "num_chunks": len(document["chunks"]), "num_tokens": sum(c["num_tokens"] for c in document["chunks"]),
-                       "upload_s": time.perf_counter() - start, "kv_pending": document.get("kv_pending", False)}
-    await wait_for_kv(client, [d for d, info in out.items() if info["kv_pending"]], kv_timeout_s)
-    return out
-
-
 async def ingest_passages(client: httpx.AsyncClient, ids: Sequence[str], passages: Sequence[str],
                           kv_timeout_s: float) -> float:
     """A MuSiQue question's passages as documents (the server's own chunking, KV precomputed); seconds."""
@@ -113,13 +95,15 @@ def request_body(setting: Setting, question: str, args: argparse.Namespace) -> d
     return {**body, **setting.request}
 
 
-async def ask(client: httpx.AsyncClient, setting: Setting, question: str, args: argparse.Namespace
-              ) -> StreamedAnswer | str:
-    """The streamed answer, or the error's text (a failed request is counted, not fatal)."""
+async def ask(client: httpx.AsyncClient, setting: Setting, question: str, args: argparse.Namespace,
+              record: dict[str, Any], score: Callable[[StreamedAnswer], dict[str, Any]]) -> dict[str, Any]:
+    """`record` with the answer and its `score`, or with the error's text (a failed request is counted, not
+    fatal)."""
     try:
-        return await stream_query(client, request_body(setting, question, args))
+        got = await stream_query(client, request_body(setting, question, args))
     except (QueryFailed, httpx.HTTPError) as exc:
-        return f"{type(exc).__name__}: {exc}"
+        return {**record, "error": f"{type(exc).__name__}: {exc}"}
+    return {**record, "error": None, **answer_record(got), **score(got)}
 
 
 async def warm_up(clients: Mapping[str, httpx.AsyncClient], settings: Sequence[Setting], question: str,
@@ -138,13 +122,10 @@ async def document_part(clients: Mapping[str, httpx.AsyncClient], settings: Sequ
         for qi, question in enumerate(questions):
             progress(f"documents: question {qi + 1}/{len(questions)}, repeat {repeat + 1}/{args.repeats}")
             for setting in in_turn(settings, qi + repeat):
-                got = await ask(clients[setting.server_key], setting, question.question, args)
                 record = {"part": f"docs_{question.split}", "question": question.id, "document": question.document,
                           "setting": setting.name, "repeat": repeat}
-                if isinstance(got, str):
-                    records.append({**record, "error": got})
-                else:
-                    records.append({**record, "error": None, **answer_record(got), **score_document_answer(question, got)})
+                records.append(await ask(clients[setting.server_key], setting, question.question, args, record,
+                                         lambda got: score_document_answer(question, got)))
     return records
 
 
@@ -162,14 +143,10 @@ async def musique_part(clients: Mapping[str, httpx.AsyncClient], settings: Seque
         expected = {doc_id for doc_id, text in zip(ids, question.passages) if contains_gold(text, question.answers)}
         for repeat in range(args.repeats):
             for setting in in_turn(settings, mi + repeat):
-                got = await ask(clients[setting.server_key], setting, question.question, args)
                 record = {"part": "musique", "question": f"musique-{mi}", "gold": list(question.answers),
                           "num_gold_passages": len(expected), "setting": setting.name, "repeat": repeat}
-                if isinstance(got, str):
-                    records.append({**record, "error": got})
-                else:
-                    records.append({**record, "error": None, **answer_record(got),
-                                    **score_musique_answer(question.answers, expected, got)})
+                records.append(await ask(clients[setting.server_key], setting, question.question, args, record,
+                                         lambda got: score_musique_answer(question.answers, expected, got)))
         for client in clients.values():
             await delete_documents(client, ids)
     return records, ingest_s
@@ -201,7 +178,7 @@ async def measure(urls: Mapping[str, str], settings: Sequence[Setting], qset: Qu
         for key, client in clients.items():
             model = (await client.get("/v1/models")).json()["data"][0]["id"]
             start = time.perf_counter()
-            documents = await upload_documents(client, qset, args.kv_timeout) if questions else {}
+            documents = await upload_documents(client, qset.documents, args.kv_timeout) if questions else {}
             progress(f"server {urls[key]}: {model}, {len(documents)} documents in "
                      f"{sum(d['num_chunks'] for d in documents.values())} chunks, {time.perf_counter() - start:.0f} s")
             servers.append({"settings": [s.name for s in settings if s.server_key == key], "overrides": json.loads(key),
@@ -259,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
     asked = Counter((q.document, q.split) for q in questions)
     summary = {
         "bench": "answers", "set": str(args.set), "model": measured["servers"][0]["model"], "split": args.split,
-        "settings": [s.as_json() for s in settings], "repeats": args.repeats, "max_tokens": args.max_tokens,
+        "settings": [asdict(s) for s in settings], "repeats": args.repeats, "max_tokens": args.max_tokens,
         "documents": {d.id: {"file": d.path.name, "format": d.format, "origin": d.origin, "package": d.package}
                       for d in qset.documents},
         "questions_asked": {d.id: {s: asked[(d.id, s)] for s in ("dev", "test")} for d in qset.documents},

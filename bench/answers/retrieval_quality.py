@@ -12,8 +12,8 @@ from typing import Any, Sequence
 
 from app.commands.exit_codes import ExitCode
 from bench.harness.sets import DEFAULT_SET, QuestionSet, SetQuestion, load_set
-from bench.harness.output import emit_summary, refuse
-from bench.harness.postgres import empty_database
+from bench.harness.output import emit_summary, fmt, refuse, table
+from bench.harness.postgres import empty_store
 from configs.enums import ChunkingMode, RetrievalMode
 
 
@@ -52,7 +52,8 @@ def parse_chunkings(text: str) -> list[Chunking]:
 
 
 def build_retriever(qset: QuestionSet, chunking: Chunking, overlap: int, data_dir: Path, database_url: str | None):
-    """A retriever over the set's documents chunked as the server would (no KV)."""
+    """A retriever over the set's documents chunked as the server would (no KV); in Postgres at `database_url`,
+    emptied first (one configuration at a time in the database)."""
     import numpy as np
 
     from app.documents.writes import MARKDOWN_FORMATS
@@ -69,12 +70,7 @@ def build_retriever(qset: QuestionSet, chunking: Chunking, overlap: int, data_di
     tokenizer = _embedded_tokenizer(ModelConfig().cache_dir)
     chunker = Chunker(lambda text: list(encode_text(tokenizer, text)), tokenizer.decode, chunking.tokens,
                       min(overlap, chunking.tokens - 1))
-    store = None
-    if database_url:
-        from retrieval.pg_store import PostgresDocumentStore
-
-        store = PostgresDocumentStore(database_url)
-    retriever = Retriever.open(data_dir, RetrievalConfig(), store)
+    retriever = Retriever.open(data_dir, RetrievalConfig(), empty_store(database_url))
     for doc in qset.documents:
         (extracted,) = extract_file(doc.path.name, doc.path.read_bytes(), ExtractionLimits.of(LimitsConfig()), doc.id)
         chunks = chunker.split(extracted.text, chunking.mode, is_markdown=extracted.file_format.value in MARKDOWN_FORMATS)
@@ -145,8 +141,6 @@ def run(args: argparse.Namespace) -> int:
     results = {}
     for chunking in chunkings:
         with tempfile.TemporaryDirectory(prefix="ragblend-retrieval-quality-") as tmp:
-            if args.database_url:  # one configuration at a time in the database: start empty
-                empty_database(args.database_url)
             retriever = build_retriever(qset, chunking, args.overlap, Path(tmp), args.database_url)
             try:
                 num_chunks = retriever.store.num_chunks()
@@ -159,12 +153,11 @@ def run(args: argparse.Namespace) -> int:
         for kind, found in unmentioned.items():
             print(f"  names no chunk mentions, {kind}: {len(found)} refused"
                   + "".join(f"; {qid}: {', '.join(names)}" for qid, names in found.items()))
-        print(f"{'mode':<9}{'top_k':>6}{'floor':>12}{'inside':>8}{'top src':>8}{'tokens':>8}{'refused':>8}{'oos ok':>8}")
-        for row in rows:
-            floor = "-" if row["floor"] is None else f"{row['floor'][0]:g}:{row['floor'][1]:g}"
-            print(f"{row['mode']:<9}{row['top_k']:>6}{floor:>12}{row['inside']:>5}/{row['num_questions']:<2}"
-                  f"{row['source_top']:>6}/{row['num_questions']:<2}{row['prompt_chunk_tokens_mean']:>7.0f}"
-                  f"{row['refused']:>8}{row['oos_refused']:>5}/{row['num_out_of_scope']}")
+        print(table(["mode", "top_k", "floor", "inside", "top src", "tokens", "refused", "oos ok"], (
+            [row["mode"], row["top_k"], "-" if row["floor"] is None else f"{row['floor'][0]:g}:{row['floor'][1]:g}",
+             f"{row['inside']}/{row['num_questions']}", f"{row['source_top']}/{row['num_questions']}",
+             fmt(row["prompt_chunk_tokens_mean"], 0), row["refused"], f"{row['oos_refused']}/{row['num_out_of_scope']}"]
+            for row in rows)))
     emit_summary({"bench": "retrieval-quality", "split": args.split, "set": str(args.set),
                   "num_candidates": args.num_candidates, "rrf_k": args.rrf_k, "overlap": args.overlap,
                   "store": "postgres" if args.database_url else "sqlite", "results": results}, args.out, indent=2)

@@ -10,6 +10,7 @@ from scipy.stats import binomtest
 
 from bench.answers.settings import Setting
 from bench.harness.client import StreamedAnswer
+from bench.harness.output import fmt, table
 from bench.harness.sets import REFUSAL, SetQuestion, collapse, contains_gold
 from bench.harness.stats import safe_median
 
@@ -156,35 +157,34 @@ def _count(num: int, row: dict[str, Any], denominator: str = "num_answers") -> s
     return f"{num}/{row[denominator]}" if row[denominator] else "-"
 
 
+def _cells(row: dict[str, Any]) -> list[str]:
+    """One setting's row of the table, its shares as counts of what they are shares of."""
+    def of(share: str, denominator: str) -> str:
+        return _count(round((row[share] or 0) * row[denominator]), row, denominator)
+
+    oos = "num_out_of_scope"
+    return [_count(row["num_right"], row), _count(row["num_inside"], row), of("right_when_inside", "num_inside"),
+            of("source_top", "num_source_scored"), of("source_any", "num_source_scored"),
+            _count(row["num_ran_to_cap"], row), _count(row["num_refused"], row), _count(row["num_oos_refused"], row, oos),
+            _count(row["num_flagged"], row), str(row["num_right_flagged"]), _count(row["num_oos_flagged"], row, oos),
+            _count(row["num_unmatched"], row), str(row["num_right_unmatched"]), _count(row["num_oos_unmatched"], row, oos),
+            _count(row["num_oos_unwarned"], row, oos), fmt(row["prompt_tokens_mean"], 0),
+            fmt(row["ttft_p50_ms"], 0, " ms"), str(row["num_errors"])]
+
+
 def print_tables(summary: dict[str, Any]) -> None:
     print(f"\nanswers bench: {summary['model']}, {len(summary['documents'])} documents, "
           f"max_tokens {summary['max_tokens'] or 'the server default'}, {summary['repeats']} repeat(s)")
     for part, rows in summary["results"].items():
         first = next(iter(rows.values()))
         print(f"\n{PARTS[part]} ({first['num_questions']} questions)")
-        width = max(16, *(len(name) + 2 for name in rows))
-        print(f"{'setting':<{width}}{'right':>8}{'inside':>8}{'right|in':>9}{'top src':>9}{'any src':>9}{'to cap':>8}"
-              f"{'refused':>9}{'oos ok':>8}{'flagged':>9}{'right fl':>9}{'oos fl':>8}{'unmatch':>9}{'right um':>9}"
-              f"{'oos um':>8}{'unwarned':>10}{'prompt':>8}{'TTFT p50':>10}{'errors':>8}")
-        for name, row in rows.items():
-            top = round((row["source_top"] or 0) * row["num_source_scored"])
-            any_ = round((row["source_any"] or 0) * row["num_source_scored"])
-            when_in = round((row["right_when_inside"] or 0) * row["num_inside"])
-            ttft = f"{row['ttft_p50_ms']:.0f} ms" if row["ttft_p50_ms"] is not None else "-"
-            prompt = f"{row['prompt_tokens_mean']:.0f}" if row["prompt_tokens_mean"] is not None else "-"
-            print(f"{name:<{width}}{_count(row['num_right'], row):>8}{_count(row['num_inside'], row):>8}"
-                  f"{_count(when_in, row, 'num_inside'):>9}{_count(top, row, 'num_source_scored'):>9}"
-                  f"{_count(any_, row, 'num_source_scored'):>9}{_count(row['num_ran_to_cap'], row):>8}"
-                  f"{_count(row['num_refused'], row):>9}{_count(row['num_oos_refused'], row, 'num_out_of_scope'):>8}"
-                  f"{_count(row['num_flagged'], row):>9}{row['num_right_flagged']:>9}"
-                  f"{_count(row['num_oos_flagged'], row, 'num_out_of_scope'):>8}"
-                  f"{_count(row['num_unmatched'], row):>9}{row['num_right_unmatched']:>9}"
-                  f"{_count(row['num_oos_unmatched'], row, 'num_out_of_scope'):>8}"
-                  f"{_count(row['num_oos_unwarned'], row, 'num_out_of_scope'):>10}"
-                  f"{prompt:>8}{ttft:>10}{row['num_errors']:>8}")
+        print(table(["setting", "right", "inside", "right|in", "top src", "any src", "to cap", "refused", "oos ok",
+                     "flagged", "right fl", "oos fl", "unmatch", "right um", "oos um", "unwarned", "prompt", "TTFT p50",
+                     "errors"], ([name, *_cells(row)] for name, row in rows.items())))
         pairs = summary.get("paired", {}).get(part)
         if pairs:
             print(f"paired against {pairs['against']} (right only here / only there, sign test p; answers alike):")
+            width = max(map(len, pairs["settings"]))
             for name, pair in pairs["settings"].items():
-                print(f"  {name:<{width - 2}} +{pair['only_this']} / -{pair['only_against']}, p {pair['p_value']:.2f}; "
+                print(f"  {name:<{width}} +{pair['only_this']} / -{pair['only_against']}, p {pair['p_value']:.2f}; "
                       f"alike {pair['same_answer']}/{pair['num_pairs']}")

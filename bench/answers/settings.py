@@ -19,9 +19,6 @@ class Setting:
         """Settings with equal keys run on one server."""
         return json.dumps(self.server, sort_keys=True)
 
-    def as_json(self) -> dict[str, Any]:
-        return {"name": self.name, "request": dict(self.request), "server": dict(self.server)}
-
 
 # The retrieval defaults before issue 36's item 2 (main at 27ff4d7): sentence chunks of 384 tokens, dense, top 5,
 # no relevance floor

@@ -7,16 +7,17 @@ interleaved in rounds, then one profiled prefill each, host time against GPU tim
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from bench.device.summary import prefill_tables  # noqa: E402
+from bench.harness.args import add_out  # noqa: E402
+from bench.harness.output import emit_summary  # noqa: E402
 from bench.harness.stats import timed_ms  # noqa: E402
 
 
@@ -93,34 +94,22 @@ def prefill(model: str, device_name: str, rounds: int, chunk_tokens: int) -> dic
             out["profile"][f"{mode}_{'graphed' if is_graphed else 'eager'}"] = {
                 "cpu_ms": cpu_ms, "gpu_ms": gpu_ms, "cpu_over_gpu": cpu_ms / gpu_ms if gpu_ms else None}
     engine.is_prefill_graphed = engine.device.type == "cuda"
-    print(f"\nprefill, {engine.model_name} on {device}: {out['num_prompt_tokens']} prompt tokens, blend recomputes "
-          f"{out['num_recomputed_blend']}; medians of {rounds} rounds\n")
-    print("| mode | eager ms | graphed ms | graphed speed-up | vs full, graphed |\n| --- | ---: | ---: | ---: | ---: |")
-    for mode in PREFILL_MODES:
-        print(f"| {mode} | {out['ms'][f'{mode}_eager']:.1f} | {out['ms'][f'{mode}_graphed']:.1f} | "
-              f"{out['graphed_speedup'][mode]:.2f}x | {out['speedup_vs_full'][f'{mode}_graphed']:.2f}x |")
-    print("\n| profiled prefill | host (CPU) ms | GPU ms | host / GPU |\n| --- | ---: | ---: | ---: |")
-    for name, row in out["profile"].items():
-        over = "" if row["cpu_over_gpu"] is None else f"{row['cpu_over_gpu']:.2f}"
-        print(f"| {name} | {row['cpu_ms']:.1f} | {row['gpu_ms']:.1f} | {over} |")
+    print("\n" + "\n".join(prefill_tables(out)))
     return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="prefill", choices=["prefill"], help="what to measure (the one part left)")
+    # the one part left (bench/device/check.sh names it): the first GPU run's others were retired in issue 64
+    parser.add_argument("--parts", default="prefill", choices=["prefill"], help="what to measure")
     parser.add_argument("--model", default="random:llama-7b", help="the prefill part's model.name")
     parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"], help="the prefill part's device")
     parser.add_argument("--rounds", type=int, default=5, help="the prefill part's interleaved rounds")
     parser.add_argument("--chunk-tokens", type=int, default=600, help="the prefill part's tokens per chunk (5 chunks)")
-    parser.add_argument("--out", type=Path, default=None)
+    add_out(parser, help="write the figures here as JSON")
     args = parser.parse_args()
-    parts = args.parts.split(",")
-    figures = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__}
-    if "prefill" in parts:
-        figures["prefill"] = prefill(args.model, args.device, args.rounds, args.chunk_tokens)
-    if args.out is not None:
-        args.out.write_text(json.dumps(figures, indent=1) + "\n")
+    emit_summary({"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
+                  "prefill": prefill(args.model, args.device, args.rounds, args.chunk_tokens)}, args.out, indent=1)
     return 0
 
 

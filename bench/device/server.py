@@ -17,6 +17,7 @@ import httpx
 from app.cli import main as cli
 from bench.device.pack import REPO_ROOT
 from bench.device.pack import main as device_pack
+from bench.harness.client import metrics
 from bench.harness.servers import LocalServer, started
 
 
@@ -54,19 +55,10 @@ def server_env(args: argparse.Namespace, embedder: Path) -> dict[str, str]:
 
 
 def kv_counters(url: str) -> dict[str, dict[str, float]]:
-    """The KV store's per-tier counters (hits, misses, load seconds, bytes) from the server's /metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    wanted = {"ragblend_kv_hits", "ragblend_kv_misses", "ragblend_kv_load_seconds", "ragblend_kv_bytes",
-              "ragblend_kv_evictions"}
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    out: dict[str, dict[str, float]] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name in wanted:
-            for sample in family.samples:
-                if not sample.name.endswith("_created"):
-                    out.setdefault(family.name.removeprefix("ragblend_kv_"), {})[sample.labels["tier"]] = sample.value
-    return out
+    """The KV store's per-tier counters (hits, misses, load seconds, bytes, evictions) from the server's /metrics."""
+    with httpx.Client(base_url=url, timeout=30) as client:
+        found = metrics(client, "ragblend_kv_")
+    return {name: found[name] for name in ("hits", "misses", "load_seconds", "bytes", "evictions") if name in found}
 
 
 def run(args: argparse.Namespace) -> int:

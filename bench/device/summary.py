@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.harness.output import fmt, table
+
 Figures = dict[str, Any]
 
 
@@ -92,89 +94,84 @@ def load(work: Path) -> Figures:
     return figures
 
 
-def _f(value: float | None, digits: int = 1, suffix: str = "") -> str:
-    return "" if value is None else f"{value:.{digits}f}{suffix}"
+def prefill_tables(p: Figures) -> list[str]:
+    """The probe's prefill figures (bench/device/probe.py prints them too): per mode eager and graphed, then
+    each profiled prefill's host time against its GPU time."""
+    return [f"## Prefill, {p['model']} on {p['device']} ({p['num_prompt_tokens']} tokens, blend recomputes "
+            f"{p['num_recomputed_blend']}; medians of {p['rounds']} rounds)", "",
+            table(["mode", "eager ms", "graphed ms", "graphed speed-up", "vs full, eager", "vs full, graphed"], (
+                [mode, fmt(p["ms"][f"{mode}_eager"]), fmt(p["ms"][f"{mode}_graphed"]),
+                 fmt(p["graphed_speedup"][mode], 2, "x"), fmt(p["speedup_vs_full"][f"{mode}_eager"], 2, "x"),
+                 fmt(p["speedup_vs_full"][f"{mode}_graphed"], 2, "x")] for mode in ("full", "reuse", "blend")),
+                markdown=True), "",
+            table(["profiled prefill", "host (CPU) ms", "GPU ms", "host / GPU"], (
+                [name, fmt(row["cpu_ms"]), fmt(row["gpu_ms"]), fmt(row["cpu_over_gpu"], 2)]
+                for name, row in p["profile"].items()), markdown=True)]
 
 
 def markdown(summary: Figures) -> str:
     f, out = summary["figures"], []
     kind = "DRY RUN on CPU, tiny model: no figure below means anything" if summary["dry_run"] else "GPU run"
-    out += [f"# Device check ({kind})", "", "| step | exit | s |", "| --- | ---: | ---: |"]
-    out += [f"| {s['step']} | {s['exit']} | {s['seconds']} |" for s in f["steps"]]
+    out += [f"# Device check ({kind})", "", table(["step", "exit", "s"], ([s["step"], s["exit"], s["seconds"]]
+                                                                       for s in f["steps"]), markdown=True)]
     if f.get("tests"):
         out += ["", f"tests: {f['tests']}"]
-    out += ["", "## Targets", "", "| target | measured | bound | met |", "| --- | ---: | --- | --- |"]
-    for t in summary["targets"]:
-        met = "not measured" if t["is_met"] is None else ("yes" if t["is_met"] else "**no**")
-        out.append(f"| {t['name']} | {_f(t['value'], 2)} | {t['bound']} | {met} |")
+    met = {None: "not measured", True: "yes", False: "**no**"}
+    out += ["", "## Targets", "", table(["target", "measured", "bound", "met"], (
+        [t["name"], fmt(t["value"], 2), t["bound"], met[t["is_met"]]] for t in summary["targets"]), markdown=True)]
     for key in ("prefill_7b", "prefill_8b"):
-        if key not in f:
-            continue
-        p = f[key]["prefill"]
-        out += ["", f"## Prefill, {p['model']} on {p['device']} ({p['num_prompt_tokens']} tokens, blend recomputes "
-                f"{p['num_recomputed_blend']}; medians of {p['rounds']} rounds)", "",
-                "| mode | eager ms | graphed ms | graphed speed-up | vs full, eager | vs full, graphed |",
-                "| --- | ---: | ---: | ---: | ---: | ---: |"]
-        for mode in ("full", "reuse", "blend"):
-            out.append(f"| {mode} | {_f(p['ms'][f'{mode}_eager'])} | {_f(p['ms'][f'{mode}_graphed'])} | "
-                       f"{_f(p['graphed_speedup'][mode], 2, 'x')} | {_f(p['speedup_vs_full'][f'{mode}_eager'], 2, 'x')} | "
-                       f"{_f(p['speedup_vs_full'][f'{mode}_graphed'], 2, 'x')} |")
-        out += ["", "| profiled prefill | host (CPU) ms | GPU ms | host / GPU |", "| --- | ---: | ---: | ---: |"]
-        out += [f"| {name} | {_f(row['cpu_ms'])} | {_f(row['gpu_ms'])} | {_f(row['cpu_over_gpu'], 2)} |"
-                for name, row in p["profile"].items()]
+        if key in f:
+            out += ["", *prefill_tables(f[key]["prefill"])]
     if "engine_7b" in f:
         e = f["engine_7b"]
         out += ["", f"## Engine bench, {e['model']} ({e['questions']} questions, median prompt "
-                f"{e['median_prompt_tokens']} tokens)", "", "| variant | TTFT ms | vs full |", "| --- | ---: | ---: |"]
-        out += [f"| {label} | {_f(row['median_ttft_ms'])} | {_f(row['speedup_vs_full'], 2, 'x')} |"
-                for label, row in e["results"].items()]
+                f"{e['median_prompt_tokens']} tokens)", "", table(["variant", "TTFT ms", "vs full"], (
+                    [label, fmt(row["median_ttft_ms"]), fmt(row["speedup_vs_full"], 2, "x")]
+                    for label, row in e["results"].items()), markdown=True)]
         if e.get("decode"):
             d = e["decode"]
-            out.append(f"\ndecode: engine {_f(d['engine_ms_per_token'], 2)} ms/token (CUDA graph: {d['is_cuda_graph']}), "
-                       f"HF eager {_f(d['hf_eager_ms_per_token'], 2)}")
+            out.append(f"\ndecode: engine {fmt(d['engine_ms_per_token'], 2)} ms/token (CUDA graph: {d['is_cuda_graph']}), "
+                       f"HF eager {fmt(d['hf_eager_ms_per_token'], 2)}")
     if "decode_8b" in f:
         d = f["decode_8b"]
-        out += ["", f"## Batched decode, {d['model']}, {d['context_tokens']}-token caches", "",
-                "| B | eager step ms | graphed step ms | graphed vs B = 1 |", "| ---: | ---: | ---: | ---: |"]
         eager = {row["batch_size"]: row["step_ms"] for row in d.get("batch") or []}
         graphed = {row["batch_size"]: row["step_ms"] for row in d.get("graphed") or []}
-        for b in sorted(set(eager) | set(graphed)):
-            ratio = graphed[b] / graphed[1] if b in graphed and 1 in graphed else None
-            out.append(f"| {b} | {_f(eager.get(b), 2)} | {_f(graphed.get(b), 2)} | {_f(ratio, 2, 'x')} |")
+        out += ["", f"## Batched decode, {d['model']}, {d['context_tokens']}-token caches", "",
+                table(["B", "eager step ms", "graphed step ms", "graphed vs B = 1"], (
+                    [b, fmt(eager.get(b), 2), fmt(graphed.get(b), 2),
+                     fmt(graphed[b] / graphed[1] if b in graphed and 1 in graphed else None, 2, "x")]
+                    for b in sorted(set(eager) | set(graphed))), markdown=True)]
     if "server" in f:
         s = f["server"]
         out += ["", f"## Server, {s['servers']['server']['model']} ({s['questions']} questions x {s['passages']} "
                 f"passages, {s['max_tokens']} tokens each)", "",
-                "| clients | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | tok/s | req/s | errors |",
-                "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        out += [f"| {r['clients']} | {_f(r['ttft_p50_ms'])} | {_f(r['ttft_p95_ms'])} | {_f(r['itl_p50_ms'])} | "
-                f"{_f(r['tokens_per_s'])} | {_f(r['requests_per_s'], 2)} | {r['num_errors']} |"
-                for r in s["results"]["server"]]
+                table(["clients", "TTFT p50 ms", "TTFT p95 ms", "ITL p50 ms", "tok/s", "req/s", "errors"], (
+                    [r["clients"], fmt(r["ttft_p50_ms"]), fmt(r["ttft_p95_ms"]), fmt(r["itl_p50_ms"]),
+                     fmt(r["tokens_per_s"]), fmt(r["requests_per_s"], 2), r["num_errors"]]
+                    for r in s["results"]["server"]), markdown=True)]
     if "server_modes" in f:
         m = f["server_modes"]
         out += ["", f"## Server, per mode ({m['questions']} questions one at a time)", "",
-                "| mode | e2e TTFT ms | server TTFT ms | prompt tokens | reused tokens |", "| --- | ---: | ---: | ---: | ---: |"]
-        out += [f"| {mode} | {_f(r['median_e2e_ttft_ms'])} | {_f(r['median_server_ttft_ms'])} | "
-                f"{_f(r['median_prompt_tokens'], 0)} | {_f(r['median_reused_tokens'], 0)} |" for mode, r in m["results"].items()]
+                table(["mode", "e2e TTFT ms", "server TTFT ms", "prompt tokens", "reused tokens"], (
+                    [mode, fmt(r["median_e2e_ttft_ms"]), fmt(r["median_server_ttft_ms"]),
+                     fmt(r["median_prompt_tokens"], 0), fmt(r["median_reused_tokens"], 0)]
+                    for mode, r in m["results"].items()), markdown=True)]
     throughputs = [f[key]["throughput"] for key in ("server_modes", "server_throughput") if f.get(key, {}).get("throughput")]
     if throughputs:
         out += ["", "## Server, requests/s per mode (clients at once, each its own question, the modes alternated)", "",
-                "| clients | mode | req/s | TTFT p50 ms | TTFT p95 ms | errors |", "| ---: | --- | ---: | ---: | ---: | ---: |"]
-        for t in throughputs:
-            out += [f"| {t['clients']} | {mode} | {_f(row['requests_per_s'], 2)} | {_f(row['ttft_p50_ms'])} | "
-                    f"{_f(row['ttft_p95_ms'])} | {row['num_errors']} |" for mode, row in t["modes"].items()]
+                table(["clients", "mode", "req/s", "TTFT p50 ms", "TTFT p95 ms", "errors"], (
+                    [t["clients"], mode, fmt(row["requests_per_s"], 2), fmt(row["ttft_p50_ms"]), fmt(row["ttft_p95_ms"]),
+                     row["num_errors"]] for t in throughputs for mode, row in t["modes"].items()), markdown=True)]
         for t in throughputs:
             for name, r in t["ratios"].items():
                 rps = r["requests_per_s"]
-                out.append(f"\n{t['clients']} clients: {name} requests/s {_f(rps['median'], 2, 'x')} "
-                           f"[{_f(rps['min'], 2)}-{_f(rps['max'], 2)}] (per round)")
+                out.append(f"\n{t['clients']} clients: {name} requests/s {fmt(rps['median'], 2, 'x')} "
+                           f"[{fmt(rps['min'], 2)}-{fmt(rps['max'], 2)}] (per round)")
     if "server_kv" in f:
         kv = f["server_kv"]
         tiers = sorted({tier for values in kv.values() for tier in values})
-        out += ["", "## KV store after the request stream", "", "| counter | " + " | ".join(tiers) + " |",
-                "| --- |" + " ---: |" * len(tiers)]
-        out += [f"| {name} | " + " | ".join(_f(values.get(tier), 2) for tier in tiers) + " |"
-                for name, values in kv.items()]
+        out += ["", "## KV store after the request stream", "", table(["counter", *tiers], (
+            [name, *(fmt(values.get(tier), 2) for tier in tiers)] for name, values in kv.items()), markdown=True)]
     return "\n".join(out) + "\n"
 
 

@@ -7,7 +7,6 @@ steps, interleaved in rounds; `--parts graphed` times the CUDA-graphed bucket st
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -19,9 +18,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from bench.harness.args import add_model  # noqa: E402
+from bench.harness.args import add_model, add_out  # noqa: E402
 from bench.harness.engine import model_overrides  # noqa: E402
-from bench.harness.output import cpu_name  # noqa: E402
+from bench.harness.output import cpu_name, emit_summary, fmt, table  # noqa: E402
 from bench.harness.stats import mean_ms  # noqa: E402
 from blend_engine.batch_decode import StaticBatch, batch_step  # noqa: E402
 from blend_engine.decode import Decoder  # noqa: E402
@@ -40,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parts", default="batch", help="batch: the B sweep; graphed: the B sweep of the "
                         "CUDA-graphed bucket step (on CPU run eagerly)")
     add_model(parser, threads=2)
-    parser.add_argument("--out", type=Path, default=None, help="write the figures here as JSON")
+    add_out(parser, help="write the figures here as JSON")
 
 
 def _prompt(engine: BlendEngine, num_tokens: int) -> list[Segment]:
@@ -136,30 +135,20 @@ def run(args: argparse.Namespace) -> int:
     for name, rows in (("eager batched step", sweep), ("CUDA-graphed bucket step (StaticBatch)", graphed)):
         if not rows:
             continue
-        print(f"\n{name}\n\n| B | step ms | ms / token | vs B single steps | vs the B = 1 step |")
-        print("| ---: | ---: | ---: | ---: | ---: |")
         one = next((row["step_ms"] for row in rows if row["batch_size"] == 1), None)
-        for row in rows:
-            speedup, ms = row["speedup_vs_single_steps"], row["step_ms"]
-            print(f"| {row['batch_size']} | {ms:.2f} | {row['ms_per_token']:.2f} | "
-                  f"{'' if speedup is None else f'{speedup:.2f}x'} | {'' if one is None else f'{ms / one:.2f}x'} |")
-    if args.out is not None:
-        figures = {
-            "machine": {"cpu": cpu_name(), "num_cpus": os.cpu_count(), "platform": platform.platform(),
-                        "torch": torch.__version__, "load_avg_1m_at_end": os.getloadavg()[0]},
-            "model": engine.model_name, "weights": engine.weights.value, "decode_cache": engine.decode_cache.value,
-            "threads": args.threads, "context_tokens": args.context,
-            "device": str(engine.device), "gpu": _gpu_name(engine.device),
-            "batch": sweep, "graphed": graphed,
-        }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(figures, indent=1) + "\n")
-        print(f"\nwrote {args.out}")
+        print(f"\n{name}\n\n" + table(["B", "step ms", "ms / token", "vs B single steps", "vs the B = 1 step"], (
+            [row["batch_size"], fmt(row["step_ms"], 2), fmt(row["ms_per_token"], 2),
+             fmt(row["speedup_vs_single_steps"], 2, "x"), fmt(row["step_ms"] / one if one else None, 2, "x")] for row in rows),
+            markdown=True))
+    emit_summary({
+        "machine": {"cpu": cpu_name(), "num_cpus": os.cpu_count(), "platform": platform.platform(),
+                    "torch": torch.__version__, "load_avg_1m_at_end": os.getloadavg()[0]},
+        "model": engine.model_name, "weights": engine.weights.value, "decode_cache": engine.decode_cache.value,
+        "threads": args.threads, "context_tokens": args.context, "device": str(engine.device),
+        "gpu": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None,
+        "batch": sweep, "graphed": graphed,
+    }, args.out, indent=1)
     return 0
-
-
-def _gpu_name(device: torch.device) -> str | None:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
 
 if __name__ == "__main__":

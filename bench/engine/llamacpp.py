@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from bench.harness.args import add_data, add_out
-from bench.harness.output import cpu_name, emit_summary, fmt, refuse
+from bench.harness.memory import read_rss
+from bench.harness.servers import child_summary
+from bench.harness.output import cpu_name, emit_summary, fmt, refuse, table
 
 MODES = ("full", "blend", "reuse")
 
@@ -80,21 +79,14 @@ def measure_model(name: str, args: argparse.Namespace) -> dict:
 def child(args: argparse.Namespace, part: str, path: Path, cache_dir: Path | None = None,
           prompts: Path | None = None) -> dict:
     """`part` of the bench for the model at `path`, in a fresh process: its JSON line."""
-    command = [sys.executable, "-m", "app.cli", "bench", "llamacpp", "--child", part, "--models", str(path),
+    command = ["app.cli", "bench", "llamacpp", "--child", part, "--models", str(path),
                "--data", str(args.data), "--questions", str(args.questions), "--passages", str(args.passages),
                "--decode-tokens", str(args.decode_tokens), "--threads", str(args.threads)]
     if cache_dir is not None:
         command += ["--cache-dir", str(cache_dir)]
     if prompts is not None:
         command += ["--prompts", str(prompts)]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise RuntimeError(f"the {part} process failed: {done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return child_summary(command, f"the {part} process")
 
 
 def load_child(args: argparse.Namespace) -> dict:
@@ -105,7 +97,7 @@ def load_child(args: argparse.Namespace) -> dict:
     imported = time.perf_counter()
     loaded = load_model(ModelConfig(name=args.models, cache_dir=args.cache_dir))
     model_bytes = sum(t.nbytes for t in [*loaded.model.parameters(), *loaded.model.buffers()])
-    return {"import_s": imported - start, "load_s": time.perf_counter() - imported, "peak_rss_mb": peak_rss_mb(),
+    return {"import_s": imported - start, "load_s": time.perf_counter() - imported, "peak_rss_mb": read_rss().peak_mb,
             "model_mb": model_bytes / 2**20}
 
 
@@ -138,7 +130,7 @@ def engine_child(args: argparse.Namespace) -> dict:
     decode = measure_decode(engine, segments[0], args.decode_tokens, with_hf=False)
     return {"prompt_ids": [[t for s in prompt for t in s.token_ids] for prompt in segments],
             **{f"{m}_ttft_ms": statistics.median(v) for m, v in ttft.items()},
-            "decode_tok_s": 1000 / decode.engine_ms_per_token, "peak_rss_mb": peak_rss_mb()}
+            "decode_tok_s": 1000 / decode.engine_ms_per_token, "peak_rss_mb": read_rss().peak_mb}
 
 
 def llama_child(args: argparse.Namespace) -> dict:
@@ -146,7 +138,7 @@ def llama_child(args: argparse.Namespace) -> dict:
     import numpy as np
     from llama_cpp import Llama
 
-    rss_before = peak_rss_mb()
+    rss_before = read_rss().peak_mb
     llm = Llama(args.models, n_ctx=4096, n_batch=512, n_threads=args.threads, n_threads_batch=args.threads,
                 verbose=False)
     vocab = llm.n_vocab()
@@ -167,7 +159,7 @@ def llama_child(args: argparse.Namespace) -> dict:
                 llm.eval([token])
                 token = next_token()
             decode = args.decode_tokens / (time.perf_counter() - start)
-    return {"full_ttft_ms": statistics.median(ttft), "decode_tok_s": decode, "peak_rss_mb": peak_rss_mb(),
+    return {"full_ttft_ms": statistics.median(ttft), "decode_tok_s": decode, "peak_rss_mb": read_rss().peak_mb,
             "rss_before_load_mb": rss_before}
 
 
@@ -175,12 +167,12 @@ CHILDREN = {"load": load_child, "llama": llama_child, "engine": engine_child}
 
 
 def print_table(rows: dict[str, dict]) -> None:
-    print(f"{'model':22} {'first s':>8} {'warm s':>7} {'load RSS':>9} {'llama full':>11} {'rb full':>9} "
-          f"{'rb blend':>9} {'blend/llama':>11} {'llama tok/s':>11} {'rb tok/s':>9} {'llama RSS':>10} {'rb RSS':>8}")
-    for name, row in rows.items():
-        first, warm, llama, ours = (row.get(k, {}) for k in ("first_load", "warm_start", "llama.cpp", "ragblend"))
-        print(f"{name:22} {fmt(first.get('load_s')):>8} {fmt(warm.get('load_s')):>7} "
-              f"{fmt(first.get('peak_rss_mb'), 0):>9} {fmt(llama['full_ttft_ms'], 0):>11} "
-              f"{fmt(ours['full_ttft_ms'], 0):>9} {fmt(ours['blend_ttft_ms'], 0):>9} "
-              f"{fmt(ours['blend_ttft_ms'] / llama['full_ttft_ms'], 2):>11} {fmt(llama['decode_tok_s']):>11} "
-              f"{fmt(ours['decode_tok_s']):>9} {fmt(llama['peak_rss_mb'], 0):>10} {fmt(ours['peak_rss_mb'], 0):>8}")
+    parts = {name: [row.get(k, {}) for k in ("first_load", "warm_start", "llama.cpp", "ragblend")]
+             for name, row in rows.items()}
+    print(table(["model", "first s", "warm s", "load RSS", "llama full", "rb full", "rb blend", "blend/llama",
+                 "llama tok/s", "rb tok/s", "llama RSS", "rb RSS"], (
+        [name, fmt(first.get("load_s")), fmt(warm.get("load_s")), fmt(first.get("peak_rss_mb"), 0),
+         fmt(llama["full_ttft_ms"], 0), fmt(ours["full_ttft_ms"], 0), fmt(ours["blend_ttft_ms"], 0),
+         fmt(ours["blend_ttft_ms"] / llama["full_ttft_ms"], 2), fmt(llama["decode_tok_s"]), fmt(ours["decode_tok_s"]),
+         fmt(llama["peak_rss_mb"], 0), fmt(ours["peak_rss_mb"], 0)]
+        for name, (first, warm, llama, ours) in parts.items())))

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import dataclass, field, replace
+from collections import defaultdict
+from dataclasses import dataclass, replace
 
 from bench.engine.formats import compare_formats, print_formats
 from bench.engine.report import print_table, summarize
-from bench.engine.variants import adaptive_variants, main_variants, spec_variants
+from bench.engine.variants import main_variants, spec_variants
 from bench.harness.args import add_data, add_model, add_out
 from bench.harness.data import Question, load_questions
 from bench.harness.engine import greedy_ids, load_engine, measure_decode, model_overrides, prompt_for, timed_prefill
@@ -18,7 +19,7 @@ from bench.harness.output import emit_summary
 from bench.harness.stats import safe_median
 from blend_engine.engine import BlendEngine
 from blend_engine.types import PrefillMode
-from configs.enums import DeviationKind, SinkMode, WeightFormat
+from configs.enums import SinkMode, WeightFormat
 
 
 @dataclass
@@ -37,12 +38,7 @@ class Record:
     answer: str = ""
 
 
-@dataclass
-class Runs:
-    records: dict[str, list[Record]] = field(default_factory=dict)
-
-    def add(self, label: str, record: Record) -> None:
-        self.records.setdefault(label, []).append(record)
+Runs = dict[str, list[Record]]  # a variant's label -> its records, question by question
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,13 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="a YAML config file")
     parser.add_argument("--ratios", default="0.05,0.15,0.30", help="blend recompute ratios")
     parser.add_argument("--sink", default=None, choices=[s.value for s in SinkMode])
-    parser.add_argument("--check-layers", default=None, help="e.g. 1 or 1,2,3 (gradual filtering)")
-    parser.add_argument("--deviation", default=None, choices=[d.value for d in DeviationKind])
-    parser.add_argument("--adaptive", default="",
-                        help="adaptive-ratio rows: score-mass shares to cover, e.g. 0.5,0.7")
     parser.add_argument("--variant", action="append", default=[],
                         help='a blend row at r=0.15 with these config fields, e.g. "selection=query check_layers=2" '
-                             "(repeatable)")
+                             'or "is_ratio_adaptive=true adaptive_mass=0.5" (repeatable)')
     parser.add_argument("--no-prefix-row", action="store_true", help="skip the prefix-mode row (as slow as full)")
     parser.add_argument("--answer-tokens", type=int, default=32, help="max tokens of the reference answer")
     parser.add_argument("--no-answers", action="store_true",
@@ -77,12 +69,11 @@ def run(args: argparse.Namespace) -> int:
     if not questions:
         raise ValueError(f"no questions left after skipping {args.first_question}")
     variants = main_variants(engine.blend, settings.blend.sink, _ratios(args.ratios))
-    variants += adaptive_variants(engine.blend, settings.blend.sink, _ratios(args.adaptive, allow_empty=True))
     variants += spec_variants(engine.blend, settings.blend.sink, args.variant)
     if args.no_prefix_row:
         variants = [v for v in variants if v.mode != PrefillMode.PREFIX]
     is_quality = not engine.is_random
-    runs = Runs()
+    runs: Runs = defaultdict(list)
     _warm_up(engine, questions[0], variants)
     for i, question in enumerate(questions):
         t0 = time.perf_counter()
@@ -102,20 +93,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _overrides(args) -> dict:
-    overrides: dict = {"model": model_overrides(args), "blend": {}}
-    if args.sink:
-        overrides["blend"]["sink"] = args.sink
-    if args.check_layers:
-        overrides["blend"]["check_layers"] = [int(x) for x in args.check_layers.split(",")]
-    if args.deviation:
-        overrides["blend"]["deviation"] = args.deviation
-    return overrides
+    return {"model": model_overrides(args), "blend": {"sink": args.sink} if args.sink else {}}
 
 
-def _ratios(text: str, allow_empty: bool = False) -> list[float]:
+def _ratios(text: str) -> list[float]:
     ratios = [float(x) for x in text.split(",") if x.strip()]
-    if (not ratios and not allow_empty) or any(not 0 <= r <= 1 for r in ratios):
-        raise ValueError(f"ratios and shares must be numbers in [0, 1], got {text!r}")
+    if not ratios or any(not 0 <= r <= 1 for r in ratios):
+        raise ValueError(f"ratios must be numbers in [0, 1], got {text!r}")
     return ratios
 
 
@@ -139,7 +123,7 @@ def bench_question(engine, question: Question, variants, runs: Runs, answer_toke
                         stats.recompute_ratio)
         if is_quality:
             _score(engine, result, record, ref_ids, ref_logits, ref_text, question, answer_tokens, is_answered)
-        runs.add(variant.label, record)
+        runs[variant.label].append(record)
 
 
 def _score(engine, result, record: Record, ref_ids, ref_logits, ref_text, question, answer_tokens,

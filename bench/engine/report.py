@@ -6,7 +6,7 @@ import platform
 
 import torch
 
-from bench.harness.output import fmt
+from bench.harness.output import fmt, table
 from bench.harness.stats import safe_mean, safe_median
 from blend_engine.types import PrefillMode
 
@@ -17,14 +17,14 @@ def _is_cacheblend(variant) -> bool:
 
 
 def summarize(runs, variants, args, engine, is_quality: bool) -> dict:
-    full_ttft = safe_median(r.ttft_ms for r in runs.records["full"])
+    full_ttft = safe_median(r.ttft_ms for r in runs["full"])
     reuse_kl: dict = {}  # per sink, CacheBlend's reuse (no scale): the reference of every row's KL ratio
     for v in sorted((v for v in variants if v.mode == PrefillMode.REUSE), key=lambda v: not _is_cacheblend(v)):
         if v.sink not in reuse_kl:
-            reuse_kl[v.sink] = safe_mean(r.tf_kl for r in runs.records[v.label] if r.tf_kl is not None)
+            reuse_kl[v.sink] = safe_mean(r.tf_kl for r in runs[v.label] if r.tf_kl is not None)
     rows = {}
     for v in variants:
-        recs = runs.records[v.label]
+        recs = runs[v.label]
         ttft = safe_median(r.ttft_ms for r in recs)
         kl = safe_mean(r.tf_kl for r in recs if r.tf_kl is not None)
         ref_kl = reuse_kl.get(v.sink)
@@ -63,7 +63,7 @@ def summarize(runs, variants, args, engine, is_quality: bool) -> dict:
         "questions": args.questions,
         "first_question": args.first_question,
         "passages": args.passages,
-        "median_prompt_tokens": safe_median(r.num_prompt for r in runs.records["full"]),
+        "median_prompt_tokens": safe_median(r.num_prompt for r in runs["full"]),
         "results": rows,
     }
 
@@ -72,16 +72,12 @@ def print_table(summary: dict) -> None:
     print(f"\nmodel {summary['model']} on {summary['device']} ({summary['dtype']}, {summary['weights']} weights), "
           f"{summary['questions']} questions x {summary['passages']} passages, "
           f"median prompt {summary['median_prompt_tokens']} tokens")
-    width = max(28, *(len(label) + 1 for label in summary["results"]))
-    header = f"{'variant':<{width}}{'TTFT ms':>9}{'speedup':>9}{'recomp':>8}{'1st tok':>8}{'TF agr':>8}" \
-             f"{'TF KL':>8}{'KL/reuse':>9}{'F1 full':>8}{'F1 gold':>8}"
-    print(header)
-    print("-" * len(header))
-    for label, row in summary["results"].items():
-        print(f"{label:<{width}}{fmt(row['median_ttft_ms'], 0):>9}{fmt(row['speedup_vs_full'], 2):>9}"
-              f"{fmt(row['median_tokens_recomputed'], 0):>8}{fmt(row['first_token_agreement'], 2):>8}"
-              f"{fmt(row['tf_agreement'], 3):>8}{fmt(row['tf_kl_mean'], 3):>8}{fmt(row['kl_vs_reuse'], 2):>9}"
-              f"{fmt(row['f1_vs_full'], 2):>8}{fmt(row['f1_vs_gold'], 2):>8}")
+    print(table(["variant", "TTFT ms", "speedup", "recomp", "1st tok", "TF agr", "TF KL", "KL/reuse", "F1 full",
+                 "F1 gold"], ([label, fmt(row["median_ttft_ms"], 0), fmt(row["speedup_vs_full"], 2),
+                              fmt(row["median_tokens_recomputed"], 0), fmt(row["first_token_agreement"], 2),
+                              fmt(row["tf_agreement"], 3), fmt(row["tf_kl_mean"], 3), fmt(row["kl_vs_reuse"], 2),
+                              fmt(row["f1_vs_full"], 2), fmt(row["f1_vs_gold"], 2)]
+                             for label, row in summary["results"].items())))
     decode = summary.get("decode")
     if decode:
         graph = "CUDA graph" if decode["is_cuda_graph"] else "eager"

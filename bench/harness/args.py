@@ -11,11 +11,11 @@ from configs.enums import WeightFormat
 
 
 def add_data(parser: argparse.ArgumentParser, questions: int | None, passages: int = 5,
-             first_question: int | None = None) -> None:
+             first_question: int | None = None, questions_help: str = "questions (default: %(default)s)") -> None:
     """`--data` (MuSiQue JSON), `--questions`, `--passages` and, where a default is given, `--first-question`."""
     parser.add_argument("--data", default=DEFAULT_DATA, help="MuSiQue JSON (list of question/answers/ctxs; "
                         "default: %(default)s)")
-    parser.add_argument("--questions", type=int, default=questions, help="questions (default: %(default)s)")
+    parser.add_argument("--questions", type=int, default=questions, help=questions_help)
     if first_question is not None:
         parser.add_argument("--first-question", type=int, default=first_question,
                             help="skip this many questions of the data first (default: %(default)s)")

@@ -1,11 +1,10 @@
-"""The server benches' HTTP client: a server's readiness and model, questions' passages ingested (one
-passage, one chunk, KV precomputed), documents deleted, background KV waited for, and one streamed
-/v1/query or /v1/chat/completions timing each event's arrival here (time.perf_counter)."""
+"""The server benches' HTTP client: a server's readiness, model and /metrics, questions' passages ingested (one
+passage, one chunk, KV precomputed), a question set's documents uploaded, documents deleted, background KV
+waited for, and one streamed /v1/query timing each event's arrival here (time.perf_counter)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -15,6 +14,10 @@ import httpx
 from app.commands.ask import iter_events
 from app.commands.client import error_message
 from bench.harness.data import Question
+from bench.harness.sets import SetDocument
+
+
+WARMUP_TOKENS = 4  # a warm-up answer's length: a server's first requests pay one-off costs, not counted
 
 
 class QueryFailed(Exception):
@@ -51,6 +54,40 @@ def ingest_ready(url: str, headers: dict[str, str], timeout_s: float, questions:
     with httpx.Client(base_url=url, headers=headers, timeout=timeout_s) as client:
         model = ready_model(client)
         return model, ingest(client, questions)
+
+
+def metrics(client: httpx.Client, prefix: str = "ragblend_") -> dict[str, dict[str, float]]:
+    """The server's /metrics families named `prefix`...: family (less the prefix) -> its samples by their
+    `tier` label ("" for none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = client.get("/metrics")
+    response.raise_for_status()
+    out: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            if family.name.startswith(prefix) and not sample.name.endswith("_created"):
+                out.setdefault(family.name.removeprefix(prefix), {})[sample.labels.get("tier", "")] = sample.value
+    return out
+
+
+async def upload_documents(client: httpx.AsyncClient, documents: Sequence[SetDocument], kv_timeout_s: float
+                           ) -> dict[str, dict]:
+    """A question set's documents through POST /v1/documents/files, one file a request, under their set
+    ids; then waits for any background KV. Per document: format, pages, chunks, seconds."""
+    out: dict[str, dict] = {}
+    for doc in documents:
+        start = time.perf_counter()
+        response = await client.post("/v1/documents/files", files=[("files", (doc.path.name, doc.path.read_bytes()))],
+                                     data={"ids": doc.id})
+        if response.status_code != 201:
+            raise QueryFailed(f"uploading {doc.path.name}: {error_message(response)}")
+        (document,) = response.json()["documents"]
+        out[doc.id] = {"format": document["format"], "num_pages": document.get("num_pages"),
+                       "num_chunks": len(document["chunks"]), "num_tokens": sum(c["num_tokens"] for c in document["chunks"]),
+                       "upload_s": time.perf_counter() - start, "kv_pending": document.get("kv_pending", False)}
+    await wait_for_kv(client, [d for d, info in out.items() if info["kv_pending"]], kv_timeout_s)
+    return out
 
 
 async def delete_documents(client: httpx.AsyncClient, ids: Sequence[str]) -> None:
@@ -160,33 +197,3 @@ async def stream_query(client: httpx.AsyncClient, body: dict[str, Any]) -> Strea
     return StreamedAnswer(sent, tuple(token_s), end, "".join(pieces), done, tuple(sources),
                           None if unmatched is None else tuple(unmatched))
 
-
-async def stream_chat(client: httpx.AsyncClient, body: dict[str, Any]) -> StreamedAnswer:
-    """POST /v1/chat/completions with stream=true (OpenAI's chunks); the last chunk's usage, timings,
-    mode and plan as the `done` dict; raises QueryFailed with the server's message on an error."""
-    pieces: list[str] = []
-    token_s: list[float] = []
-    done: dict[str, Any] = {}
-    sources: list[dict[str, Any]] = []
-    sent = time.perf_counter()
-    async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
-        if response.status_code != 200:
-            await response.aread()
-            raise QueryFailed(error_message(response))
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: "):])
-            if "error" in chunk:
-                raise QueryFailed(chunk["error"]["message"])
-            sources = chunk.get("sources") or sources  # the first chunk's
-            content = chunk["choices"][0]["delta"].get("content") if chunk.get("choices") else None
-            if content:
-                token_s.append(time.perf_counter())
-                pieces.append(content)
-            if chunk.get("usage"):
-                done = {name: chunk.get(name) for name in ("usage", "timings", "mode", "plan", "recompute_ratio")}
-    end = time.perf_counter()
-    if not done:
-        raise QueryFailed("the stream ended without a usage chunk")
-    return StreamedAnswer(sent, tuple(token_s), end, "".join(pieces), done, tuple(sources))

@@ -12,6 +12,7 @@ import argparse
 import time
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -19,6 +20,7 @@ from bench.harness.data import Question
 from blend_engine.engine import BlendEngine
 from blend_engine.types import BlendConfig, PrefillMode, PrefillResult, Segment
 from configs.enums import SinkMode
+from configs.settings import Settings, load_settings
 
 CHARS_PER_PASSAGE_TOKEN = 3.96
 CHARS_PER_QUESTION_TOKEN = 4.47
@@ -57,15 +59,11 @@ class Variant:
     blend: BlendConfig | None = None
 
 
-def load_engine(config=None, threads: int | None = None, model_name: str | None = None, **overrides):
-    """The settings (`overrides` and `model_name` over `config`) and their engine; torch's CPU threads set
-    first where `threads` is given."""
-    from configs.settings import load_settings
-
+def load_engine(config: str | Path | None = None, threads: int | None = None, **overrides) -> tuple[Settings, BlendEngine]:
+    """The settings (`overrides` over `config`) and their engine; torch's CPU threads set first where
+    `threads` is given."""
     if threads:
         torch.set_num_threads(threads)
-    if model_name:
-        overrides["model"] = {**overrides.get("model", {}), "name": model_name}
     settings = load_settings(config, **overrides)
     return settings, BlendEngine.from_config(settings.model, settings.blend)
 

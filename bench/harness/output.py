@@ -1,5 +1,5 @@
 """A bench's summary out: one JSON line on stdout (the last line: what scripts and tests parse), and
-the same object written to `--out` when given; the cells of its tables; its one-line errors."""
+the same object written to `--out` when given; its tables and their cells; its one-line errors."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import platform
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Sequence
 
 
 def cpu_name() -> str:
@@ -34,6 +34,19 @@ def emit_summary(summary: dict[str, Any], out: str | Path | None, indent: int | 
 def fmt(value: float | None, digits: int = 1, suffix: str = "") -> str:
     """A table's cell: the value to `digits` places, "-" for none."""
     return "-" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[object]], markdown: bool = False) -> str:
+    """The rows under `header`, the first column left-aligned and the others (figures) right-aligned: each
+    column as wide as its widest cell, or (`markdown`) as a markdown table. Cells print as str() gives them:
+    format figures first (`fmt`)."""
+    cells = [[str(c) for c in header], *([str(c) for c in row] for row in rows)]
+    if markdown:
+        lines = ["| " + " | ".join(row) + " |" for row in cells]
+        return "\n".join([lines[0], "| --- |" + " ---: |" * (len(header) - 1), *lines[1:]])
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+                     for row in cells)
 
 
 def refuse(command: str, message: object, code: int) -> int:

@@ -4,6 +4,7 @@ checkout's code, or another's under its own interpreter), or uvicorn threads in 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -99,18 +100,6 @@ class LocalServer:
             self._dir.cleanup()
 
 
-def environment_pairs(specs: Sequence[str], option: str) -> dict[str, str]:
-    """`NAME=VALUE` strings (a server's environment given on the command line) as a mapping;
-    ValueError naming `option` for one without a name or an `=`."""
-    env = {}
-    for spec in specs:
-        name, sep, value = spec.partition("=")
-        if not sep or not name:
-            raise ValueError(f"{option} takes NAME=VALUE, got {spec!r}")
-        env[name] = value
-    return env
-
-
 def process_tree_cpu_s(pid: int) -> float | None:
     """User + system CPU seconds of process `pid` (all its threads) and its live descendants, from Linux's
     /proc; None where `pid` cannot be read there."""
@@ -130,6 +119,17 @@ def process_tree_cpu_s(pid: int) -> float | None:
             for task in Path(f"/proc/{current}/task").iterdir():
                 pending += [int(child) for child in (task / "children").read_text().split()]
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def child_summary(argv: Sequence[str], what: str, timeout_s: float | None = None) -> dict[str, Any]:
+    """The summary a bench part run in a fresh interpreter (`python -m` ARGV, this checkout's code whatever the
+    cwd) prints as its last line; RuntimeError naming `what`, with its stderr's tail, where it fails."""
+    pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+    done = subprocess.run([sys.executable, "-m", *argv], env={**os.environ, "PYTHONPATH": pythonpath},
+                          capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode:
+        raise RuntimeError(f"{what} failed ({done.returncode}):\n{done.stderr[-LOG_TAIL_CHARS:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @contextlib.contextmanager

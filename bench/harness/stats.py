@@ -44,22 +44,11 @@ def spread(values: Sequence[float | None]) -> dict[str, Any]:
             "p25": percentile(known, 25), "p75": percentile(known, 75)}
 
 
-def median_ratio(numerators: Sequence[float], denominators: Sequence[float]) -> float | None:
-    """The median of ratios taken pairwise (within one round: the same load on both sides)."""
-    return safe_median(a / b for a, b in zip(numerators, denominators) if b)
-
-
 def in_turn(sides: Sequence[T], turn: int) -> list[T]:
     """The sides starting from the `turn`th (mod their number): each takes every place in turn, so none
     always runs right after another (with two sides: alternating who goes first)."""
     k = turn % len(sides) if sides else 0
     return [*sides[k:], *sides[:k]]
-
-
-def alternated(sides: Sequence[T], turn: int) -> Sequence[T]:
-    """The sides as given on even turns, reversed on odd ones (the server benches' order: with two sides,
-    the same as `in_turn`)."""
-    return sides if turn % 2 == 0 else sides[::-1]
 
 
 def timed_ms(fn: Callable[[], object]) -> float:

@@ -20,13 +20,13 @@ from app.commands.exit_codes import ExitCode
 from bench.serving import build as compare_build
 from bench.serving.build import Build, BuildError
 from bench.harness.servers import REPO_ROOT, LocalServer, started
-from bench.harness.args import add_api_key, headers
+from bench.harness.args import add_api_key, add_data, headers
 from bench.harness.data import Question, load_questions
-from bench.harness.output import emit_summary, refuse
-from bench.serving.server import WARMUP_TOKENS, prepare, request_body, round_questions, run_round
+from bench.harness.output import emit_summary, refuse, table
+from bench.serving.server import WARMUP_TOKENS, add_request_arguments, prepare, request_body, round_questions, \
+    run_round
 from bench.harness.client import QueryFailed, StreamedAnswer, stream_query
-from bench.harness.stats import alternated as in_turn, percentile, ratio, spread
-from configs.enums import RequestMode
+from bench.harness.stats import in_turn, percentile, ratio, spread
 
 IDLE_SHARE_WARNING = 0.05  # of one core, over a part's wall time
 
@@ -59,22 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("rev", help="the git revision to compare this checkout with (a sha, branch, tag, HEAD~3...)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds; each measures every part on both builds")
     parser.add_argument("--clients", type=int, default=8, help="streaming clients at once in a round's concurrent part")
-    parser.add_argument("--questions", type=int,
-                        help="questions the concurrent part's clients draw from (default and least: --clients)")
-    parser.add_argument("--first-question", type=int, default=0, help="skip this many of the data set's questions")
-    parser.add_argument("--passages", type=int, default=5, help="passages per question (5: a ~3k-token prompt)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per answer")
-    parser.add_argument("--prefix-cache", choices=["off", "server"], default="off",
-                        help="off: every request says prefix_cache false, so a question asked again (and the "
-                             "warmed pool) prefills again on both builds; server: as each server is configured "
-                             "(for revisions whose API predates the field, issue 42)")
-    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                        help="every answer --max-tokens long (the request's ignore_eos; --no-ignore-eos for "
-                             "revisions whose API has no such field)")
-    parser.add_argument("--mode", choices=[m.value for m in RequestMode], help="prefill mode (default: the servers')")
-    parser.add_argument("--settle-s", type=float, default=3.0, help="seconds of rest before each part")
-    parser.add_argument("--data", type=Path, default=Path("../shared/data/musique_dev.json"))
-    parser.add_argument("--config", type=Path, help="a YAML file both builds' servers layer over their defaults")
+    add_data(parser, questions=None, first_question=0,
+             questions_help="questions the concurrent part's clients draw from (default and least: --clients)")
+    add_request_arguments(parser, is_ignoring_eos=True)  # a decode rate needs answers of one length
     parser.add_argument("--python", type=Path,
                         help="run REV under this interpreter (one with REV's dependencies) instead of building a venv")
     parser.add_argument("--venv", choices=[compare_build.Interpreter.SHARED.value, compare_build.Interpreter.OWN.value],
@@ -88,8 +75,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", type=Path, default=compare_build.default_cache_dir(),
                         help="where REV's worktree and venv are kept, under <full sha>/ (default %(default)s)")
     add_api_key(parser)
-    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for a server's /readyz")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--out", type=Path, help="the JSON's path (default: docs/results/compare_<rev sha>.json)")
 
 
@@ -283,10 +268,12 @@ def summarize(args: argparse.Namespace, builds: dict[Side, Build], servers: dict
 # ---- the table ------------------------------------------------------------------------------------
 
 
-def _cell(stats: dict[str, Any], digits: int, suffix: str = "") -> str:
+def _cell(stats: dict[str, Any], unit: str) -> str:
+    """The median [min-max] over rounds: ratios ("x") to 2 places, rates and seconds to 1, milliseconds to 0."""
     if stats["median"] is None:
         return "-"
-    return (f"{stats['median']:.{digits}f}{suffix} [{stats['min']:.{digits}f}-{stats['max']:.{digits}f}]")
+    digits, suffix = {"x": (2, "x"), "tok/s": (1, ""), "s": (1, "")}.get(unit, (0, ""))
+    return f"{stats['median']:.{digits}f}{suffix} [{stats['min']:.{digits}f}-{stats['max']:.{digits}f}]"
 
 
 def print_table(summary: dict[str, Any]) -> None:
@@ -299,11 +286,9 @@ def print_table(summary: dict[str, Any]) -> None:
           f"{summary['rounds']} round(s), prompt ~{mean(prompts) if prompts else 0:.0f} tokens, "
           f"{summary['max_tokens']} tokens an answer, mode {mode}")
     print("median over rounds [min-max]; ratio: current/REV per round")
-    print(f"{'measure':<34}{'REV':>22}{'current':>22}{'current/REV':>20}  better")
-    for m in summary["measures"].values():
-        digits = 1 if m["unit"] in ("tok/s", "s") else 0
-        print(f"{m['label'] + ' (' + m['unit'] + ')':<34}{_cell(m['rev'], digits):>22}"
-              f"{_cell(m['current'], digits):>22}{_cell(m['ratio'], 2, 'x'):>20}  {m['better']}")
+    print(table(["measure", "REV", "current", "current/REV", "better"], (
+        [f"{m['label']} ({m['unit']})", _cell(m["rev"], m["unit"]), _cell(m["current"], m["unit"]),
+         _cell(m["ratio"], "x"), m["better"]] for m in summary["measures"].values())))
     for side, info in builds.items():
         print(f"{side}: modes {info['modes']}, errors {info['num_errors']}")
     idle = summary["idle"]

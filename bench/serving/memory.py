@@ -4,25 +4,22 @@ fresh interpreter) and a live server's idle and after questions, the two caches 
 from __future__ import annotations
 
 import argparse
-import json
-import re
-import subprocess
-import sys
+import asyncio
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
 
+from bench.harness.client import metrics, upload_documents
 from bench.harness.sets import DEFAULT_SET, load_set
-from bench.serving.memory_probe import MB, mappings, read_rss
-from bench.harness.output import emit_summary
-from bench.harness.servers import REPO_ROOT
+from bench.harness.memory import MB, mappings, read_rss
+from bench.harness.output import emit_summary, fmt, table
+from bench.harness.servers import child_summary
 
-MEMORY_TIER = re.compile(r'^ragblend_kv_bytes\{tier="memory"\} (\S+)$', re.MULTILINE)
-PREFIX_CACHE = re.compile(r"^ragblend_prefix_cache_bytes (\S+)$", re.MULTILINE)
 
 
 
@@ -44,28 +41,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_stages(config: Path | None, timeout_s: float) -> dict[str, Any]:
     """bench/serving/memory_stages.py in a fresh interpreter on an empty data dir: its summary."""
     with tempfile.TemporaryDirectory(prefix="ragblend-memory-stages-") as tmp:
-        argv = [sys.executable, "-m", "bench.serving.memory_stages", "--data-dir", str(Path(tmp) / "data")]
+        argv = ["bench.serving.memory_stages", "--data-dir", str(Path(tmp) / "data")]
         if config is not None:
             argv += ["--config", str(config)]
-        done = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s)
-    if done.returncode != 0:
-        raise RuntimeError(f"the stages process failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def cache_mb(client: httpx.Client) -> tuple[float, float]:
-    """The memory tier's bytes and the prefix cache's from /metrics, in MB (0 where absent)."""
-    response = client.get("/metrics")
-    response.raise_for_status()
-    found = [pattern.search(response.text) for pattern in (MEMORY_TIER, PREFIX_CACHE)]
-    tier, prefix = (round(float(f.group(1)) / MB, 1) if f else 0.0 for f in found)
-    return tier, prefix
+        return child_summary(argv, "the stages process", timeout_s)
 
 
 def reading(pid: int, client: httpx.Client, label: str) -> dict[str, Any]:
-    rss = read_rss(pid)
-    tier, prefix = cache_mb(client)
-    return {"label": label, **rss.as_dict(), "memory_tier_mb": tier, "prefix_cache_mb": prefix,
+    """RSS, and the two caches' bytes in it (the memory tier's, the prefix cache's; 0 where absent), in MB."""
+    rss, found = read_rss(pid), metrics(client)
+    tier, prefix = (round(found.get(name, {}).get(key, 0.0) / MB, 1)
+                    for name, key in (("kv_bytes", "memory"), ("prefix_cache_bytes", "")))
+    return {"label": label, **asdict(rss), "memory_tier_mb": tier, "prefix_cache_mb": prefix,
             "own_mb": round(rss.rss_mb - tier - prefix, 1), "mappings_mb": mappings(pid)}
 
 
@@ -78,17 +65,12 @@ def exercise(client: httpx.Client, num_questions: int, num_documents: int | None
     wanted = {q.document for q in questions}
     documents = [d for d in qset.documents if d.id in wanted] if num_documents is None else \
         list(qset.documents[:num_documents])
-    for doc in documents:
-        response = client.post("/v1/documents/files", files=[("files", (doc.path.name, doc.path.read_bytes()))],
-                               data={"ids": doc.id})
-        if response.status_code != 201:
-            raise RuntimeError(f"uploading {doc.path.name}: {response.status_code} {response.text[:300]}")
-    deadline = time.monotonic() + kv_timeout_s
-    for doc in documents:
-        while not all(c["kv_cached"] for c in client.get(f"/v1/documents/{doc.id}").json()["chunks"]):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"document {doc.id}'s KV not computed within {kv_timeout_s:.0f} s")
-            time.sleep(0.5)
+
+    async def upload() -> None:
+        async with httpx.AsyncClient(base_url=client.base_url, headers=client.headers, timeout=kv_timeout_s) as http:
+            await upload_documents(http, documents, kv_timeout_s)
+
+    asyncio.run(upload())
     ttfts = []
     for question in questions:
         response = client.post("/v1/query", json={"question": question.question, "max_tokens": max_tokens})
@@ -118,21 +100,18 @@ def run_server(config: Path | None, args: argparse.Namespace) -> dict[str, Any]:
 def print_tables(summary: dict[str, Any]) -> None:
     stages = summary.get("stages")
     if stages:
-        print("| stage | RSS MB | anon | file | added | malloc used | malloc free |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-        previous = 0.0
-        for row in stages["stages"]:
-            print(f"| {row['stage']} | {row['rss_mb']:.0f} | {row['anon_mb']:.0f} | {row['file_mb']:.0f} | "
-                  f"{row['rss_mb'] - previous:+.0f} | {row.get('malloc_used_mb', 0):.0f} | {row.get('malloc_free_mb', 0):.0f} |")
-            previous = row["rss_mb"]
+        rows = stages["stages"]
+        print(table(["stage", "RSS MB", "anon", "file", "added", "malloc used", "malloc free"], (
+            [row["stage"], fmt(row["rss_mb"], 0), fmt(row["anon_mb"], 0), fmt(row["file_mb"], 0),
+             f"{row['rss_mb'] - (rows[i - 1]['rss_mb'] if i else 0.0):+.0f}", fmt(row.get("malloc_used_mb", 0), 0),
+             fmt(row.get("malloc_free_mb", 0), 0)] for i, row in enumerate(rows)), markdown=True))
         print("\nweights (MB):", ", ".join(f"{k} {v}" for k, v in stages["weights_mb"].items()))
     server = summary.get("server")
     if server:
-        print("\n| server | RSS MB | anon | file | peak | memory tier | prefix cache | RSS less the two caches |\n"
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-        for row in server["readings"]:
-            print(f"| {row['label']} | {row['rss_mb']:.0f} | {row['anon_mb']:.0f} | {row['file_mb']:.0f} | "
-                  f"{row['peak_mb']:.0f} | {row['memory_tier_mb']:.0f} | {row['prefix_cache_mb']:.0f} | "
-                  f"{row['own_mb']:.0f} |")
+        print("\n" + table(["server", "RSS MB", "anon", "file", "peak", "memory tier", "prefix cache",
+                            "RSS less the two caches"], ([row["label"], *(fmt(row[key], 0) for key in (
+                                "rss_mb", "anon_mb", "file_mb", "peak_mb", "memory_tier_mb", "prefix_cache_mb",
+                                "own_mb"))] for row in server["readings"]), markdown=True))
 
 
 def run(args: argparse.Namespace) -> int:

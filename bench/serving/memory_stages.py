@@ -8,9 +8,10 @@ import gc
 import json
 import sys
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
 
-from bench.serving.memory_probe import MB, malloc_mb, mappings, read_rss
+from bench.harness.memory import MB, malloc_mb, mappings, read_rss
 
 STAGES = ("interpreter", "import torch", "server modules", "engine loaded", "embedder", "KV store",
           "planner measurement", "idle release")
@@ -18,7 +19,7 @@ STAGES = ("interpreter", "import torch", "server modules", "engine loaded", "emb
 
 def _reading(stage: str) -> dict:
     gc.collect()  # what is garbage is not the stage's
-    return {"stage": stage, **read_rss().as_dict(), **(malloc_mb() or {})}
+    return {"stage": stage, **asdict(read_rss()), **(malloc_mb() or {})}
 
 
 def weights_by_kind(model) -> dict[str, float]:

@@ -15,10 +15,10 @@ from app.commands.exit_codes import ExitCode
 from bench.harness.fidelity import best_f1, normalize_answer, token_f1
 from bench.harness.args import add_data, add_out, add_server, headers
 from bench.harness.data import Question, load_questions
-from bench.harness.output import emit_summary, refuse
-from bench.serving.server import WARMUP_TOKENS, round_questions, run_round
-from bench.harness.client import StreamedAnswer, chunk_ids, ingest_ready, stream_query
-from bench.harness.stats import alternated as in_turn, ratio, spread
+from bench.harness.output import emit_summary, fmt, refuse, table
+from bench.serving.server import WARMUP_TOKENS, request_body, round_questions, run_round
+from bench.harness.client import StreamedAnswer, ingest_ready, stream_query
+from bench.harness.stats import in_turn, ratio, spread
 from bench.serving.report import Round, level_stats
 
 
@@ -46,19 +46,19 @@ class ModeRuns:
     agrees: list[float] = field(default_factory=list)
 
 
-async def ask(client: httpx.AsyncClient, question: str, ids: list[str], mode: str, max_tokens: int) -> StreamedAnswer:
-    # the prefix cache off: each mode's prefill is measured, and every mode asks the same prompt
-    body = {"question": question, "chunk_ids": ids, "mode": mode, "max_tokens": max_tokens, "prefix_cache": False}
-    return await stream_query(client, body)
+async def ask(client: httpx.AsyncClient, questions: list[Question], qi: int, mode: str, max_tokens: int) -> StreamedAnswer:
+    """Question `qi` over its passages in `mode`, the prefix cache off (every mode asks the same prompt, and
+    each mode's prefill is measured), the answer ending at end of text."""
+    return await stream_query(client, request_body(questions[qi], qi, round_args(mode, max_tokens, ignore_eos=False)))
 
 
 async def latency_phase(client, questions: list[Question], modes: list[str], max_tokens: int) -> dict[str, ModeRuns]:
     runs = {mode: ModeRuns() for mode in modes}
-    await ask(client, questions[0].question, chunk_ids(0, questions[0]), modes[-1], 4)  # warm-up
+    await ask(client, questions, 0, modes[-1], WARMUP_TOKENS)
     for qi, question in enumerate(questions):
         reference = None
         for mode in modes:
-            sample = await ask(client, question.question, chunk_ids(qi, question), mode, max_tokens)
+            sample = await ask(client, questions, qi, mode, max_tokens)
             reference = sample.answer if reference is None else reference
             run = runs[mode]
             run.samples.append(sample)
@@ -100,10 +100,6 @@ async def throughput_phase(client: httpx.AsyncClient, questions: list[Question],
     return rounds, schedule
 
 
-def round_requests_per_s(rounds: list[Round]) -> list[float]:
-    return [sum(c.answer is not None for c in r.chats) / r.wall_s for r in rounds]
-
-
 def answer_lengths(rounds: list[Round]) -> dict[str, float]:
     """Completion tokens per answer over the rounds: with natural answers the modes' decode work differs by
     what they answer, so it is reported beside their requests/s."""
@@ -116,8 +112,7 @@ def throughput_summary(rounds: dict[str, list[Round]], schedule: list[dict], arg
     first mode's round by round, and its TTFT p50/p95 over the first mode's."""
     if not rounds:
         return None
-    rows = {mode: {**level_stats(mode_rounds), "requests_per_s_rounds": round_requests_per_s(mode_rounds),
-                   "completion_tokens_per_answer": answer_lengths(mode_rounds)}
+    rows = {mode: {**level_stats(mode_rounds), "completion_tokens_per_answer": answer_lengths(mode_rounds)}
             for mode, mode_rounds in rounds.items()}
     first, *others = rows
     vs_first = {}
@@ -159,14 +154,12 @@ def print_table(summary: dict) -> None:
     print(f"\nserver bench: {summary['model']}, {summary['questions']} questions x {summary['passages']} passages, "
           f"max_tokens {summary['max_tokens']}, ingest {summary['ingest_s']:.1f} s")
     if summary["results"]:
-        print(f"{'mode':<7}{'e2e TTFT ms':>12}{'server TTFT':>12}{'tok/s':>8}{'prompt':>8}{'reused':>8}"
-              f"{'agree':>7}{'F1 full':>8}{'F1 gold':>8}{'req/s@' + str(summary['concurrency']):>10}")
-    for mode, r in summary["results"].items():
-        rps = f"{r['throughput_rps']:.3f}" if r["throughput_rps"] else "-"
-        tps = f"{r['median_tokens_per_s']:.1f}" if r["median_tokens_per_s"] else "-"
-        print(f"{mode:<7}{r['median_e2e_ttft_ms']:>12.0f}{r['median_server_ttft_ms']:>12.0f}{tps:>8}"
-              f"{r['median_prompt_tokens']:>8.0f}{r['median_reused_tokens']:>8.0f}{r['answer_agreement_vs_full']:>7.2f}"
-              f"{r['f1_vs_full']:>8.2f}{r['f1_vs_gold']:>8.2f}{rps:>10}")
+        print(table(["mode", "e2e TTFT ms", "server TTFT", "tok/s", "prompt", "reused", "agree", "F1 full", "F1 gold",
+                     f"req/s@{summary['concurrency']}"], (
+            [mode, fmt(r["median_e2e_ttft_ms"], 0), fmt(r["median_server_ttft_ms"], 0), fmt(r["median_tokens_per_s"]),
+             fmt(r["median_prompt_tokens"], 0), fmt(r["median_reused_tokens"], 0), fmt(r["answer_agreement_vs_full"], 2),
+             fmt(r["f1_vs_full"], 2), fmt(r["f1_vs_gold"], 2), fmt(r["throughput_rps"], 3)]
+            for mode, r in summary["results"].items())))
     if summary["blend_ttft_speedup_vs_full"]:
         print(f"blend e2e TTFT speed-up vs full: {summary['blend_ttft_speedup_vs_full']:.2f}x (target 4x)")
     if summary["throughput"]:
@@ -178,15 +171,10 @@ def print_throughput(throughput: dict) -> None:
               else f"answers ending at end of text (at most {throughput['max_tokens']} tokens)")
     print(f"\nthroughput: {throughput['clients']} clients at once, each its own question, {length}; "
           f"{throughput['rounds']} rounds, the modes alternated")
-    print(f"{'mode':<7}{'req/s':>8}{'[min-max]':>16}{'TTFT p50 ms':>13}{'TTFT p95 ms':>13}{'errors':>8}"
-          f"{'tokens/answer':>15}")
-    for mode, row in throughput["modes"].items():
-        rounds = row["requests_per_s_rounds"]
-        p50 = "-" if row["ttft_p50_ms"] is None else f"{row['ttft_p50_ms']:.0f}"
-        p95 = "-" if row["ttft_p95_ms"] is None else f"{row['ttft_p95_ms']:.0f}"
-        print(f"{mode:<7}{row['requests_per_s']:>8.3f}{f'[{min(rounds):.3f}-{max(rounds):.3f}]':>16}"
-              f"{p50:>13}{p95:>13}{row['num_errors']:>8}"
-              f"{row['completion_tokens_per_answer'].get('mean', 0.0):>15.1f}")
+    print(table(["mode", "req/s", "[min-max]", "TTFT p50 ms", "TTFT p95 ms", "errors", "tokens/answer"], (
+        [mode, fmt(row["requests_per_s"], 3), f"[{min(rounds):.3f}-{max(rounds):.3f}]", fmt(row["ttft_p50_ms"], 0),
+         fmt(row["ttft_p95_ms"], 0), row["num_errors"], fmt(row["completion_tokens_per_answer"].get("mean", 0.0))]
+        for mode, row in throughput["modes"].items() for rounds in [row["requests_per_s_rounds"]])))
     for name, r in throughput["ratios"].items():
         rps = r["requests_per_s"]
         cells = [f"req/s {rps['median']:.2f}x [{rps['min']:.2f}-{rps['max']:.2f}] (per round)" if rps["median"] else "req/s -"]

@@ -9,7 +9,7 @@ from statistics import mean, median
 from typing import Any, Sequence
 
 from bench.harness.client import StreamedAnswer
-from bench.harness.output import fmt
+from bench.harness.output import fmt, table
 from bench.harness.stats import percentile, ratio
 
 # Targets of issue 23, checked at the largest level (vs one client and vs the baseline) and at one client.
@@ -51,6 +51,7 @@ def level_stats(rounds: Sequence[Round]) -> dict[str, Any]:
     queue = [a.timings["queue_ms"] for a in answers if "queue_ms" in a.timings]
     decode = [rate for a in answers if (rate := a.decode_tokens_per_s) is not None]
     tokens = [sum(c.answer.num_completion_tokens for c in r.chats if c.answer is not None) for r in rounds]
+    requests_per_s = [sum(c.answer is not None for c in r.chats) / r.wall_s for r in rounds]
     return {
         "clients": rounds[0].clients,
         "num_rounds": len(rounds),
@@ -65,7 +66,8 @@ def level_stats(rounds: Sequence[Round]) -> dict[str, Any]:
         "queue_p50_ms": percentile(queue, 50),  # None: the server reports no queue wait
         "queue_p95_ms": percentile(queue, 95),
         "tokens_per_s": median(n / r.wall_s for n, r in zip(tokens, rounds)),
-        "requests_per_s": median(sum(c.answer is not None for c in r.chats) / r.wall_s for r in rounds),
+        "requests_per_s": median(requests_per_s),
+        "requests_per_s_rounds": requests_per_s,
         "wall_s": median(r.wall_s for r in rounds),
         "wall_s_rounds": [r.wall_s for r in rounds],
         "completion_tokens": sum(tokens),
@@ -136,23 +138,19 @@ def print_tables(summary: dict[str, Any]) -> None:
     print(f"\nserver bench: {model}, {summary['questions']} questions x {summary['passages']} passages "
           f"(prompt ~{mean(prompt) if prompt else 0:.0f} tokens), {summary['max_tokens']} tokens, "
           f"{summary['repeats']} repeat(s), mode {summary['mode'] or 'server default'}")
-    print(f"{'server':<9}{'clients':>8}{'TTFT p50':>10}{'TTFT p95':>10}{'ITL p50':>9}{'ITL p95':>9}{'ITL max':>9}"
-          f"{'queue p50':>10}{'tok/s':>8}{'req/s':>8}{'decode tok/s':>13}{'errors':>8}")
     rows = sorted(((row["clients"], role, row) for role, rows in summary["results"].items() for row in rows),
                   key=lambda item: (item[0], item[1] != Role.SERVER.value))
-    for clients, role, row in rows:
-        print(f"{role:<9}{clients:>8}{fmt(row['ttft_p50_ms'], 0):>10}{fmt(row['ttft_p95_ms'], 0):>10}"
-              f"{fmt(row['itl_p50_ms']):>9}{fmt(row['itl_p95_ms']):>9}{fmt(row.get('itl_max_ms'), 0):>9}"
-              f"{fmt(row['queue_p50_ms'], 0):>10}"
-              f"{fmt(row['tokens_per_s']):>8}{fmt(row['requests_per_s'], 2):>8}"
-              f"{fmt(row['decode_tokens_per_s_p50']):>13}{row['num_errors']:>8}")
-    print(f"\n{'clients':>7}{'TTFT p50 vs base':>18}{'TTFT p95 vs base':>18}{'tok/s vs base':>15}"
-          f"{'tok/s vs 1 client':>19}{'(baseline)':>12}")
-    for row in summary["ratios"]:
-        print(f"{row['clients']:>7}{fmt(row['ttft_p50_vs_baseline'], 2, 'x'):>18}"
-              f"{fmt(row['ttft_p95_vs_baseline'], 2, 'x'):>18}{fmt(row['tokens_per_s_vs_baseline'], 2, 'x'):>15}"
-              f"{fmt(row['tokens_per_s_vs_one_client'], 2, 'x'):>19}"
-              f"{fmt(row['baseline_tokens_per_s_vs_one_client'], 2, 'x'):>12}")
+    print(table(["server", "clients", "TTFT p50", "TTFT p95", "ITL p50", "ITL p95", "ITL max", "queue p50", "tok/s",
+                 "req/s", "decode tok/s", "errors"], (
+        [role, clients, fmt(row["ttft_p50_ms"], 0), fmt(row["ttft_p95_ms"], 0), fmt(row["itl_p50_ms"]),
+         fmt(row["itl_p95_ms"]), fmt(row.get("itl_max_ms"), 0), fmt(row["queue_p50_ms"], 0), fmt(row["tokens_per_s"]),
+         fmt(row["requests_per_s"], 2), fmt(row["decode_tokens_per_s_p50"]), row["num_errors"]]
+        for clients, role, row in rows)))
+    ratios = ("ttft_p50_vs_baseline", "ttft_p95_vs_baseline", "tokens_per_s_vs_baseline", "tokens_per_s_vs_one_client",
+              "baseline_tokens_per_s_vs_one_client")
+    print("\n" + table(["clients", "TTFT p50 vs base", "TTFT p95 vs base", "tok/s vs base", "tok/s vs 1 client",
+                        "(baseline)"], ([row["clients"], *(fmt(row[key], 2, "x") for key in ratios)]
+                                        for row in summary["ratios"])))
     for check in summary["targets"]:
         print(f"target: {check['name']} at {check['clients']} client(s) {check['bound']}: {check['value']:.2f} "
               f"{'met' if check['is_met'] else 'NOT met'}")

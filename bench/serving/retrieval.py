@@ -18,7 +18,7 @@ import numpy as np
 from app.commands.exit_codes import ExitCode
 from bench.harness.sets import DEFAULT_SET, load_set
 from bench.harness.output import emit_summary, refuse
-from bench.harness.postgres import empty_database, settle
+from bench.harness.postgres import empty_store, settle
 from bench.harness.servers import REPO_ROOT as ROOT
 from bench.harness.stats import in_turn, percentiles, timed_ms as timed
 from configs.enums import RetrievalMode
@@ -125,26 +125,22 @@ def measure(retriever, asked: Sequence[str], modes: Sequence[RetrievalMode], top
             "parts": {name: _stats(s) for name, s in parts.items()}}
 
 
-def run_store(kind: str, database_url: str | None, texts: Sequence[str], asked: Sequence[str], args) -> dict[str, Any]:
+def run_store(database_url: str | None, texts: Sequence[str], asked: Sequence[str], args) -> dict[str, Any]:
+    """The measurement over a store filled with `texts`: SQLite, or Postgres at `database_url`."""
     from retrieval.config import RetrievalConfig
     from retrieval.retriever import Retriever
 
     with tempfile.TemporaryDirectory(prefix="ragblend-retrieval-bench-") as tmp:
-        store = None
-        if kind == "postgres":
-            from retrieval.pg_store import PostgresDocumentStore
-
-            empty_database(database_url)
-            store = PostgresDocumentStore(database_url)
         config = RetrievalConfig()
-        retriever = Retriever.open(Path(tmp), config, store)
+        retriever = Retriever.open(Path(tmp), config, empty_store(database_url))
         try:
             fill_s = fill(retriever, texts, args.random_vectors, random.Random(args.seed))
-            if kind == "postgres":
+            if database_url:
                 settle(database_url)
             modes = [RetrievalMode(m.strip()) for m in args.modes.split(",")]
             result = measure(retriever, asked, modes, args.top_k, args.num_candidates, config.rrf_k, args.queries)
-            return {"store": kind, "num_chunks": retriever.store.num_chunks(), "fill_s": fill_s, **result}
+            return {"store": "postgres" if database_url else "sqlite", "num_chunks": retriever.store.num_chunks(),
+                    "fill_s": fill_s, **result}
         finally:
             retriever.close()
 
@@ -168,9 +164,9 @@ def run(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     texts = chunk_texts(sentences(args.musique_data), args.chunks, rng)
     asked = questions(args.musique_data)
-    rows = [run_store("sqlite", None, texts, asked, args)]
+    rows = [run_store(None, texts, asked, args)]  # SQLite, then the same on Postgres where given
     if args.database_url:
-        rows.append(run_store("postgres", args.database_url, texts, asked, args))
+        rows.append(run_store(args.database_url, texts, asked, args))
     print_table(rows)
     emit_summary({"bench": "retrieval", "chunks": args.chunks, "queries": args.queries, "top_k": args.top_k,
                   "num_candidates": args.num_candidates, "random_vectors": args.random_vectors, "seed": args.seed,

@@ -19,15 +19,14 @@ from app.commands.exit_codes import ExitCode
 from bench.harness.args import add_data, add_out, add_server, headers
 from bench.harness.data import Question, load_questions
 from bench.harness.output import emit_summary, refuse
-from bench.harness.stats import alternated as in_turn
-from bench.harness.client import QueryFailed, chunk_ids, ingest_ready, stream_query
+from bench.harness.stats import in_turn
+from bench.harness.client import WARMUP_TOKENS, QueryFailed, chunk_ids, ingest_ready, stream_query
 from bench.serving.report import Chat, Role, Round, level_stats, print_tables, ratio_rows, target_checks
 from configs.enums import RequestMode
 
 # The baseline: one sequence at a time (the scheduler's off switch). An environment variable, so the
 # same `ragblend serve` command line starts both servers.
 BASELINE_ENV = {"RAGBLEND_SCHEDULER__MAX_RUNNING": "1"}
-WARMUP_TOKENS = 4
 
 
 def concurrency_levels(text: str) -> list[int]:
@@ -51,26 +50,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--serve: the baseline's environment instead of RAGBLEND_SCHEDULER__MAX_RUNNING=1 "
                              "(repeat for several), e.g. RAGBLEND_SCHEDULER__MAX_DECODE_STALL_MS=0 to measure "
                              "the stall bound against none")
-    parser.add_argument("--config", type=Path, help="--serve: a YAML file both servers layer over the defaults")
-    parser.add_argument("--ready-timeout", type=float, default=600.0, help="--serve: seconds to wait for /readyz")
     parser.add_argument("--concurrency", type=concurrency_levels, default=concurrency_levels("1,2,4,8"),
                         help="comma-separated client counts, e.g. 1,2,4,8")
-    add_data(parser, questions=None)  # default and least: the largest client count
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--prefix-cache", choices=["off", "server"], default="off",
-                        help="off: every request says prefix_cache false (the rounds ask the same questions "
-                             "again; each answer then prefills); server: as the server is configured "
-                             "(revisions before the prefix cache refuse the field: give server for them)")
-    parser.add_argument("--ignore-eos", action="store_true",
-                        help="every answer max_tokens long (the server's ignore_eos): decoding then weighs what "
-                        "the answers' length says, not where the model happens to stop")
-    parser.add_argument("--mode", choices=[m.value for m in RequestMode], help="prefill mode (default: the server's)")
+    add_data(parser, questions=None, questions_help="questions (default and least: the largest client count)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds per level and server")
+    add_request_arguments(parser, is_ignoring_eos=False)
+    add_out(parser)
+
+
+def add_request_arguments(parser: argparse.ArgumentParser, is_ignoring_eos: bool) -> None:
+    """What `request_body` sends, the rest before each round, the servers started here and the timeouts:
+    `bench server`'s and `bench compare`'s alike."""
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per answer")
+    parser.add_argument("--prefix-cache", choices=["off", "server"], default="off",
+                        help="off: every request says prefix_cache false (a question asked again prefills again); "
+                             "server: as the server is configured (revisions before the prefix cache, issue 42, "
+                             "refuse the field: give server for them)")
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=is_ignoring_eos,
+                        help="every answer --max-tokens long (the request's ignore_eos): decoding then weighs what "
+                             "the answers' length says, not where the model happens to stop (--no-ignore-eos for "
+                             "revisions whose API has no such field)")
+    parser.add_argument("--mode", choices=[m.value for m in RequestMode], help="prefill mode (default: the server's)")
     parser.add_argument("--settle-s", type=float, default=3.0,
                         help="seconds of rest before each round: a round run right after the other server's "
                              "heavy one measured up to ~19%% slower, with that server idle (docs/benchmarks/server.md)")
+    parser.add_argument("--config", type=Path, help="a YAML file the servers started here layer over their defaults")
+    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for a started server's /readyz")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    add_out(parser)
 
 @dataclass(frozen=True)
 class Target:
@@ -236,9 +242,11 @@ def serve_and_bench(args: argparse.Namespace, questions: Sequence[Question], hea
 
 
 def baseline_environment(pairs: Sequence[str] | None) -> dict[str, str]:
-    """`--baseline-env NAME=VALUE ...` as a mapping; none given: one request at a time (BASELINE_ENV)."""
-    if not pairs:
-        return dict(BASELINE_ENV)
-    from bench.harness.servers import environment_pairs
-
-    return environment_pairs(pairs, "--baseline-env")
+    """`--baseline-env NAME=VALUE ...` as a mapping; none given: one request at a time (BASELINE_ENV).
+    ValueError for a pair without a name or an `=`."""
+    env = {}
+    for name, sep, value in (pair.partition("=") for pair in pairs or ()):
+        if not sep or not name:
+            raise ValueError(f"--baseline-env takes NAME=VALUE, got {name + sep + value!r}")
+        env[name] = value
+    return env or dict(BASELINE_ENV)

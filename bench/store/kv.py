@@ -1,7 +1,7 @@
 """`ragblend bench kv`: blend TTFT with the chunks' KV in memory, on disk (float16, int4) and in Redis, streamed
-with and without pipelining, and as the loading planner plans it (`+auto`), against a full prefill; load
-throughput per tier (docs/benchmarks/kv-store.md, kv-planner.md). The `disk-int8` and loader-priority
-(`+normal`) rows were retired in issue 64 (`git show 66ac7e4:bench/store/kv.py`)."""
+pipelined, and as the loading planner plans it (`+auto`), against a full prefill; load throughput per tier
+(docs/benchmarks/kv-store.md, kv-planner.md). Retired in issue 64: the `disk-int8` and loader-priority
+(`+normal`) rows (`git show 66ac7e4:bench/store/kv.py`), the rows not pipelined (`git show 50937cd:bench/store/kv.py`)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from bench.harness.args import add_out
+from app.readiness import free_port
+from bench.harness.args import add_data, add_out
 from bench.harness.engine import load_engine
-from bench.harness.output import emit_summary
+from bench.harness.output import emit_summary, fmt, table
 from blend_engine.kv import KVShape
 from blend_engine.types import BlendConfig, PrefillMode, PrefillResult, Segment
 from configs.enums import KVQuantization, StorageDtype
@@ -35,18 +36,16 @@ from runtime.planning import measure_engine
 
 @dataclasses.dataclass(frozen=True)
 class Streamed:
-    """A blend run whose chunk caches stream from one store."""
+    """A blend run whose chunk caches stream from one store, pipelined (the store's default: layer i+1 read
+    while the engine computes layer i)."""
 
     name: str
     store: str
-    is_pipelined: bool
     is_auto: bool = False  # plan=auto: the loading planner picks full, blend (its ratio) or mixed
 
 
-STREAMED = [Streamed("disk", "disk", False), Streamed("disk+pipe", "disk", True), Streamed("redis", "redis", False),
-            Streamed("redis+pipe", "redis", True), Streamed("disk-int4", "disk-int4", False),
-            Streamed("disk-int4+pipe", "disk-int4", True), Streamed("disk+pipe+auto", "disk", True, is_auto=True),
-            Streamed("redis+pipe+auto", "redis", True, is_auto=True)]
+STREAMED = [Streamed("disk+pipe", "disk"), Streamed("redis+pipe", "redis"), Streamed("disk-int4+pipe", "disk-int4"),
+            Streamed("disk+pipe+auto", "disk", is_auto=True), Streamed("redis+pipe+auto", "redis", is_auto=True)]
 TIERS = ("disk", "redis", "disk-int4")
 
 
@@ -62,28 +61,34 @@ def fit_planners(engine, stores: dict[str, KVStore], blend: BlendConfig, sizes: 
 
 
 def planned_prefill(engine, store: KVStore, handles: list[StoredChunk], prompt: PromptFn, blend: BlendConfig,
-                    start_layer: int, is_pipelined: bool) -> tuple[PrefillResult, LoadPlan]:
+                    start_layer: int) -> tuple[PrefillResult, LoadPlan]:
     segments = prompt(handles)
     num_fresh = sum(len(s.token_ids) for s in segments) - sum(h.num_tokens for h in handles)
     request = PlanRequest(handles, sum(len(s.token_ids) for s in segments), num_fresh, start_layer,
-                          engine.num_layers, is_pipelined)
+                          engine.num_layers)
     plan = store.plan(request)
     if plan.kind is PlanKind.FULL:
         return engine.prefill(prompt([None] * len(handles)), mode=PrefillMode.FULL), plan
     used = [h if is_reused else None for h, is_reused in zip(handles, plan.reused_mask(handles))]
-    segments = prompt(used)
-    source = store.layer_source(handles_in(segments), engine.device, engine.dtype, is_pipelined,
-                                start_layer, engine.precompute)
+    result, _ = streamed_prefill(engine, store, prompt(used), dataclasses.replace(blend, recompute_ratio=plan.ratio),
+                                 start_layer)
+    return result, plan
+
+
+def streamed_prefill(engine, store: KVStore, segments: list[Segment], blend: BlendConfig,
+                     start_layer: int) -> tuple[PrefillResult, float]:
+    """A blend prefill whose chunks' KV streams from `store`, pipelined; and the ms the engine blocked on it."""
+    source = store.layer_source(handles_in(segments), engine.device, engine.dtype, pipelined=True,
+                                start_layer=start_layer, recompute=engine.precompute)
     try:
-        return engine.prefill(segments, blend=dataclasses.replace(blend, recompute_ratio=plan.ratio), kv_source=source), plan
+        result = engine.prefill(segments, blend=blend, kv_source=source)
     finally:
         source.close()
+    return result, source.stats.wait_seconds * 1000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", default="../shared/data/musique_dev.json", help="MuSiQue-format JSON")
-    parser.add_argument("--questions", type=int, default=5, help="questions to run")
-    parser.add_argument("--passages", type=int, default=10, help="passages (chunks) per prompt")
+    add_data(parser, questions=5, passages=10)
     add_out(parser)
     parser.add_argument("--model", default=None, help="model name (default: settings' model.name)")
     parser.add_argument("--ratio", type=float, default=None, help="blend recompute ratio (default: settings)")
@@ -99,9 +104,7 @@ class LocalRedis:
     """A throw-away redis-server on 127.0.0.1 (no persistence) for the bench's Redis tier."""
 
     def __init__(self, workdir: Path):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         cmd = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                "--dir", str(workdir)]
         self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -185,17 +188,11 @@ def run_question(engine, stores, item, args, blend, sink) -> dict:
                 drop_page_cache(store, store_keys)  # a cold read: the entries are not in the page cache
             handles = [store.handle(k) for k in store_keys]
             if spec.is_auto:
-                result, plan = planned_prefill(engine, store, handles, prompt, blend, start_layer, spec.is_pipelined)
+                result, plan = planned_prefill(engine, store, handles, prompt, blend, start_layer)
                 plans[spec.name], source_wait_ms[spec.name] = plan.kind.value, result.stats.kv_load_ms
                 return result
-            segments = prompt(handles)
-            source = store.layer_source(handles_in(segments), engine.device, engine.dtype, spec.is_pipelined,
-                                        start_layer, engine.precompute)
-            try:
-                return engine.prefill(segments, blend=blend, kv_source=source)
-            finally:
-                source.close()
-                source_wait_ms[spec.name] = source.stats.wait_seconds * 1000
+            result, source_wait_ms[spec.name] = streamed_prefill(engine, store, prompt(handles), blend, start_layer)
+            return result
 
         return fn
 
@@ -266,25 +263,20 @@ def summarize(rows: list[dict]) -> dict:
 
 def print_table(s: dict) -> None:
     agree = s["top1_agreement_vs_memory_blend"]
-    print(f"{'config':<22}{'TTFT ms':>10}{'x memory':>10}{'load wait ms':>14}{'top1=mem':>10}")
-    print(f"{'full':<22}{s['full']:>10.1f}{s['full'] / s['memory']:>10.2f}{'-':>14}{agree['full']:>10.2f}")
-    print(f"{'blend memory':<22}{s['memory']:>10.1f}{1.0:>10.2f}{'-':>14}{1.0:>10.2f}")
-    for name in (spec.name for spec in STREAMED if spec.name in s):
-        ratio, wait = s[name] / s["memory"], s[name + ":source_wait"]
-        print(f"{'blend ' + name:<22}{s[name]:>10.1f}{ratio:>10.2f}{wait:>14.1f}{agree[name]:>10.2f}")
-    print(f"(auto: the loading planner chose {s['plans']}; disk ratio {s['auto_ratio']:.3f})")
-    print()
-    print(f"{'tier':<12}{'load alone ms':>15}{'MB/s':>10}{'compute alone ms':>18}{'1.1*max ms':>12}")
-    for tier in TIERS:
-        if "load_alone:" + tier in s:
-            load = s["load_alone:" + tier]
-            bound = 1.1 * max(load, s["compute_alone"])
-            rate = s["throughput_MBps:" + tier]
-            print(f"{tier:<12}{load:>15.1f}{rate:>10.0f}{s['compute_alone']:>18.1f}{bound:>12.1f}")
+    streamed = [spec.name for spec in STREAMED if spec.name in s]
+    print(table(["config", "TTFT ms", "x memory", "load wait ms", "top1=mem"], [
+        ["full", fmt(s["full"]), fmt(s["full"] / s["memory"], 2), "-", fmt(agree["full"], 2)],
+        ["blend memory", fmt(s["memory"]), fmt(1.0, 2), "-", fmt(1.0, 2)],
+        *(["blend " + name, fmt(s[name]), fmt(s[name] / s["memory"], 2), fmt(s[name + ":source_wait"]),
+           fmt(agree[name], 2)] for name in streamed)]))
+    print(f"(auto: the loading planner chose {s['plans']}; disk ratio {s['auto_ratio']:.3f})\n")
+    print(table(["tier", "load alone ms", "MB/s", "compute alone ms", "1.1*max ms"], (
+        [tier, fmt(s["load_alone:" + tier]), fmt(s["throughput_MBps:" + tier], 0), fmt(s["compute_alone"]),
+         fmt(1.1 * max(s["load_alone:" + tier], s["compute_alone"]))] for tier in TIERS if "load_alone:" + tier in s)))
 
 
 def run(args: argparse.Namespace) -> int:
-    settings, engine = load_engine(threads=args.threads, model_name=args.model)
+    settings, engine = load_engine(threads=args.threads, model={"name": args.model} if args.model else {})
     blend = engine.blend  # the settings' config, fitted to the model
     if args.ratio is not None:
         blend = dataclasses.replace(blend, recompute_ratio=args.ratio)

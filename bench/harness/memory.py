@@ -6,7 +6,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 MB = 1 << 20
@@ -21,9 +21,6 @@ class Rss:
     file_mb: float
     shmem_mb: float
     peak_mb: float  # VmHWM: the largest RSS so far
-
-    def as_dict(self) -> dict[str, float]:
-        return asdict(self)
 
 
 def read_rss(pid: int | str = "self") -> Rss:

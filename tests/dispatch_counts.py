@@ -1,19 +1,15 @@
-"""Torch ops dispatched per layer, counted on CPU: a stand-in for a GPU's kernel launches that tests can hold
-(tests/test_dispatch_counts.py; docs/benchmarks/gpu.md#a-prefill-bound-by-the-gpu-not-the-host). Each figure is
-(ops of MANY_LAYERS layers - ops of FEW_LAYERS) / the layers between, so per-request work cancels; host syncs
-are counted apart (none may come per layer).
-
-    python -m bench.device.dispatch_counts [--json]
-"""
+"""Torch ops dispatched per layer, counted on CPU: a stand-in for a GPU's kernel launches that
+tests/test_dispatch_counts.py holds under bounds (docs/benchmarks/gpu.md#torch-ops-per-layer-counted-on-cpu).
+Each figure is (ops of MANY_LAYERS layers - ops of FEW_LAYERS) / the layers between, so per-request work
+cancels; host syncs are counted apart (none may come per layer). It was `python -m bench.device.dispatch_counts`
+until issue 64 (its table: `git show 50937cd:bench/device/dispatch_counts.py`)."""
 
 from __future__ import annotations
 
-import argparse
-import json
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import astuple, dataclass
 from enum import Enum
 
 import torch
@@ -23,12 +19,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from blend_engine.attention import AttentionBackend
 from blend_engine.engine import BlendEngine
 from blend_engine.types import BlendConfig, PrefillMode, SamplingParams, Segment
+from engine_models import VOCAB
 
 FEW_LAYERS, MANY_LAYERS = 4, 12
 SYNC_OPS = frozenset({"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
                       "aten.item.default", "aten._assert_async.msg"})
 BLEND = BlendConfig.cacheblend(recompute_ratio=0.15, check_layers=(1,))
-VOCAB = 256
 GRAPH_REPLAY = "graph replay"
 
 
@@ -79,12 +75,8 @@ class Count:
         return Count(*((a - b) / num_layers for a, b in zip(astuple(self), astuple(fewer))))
 
 
-def astuple(count: Count) -> tuple[float, float, float]:
-    return count.ops, count.launches, count.syncs
-
-
 def tiny_engine(num_layers: int, seed: int = 0) -> BlendEngine:
-    """A random Llama with GQA (hidden 64, 4 heads, 2 KV heads), fp32 on CPU, as tests/engine_models.py's."""
+    """A random Llama with GQA (hidden 64, 4 heads, 2 KV heads), fp32 on CPU, as engine_models.py's."""
     torch.manual_seed(seed)
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=4096)
@@ -187,22 +179,3 @@ def all_counts() -> dict[str, Count]:
     counts["batched decode step (B = 4, eager)"] = per_layer(batch_decode_step)
     return counts
 
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    counts = all_counts()
-    if args.json:
-        print(json.dumps({name: asdict(count) for name, count in counts.items()}, indent=1))
-        return 0
-    print(f"torch ops dispatched per layer (tiny Llama, {MANY_LAYERS} layers less {FEW_LAYERS}, CPU)\n")
-    print("| what | ops | of which not views (a launch each on a GPU) | host syncs |\n| --- | ---: | ---: | ---: |")
-    for name, count in counts.items():
-        print(f"| {name} | {count.ops:g} | {count.launches:g} | {count.syncs:g} |")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
