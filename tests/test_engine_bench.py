@@ -88,23 +88,19 @@ def test_bench_engine_runs_without_the_embedded_tokenizer(tmp_path, capsys, monk
     assert decode["engine_ms_per_token"] > 0 and decode["hf_eager_ms_per_token"] > 0
 
 
-def test_bench_engine_weights_and_reference_format(tmp_path, capsys):
-    """--weights picks the format (printed and in the JSON); --reference-weights adds the side-by-side row."""
+def test_bench_engine_weights_format(tmp_path, capsys):
+    """--weights picks the format (printed and in the JSON, the decode row's too)."""
     item = {"question": "where is the old mill?", "answers": ["harlow"],
             "ctxs": [{"title": f"t{i}", "text": "the old mill stands by the river " * 4} for i in range(2)]}
     _, args = bench_args(tmp_path, [item], "--questions", "1", "--passages", "2", "--ratios", "0.15",
-                              "--model", "random:tiny-llama", "--weights", "int8", "--reference-weights", "fp32",
+                              "--model", "random:tiny-llama", "--weights", "int8",
                               "--decode-tokens", "3", "--no-answers")
     assert engine_bench.run(args) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(lines[-1])
     assert summary["weights"] == "int8" and summary["decode"]["weights"] == "int8"
     assert summary["decode"]["engine_tokens_per_s"] > 0 and summary["decode"]["hf_eager_tokens_per_s"] > 0
-    formats = summary["formats"]
-    assert formats["weights"] == "int8" and formats["reference_weights"] == "fp32"
-    assert formats["decode_tokens_per_s"] > 0 and formats["reference_prefill_tokens_per_s"] > 0
-    assert formats["tf_kl_mean"] is None  # random weights: no fidelity figures
-    assert any("int8 weights" in line for line in lines) and any(line.startswith("weights int8 vs fp32") for line in lines)
+    assert any("int8 weights" in line for line in lines)
 
 
 def test_bench_engine_variant_specs(tmp_path, capsys):

@@ -6,9 +6,8 @@ from __future__ import annotations
 import argparse
 import time
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from bench.engine.formats import compare_formats, print_formats
 from bench.engine.report import print_table, summarize
 from bench.engine.variants import main_variants, spec_variants
 from bench.harness.args import add_data, add_model, add_out
@@ -17,9 +16,8 @@ from bench.harness.engine import greedy_ids, load_engine, measure_decode, model_
 from bench.harness.fidelity import argmax_agreement, best_f1, mean_kl, token_f1
 from bench.harness.output import emit_summary
 from bench.harness.stats import safe_median
-from blend_engine.engine import BlendEngine
 from blend_engine.types import PrefillMode
-from configs.enums import SinkMode, WeightFormat
+from configs.enums import SinkMode
 
 
 @dataclass
@@ -44,9 +42,6 @@ Runs = dict[str, list[Record]]  # a variant's label -> its records, question by 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_data(parser, questions=20, first_question=0)
     add_model(parser)
-    parser.add_argument("--reference-weights", default=None, choices=[w.value for w in WeightFormat],
-                        help="also load the model in this format (e.g. fp32): side-by-side prefill and decode "
-                             "speed, and the format's own fidelity (TF KL of full vs the reference's full)")
     parser.add_argument("--config", default=None, help="a YAML config file")
     parser.add_argument("--ratios", default="0.05,0.15,0.30", help="blend recompute ratios")
     parser.add_argument("--sink", default=None, choices=[s.value for s in SinkMode])
@@ -81,13 +76,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"question {i + 1}/{len(questions)} done in {time.perf_counter() - t0:.1f} s", flush=True)
     summary = summarize(runs, variants, args, engine, is_quality)
     summary["decode"] = _decode_rows(engine, questions, variants[0].sink, args)
-    if args.reference_weights:
-        reference = BlendEngine.from_config(
-            replace(settings.model, weights=WeightFormat(args.reference_weights)), settings.blend)
-        summary["formats"] = compare_formats(engine, reference, questions, variants[0].sink, args)
     print_table(summary)
-    if summary.get("formats"):
-        print_formats(summary["formats"])
     emit_summary(summary, args.out)
     return 0
 
