@@ -21,8 +21,6 @@ from bench.harness.output import emit_summary, fmt, table
 from bench.harness.servers import child_summary
 
 
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, default=None, help="a YAML config file for the server and the stages")
     parser.add_argument("--questions", type=int, default=6, help="questions asked (the answers set's, in order)")
