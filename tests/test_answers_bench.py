@@ -19,7 +19,7 @@ from bench.answers.ask import pick_questions
 from bench.answers.scoring import paired, paired_row, part_row, score_document_answer, score_musique_answer
 from bench.harness.servers import deep_merge
 from bench.harness.stats import in_turn
-from bench.harness.sets import DEFAULT_SET, HOLDOUT2_SET, HOLDOUT_SET, collapse, contains_gold, load_set
+from bench.harness.sets import CONFIG_SET, DEFAULT_SET, HOLDOUT2_SET, HOLDOUT_SET, collapse, contains_gold, load_set
 from bench.answers.settings import Setting, settings_named
 from bench.harness.client import StreamedAnswer
 from tests.docgen import make_pdf
@@ -59,7 +59,8 @@ def assert_kept_out_and_small(qset) -> None:
     assert all(d.path.stat().st_size < 300_000 for d in qset.documents)
 
 
-@pytest.mark.parametrize("path", [DEFAULT_SET, HOLDOUT_SET, HOLDOUT2_SET], ids=["set", "holdout", "holdout2"])
+@pytest.mark.parametrize("path", [DEFAULT_SET, HOLDOUT_SET, HOLDOUT2_SET, CONFIG_SET],
+                         ids=["set", "holdout", "holdout2", "config"])
 def test_every_question_is_stated_in_its_document_as_extracted(path):
     qset = load_set(path)
     texts = extracted_texts(qset)
@@ -117,6 +118,25 @@ def test_the_second_holdout_set_is_a_third_set_of_real_documents_all_for_reporti
     assert {q.split for q in qset.questions} == {"test"} and qset.split("dev") == []
     for doc_id, counts in qset.counts().items():
         assert counts["test"] >= 6, doc_id
+    out_of_scope = [q for q in qset.questions if q.is_out_of_scope]
+    assert len(out_of_scope) >= 4 and all(q.evidence is None for q in out_of_scope)
+
+
+def test_the_config_set_is_a_fourth_set_of_configuration_files_and_manuals_all_for_reporting():
+    """A fourth set, for reporting only (`--set bench/data/answers_config/questions.json`): configuration files and
+    reference manuals (entries with their comments), in none of the other sets, every question in the test split."""
+    qset = load_set(CONFIG_SET)
+    others = {d.origin for path in (DEFAULT_SET, HOLDOUT_SET, HOLDOUT2_SET) for d in load_set(path).documents}
+    assert len(qset.documents) >= 6 and len([q for q in qset.questions if not q.is_out_of_scope]) >= 30
+    assert sum(d.origin.startswith("/usr/share/man/") for d in qset.documents) >= 3
+    assert sum(not d.origin.startswith("/usr/share/man/") for d in qset.documents) >= 3
+    formats = Counter(d.format for d in qset.documents)
+    assert formats["pdf"] >= 1 and formats["text"] >= 3
+    assert not {d.origin for d in qset.documents} & others
+    assert_kept_out_and_small(qset)
+    assert {q.split for q in qset.questions} == {"test"} and qset.split("dev") == []
+    for doc_id, counts in qset.counts().items():
+        assert counts["test"] >= 4, doc_id
     out_of_scope = [q for q in qset.questions if q.is_out_of_scope]
     assert len(out_of_scope) >= 4 and all(q.evidence is None for q in out_of_scope)
 

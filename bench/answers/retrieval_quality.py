@@ -91,6 +91,7 @@ def evaluate(retriever, questions: Sequence[SetQuestion], modes: Sequence[Retrie
         for top_k in top_ks:
             for floor in [None, *floors]:
                 inside = top = tokens = refused = oos_refused = 0
+                missed: list[str] = []  # in-scope questions whose answer is in no retrieved chunk
                 best_scores: list[tuple[bool, float]] = []
                 in_scope = [q for q in questions if not q.is_out_of_scope]
                 oos = [q for q in questions if q.is_out_of_scope]
@@ -103,13 +104,16 @@ def evaluate(retriever, questions: Sequence[SetQuestion], modes: Sequence[Retrie
                         oos_refused += not scored
                         continue
                     refused += not scored
-                    inside += bool(q.is_inside(s.chunk.text for s in scored))
+                    is_inside = bool(q.is_inside(s.chunk.text for s in scored))
+                    inside += is_inside
+                    if not is_inside:
+                        missed.append(q.id)
                     top += bool(scored) and scored[0].chunk.document_id == q.document
                     tokens += sum(s.chunk.num_tokens for s in scored)
                 rows.append({"mode": mode.value, "top_k": top_k, "floor": list(floor) if floor else None,
                              "inside": inside, "source_top": top, "num_questions": len(in_scope),
                              "prompt_chunk_tokens_mean": tokens / max(len(in_scope), 1), "refused": refused,
-                             "oos_refused": oos_refused, "num_out_of_scope": len(oos),
+                             "oos_refused": oos_refused, "num_out_of_scope": len(oos), "missed": missed,
                              "best_scores_in_scope": sorted(round(s, 3) for o, s in best_scores if not o),
                              "best_scores_out_of_scope": sorted(round(s, 3) for o, s in best_scores if o)})
     return rows

@@ -18,6 +18,9 @@ DEFAULT_SET = Path(__file__).resolve().parents[1] / "data" / "answers" / "questi
 HOLDOUT_SET = Path(__file__).resolve().parents[1] / "data" / "answers_holdout" / "questions.json"
 # a third set of other documents, for reporting only: nothing is tuned on it, every question is in the test split
 HOLDOUT2_SET = Path(__file__).resolve().parents[1] / "data" / "answers_holdout2" / "questions.json"
+# a fourth set, of configuration files and reference manuals (entries with their comments), for reporting only:
+# nothing is tuned on it, every question is in the test split
+CONFIG_SET = Path(__file__).resolve().parents[1] / "data" / "answers_config" / "questions.json"
 # An answer saying the documents do not hold it: the server's fixed not-found answer, or a model's own.
 REFUSAL = re.compile(
     r"could ?n[o']t find|can ?n[o']t find|cannot find|unable to (?:find|answer)|can ?n[o']t answer|cannot answer"
