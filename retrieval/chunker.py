@@ -6,8 +6,12 @@ Two ways (`retrieval.chunking`):
   PDF extraction puts between pages) is never crossed, so a PDF chunk's page is exact; a heading (a
   Markdown `#` line, or a man page's ALL-CAPS section line in text) starts a chunk unless the chunk
   before it is still under a quarter full; blank lines separate blocks (a paragraph, or a configuration
-  file's comment with its settings), which stay whole when they fit; only a block longer than a chunk
-  is cut, by sentences (with overlap), then by tokens. Every chunk is a slice of the document's text.
+  file's comment with its settings), which stay whole when they fit. Outside Markdown, a block indented
+  deeper than the one before it continues it (a man page option's further paragraphs) and goes with it
+  when both fit. A block longer than a chunk is cut at its entries where it has them (outside Markdown: a
+  command-line option's line "-k --keep", a "Name=" line, a comment after a setting: each entry keeps its
+  description and its comment), else by sentences (with overlap), then by tokens. Every chunk is a slice
+  of the document's text.
 """
 
 from __future__ import annotations
@@ -30,6 +34,11 @@ _FENCE = re.compile(r"^[ \t]{0,3}(```|~~~)")
 # A man page's or a manual's section line: capitals (and digits, spaces, a little punctuation) alone on a
 # line, e.g. "DESCRIPTION", "EXIT STATUS", "SEE ALSO". A configuration line (KEY=value) has '=' or ':'.
 _CAPS_HEADING = re.compile(r"^[A-Z][A-Z0-9 &/(),'-]{2,48}$")
+# A line starting an entry of a reference text (outside Markdown): a command-line option ("-k --keep",
+# "--synchronous", "-# --fast"; not "-- text"), or a "Name=" setting as man pages list them ("LineMax=",
+# "Storage=volatile"). A comment line after a setting line starts one too (`_entry_starts`).
+_ENTRY_LINE = re.compile(r"^(?:--?[A-Za-z0-9#]|[A-Za-z][\w.-]*=)")
+_COMMENT_LINE = re.compile(r"^[#;]")
 # A section smaller than this share of a chunk does not end its chunk at the next heading: man pages'
 # NAME and SYNOPSIS are a line or two each, and a chunk per line would cost a KV entry per line.
 _MIN_FILL = 4
@@ -60,6 +69,7 @@ class _Block:
     start: int
     end: int
     heading_level: int | None  # a heading: 1 (highest) to 6 (a man page's section line: 1); None: body text
+    indent: int = 0  # its first line's leading white space, tabs to 8 columns (outside Markdown: see _units)
 
 
 class Chunker:
@@ -82,7 +92,7 @@ class Chunker:
             return []
         if mode is ChunkingMode.STRUCTURE:  # pages counted before any stripping: an empty page is a page
             return [self._chunk(group, number) for number, page in enumerate(text.split(PAGE_BREAK))
-                    for group in self._pack_blocks(page, _blocks(page, is_markdown))]
+                    for group in self._pack_blocks(page, _blocks(page, is_markdown), is_markdown)]
         text = text.strip()
         if mode is ChunkingMode.NONE:
             return [self._chunk(text)]
@@ -130,11 +140,27 @@ class Chunker:
             kept.insert(0, piece)
         return kept
 
-    def _pack_blocks(self, text: str, blocks: list[_Block]) -> list[str]:
+    def _entry_pieces(self, text: str) -> list[_Piece]:
+        """A block too long for a chunk, as pieces to pack: its entries (`_entry_starts`), each whole where
+        it fits a chunk, else by sentences; a block with fewer than two entries, by sentences."""
+        starts = _entry_starts(text)
+        if len(starts) < 2:
+            return self._pieces(text)
+        pieces: list[_Piece] = []
+        for start, end in zip([0, *starts], [*starts, len(text)]):
+            entry = text[start:end]
+            if not entry.strip():
+                continue
+            num_tokens = len(self._tokenize(entry))
+            pieces += [_Piece(entry, num_tokens)] if num_tokens <= self.max_tokens else self._pieces(entry)
+        return pieces
+
+    def _pack_blocks(self, text: str, blocks: list[_Block], is_markdown: bool = False) -> list[str]:
         """`text`'s blocks packed whole, in order, each chunk the slice of `text` from its first block to
         its last: a chunk ends before a block that does not fit, and before a heading once it holds a
         quarter of a chunk (smaller sections share a chunk with what follows). A heading never ends a
-        chunk: it moves on with what follows it."""
+        chunk: it moves on with what follows it. Outside Markdown, a block and those continuing it
+        (`_units`) start a new chunk together when they fit one and not the chunk so far."""
         groups: list[str] = []
         current: list[tuple[_Block, int]] = []  # (block, its tokens with the blank line after it)
 
@@ -150,8 +176,12 @@ class Chunker:
             emit(current[:cut])
             return current[cut:]
 
-        for block in blocks:
-            num_tokens = len(self._tokenize(text[block.start : block.end] + "\n\n"))
+        sizes = [len(self._tokenize(text[b.start : b.end] + "\n\n")) for b in blocks]
+        unit_ends = {} if is_markdown else {first: last for first, last in _units(blocks)
+                                            if sum(sizes[first : last + 1]) <= self.max_tokens}
+        for i, (block, num_tokens) in enumerate(zip(blocks, sizes)):
+            if i in unit_ends and current and sum(n for _, n in current) + sum(sizes[i : unit_ends[i] + 1]) > self.max_tokens:
+                current = flush()  # the entry and its continuation move on together
             used = sum(n for _, n in current)
             has_body = any(b.heading_level is None for b, _ in current)
             if block.heading_level is not None and has_body and used * _MIN_FILL >= self.max_tokens:
@@ -160,7 +190,8 @@ class Chunker:
             if num_tokens > self.max_tokens:  # cut by sentences, its headings leading the first part
                 headings = flush()
                 start = headings[0][0].start if headings else block.start
-                groups += self._pack(self._pieces(text[start : block.end]))
+                cut = text[start : block.end]
+                groups += self._pack(self._pieces(cut) if is_markdown else self._entry_pieces(cut))
                 current = []
                 continue
             if current and used + num_tokens > self.max_tokens:
@@ -176,13 +207,13 @@ def _blocks(text: str, is_markdown: bool) -> list[_Block]:
     whatever its lines look like (a `#` comment, blank lines)."""
     blocks: list[_Block] = []
     body_start: int | None = None  # where the open body block starts
-    body_end = 0
+    body_end = body_indent = 0
     is_fenced = False
 
     def close() -> None:
         nonlocal body_start
         if body_start is not None:
-            blocks.append(_Block(body_start, body_end, None))
+            blocks.append(_Block(body_start, body_end, None, body_indent))
         body_start = None
 
     offset = 0
@@ -205,9 +236,44 @@ def _blocks(text: str, is_markdown: bool) -> list[_Block]:
             is_fenced = not is_fenced
         if body_start is None:
             body_start = line_start + len(line) - len(line.lstrip())
+            body_indent = len(line.expandtabs(8)) - len(line.expandtabs(8).lstrip())
         body_end = line_start + len(line.rstrip())
     close()
     return blocks
+
+
+def _units(blocks: list[_Block]) -> list[tuple[int, int]]:
+    """(first, last) indexes of the runs of body blocks in which every block after the first is indented
+    deeper than the first: an entry and its continuation (a man page's option line with its description,
+    then that description's further paragraphs). Runs of one block are left out."""
+    units: list[tuple[int, int]] = []
+    first = 0
+    for i in range(1, len(blocks) + 1):
+        is_continuation = (i < len(blocks) and blocks[i].heading_level is None and blocks[first].heading_level is None
+                           and blocks[i].indent > blocks[first].indent)
+        if not is_continuation:
+            if i - 1 > first:
+                units.append((first, i - 1))
+            first = i
+    return units
+
+
+def _entry_starts(text: str) -> list[int]:
+    """Offsets in `text` (a block) of the lines starting an entry, the first line excepted: a command-line
+    option's or a "Name=" line (`_ENTRY_LINE`), or a comment line after a line that is not one (a
+    configuration file's next setting's comment)."""
+    starts: list[int] = []
+    offset = 0
+    previous_is_comment = True
+    for line in text.split("\n"):
+        stripped = line.lstrip()
+        is_comment = _COMMENT_LINE.match(stripped) is not None
+        if offset and stripped and (_ENTRY_LINE.match(stripped) or (is_comment and not previous_is_comment)):
+            starts.append(offset)
+        if stripped:
+            previous_is_comment = is_comment
+        offset += len(line) + 1
+    return starts
 
 
 def _heading_level(line: str, is_markdown: bool) -> int | None:

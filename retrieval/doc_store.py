@@ -19,6 +19,7 @@ import numpy as np
 
 from retrieval.lexical import COMMON_TERM_SHARE, MOST_TERM_SHARE, fts5_query, query_terms
 from retrieval.store_types import (
+    entry_name_hits,
     DEFAULT_COLLECTION, Changes, ChunkTokens, CollectionCounts, CollectionExistsError, CollectionNotFoundError,
     CollectionRow, DocumentStore, DocumentSummaryRow, EmbeddingBatch, ExportedDocument, FusedHit, KeyRow, NewChunk,
     PutResult, StoredChunk, StoredDocument, chunk_id_of, chunk_pages, rows_of_ranking,
@@ -184,6 +185,15 @@ def missing_word_query(num_collections: int) -> str:
             f" WHERE chunks_fts MATCH ? AND c.collection IN ({marks}) LIMIT 1")
 
 
+def name_hit_query(num_collections: int) -> str:
+    """One name's chunks for `name_hits`, at most `?` of them, in no order (a count decides, not a rank):
+    the index's matches the outer loop, as in `missing_word_query`."""
+    marks = ",".join("?" * num_collections)
+    return ("SELECT f.rowid, c.document_id, d.title FROM chunks_fts f CROSS JOIN chunks c ON c.row_id = f.rowid"
+            " JOIN documents d ON d.collection = c.collection AND d.id = c.document_id"
+            f" WHERE chunks_fts MATCH ? AND c.collection IN ({marks}) LIMIT ?")
+
+
 def _create_question_tables(conn: sqlite3.Connection) -> None:
     """This connection's temporary tables for `_rare_terms`: the index's vocabulary (term, chunks
     holding it), and a scratch FTS5 table with the index's tokenizer whose vocabulary gives a
@@ -304,6 +314,18 @@ class SqliteDocumentStore(DocumentStore):
         query = missing_word_query(len(collections))
         with self._lock:
             return [w for w in words if self._conn.execute(query, (fts5_query([w]), *collections)).fetchone() is None]
+
+    def name_hits(self, names: Sequence[str], limit: int, collections: Sequence[str]) -> dict[str, list[int]]:
+        """Each name one FTS5 phrase query (its words in order: "fail_interval" is the phrase "fail interval"),
+        asked for `limit` + 1 chunks: one more than `limit` leaves the name out."""
+        if not names or not collections or limit < 1:
+            return {}
+        query = name_hit_query(len(collections))
+        with self._lock:
+            rows = {name: self._conn.execute(query, (fts5_query([name]), *collections, limit + 1)).fetchall()
+                    for name in names}
+        return entry_name_hits(names, {name: [(int(r[0]), r[1], r[2]) for r in found] for name, found in rows.items()},
+                               limit)
 
     def _rare_terms(self, terms: list[str]) -> list[str]:
         """The `terms` found in at most COMMON_TERM_SHARE of the chunks; if none, those in at most

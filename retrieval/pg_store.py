@@ -26,6 +26,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from retrieval.lexical import COMMON_TERM_SHARE, MOST_TERM_SHARE
 from retrieval.store_types import (
+    entry_name_hits,
     DEFAULT_COLLECTION, Changes, ChunkTokens, CollectionCounts, CollectionExistsError, CollectionNotFoundError,
     CollectionRow, DocumentStore, DocumentSummaryRow, EmbeddingBatch, ExportedDocument, FusedHit, KeyRow, NewChunk,
     PutResult, StoredChunk, StoredDocument, StoreUnavailableError, chunk_id_of, chunk_pages,
@@ -148,6 +149,15 @@ SELECT w FROM unnest(%(words)s::text[]) AS w
 WHERE numnode(plainto_tsquery('english', w)) > 0
   AND NOT EXISTS (SELECT 1 FROM chunks c WHERE c.collection = ANY(%(collections)s)
                   AND c.text_tsv @@ plainto_tsquery('english', w))
+"""
+# `name_hits`: each name's first chunks (at most limit + 1 read: one more leaves the name out), its words as a
+# phrase of the tsvector (phraseto_tsquery: in order, adjacent); a name the parser leaves nothing of matches none
+_NAME_HITS = """
+SELECT n.name, h.row_id, h.document_id, d.title FROM unnest(%(names)s::text[]) AS n(name)
+CROSS JOIN LATERAL (SELECT c.row_id, c.collection, c.document_id FROM chunks c WHERE c.collection = ANY(%(collections)s)
+                    AND c.text_tsv @@ phraseto_tsquery('english', n.name) LIMIT %(over)s) AS h
+JOIN documents d ON d.collection = h.collection AND d.id = h.document_id
+WHERE numnode(phraseto_tsquery('english', n.name)) > 0
 """
 
 # an uploaded PDF's pages per chunk (metadata.chunk_pages / chunk_last_pages, by position)
@@ -357,6 +367,18 @@ class PostgresDocumentStore(DocumentStore):
             missing = {r[0] for r in conn.execute(_MISSING_WORDS, {"words": list(words),
                                                                    "collections": list(collections)}).fetchall()}
         return [w for w in words if w in missing]
+
+    def name_hits(self, names: Sequence[str], limit: int, collections: Sequence[str]) -> dict[str, list[int]]:
+        """All names in one statement (one round trip)."""
+        if not names or not collections or limit < 1:
+            return {}
+        with self._connection() as conn:
+            rows = conn.execute(_NAME_HITS, {"names": list(names), "collections": list(collections),
+                                             "over": limit + 1}).fetchall()
+        found: dict[str, list[tuple[int, str, str | None]]] = {}
+        for name, row_id, document_id, title in rows:
+            found.setdefault(name, []).append((int(row_id), document_id, title))
+        return entry_name_hits(names, found, limit)
 
     def fused_rows(self, ranked: Sequence[tuple[int, float]], dense: Collection[int]) -> list[FusedHit]:
         """`rows_of_ranking`'s result in one statement: the rows and the lexical-only hits' embeddings in

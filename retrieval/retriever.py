@@ -41,6 +41,9 @@ class ScoredChunk:
     chunk: StoredChunk
     score: float | None  # cosine similarity to the question; None when the chunk was named, not retrieved
     rank_score: float | None = None  # what ranked it: the cosine (dense), BM25 / ts_rank_cd (lexical), RRF (hybrid)
+    # hybrid: the question's names (`named_words`) this chunk holds as written, of those few chunks hold
+    # (`DocumentStore.name_hits`); what moved it up, and what keeps it above the relevance floor's margin
+    matched_names: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -69,12 +72,15 @@ class RelevanceFloor:
     margin: float
 
     def apply(self, scored: Sequence[ScoredChunk]) -> list[ScoredChunk]:
-        """The relevant chunks, in their order."""
+        """The relevant chunks, in their order. Once the best has reached the minimum, a chunk holding a
+        name the question asks about (a configuration entry, an option) is kept whatever its score: its
+        text may say little else the question's embedding is close to ("UMASK 022" beside a question about
+        the permissions of new files)."""
         scores = [s.score for s in scored if s.score is not None]
         if not scores or max(scores) < self.min_score:
             return []
         floor = max(self.min_score, max(scores) - self.margin)
-        return [s for s in scored if s.score is not None and s.score >= floor]
+        return [s for s in scored if s.score is not None and (s.score >= floor or s.matched_names)]
 
 
 @dataclass(frozen=True)
@@ -157,21 +163,27 @@ class Retriever:
                vector: np.ndarray | None = None) -> list[ScoredChunk]:
         """The `top_k` best chunks of `collections` for `question`, best first, each with its cosine
         similarity to it. Hybrid fuses the dense and the lexical rankings, each `num_candidates` deep (at
-        least top_k), by reciprocal rank with constant `rrf_k`. `vector`: the question's embedding, if
-        already made."""
+        least top_k), by reciprocal rank with constant `rrf_k`, and where the question names something
+        (`named_words`, each as written) held by at most that many chunks, a third ranking of the chunks
+        holding the names (`names_ranking`). `vector`: the question's embedding, if already made."""
         allowed = set(collections)  # the store's word, not the index's, on where a chunk lives
         if mode is RetrievalMode.HYBRID:
             depth = max(top_k, num_candidates)
-            # the lexical ranking needs no embedding: the store makes it (Postgres's backend, or SQLite in C
-            # without the GIL) while the question is embedded (docs/benchmarks/retrieval.md, stop 58)
+            # the lexical ranking and the names' chunks need no embedding: the store makes them (Postgres's
+            # backend, or SQLite in C without the GIL) while the question is embedded (docs/benchmarks/retrieval.md)
             lexical = self._side.submit(self.store.lexical_search, question, depth, collections)
+            names = named_words(question)
+            named = self._side.submit(self.store.name_hits, names, depth, collections) if names else None
             vector = self.embedder.encode_one(question) if vector is None else vector
             dense = {h.row_id: h.score for h in self.index.search(vector, depth, collections)}  # best first
-            ranked = reciprocal_rank_fusion([list(dense), [row_id for row_id, _ in lexical.result()]], rrf_k)
-            fused = self.store.fused_rows(ranked[:top_k], dense.keys())
-            # a lexical hit the dense ranking did not reach: its cosine from its stored embedding
+            rankings = [list(dense), [row_id for row_id, _ in lexical.result()]]
+            held = _names_held(named.result()) if named is not None else {}
+            if held:  # a third ranking: the chunks holding the question's names
+                rankings.append(names_ranking(reciprocal_rank_fusion(rankings, rrf_k), held))
+            fused = self.store.fused_rows(reciprocal_rank_fusion(rankings, rrf_k)[:top_k], dense.keys())
+            # a hit the dense ranking did not reach: its cosine from its stored embedding
             return [ScoredChunk(hit.chunk, dense.get(hit.chunk.row_id) if hit.embedding is None
-                                else float(hit.embedding @ vector), hit.rank_score)
+                                else float(hit.embedding @ vector), hit.rank_score, held.get(hit.chunk.row_id, ()))
                     for hit in fused if hit.chunk.collection in allowed]
         vector = self.embedder.encode_one(question) if vector is None else vector
         if mode is RetrievalMode.DENSE:
@@ -271,6 +283,27 @@ class Retriever:
         self._side.shutdown()  # a lexical ranking under way ends before its store closes
         self.index.save()
         self.store.close()
+
+
+def _names_held(name_hits: dict[str, list[int]]) -> dict[int, tuple[str, ...]]:
+    """Row id -> the names it holds, in the question's order (`DocumentStore.name_hits`'s result turned round)."""
+    held: dict[int, tuple[str, ...]] = {}
+    for name, row_ids in name_hits.items():
+        for row_id in row_ids:
+            held[row_id] = (*held.get(row_id, ()), name)
+    return held
+
+
+def names_ranking(ranked: Sequence[tuple[int, float]], held: dict[int, tuple[str, ...]]) -> list[int]:
+    """The chunks holding the question's names (`held`: row id -> names), those holding more first, in the
+    fused ranking's order (`ranked`: (row id, score), best first) among those holding as many, then by row id
+    (their document's order) where no ranking reached them. A third ranking for the fusion: a question
+    asking for an entry by its name ("What is LineMax= set to?") wants the chunk stating it, which neither
+    the embedding nor the words need place high (its line is a few tokens among many entries like it), while
+    a name that is also the document's ("nsswitch.conf") is in chunks that do not answer: a ranking of its
+    own moves them up without putting them first (docs/design/retrieval.md#names)."""
+    order = {row_id: i for i, (row_id, _) in enumerate(ranked)}
+    return sorted(held, key=lambda row_id: (-len(held[row_id]), order.get(row_id, len(order)), row_id))
 
 
 def _drop_stale_indexes(data_dir: Path, embedder_identity: str, is_stale: bool) -> None:

@@ -231,6 +231,13 @@ class DocumentStore(Protocol):
         full-text index (stemmed as it stems; a word the index drops as a stop word counts as held)."""
         ...
 
+    def name_hits(self, names: Sequence[str], limit: int, collections: Sequence[str]) -> dict[str, list[int]]:
+        """For each of `names` (a question's `named_words`: "LineMax", "fail_interval", "core.autocrlf") held by
+        at most `limit` chunks of `collections`, the row ids of those chunks, ascending: the name's words in
+        its order, as a phrase of the full-text index (stemmed as it stems). A name held by more chunks picks
+        nothing out and is left out, as is one held by none, and one naming a document (`entry_name_hits`)."""
+        ...
+
     def fused_rows(self, ranked: Sequence[tuple[int, float]], dense: Collection[int]) -> list[FusedHit]:
         """Hybrid retrieval's rows: the chunks of a fused ranking ((row id, fusion score), best first) in its
         order, each with its stored embedding where the dense ranking (`dense`: its row ids) did not hold it.
@@ -364,3 +371,18 @@ def rows_of_ranking(store: DocumentStore, ranked: Sequence[tuple[int, float]], d
     batch = store.embeddings_of(unscored) if unscored else None
     vectors = {} if batch is None else dict(zip(batch.row_ids.tolist(), batch.vectors))
     return [FusedHit(chunks[row_id], score, vectors.get(row_id)) for row_id, score in ranked if row_id in chunks]
+
+
+def entry_name_hits(names: Sequence[str], found: dict[str, list[tuple[int, str, str | None]]],
+                    limit: int) -> dict[str, list[int]]:
+    """`DocumentStore.name_hits`'s result from each name's chunks as (row id, document id, title), at most
+    `limit` + 1 of them read. A name that a chunk's document is called by ("nsswitch.conf" in
+    "nsswitch.conf.5.txt", "UPower.conf") says which document, not which entry of it: left out, as is a
+    name in more than `limit` chunks or in none."""
+    hits: dict[str, list[int]] = {}
+    for name in names:
+        rows = found.get(name, [])
+        called = [(doc_id + " " + (title or "")).lower() for _, doc_id, title in rows]
+        if 0 < len(rows) <= limit and not any(name.lower() in c for c in called):
+            hits[name] = sorted(row_id for row_id, _, _ in rows)
+    return hits

@@ -123,3 +123,40 @@ def test_caps_section_lines_of_a_man_page_start_chunks():
 @pytest.mark.parametrize("mode", list(ChunkingMode))
 def test_blank_text_gives_no_chunks(mode):
     assert chunker(10).split("  \n\f\n  ", mode) == []
+
+
+def _holding_both(chunks, first: str, second: str) -> bool:
+    return any(first in c.text and second in c.text for c in chunks)
+
+
+def test_a_long_configuration_block_is_cut_between_entries_never_inside_one():
+    """A configuration file's block longer than a chunk (comments and settings with no blank line between)
+    is cut where a comment follows a setting: every setting keeps the comment that describes it."""
+    entries = [f"#\n# Entry {i} sets how many seconds pass\n# before the lock number {i} ends.\n#\nNAME_{i}\t{i * 10}"
+               for i in range(12)]
+    text = "\n".join(entries)  # one block
+    chunks = chunker(60).split(text, ChunkingMode.STRUCTURE)
+    assert len(chunks) > 2
+    for i in range(12):
+        assert _holding_both(chunks, f"lock number {i} ends", f"NAME_{i}\t{i * 10}"), i
+    assert all(c.text in text for c in chunks)
+
+
+def test_a_manuals_options_stay_with_their_descriptions():
+    """A manual's options: an option line ("-k --keep", "LineMax=") starts an entry that keeps its description
+    when a block of many is cut (a PDF's extracted text has no indentation), and in a text manual an option's
+    further paragraphs, indented deeper, go with it to the next chunk rather than being left at its start."""
+    options = "OPTIONS\n" + "\n".join(
+        f"-{chr(97 + i)} --option-{i}\nOption {i} changes a mode. It does thing number {i} quietly.\nIt is off by default."
+        for i in range(10))
+    chunks = chunker(50).split(options, ChunkingMode.STRUCTURE)
+    for i in range(10):
+        assert _holding_both(chunks, f"--option-{i}\n", f"thing number {i} quietly"), i
+    manual = "\n\n".join(
+        f"       Setting{i}=\n           Takes a number that says how wide line {i} may grow before it is cut.\n\n"
+        f"           Defaults to {i * 100}." for i in range(6))
+    chunks = chunker(70).split(manual, ChunkingMode.STRUCTURE)
+    assert len(chunks) > 2
+    for i in range(6):
+        assert _holding_both(chunks, f"Setting{i}=", f"Defaults to {i * 100}."), i
+    assert all(c.text in manual for c in chunks)

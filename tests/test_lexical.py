@@ -21,10 +21,10 @@ import pytest
 
 from configs.enums import RetrievalMode
 from retrieval.config import RetrievalConfig
-from retrieval.doc_store import SqliteDocumentStore, lexical_query, missing_word_query
+from retrieval.doc_store import SqliteDocumentStore, lexical_query, missing_word_query, name_hit_query
 from retrieval.lexical import fts5_query, named_words, query_terms, reciprocal_rank_fusion, word_parts
 from retrieval.pg_store import SCHEMA_VERSION, PostgresDocumentStore
-from retrieval.retriever import RelevanceFloor, Retriever, ScoredChunk
+from retrieval.retriever import RelevanceFloor, Retriever, ScoredChunk, names_ranking
 from retrieval.store_types import (
     DEFAULT_COLLECTION, CollectionRow, DocumentStore, NewChunk, StoredChunk, rows_of_ranking,
 )
@@ -243,6 +243,61 @@ def test_a_checked_search_is_the_search_with_names_and_words_from_one_lookup(ope
     retriever.close()
 
 
+def test_a_names_chunks_are_those_holding_its_words_as_a_phrase_if_few(open_store, tmp_path):
+    """`name_hits` (both stores): a name's chunks are those holding its words in its order ("fail_interval"
+    in "fail_interval = 900", not in "interval ... fail"), only in the searched collections; a name held
+    by more than `limit` chunks picks nothing out and is left out, as is one held by none."""
+    store = open_store()
+    store.create_collection(CollectionRow("other", "", 0.0, "salt-other"))
+    retriever = Retriever.open(tmp_path, RetrievalConfig(), store)
+    _put(retriever, "faillock", ["# The default is 900 (15 minutes).\n# fail_interval = 900",
+                                 "The interval after a fail is counted again.", "# deny = 3"]
+         + [f"faillock entry {i}: see journald" for i in range(6)])
+    vectors = retriever.embedder.encode(["fail_interval = 10"])
+    store.put_document("o", None, {}, 18, [NewChunk("fail_interval = 10", (1,), vectors[0])], collection="other")
+    rows = {c.text: c.row_id for c in store.get_document("faillock").chunks}
+    hits = store.name_hits(["fail_interval", "journald", "Nowhere", "faillock"], 5, ALL)
+    assert hits == {"fail_interval": [rows["# The default is 900 (15 minutes).\n# fail_interval = 900"]]}
+    assert set(store.name_hits(["journald"], 6, ALL)) == {"journald"} and store.name_hits([], 5, ALL) == {}
+    assert len(store.name_hits(["fail_interval"], 5, ("other",))["fail_interval"]) == 1
+    retriever.close()
+
+
+def test_hybrid_ranks_the_chunks_holding_the_questions_names_as_a_third_ranking(open_store, tmp_path):
+    """An entry asked for by its name is retrieved first where the rankings place it lower: its line is a
+    few tokens among chunks that talk about the same thing at length; one no ranking reached comes in (both
+    stores). A name that is the document's own is no ranking."""
+    retriever = Retriever.open(tmp_path, RetrievalConfig(), open_store())
+    prose = [f"Passwords are hashed with a method chosen by the administrator; the method used to encrypt them "
+             f"is {m}, and changing the method re-encrypts nothing until the next change of password." for m in
+             ("configurable", "set per system", "read at login", "named in the file", "checked by passwd")]
+    entry = "ENCRYPT_METHOD SHA512"
+    _put(retriever, "login.defs", prose + ["UMASK 022", entry, "MAIL_DIR /var/mail", "See login.defs(5)."])
+    question = "Which method does ENCRYPT_METHOD use to encrypt passwords?"
+    scored = retriever.search(question, 3, ALL, RetrievalMode.HYBRID, num_candidates=20)
+    assert scored[0].chunk.text == entry and scored[0].matched_names == ("ENCRYPT_METHOD",)
+    assert all(s.matched_names == () for s in scored[1:]) and len(scored) == 3
+    # 2 deep, neither ranking reaches the entry: the names' ranking alone brings it in, one vote of three
+    assert entry in [s.chunk.text for s in retriever.search(question, 4, ALL, RetrievalMode.HYBRID, num_candidates=2)]
+    plain = retriever.search("Which method is used to encrypt passwords?", 4, ALL, RetrievalMode.HYBRID, num_candidates=2)
+    assert entry not in [s.chunk.text for s in plain]  # without the name, the prose wins: the name moved it
+    # a name the document is called by picks out no entry: no ranking of its own
+    assert retriever.store.name_hits(["login.defs", "UMASK"], 20, ALL) == {"UMASK": [_row(retriever, "UMASK 022")]}
+    named = retriever.search("What does login.defs say?", 3, ALL, RetrievalMode.HYBRID, num_candidates=20)
+    assert all(s.matched_names == () for s in named)
+    retriever.close()
+
+
+def _row(retriever: Retriever, text: str) -> int:
+    return next(c.row_id for c in retriever.store.get_document("login.defs").chunks if c.text == text)
+
+
+def test_the_names_ranking_keeps_the_fused_order_among_chunks_holding_as_many_names():
+    ranked = [(1, 0.5), (2, 0.4), (3, 0.3), (4, 0.2)]
+    held = {9: ("B",), 3: ("A",), 4: ("A", "B"), 7: ("A",)}
+    assert names_ranking(ranked, held) == [4, 3, 7, 9] and names_ranking(ranked, {}) == []
+
+
 def test_sqlite_looks_a_word_up_in_the_index_not_chunk_by_chunk(tmp_path):
     """A word in no chunk is the case the names check refuses on: found through the index's matches, not
     by walking every chunk of the collections (which cost ~170 ms at 10 000 chunks); the lexical ranking's
@@ -252,6 +307,7 @@ def test_sqlite_looks_a_word_up_in_the_index_not_chunk_by_chunk(tmp_path):
     for d in range(3):  # with chunks stored, a plain JOIN is planned chunk by chunk (the collection's index first)
         store.put_document(f"d{d}", None, {}, 10, [NewChunk(f"word{d} text {i}", (1,), vector) for i in range(4)])
     for query, params in ((missing_word_query(1), ('"bzip2"', DEFAULT_COLLECTION)),
+                          (name_hit_query(1), ('"bzip2"', DEFAULT_COLLECTION, 21)),  # name_hits' too
                           (lexical_query(1), ('"bzip2"', DEFAULT_COLLECTION, 20))):  # lexical_search's too
         details = [row[-1] for row in store._conn.execute("EXPLAIN QUERY PLAN " + query, params).fetchall()]
         assert details[0].startswith("SCAN f VIRTUAL TABLE") and "SEARCH c USING" in details[1], details
@@ -486,6 +542,9 @@ def test_the_relevance_floor_drops_far_below_chunks_and_everything_below_the_min
     assert [s.score for s in floor.apply(_scored(0.35, 0.25))] == [0.35]  # never below the minimum
     assert floor.apply([]) == [] and floor.apply(_scored(None)) == []
     assert len(RelevanceFloor(min_score=-1.0, margin=2.0).apply(_scored(0.9, -0.5))) == 2  # off
+    # a chunk holding a name the question asks about stays, once the best reaches the minimum
+    named = [_scored(0.7)[0], ScoredChunk(_scored(0.1)[0].chunk, 0.1, matched_names=("UMASK",))]
+    assert [s.score for s in floor.apply(named)] == [0.7, 0.1] and floor.apply(named[1:]) == []
 
 
 def test_config_rejects_an_unknown_retrieval_mode():
