@@ -155,7 +155,7 @@ class Chunker:
             pieces += [_Piece(entry, num_tokens)] if num_tokens <= self.max_tokens else self._pieces(entry)
         return pieces
 
-    def _pack_blocks(self, text: str, blocks: list[_Block], is_markdown: bool = False) -> list[str]:
+    def _pack_blocks(self, text: str, blocks: list[_Block], is_markdown: bool) -> list[str]:
         """`text`'s blocks packed whole, in order, each chunk the slice of `text` from its first block to
         its last: a chunk ends before a block that does not fit, and before a heading once it holds a
         quarter of a chunk (smaller sections share a chunk with what follows). A heading never ends a

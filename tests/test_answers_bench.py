@@ -59,6 +59,18 @@ def assert_kept_out_and_small(qset) -> None:
     assert all(d.path.stat().st_size < 300_000 for d in qset.documents)
 
 
+def assert_for_reporting_only(qset, others: set[str], min_per_document: int) -> None:
+    """A set nothing is tuned on: documents in no other set (`others`: their origins), kept out and small, every
+    question in the test split, at least `min_per_document` a document, and 4 out of scope with no evidence."""
+    assert not {d.origin for d in qset.documents} & others
+    assert_kept_out_and_small(qset)
+    assert {q.split for q in qset.questions} == {"test"} and qset.split("dev") == []
+    for doc_id, counts in qset.counts().items():
+        assert counts["test"] >= min_per_document, doc_id
+    out_of_scope = [q for q in qset.questions if q.is_out_of_scope]
+    assert len(out_of_scope) >= 4 and all(q.evidence is None for q in out_of_scope)
+
+
 @pytest.mark.parametrize("path", [DEFAULT_SET, HOLDOUT_SET, HOLDOUT2_SET, CONFIG_SET],
                          ids=["set", "holdout", "holdout2", "config"])
 def test_every_question_is_stated_in_its_document_as_extracted(path):
@@ -113,13 +125,7 @@ def test_the_second_holdout_set_is_a_third_set_of_real_documents_all_for_reporti
     assert len(qset.documents) >= 8 and len([q for q in qset.questions if not q.is_out_of_scope]) >= 48
     formats = Counter(d.format for d in qset.documents)
     assert formats["pdf"] >= 2 and formats["html"] >= 1 and formats["markdown"] >= 1 and formats["text"] >= 2
-    assert not {d.origin for d in qset.documents} & others
-    assert_kept_out_and_small(qset)
-    assert {q.split for q in qset.questions} == {"test"} and qset.split("dev") == []
-    for doc_id, counts in qset.counts().items():
-        assert counts["test"] >= 6, doc_id
-    out_of_scope = [q for q in qset.questions if q.is_out_of_scope]
-    assert len(out_of_scope) >= 4 and all(q.evidence is None for q in out_of_scope)
+    assert_for_reporting_only(qset, others, min_per_document=6)
 
 
 def test_the_config_set_is_a_fourth_set_of_configuration_files_and_manuals_all_for_reporting():
@@ -132,13 +138,7 @@ def test_the_config_set_is_a_fourth_set_of_configuration_files_and_manuals_all_f
     assert sum(not d.origin.startswith("/usr/share/man/") for d in qset.documents) >= 3
     formats = Counter(d.format for d in qset.documents)
     assert formats["pdf"] >= 1 and formats["text"] >= 3
-    assert not {d.origin for d in qset.documents} & others
-    assert_kept_out_and_small(qset)
-    assert {q.split for q in qset.questions} == {"test"} and qset.split("dev") == []
-    for doc_id, counts in qset.counts().items():
-        assert counts["test"] >= 4, doc_id
-    out_of_scope = [q for q in qset.questions if q.is_out_of_scope]
-    assert len(out_of_scope) >= 4 and all(q.evidence is None for q in out_of_scope)
+    assert_for_reporting_only(qset, others, min_per_document=4)
 
 
 def test_load_set_refuses_a_broken_set(tmp_path):
