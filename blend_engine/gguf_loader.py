@@ -29,6 +29,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,29 +102,57 @@ class GGUFTensors:
 
 def read_header(path: Path) -> GGUFTensors:
     """The file's architecture and tensor table, checked: every reason not to serve it is raised here,
-    before a weight is read. Parses the whole header (~6 s for a 152k-token vocabulary): done once per file."""
-    from gguf import GGUFReader
+    before a weight is read. Walked by transformers' header reader (integrations/gguf/reader.py), which
+    skips the vocabulary's strings: ~0.04 s for a 152k-token file, where gguf-py's GGUFReader takes ~7 s.
+    Its table, not its `GgufHeader`: that one refuses the types transformers does not decode (Q5_0, Q5_1),
+    which ragblend reads."""
+    from gguf import GGML_QUANT_SIZES
+    from transformers.integrations.gguf import reader
 
     try:
-        reader = GGUFReader(path)
-    except Exception as exc:  # the reader's errors name no file; a truncated header fails in numpy
+        blob = reader._mapped(str(path))
+        metadata, num_tensors, pos = reader._read_metadata(blob, str(path))
+        table, pos = reader._read_tensor_table(blob, num_tensors, pos)
+    except Exception as exc:  # the reader's errors name no file; a truncated header fails in struct or numpy
         raise GGUFError(f"{path} is not a readable GGUF file: {exc}") from exc
-    field = reader.fields.get("general.architecture")
-    architecture = str(field.contents()) if field is not None else "(none)"
+    architecture = str(metadata.get("general.architecture", "(none)"))
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise GGUFError(f"{path.name}: architecture {architecture!r} is not supported; ragblend runs GGUF files of "
                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    alignment = int(metadata.get("general.alignment", 32))  # llama.cpp's default
+    data_start = (pos + alignment - 1) // alignment * alignment  # the data section: aligned after the table
     entries: dict[str, TensorEntry] = {}
-    for tensor in reader.tensors:
-        if tensor.tensor_type not in SUPPORTED_TYPES:
-            raise GGUFError(f"{path.name}: tensor {tensor.name} is {type_name(tensor.tensor_type)}, which ragblend does "
+    for name, shape, qtype, offset in table:  # shape in torch's order
+        if qtype not in SUPPORTED_TYPES:
+            raise GGUFError(f"{path.name}: tensor {name} is {type_name(qtype)}, which ragblend does "
                             f"not read; supported: {', '.join(sorted(type_name(t) for t in SUPPORTED_TYPES))}")
-        shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
-        entries[tensor.name] = TensorEntry(int(tensor.tensor_type), shape, int(tensor.data_offset),
-                                           int(tensor.n_bytes))
+        block_size, block_bytes = GGML_QUANT_SIZES[QT(qtype)]
+        entries[name] = TensorEntry(int(qtype), tuple(int(n) for n in shape), data_start + int(offset),
+                                    int(np.prod(shape)) // block_size * block_bytes)
     check_complete(path, entries)
-    key_length = reader.fields.get(f"{architecture}.attention.key_length")
-    return GGUFTensors(path, architecture, entries, None if key_length is None else int(key_length.contents()))
+    key_length = metadata.get(f"{architecture}.attention.key_length")
+    return GGUFTensors(path, architecture, entries, None if key_length is None else int(key_length))
+
+
+def config_dict(metadata: dict[str, object], tensor_names: Iterable[str]) -> dict[str, object]:
+    """The transformers config of a llama, qwen2 or qwen3 file, from metadata read by transformers' fast reader
+    (string arrays as their lengths), mapped by transformers' own table (GGUF_CONFIG_MAPPING) as its legacy
+    reader maps them: that reader builds gguf-py's whole GGUFReader, ~8 s for a 152k-token vocabulary, and
+    AutoConfig/AutoTokenizer each run it for these architectures."""
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
+    architecture = str(metadata["general.architecture"])
+    config: dict[str, object] = {"tie_word_embeddings": "output.weight" not in set(tensor_names)}
+    config.update(GGUF_CONFIG_DEFAULTS_MAPPING.get(architecture, {}))
+    for key, value in metadata.items():
+        prefix, _, rest = key.partition(".")
+        target = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest)
+        if target is None or target == -1:
+            continue
+        config[target] = value[0] if isinstance(value, list) and len(value) == 1 else value
+    if "vocab_size" not in config and "tokenizer.ggml.tokens" in metadata:
+        config["vocab_size"] = int(metadata["tokenizer.ggml.tokens"])  # the reader's count of the array
+    return config
 
 
 def check_complete(path: Path, entries: dict[str, TensorEntry]) -> None:
@@ -135,25 +164,33 @@ def check_complete(path: Path, entries: dict[str, TensorEntry]) -> None:
 
 def gguf_model_dir(path: Path, cache_dir: Path) -> Path:
     """A directory holding `path`'s config.json, tokenizer (with its chat template) and tensor table, read
-    from the file once (~20 s for a 152k-token vocabulary) and kept for warm starts. No weights: those are
-    read from the file at every load. Keyed by the file's path, size and mtime."""
+    from the file once (~1.5 s for a 152k-token vocabulary, the tokenizer's build most of it) and kept for
+    warm starts. No weights: those are read from the file at every load. Keyed by the file's path, size and
+    mtime."""
     stat = path.stat()
     digest = hashlib.sha256(f"gguf:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     target = cache_dir / f"{path.stem}-{digest}"
     if (target / _MARKER).exists():
         return target
-    header = read_header(path)  # refuses the file before transformers parses it
-    from transformers import AutoConfig, AutoTokenizer
+    header = read_header(path)  # refuses the file before anything is built
+    from transformers import AutoConfig
+    from transformers.integrations.gguf import read_gguf_metadata
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
     log.info("reading %s's config and tokenizer into %s (first load only)", path, target)
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".gguf-"))
     try:
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        config = AutoConfig.for_model(**config_dict(*read_gguf_metadata(str(path))))
         if header.head_dim is not None and hasattr(config, "head_dim"):
             config.head_dim = header.head_dim  # transformers maps no key_length: Qwen3's head_dim is not hidden / heads
         config.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
+        # the class AutoTokenizer picks for this model type, built by its own GGUF path (the fast reader);
+        # AutoTokenizer itself would first rebuild the config through the legacy reader
+        class_name = TOKENIZER_MAPPING_NAMES.get(config.model_type)
+        tokenizer_class = tokenizer_class_from_name(class_name) if class_name else TokenizersBackend
+        tokenizer_class.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
         table = {name: [e.qtype, list(e.shape), e.offset, e.num_bytes] for name, e in header.entries.items()}
         (tmp / _TABLE).write_text(json.dumps({"architecture": header.architecture, "tensors": table}))
         (tmp / _MARKER).touch()

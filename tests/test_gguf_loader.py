@@ -149,6 +149,24 @@ def test_full_prefill_equals_a_reference_on_the_same_weights(arch, files, tmp_pa
 # ---- refusals: said at start, before anything is allocated ----------------------------------------------
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_the_kept_config_and_tokenizer_are_transformers_reading_of_the_file(arch, files, tmp_path):
+    """The fast first read (transformers' header reader, its config table, the tokenizer class AutoTokenizer
+    picks) keeps what AutoConfig and AutoTokenizer make of the file through their legacy reader, file for file."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = files[arch]
+    model_dir = gguf_model_dir(path, tmp_path / "cache")
+    reference = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    if arch == "qwen3":
+        reference.head_dim = read_header(path).head_dim  # transformers maps no key_length (gguf_model_dir's fix)
+    reference.save_pretrained(tmp_path / "reference")
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp_path / "reference")
+    kept = {f.name: f.read_bytes() for f in model_dir.iterdir() if f.name in {p.name for p in (tmp_path / "reference").iterdir()}}
+    assert kept == {f.name: f.read_bytes() for f in (tmp_path / "reference").iterdir()}
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(kept)
+
+
 def test_an_architecture_the_engine_does_not_run_is_refused_by_name(tmp_path):
     path = write_gguf(tmp_path / "gemma.gguf", "gemma3")
     with pytest.raises(GGUFError, match=r"architecture 'gemma3' is not supported.*llama, qwen2, qwen3"):
