@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _TABLE = "tensors.json"
 _MARKER = ".ragblend-complete"
-_LM_HEAD_ROWS = 16384  # rows of the lm_head quantized at a time: a 152k-token vocabulary's fp32 stays ~100 MB
+_SLICE_BYTES = 4 << 20  # fp32 bytes of a matrix dequantized at a time when it becomes int8 (`_int8_rows`)
 
 
 class GGUFError(ValueError):
@@ -246,7 +246,7 @@ def load_gguf(path: Path, cache_dir: Path, fmt: WeightFormat, device: torch.devi
 
 # ---- the packed modules kept for warm starts -------------------------------------------------------------
 # Decoding and packing Qwen2.5-1.5B's 1.3 billion weights (the int4 kernel's layout, prefill's bf16 copies)
-# takes ~20 s on 2 cores; reading them back ~2 s. They are kept beside the config (3.6 GB for that model),
+# takes ~9 s on 2 cores, writing them ~8 s; reading them back ~1-2 s. They are kept beside the config (3.6 GB for that model),
 # keyed by the weight format, torch's version and the CPU's vector ISA (the packing is torch's, per machine).
 
 
@@ -349,7 +349,7 @@ def _fill(model: nn.Module, tensors: GGUFTensors, fmt: WeightFormat, dtype: torc
             model.set_output_embeddings(head if fmt == WeightFormat.FP32 else Bf16Linear(lm_weight, None))
         else:
             model.set_input_embeddings(_embedding(tensors, f"{embed_name}.weight", embedding.embedding_dim))
-            model.set_output_embeddings(_int8_rows(tensors, f"{head_name}.weight"))
+            model.set_output_embeddings(_int8_rows(tensors, f"{head_name}.weight", is_copy_kept=False))
         for module_name, module in model.named_modules():
             for leaf, param in list(module.named_parameters(recurse=False)):
                 if param.device.type != "meta":
@@ -382,8 +382,11 @@ def _linear(tensors: GGUFTensors, name: str, module: nn.Linear, fmt: WeightForma
         shift = 8 if entry.qtype == QT.Q4_0 else 0  # Q4_0's levels are -8..7, Q4_1's and Q4_K's 0..15
         offsets = blocks.offsets if blocks.offsets is not None else torch.zeros_like(blocks.scales)
         zero = offsets + (8 - shift) * blocks.scales
-        return Int4Linear.from_levels(order(blocks.levels.to(torch.int32) + shift), order(blocks.scales),
+        return Int4Linear.from_levels(order(blocks.levels + shift if shift else blocks.levels), order(blocks.scales),
                                       order(zero), bias)
+    if fmt in (WeightFormat.GGUF, WeightFormat.INT8) or (fmt == WeightFormat.INT4 and not is_int4):
+        if not heads:  # a llama's q and k are reordered across the whole matrix
+            return _int8_rows(tensors, f"{name}.weight", bias)
     weight = order(tensors.dequantized(f"{name}.weight"))
     if fmt == WeightFormat.INT4 and is_int4:
         return Int4Linear.from_weight(weight, bias)
@@ -407,10 +410,17 @@ def _embedding(tensors: GGUFTensors, name: str, dim: int) -> nn.Module:
     return nn.Embedding.from_pretrained(tensors.dequantized(name).reshape(-1, dim), freeze=True)
 
 
-def _int8_rows(tensors: GGUFTensors, name: str) -> Int8Linear:
-    """An int8 lm_head from `name`, quantized a slice of rows at a time; its prefill copy made only once it
-    sees many rows (as load_model's lm_head: see Int8Linear)."""
-    num_rows = tensors.entry(name).shape[0]
-    parts = [quantize_int8(tensors.dequantized(name, slice(start, start + _LM_HEAD_ROWS)))
-             for start in range(0, num_rows, _LM_HEAD_ROWS)]
-    return Int8Linear(torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]), None, is_copy_kept=False)
+def _int8_rows(tensors: GGUFTensors, name: str, bias: torch.Tensor | None = None,
+               is_copy_kept: bool = True) -> Int8Linear:
+    """An Int8Linear from `name`, dequantized and quantized a slice of rows at a time: the fp32 of a slice
+    (~4 MB) is reused from one slice to the next where a whole matrix's is fresh pages (a 152k-token lm_head's
+    would be ~1 GB). The lm_head's prefill copy is made only once it sees many rows (`is_copy_kept`; see
+    Int8Linear)."""
+    num_rows, num_cols = tensors.entry(name).shape
+    step = max(1, _SLICE_BYTES // (4 * num_cols))  # rows a slice
+    levels = torch.empty(num_rows, num_cols, dtype=torch.int8)
+    scales = torch.empty(num_rows, dtype=torch.bfloat16)
+    for start in range(0, num_rows, step):
+        rows = slice(start, start + step)
+        levels[rows], scales[rows] = quantize_int8(tensors.dequantized(name, rows))
+    return Int8Linear(levels, scales, bias, is_copy_kept)

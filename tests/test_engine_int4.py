@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from blend_engine import cpu_gemm
-from blend_engine.int4 import GROUP_SIZE, MAX_PACKED_ROWS, Int4Linear
+from blend_engine.int4 import _PACK_ROWS, GROUP_SIZE, MAX_PACKED_ROWS, Int4Linear
 from blend_engine.weights import resolve_weight_format
 from configs.enums import WeightFormat
 from engine_models import cpu_exact
@@ -41,6 +41,20 @@ def test_int4_error_is_at_most_half_a_step_per_group():
     error = (linear.dequantized() - weight).abs().reshape(32, -1, GROUP_SIZE).amax(-1)  # [out, groups]
     steps = linear.scales_zeros[..., 0].t().float()  # [out, groups]
     assert torch.all(error <= steps * 0.5 * 1.05 + 1e-6)
+
+
+@pytest.mark.parametrize("num_out", [16, 272, 2 * _PACK_ROWS + 80])
+def test_a_layer_packed_a_slice_of_rows_at_a_time_equals_it_packed_whole(num_out):
+    """from_q makes its buffers a slice of rows at a time (load speed): byte for byte what the whole matrix
+    gives, a tail of rows short of the packing's 64-row blocks included, and its kernel multiplies by them."""
+    weight, levels = _q4_1_weight(num_out, 128, seed=3)
+    linear = Int4Linear.from_weight(weight)
+    whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels.to(torch.int32).contiguous(), 1)
+    assert torch.equal(linear.packed, whole)
+    assert torch.equal(linear.gemm_weight, weight.bfloat16())  # exact in bf16 by construction
+    x = torch.randn(1, 128)
+    ref = F.linear(x.bfloat16().float(), weight)
+    torch.testing.assert_close(linear(x), ref, atol=float(ref.abs().max()) * 2**-7, rtol=2**-7)
 
 
 @pytest.mark.parametrize("num_rows", [1, 3, MAX_PACKED_ROWS, MAX_PACKED_ROWS + 1, 300])
