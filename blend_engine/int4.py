@@ -84,7 +84,8 @@ class Int4Linear(nn.Module):
         # the packing's 64-row blocks, so each packs as the same rows of the whole
         for start in range(0, num_out, _PACK_ROWS):
             rows = slice(start, start + _PACK_ROWS)
-            levels = q[rows].reshape(-1, num_in // GROUP_SIZE, GROUP_SIZE).float() - 8  # [r, in / 32, 32]; q may be float: not in place
+            # [r, in / 32, 32]; not in place: q may be float already, and .float() then no copy
+            levels = q[rows].reshape(-1, num_in // GROUP_SIZE, GROUP_SIZE).float() - 8
             # the exact fp32 weight, rounded once to bf16 (one fused multiply-add)
             gemm_weight[rows] = torch.addcmul(zero[rows], levels, scale[rows]).reshape(-1, num_in)
             packed[rows] = _pack(q[rows].to(torch.int32))
