@@ -247,7 +247,8 @@ def load_gguf(path: Path, cache_dir: Path, fmt: WeightFormat, device: torch.devi
 # ---- the packed modules kept for warm starts -------------------------------------------------------------
 # Decoding and packing Qwen2.5-1.5B's 1.3 billion weights (the int4 kernel's layout, prefill's bf16 copies)
 # takes ~9 s on 2 cores, writing them ~8 s; reading them back ~1-2 s. They are kept beside the config (3.6 GB
-# for that model), keyed by the weight format, torch's version and the CPU's vector ISA (the packing is torch's, per machine).
+# for that model), keyed by the weight format, torch's version and the CPU's vector ISA (the packing is
+# torch's, per machine).
 
 
 def _packing_key() -> str:
