@@ -52,6 +52,12 @@ def widened(weight: torch.Tensor) -> torch.Tensor:
     return buffer[: weight.numel()].view(weight.shape).copy_(weight)
 
 
+def release_scratch() -> None:
+    """Drop this thread's fp32 scratch, where it has one (an idle server's memory: the 1.5B's largest layer
+    makes it 110 MB); the next `widened` call in the thread makes it again."""
+    _scratch.buffer = None
+
+
 def _pack(q: torch.Tensor) -> torch.Tensor:
     """q [out, in] int32 in 0..15 -> the kernel's packed layout [out, in / 2] uint8."""
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
@@ -66,7 +72,8 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = gemm_weight.shape
         self.register_buffer("packed", packed)  # [out, in / 2] uint8, the kernel's layout
-        self.register_buffer("scales_zeros", scales_zeros)  # [in / 32, out, 2] bf16: (scale, zero)
+        # [in / 32, out, 2] bf16: (scale, zero); a fused part's a strided view of the fused module's
+        self.register_buffer("scales_zeros", scales_zeros)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         # prefill's GEMMs in fp32 where bf16 ones are not the faster: the bf16 copy widened at each call
         self.is_widened = gemm_dtype(gemm_weight.device) == torch.float32
@@ -145,12 +152,12 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= MAX_PACKED_ROWS:  # decode's rows: as few small ops as can be
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x.to(_COMPUTE).contiguous(), self.packed, GROUP_SIZE, self.scales_zeros).to(x.dtype)
+                x.to(_COMPUTE).contiguous(), self.packed, GROUP_SIZE, self.scales_zeros.contiguous()).to(x.dtype)
             return out if self.bias is None else out + self.bias
         rows = x.reshape(-1, x.shape[-1])  # [n, in]
         if rows.shape[0] <= MAX_PACKED_ROWS:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(_COMPUTE).contiguous(), self.packed, GROUP_SIZE,
-                                                              self.scales_zeros)
+                                                              self.scales_zeros.contiguous())
         elif self.is_widened:
             out = F.linear(rows.float(), widened(self.gemm_weight))
         else:
@@ -179,8 +186,9 @@ class Int4Linear(nn.Module):
         start = 0
         for m in linears:
             rows = slice(start, start + m.out_features)
-            # packed rows are a view; the (small) scales a contiguous copy, as the kernel takes them
-            m.packed, m.scales_zeros = fused.packed[rows], fused.scales_zeros[:, rows].contiguous()
+            # views, the scales too (a part's are strided: made contiguous at its own kernel calls, HF's forward
+            # only; kept as copies they were 100 MB of an idle 1.5B server's memory)
+            m.packed, m.scales_zeros = fused.packed[rows], fused.scales_zeros[:, rows]
             m.gemm_weight, start = fused.gemm_weight[rows], rows.stop
         return fused
 

@@ -27,7 +27,7 @@ from blend_engine.types import Delta
 from runtime.config import SchedulerConfig
 from runtime.executor import PrefillExecutor, PrefillOutcome
 from runtime.jobs import END, Emit, Job, JobCancelled, JobStream, QueueFull, emitter, new_job
-from runtime.memory import release_free_memory
+from runtime.memory import release_idle_memory
 from runtime.scheduler import Scheduler, Status, Step, StepOutput
 from runtime.types import DoneEvent, GenerationEvent, PrefillRequest, Timings, TokenEvent, Usage
 
@@ -281,7 +281,7 @@ class EngineLoop:
         self._is_release_due = False
         self._cond.release()
         try:
-            release_free_memory()
+            release_idle_memory()  # prefill runs on this thread: its scratch goes too
         finally:
             self._cond.acquire()
         self.stats.num_idle_releases += 1

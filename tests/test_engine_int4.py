@@ -120,6 +120,9 @@ def test_fused_int4_projections_equal_the_separate_ones(sizes):
     torch.testing.assert_close(fused(x[:1]), separate[:1], atol=1e-6, rtol=0)  # the kernel path
     is_view = parts[1].packed.data_ptr() == fused.packed.data_ptr() + sizes[0] * 32
     assert is_view == all(n % 64 == 0 for n in sizes)
+    if is_view:  # the scales too: fusing adds no memory
+        assert all(p.scales_zeros.untyped_storage().data_ptr() == fused.scales_zeros.untyped_storage().data_ptr()
+                   for p in parts)
     torch.testing.assert_close(torch.cat([p(x[:1]) for p in parts], dim=-1), separate[:1], atol=1e-6, rtol=0)
 
 

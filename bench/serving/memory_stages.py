@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     from kv_store import KVStore
     from retrieval.retriever import Retriever
     from runtime.executor import PrefillExecutor
-    from runtime.memory import release_free_memory
+    from runtime.memory import release_idle_memory
 
     readings.append(_reading("server modules"))
     settings = load_settings(args.config, data_dir=args.data_dir)
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                                settings.scheduler.prefill_chunk_tokens)
     executor.measure_engine()
     readings.append(_reading("planner measurement"))
-    release_free_memory()
+    release_idle_memory()  # as the server's loop does, on the thread that measured
     readings.append(_reading("idle release"))
     summary = {"stages": readings, "weights_mb": weights_by_kind(engine.model), "mappings_mb": mappings(),
                "kv_bytes_per_token": kv_bytes_per_token(engine)}
