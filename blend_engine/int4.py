@@ -84,8 +84,8 @@ class Int4Linear(nn.Module):
         """q [out, in] in 0..15 (any integer dtype, or float), scales_zeros [in / 32, out, 2] bf16."""
         num_out, num_in = q.shape
         scale, zero = (scales_zeros[..., i].t().float()[..., None] for i in (0, 1))  # [out, in / 32, 1]
-        gemm_weight = torch.empty(num_out, num_in, dtype=_COMPUTE)
-        packed = torch.empty(num_out, num_in // 2, dtype=torch.uint8)
+        gemm_weight = torch.empty(num_out, num_in, dtype=_COMPUTE, device=q.device)
+        packed = torch.empty(num_out, num_in // 2, dtype=torch.uint8, device=q.device)
         # a slice of rows at a time: each step's fp32 temporaries stay in cache and are reused, where whole-matrix
         # ones are fresh pages every time (2.5x slower for a 1.5B model's layers); slices start at multiples of
         # the packing's 64-row blocks, so each packs as the same rows of the whole
