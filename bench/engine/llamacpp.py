@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import llama_cpp  # noqa: F401 - only its presence: each side runs in a process of its own
     except ImportError:
-        return refuse("llamacpp", "llama-cpp-python is not installed (pip install --no-deps llama-cpp-python diskcache: "
+        return refuse("llamacpp", "llama-cpp-python is not installed (pip install -e '.[llamacpp]': "
                       "it builds llama.cpp from source, a few minutes)", 2)
     rows = {name: measure_model(name, args) for name in args.models.split(",")}
     print_table(rows)
