@@ -102,10 +102,15 @@ class GGUFTensors:
 
 def read_header(path: Path) -> GGUFTensors:
     """The file's architecture and tensor table, checked: every reason not to serve it is raised here,
-    before a weight is read. Walked by transformers' header reader (integrations/gguf/reader.py), which
-    skips the vocabulary's strings: ~0.04 s for a 152k-token file, where gguf-py's GGUFReader takes ~7 s.
-    Its table, not its `GgufHeader`: that one refuses the types transformers does not decode (Q5_0, Q5_1),
-    which ragblend reads."""
+    before a weight is read (see `_parsed_header`)."""
+    return _parsed_header(path)[1]
+
+
+def _parsed_header(path: Path) -> tuple[dict[str, object], GGUFTensors]:
+    """(the file's metadata, its checked tensor table), from one walk of the header by transformers' header
+    reader (integrations/gguf/reader.py), which skips the vocabulary's strings: ~0.04 s for a 152k-token
+    file, where gguf-py's GGUFReader takes ~7 s. Its table, not its `GgufHeader`: that one refuses the types
+    transformers does not decode (Q5_0, Q5_1), which ragblend reads."""
     from gguf import GGML_QUANT_SIZES
     from transformers.integrations.gguf import reader
 
@@ -131,7 +136,7 @@ def read_header(path: Path) -> GGUFTensors:
                                     int(np.prod(shape)) // block_size * block_bytes)
     check_complete(path, entries)
     key_length = metadata.get(f"{architecture}.attention.key_length")
-    return GGUFTensors(path, architecture, entries, None if key_length is None else int(key_length))
+    return metadata, GGUFTensors(path, architecture, entries, None if key_length is None else int(key_length))
 
 
 def config_dict(metadata: dict[str, object], tensor_names: Iterable[str]) -> dict[str, object]:
@@ -172,9 +177,8 @@ def gguf_model_dir(path: Path, cache_dir: Path) -> Path:
     target = cache_dir / f"{path.stem}-{digest}"
     if (target / _MARKER).exists():
         return target
-    header = read_header(path)  # refuses the file before anything is built
+    metadata, header = _parsed_header(path)  # refuses the file before anything is built
     from transformers import AutoConfig
-    from transformers.integrations.gguf import read_gguf_metadata
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
@@ -182,7 +186,7 @@ def gguf_model_dir(path: Path, cache_dir: Path) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".gguf-"))
     try:
-        config = AutoConfig.for_model(**config_dict(*read_gguf_metadata(str(path))))
+        config = AutoConfig.for_model(**config_dict(metadata, header.entries))
         if header.head_dim is not None and hasattr(config, "head_dim"):
             config.head_dim = header.head_dim  # transformers maps no key_length: Qwen3's head_dim is not hidden / heads
         config.save_pretrained(tmp)
@@ -386,13 +390,10 @@ def _linear(tensors: GGUFTensors, name: str, module: nn.Linear, fmt: WeightForma
         return Int4Linear.from_levels(order(blocks.levels + shift if shift else blocks.levels), order(blocks.scales),
                                       order(zero), bias)
     if fmt in (WeightFormat.GGUF, WeightFormat.INT8) or (fmt == WeightFormat.INT4 and not is_int4):
-        if not heads:  # a llama's q and k are reordered across the whole matrix
-            return _int8_rows(tensors, f"{name}.weight", bias)
+        return _int8_rows(tensors, f"{name}.weight", bias, heads)
     weight = order(tensors.dequantized(f"{name}.weight"))
-    if fmt == WeightFormat.INT4 and is_int4:
+    if fmt == WeightFormat.INT4:
         return Int4Linear.from_weight(weight, bias)
-    if fmt in (WeightFormat.GGUF, WeightFormat.INT4, WeightFormat.INT8):
-        return Int8Linear.from_weight(weight, bias)
     if fmt == WeightFormat.BF16:
         return Bf16Linear(weight, bias)
     linear = nn.Linear(module.in_features, module.out_features, bias=bias is not None, device="cpu", dtype=dtype)
@@ -411,12 +412,13 @@ def _embedding(tensors: GGUFTensors, name: str, dim: int) -> nn.Module:
     return nn.Embedding.from_pretrained(tensors.dequantized(name).reshape(-1, dim), freeze=True)
 
 
-def _int8_rows(tensors: GGUFTensors, name: str, bias: torch.Tensor | None = None,
+def _int8_rows(tensors: GGUFTensors, name: str, bias: torch.Tensor | None = None, heads: int | None = None,
                is_copy_kept: bool = True) -> Int8Linear:
     """An Int8Linear from `name`, dequantized and quantized a slice of rows at a time: the fp32 of a slice
     (~4 MB) is reused from one slice to the next where a whole matrix's is fresh pages (a 152k-token lm_head's
-    would be ~1 GB). The lm_head's prefill copy is made only once it sees many rows (`is_copy_kept`; see
-    Int8Linear)."""
+    would be ~1 GB). A llama's q or k (`heads`) has its rows put back in transformers' order after: int8 is
+    per row, so reordering the levels and scales is reordering the weight. The lm_head's prefill copy is made
+    only once it sees many rows (`is_copy_kept`; see Int8Linear)."""
     num_rows, num_cols = tensors.entry(name).shape
     step = max(1, _SLICE_BYTES // (4 * num_cols))  # rows a slice
     levels = torch.empty(num_rows, num_cols, dtype=torch.int8)
@@ -424,4 +426,6 @@ def _int8_rows(tensors: GGUFTensors, name: str, bias: torch.Tensor | None = None
     for start in range(0, num_rows, step):
         rows = slice(start, start + step)
         levels[rows], scales[rows] = quantize_int8(tensors.dequantized(name, rows))
+    if heads:
+        levels, scales = _unleave(levels, heads), _unleave(scales, heads)
     return Int8Linear(levels, scales, bias, is_copy_kept)

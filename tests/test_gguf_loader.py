@@ -106,6 +106,18 @@ def test_each_layer_takes_the_kernel_nearest_its_type(files, tmp_path):
     assert isinstance(model.get_output_embeddings(), Int8Linear)
 
 
+def test_a_llamas_int8_q_and_k_come_in_transformers_row_order(tmp_path):
+    """A llama's q and k rows are interleaved per head in the file; quantized to int8 a slice of rows at a time,
+    they are put back in transformers' order, as the fp32 reading puts them."""
+    path = write_gguf(tmp_path / "llama-q8.gguf", "llama", types={**MIXED_TYPES, "attn_q": QT.Q8_0, "attn_k": QT.Q8_0})
+    ours = load_model(settings(path, tmp_path / "gguf")).model.model.layers[0].self_attn
+    exact = load_model(settings(path, tmp_path / "fp32", weights=WeightFormat.FP32)).model.model.layers[0].self_attn
+    for mine, theirs in [(ours.q_proj, exact.q_proj), (ours.k_proj, exact.k_proj)]:
+        assert isinstance(mine, Int8Linear)
+        weight = theirs.weight
+        torch.testing.assert_close(mine.dequantized(), weight, atol=weight.abs().max().item() / 127, rtol=0)
+
+
 def reference_of(model: nn.Module) -> nn.Module:
     """transformers' model of `model`'s config with the weights `model`'s prefill multiplies by, as fp32
     nn.Linear / nn.Embedding: the forward the engine's full prefill must reproduce. An int4 layer's prefill
@@ -240,7 +252,7 @@ def test_the_kept_table_serves_a_warm_start_without_parsing_the_file(files, tmp_
     path = files["qwen2"]
     load_model(settings(path, tmp_path))
     import blend_engine.gguf_loader as gguf_loader
-    monkeypatch.setattr(gguf_loader, "read_header", lambda p: pytest.fail("the header parsed again"))
+    monkeypatch.setattr(gguf_loader, "_parsed_header", lambda p: pytest.fail("the header parsed again"))
     loaded = load_model(settings(path, tmp_path))
     assert isinstance(loaded.model.model.layers[0].self_attn.q_proj, Int4Linear)
 
