@@ -42,9 +42,6 @@ class CatalogueModel:
     upstream: str  # the model it is, and its licence
     summary: str  # what it is good for, measured (docs/choosing-a-model.md)
     installed_package: str | None = None  # where `make install` already put the file (a package's directory)
-    # blend.probe_layer fitted on this model (docs/benchmarks/models.md#probe-layer-per-model): the default a
-    # server running it starts with where the user sets none; None keeps BlendConfig's
-    fitted_probe_layer: int | None = None
 
     def package_path(self) -> Path | None:
         """The file inside its installed package, for a model that comes so (None: not installed, or not so)."""
@@ -91,8 +88,7 @@ CATALOGUE: dict[str, CatalogueModel] = {m.name: m for m in (
             "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
             "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e"]),
         upstream="Qwen/Qwen2.5-Coder-0.5B-Instruct-AWQ (Apache-2.0), GGUF Q4_K_M (mostly Q5_0)",
-        summary="494M parameters, qwen2: reads better than SmolLM2 at about twice its TTFT",
-        fitted_probe_layer=18),
+        summary="494M parameters, qwen2: reads better than SmolLM2 at about twice its TTFT"),
     CatalogueModel(
         name="qwen2.5-coder-1.5b", served_id="Qwen2.5-Coder-1.5B-Instruct",
         file_name="Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
@@ -121,26 +117,8 @@ CATALOGUE: dict[str, CatalogueModel] = {m.name: m for m in (
             "4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460",
             "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a"]),
         upstream="Qwen/Qwen2.5-Coder-1.5B-Instruct (Apache-2.0), GGUF Q4_K_M",
-        summary="1.54B parameters, qwen2: answers the most right; blend keeps its TTFT affordable",
-        fitted_probe_layer=18),
+        summary="1.54B parameters, qwen2: answers the most right; blend keeps its TTFT affordable"),
 )}
-
-
-def catalogue_model(name: str) -> CatalogueModel | None:
-    """The catalogue model `model.name` names: by its name, or a .gguf path to its file (by the file's name)."""
-    if name in CATALOGUE:
-        return CATALOGUE[name]
-    file_name = Path(name).name
-    return next((m for m in CATALOGUE.values() if m.file_name == file_name), None)
-
-
-def fitted_blend(name: str) -> dict[str, int]:
-    """The blend settings fitted on the catalogue model `name` names (none for any other model): the
-    server's defaults for it, under any the user gives (configs.settings.load_settings)."""
-    model = catalogue_model(name)
-    if model is None or model.fitted_probe_layer is None:
-        return {}
-    return {"probe_layer": model.fitted_probe_layer}
 
 
 def file_sha256(path: Path) -> str:

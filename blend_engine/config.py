@@ -141,8 +141,7 @@ class BlendConfig:
     probe_layer: Annotated[int | None, Field(
         ge=1,
         description="Query selections: measure the question's attention at this deeper layer with a probe of the "
-        "fresh tokens over the reused cache (null: at the check layer). A catalogue model runs with the layer fitted "
-        "on it where none is set (`ragblend models list`; docs/benchmarks/models.md#probe-layer-per-model).")] = 8
+        "fresh tokens over the reused cache (null: at the check layer).")] = 8
     probe_span: Annotated[int, Field(
         ge=1, description="The probe sums the attention over this many layers up to probe_layer.")] = 4
     query_heads: Annotated[HeadReduce, Field(description="Query selections: sum or max over heads.")] = HeadReduce.SUM

@@ -1,8 +1,7 @@
 """The server's settings: each package's frozen config, composed as a section, and resolved at the edge.
 
-Sources, later ones winning: each config class's own defaults (the one place they live), the blend
-settings fitted on the catalogue model that runs (`blend_engine.catalogue.fitted_blend`: its probe layer),
-an optional user YAML (`--config FILE`), `RAGBLEND_*` env vars, CLI flags. Nested fields are reached from the
+Sources, later ones winning: each config class's own defaults (the one place they live), an optional
+user YAML (`--config FILE`), `RAGBLEND_*` env vars, CLI flags. Nested fields are reached from the
 environment with a double underscore, e.g. `RAGBLEND_BLEND__RECOMPUTE_RATIO=0.3` or `RAGBLEND_SERVER__PORT=9000`.
 
 | section | config class (its package owns it) |
@@ -25,14 +24,12 @@ from typing import Annotated, Any
 from pydantic import Field
 from pydantic_settings import (
     BaseSettings,
-    InitSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     YamlConfigSettingsSource,
 )
 
 from app.config import LimitsConfig, ServerConfig
-from blend_engine.catalogue import fitted_blend
 from blend_engine.config import BlendConfig, GenerationConfig, ModelConfig
 from kv_store.config import StoreConfig
 from retrieval.config import DatabaseConfig, RetrievalConfig
@@ -73,34 +70,14 @@ class Settings(BaseSettings):
 
 
 def load_settings(config_file: Path | str | None = None, **overrides: Any) -> Settings:
-    """Settings from the config classes' defaults, the running catalogue model's fitted blend settings, then
-    `config_file`, env vars and `overrides` (nested dicts)."""
-    path = None if config_file is None else Path(config_file)
-    if path is not None and not path.is_file():
+    """Settings from the config classes' defaults, then `config_file`, env vars and `overrides` (nested dicts)."""
+    if config_file is None:
+        return Settings(**overrides)
+    path = Path(config_file)
+    if not path.is_file():
         raise FileNotFoundError(f"config file not found: {path}")
-    settings = _settings(path, {}, overrides)
-    # the model is known only once every source is read; its fitted settings go beneath all of them
-    fitted = fitted_blend(settings.model.name)
-    return _settings(path, {"blend": fitted}, overrides) if fitted else settings
 
+    class _FileSettings(Settings):
+        model_config = SettingsConfigDict(**{**Settings.model_config, "yaml_file": [path]})
 
-def _settings(path: Path | None, model_defaults: dict[str, Any], overrides: dict[str, Any]) -> Settings:
-    """Settings read with `path` as the YAML file and `model_defaults` under the YAML."""
-
-    class _Sourced(Settings):
-        model_config = SettingsConfigDict(**{**Settings.model_config, "yaml_file": [] if path is None else [path]})
-
-        @classmethod
-        def settings_customise_sources(
-            cls,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
-        ) -> tuple[PydanticBaseSettingsSource, ...]:
-            return (*super().settings_customise_sources(settings_cls, init_settings, env_settings, dotenv_settings,
-                                                        file_secret_settings),
-                    InitSettingsSource(settings_cls, init_kwargs=model_defaults))
-
-    return Settings.model_validate(_Sourced(**overrides).model_dump())
+    return Settings.model_validate(_FileSettings(**overrides).model_dump())

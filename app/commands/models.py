@@ -38,9 +38,7 @@ def run(args: argparse.Namespace) -> int:
         for model in CATALOGUE.values():
             path = model.path(models_dir)
             state = f"installed at {path}" if path.is_file() else f"not installed ({model.install_hint()})"
-            fit = "" if model.fitted_probe_layer is None else f"; blend probe layer {model.fitted_probe_layer} (fitted)"
-            print(f"{model.name:20} {model.num_bytes / 1e6:6.0f} MB  {model.summary}\n{'':20} {model.upstream}{fit}; "
-                  f"{state}")
+            print(f"{model.name:20} {model.num_bytes / 1e6:6.0f} MB  {model.summary}\n{'':20} {model.upstream}; {state}")
         return ExitCode.OK
     if args.name not in CATALOGUE:
         print(f"ragblend models install: no model {args.name!r}; one of {', '.join(CATALOGUE)}", file=sys.stderr)

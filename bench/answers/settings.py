@@ -38,8 +38,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("dense", request={"retrieval": "dense"}),
     Setting("lexical", request={"retrieval": "lexical"}),
     Setting("full", request={"mode": "full"}),  # a full prefill: reads every retrieved chunk again
-    # stop 70: blend's probe at the engine-wide layer, as before a catalogue model's fitted one
-    Setting("probe-8", server={"blend": {"probe_layer": 8}}),
+    # stop 70: blend's probe at layer 18 (fitted on the Qwen models' KL; not adopted: docs/decisions/0032)
+    Setting("probe-18", server={"blend": {"probe_layer": 18}}),
 )}
 
 
