@@ -1,10 +1,12 @@
 """int4 weight-only linear layers: groups of 32 inputs share a scale and a zero (asymmetric), as
-GGUF's Q4_1 does, for the CPU's `_weight_int4pack_mm_for_cpu` kernel.
+GGUF's Q4_1 does. Decode's few rows go through ragblend's own kernel where it builds on this machine
+(blend_engine/native.py: int8 activations, integer dot products; AVX2), else torch's
+`_weight_int4pack_mm_for_cpu`.
 
 Decode reads every weight once per token, so int4 reads half of int8's bytes. SmolLM2 ships as a
 Q4_1 GGUF: its weights are already 16 levels per group of 32, which this format holds again with
 only its scale and zero rounded to bf16. The kernel's fast path takes bf16 activations only (fp32 and
-fp16 inputs measured ~60x slower), and it loses to a bf16 GEMM above a few dozen rows, so prefill
+fp16 inputs measured ~60x slower), and both lose to a bf16 GEMM above a few dozen rows, so prefill
 multiplies by a bf16 copy of the dequantized weight as Int8Linear does. Where bf16 GEMMs are not the
 faster (AVX2 only: ~19 GFLOP/s against fp32's ~145; AVX512-BF16 without AMX on a Xeon VM: 1.6-1.9x
 slower, measured; blend_engine/cpu_gemm.py measures which, once per machine) the product is taken in
@@ -22,14 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blend_engine import cpu_gemm
+from blend_engine import cpu_gemm, native
 
 GROUP_SIZE = 32  # inputs per (scale, zero): Q4_1's block
-NUM_ROWS_PER_BLOCK = 64  # the CPU packing interleaves rows in blocks of 64 (row slices of other sizes are no views)
-MIN_ROWS_MULTIPLE = 16  # the packing kernel's requirement on out_features
+MIN_ROWS_MULTIPLE = 16  # torch's packing kernel's requirement on out_features (ragblend's needs 8)
 MAX_PACKED_ROWS = 32  # above: the bf16 GEMM (measured crossover on CPU, as for int8)
 _COMPUTE = torch.bfloat16
-_PACK_ROWS = 4 * NUM_ROWS_PER_BLOCK  # rows packed at a time at load (see Int4Linear.from_q)
+_PACK_ROWS = 256  # rows packed at a time at load (see Int4Linear.from_q)
 
 
 def gemm_dtype(device: torch.device) -> torch.dtype:
@@ -58,26 +59,59 @@ def release_scratch() -> None:
     _scratch.buffer = None
 
 
-def _pack(q: torch.Tensor) -> torch.Tensor:
-    """q [out, in] int32 in 0..15 -> the kernel's packed layout [out, in / 2] uint8."""
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+_BLOCK_ROWS = 8  # rows a block of the nibbles' layout holds (ragblend's kernel's output vector)
+
+
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """q [rows, in] in 0..15 (any integer or float dtype; rows a multiple of 8) -> [rows / 8, in * 4] uint8, the
+    layout csrc/int4_gemv.cpp reads: a row's group of 32 levels is 16 bytes, byte j holding level j in its low
+    nibble and j + 16 in its high one; a block of 8 rows holds its groups by pairs, each pair as the 8 rows'
+    32 bytes (group g's, then g + 1's), and a lone last group (odd in / 32) as the 8 rows' 16 bytes."""
+    num_rows, num_in = q.shape
+    num_blocks, num_groups = num_rows // _BLOCK_ROWS, num_in // GROUP_SIZE
+    levels = q.reshape(num_rows, num_groups, 2, GROUP_SIZE // 2).to(torch.uint8)
+    groups = levels[:, :, 0].bitwise_or(levels[:, :, 1] << 4)  # [rows, groups, 16]
+    paired = num_groups // 2 * 2
+    pairs = groups[:, :paired].reshape(num_blocks, _BLOCK_ROWS, paired // 2, GROUP_SIZE).transpose(1, 2)
+    lone = groups[:, paired:].reshape(num_blocks, -1)  # [blocks, 8 * 16] or [blocks, 0]
+    return torch.cat([pairs.reshape(num_blocks, -1), lone], dim=1)
+
+
+def _levels(nibbles: torch.Tensor) -> torch.Tensor:
+    """`_nibbles` undone: [rows / 8, in * 4] uint8 -> q [rows, in] uint8."""
+    num_blocks, width = nibbles.shape
+    num_rows, num_in = num_blocks * _BLOCK_ROWS, width // 4
+    num_groups = num_in // GROUP_SIZE
+    paired = num_groups // 2 * 2
+    pair_bytes = paired * _BLOCK_ROWS * GROUP_SIZE // 2
+    pairs = nibbles[:, :pair_bytes].reshape(num_blocks, paired // 2, _BLOCK_ROWS, GROUP_SIZE).transpose(1, 2)
+    lone = nibbles[:, pair_bytes:].reshape(num_rows, -1)
+    groups = torch.cat([pairs.reshape(num_rows, -1), lone], dim=1).reshape(num_rows, num_groups, 1, GROUP_SIZE // 2)
+    return torch.cat([groups & 15, groups >> 4], dim=2).reshape(num_rows, num_in)
 
 
 class Int4Linear(nn.Module):
     """y = x @ W.T + bias, W[o, g*32 + j] = (q[o, g*32 + j] - 8) * scale[g, o] + zero[g, o], q in 0..15."""
 
-    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, gemm_weight: torch.Tensor,
+    def __init__(self, nibbles: torch.Tensor, scales_zeros: torch.Tensor, gemm_weight: torch.Tensor,
                  bias: torch.Tensor | None):
         """The buffers as they are (`from_q` makes them from levels)."""
         super().__init__()
         self.out_features, self.in_features = gemm_weight.shape
-        self.register_buffer("packed", packed)  # [out, in / 2] uint8, the kernel's layout
+        self.register_buffer("nibbles", nibbles)  # [out / 8, in * 4] uint8, two levels a byte (`_nibbles`)
         # [in / 32, out, 2] bf16: (scale, zero); a fused part's a strided view of the fused module's
         self.register_buffer("scales_zeros", scales_zeros)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         # prefill's GEMMs in fp32 where bf16 ones are not the faster: the bf16 copy widened at each call
         self.is_widened = gemm_dtype(gemm_weight.device) == torch.float32
         self.register_buffer("gemm_weight", gemm_weight, persistent=False)  # [out, in] bf16
+        self._native = native.int4_mm()  # decode's kernel: ragblend's where it builds, else None (torch's)
+        self._torch_packed: torch.Tensor | None = None  # torch's layout, made at the first call that needs it
+
+    @property
+    def is_native(self) -> bool:
+        """Whether decode's rows go through ragblend's kernel (else torch's)."""
+        return self._native is not None
 
     @classmethod
     def from_q(cls, q: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None) -> Int4Linear:
@@ -85,18 +119,17 @@ class Int4Linear(nn.Module):
         num_out, num_in = q.shape
         scale, zero = (scales_zeros[..., i].t().float()[..., None] for i in (0, 1))  # [out, in / 32, 1]
         gemm_weight = torch.empty(num_out, num_in, dtype=_COMPUTE, device=q.device)
-        packed = torch.empty(num_out, num_in // 2, dtype=torch.uint8, device=q.device)
+        nibbles = torch.empty(num_out // _BLOCK_ROWS, num_in * 4, dtype=torch.uint8, device=q.device)
         # a slice of rows at a time: each step's fp32 temporaries stay in cache and are reused, where whole-matrix
-        # ones are fresh pages every time (2.5x slower for a 1.5B model's layers); slices start at multiples of
-        # the packing's 64-row blocks, so each packs as the same rows of the whole
+        # ones are fresh pages every time (2.5x slower for a 1.5B model's layers)
         for start in range(0, num_out, _PACK_ROWS):
             rows = slice(start, start + _PACK_ROWS)
             # [r, in / 32, 32]; not in place: q may be float already, and .float() then no copy
             levels = q[rows].reshape(-1, num_in // GROUP_SIZE, GROUP_SIZE).float() - 8
             # the exact fp32 weight, rounded once to bf16 (one fused multiply-add)
             gemm_weight[rows] = torch.addcmul(zero[rows], levels, scale[rows]).reshape(-1, num_in)
-            packed[rows] = _pack(q[rows].to(torch.int32))
-        return cls(packed, scales_zeros, gemm_weight, bias)
+            nibbles[start // _BLOCK_ROWS : rows.stop // _BLOCK_ROWS] = _nibbles(q[rows])
+        return cls(nibbles, scales_zeros, gemm_weight, bias)
 
     def _per_row(self, index: int) -> torch.Tensor:
         return self.scales_zeros[..., index].t().float()[..., None]  # [out, in / 32, 1]
@@ -140,24 +173,31 @@ class Int4Linear(nn.Module):
             self._per_row(1)).reshape(self.out_features, self.in_features).to(dtype)
 
     def levels(self) -> torch.Tensor:
-        """q [out, in] in 0..15, recovered from the bf16 copy: exact unless a group's zero is hundreds
-        of times its scale, where the copy rounds adjacent levels together (the recovered ones then
-        differ below bf16's resolution of the weight; `fuse` refuses any that change the copy)."""
-        w = self.gemm_weight.float().reshape(self.out_features, -1, GROUP_SIZE)
-        scale = self._per_row(0)
-        # a group of scale 0 (a GGUF's Q4_K sub-block whose 6-bit scale is 0) holds its zero whatever the level
-        levels = torch.round((w - self._per_row(1)) / torch.where(scale == 0, 1.0, scale) + 8)
-        return torch.where(scale == 0, 8.0, levels).clamp_(0, 15).reshape(self.out_features, self.in_features)
+        """q [out, in] in 0..15, as float."""
+        return _levels(self.nibbles).float()
+
+    def _torch_kernel_weight(self) -> torch.Tensor:
+        """The levels in torch's kernel layout (only where ragblend's kernel is not used: made once, kept)."""
+        if self._torch_packed is None:
+            levels = _levels(self.nibbles).to(torch.int32)
+            self._torch_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1)
+        return self._torch_packed
+
+    def _few_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [n, in] (n <= MAX_PACKED_ROWS) -> [n, out] fp32 by a decode kernel, without the bias."""
+        if self._native is not None:
+            return self._native(rows.float().contiguous(), self.nibbles, self.scales_zeros)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            rows.to(_COMPUTE).contiguous(), self._torch_kernel_weight(), GROUP_SIZE,
+            self.scales_zeros.contiguous()).float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= MAX_PACKED_ROWS:  # decode's rows: as few small ops as can be
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x.to(_COMPUTE).contiguous(), self.packed, GROUP_SIZE, self.scales_zeros.contiguous()).to(x.dtype)
+            out = self._few_rows(x).to(x.dtype)
             return out if self.bias is None else out + self.bias
         rows = x.reshape(-1, x.shape[-1])  # [n, in]
         if rows.shape[0] <= MAX_PACKED_ROWS:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(_COMPUTE).contiguous(), self.packed, GROUP_SIZE,
-                                                              self.scales_zeros.contiguous())
+            out = self._few_rows(rows)
         elif self.is_widened:
             out = F.linear(rows.float(), widened(self.gemm_weight))
         else:
@@ -168,28 +208,23 @@ class Int4Linear(nn.Module):
     @classmethod
     def fuse(cls, linears: list[nn.Module]) -> Int4Linear | None:
         """One module over the rows of `linears` (same input), or None unless all are Int4Linear with biases
-        all or none. Where every part is a whole number of 64-row blocks (the packing's unit), the fused buffers
-        are the parts' joined and the parts' become views of them (no weight memory added; each still works
-        alone). Else the levels are recovered from the parts' bf16 copies and packed again, and None where one
-        is not recovered exactly."""
+        all or none. The fused buffers are the parts' joined, and the parts' become views of them (no weight
+        memory added; each still works alone)."""
         num_biased = sum(isinstance(m, Int4Linear) and m.bias is not None for m in linears)
         if not all(isinstance(m, Int4Linear) for m in linears) or num_biased not in (0, len(linears)):
             return None
         bias = torch.cat([m.bias.detach() for m in linears]) if num_biased else None
-        scales_zeros = torch.cat([m.scales_zeros for m in linears], dim=1)
-        gemm_weight = torch.cat([m.gemm_weight for m in linears])
-        if not all(m.out_features % NUM_ROWS_PER_BLOCK == 0 for m in linears):
-            fused = cls.from_q(torch.cat([m.levels() for m in linears]), scales_zeros, bias)
-            # a level not recovered (a group whose zero dwarfs its scale): stay unfused
-            return fused if torch.equal(fused.gemm_weight, gemm_weight) else None
-        fused = cls(torch.cat([m.packed for m in linears]), scales_zeros, gemm_weight, bias)
+        fused = cls(torch.cat([m.nibbles for m in linears]), torch.cat([m.scales_zeros for m in linears], dim=1),
+                    torch.cat([m.gemm_weight for m in linears]), bias)
         start = 0
         for m in linears:
             rows = slice(start, start + m.out_features)
-            # views, the scales too (a part's are strided: made contiguous at its own kernel calls, HF's forward
-            # only; kept as copies they were 100 MB of an idle 1.5B server's memory)
-            m.packed, m.scales_zeros = fused.packed[rows], fused.scales_zeros[:, rows]
-            m.gemm_weight, start = fused.gemm_weight[rows], rows.stop
+            # views, the scales too (a part's are strided: ragblend's kernel reads them so, torch's takes a
+            # contiguous copy at each call, HF's forward only; kept as copies they were 100 MB of an idle 1.5B
+            # server's memory)
+            blocks = slice(rows.start // _BLOCK_ROWS, rows.stop // _BLOCK_ROWS)  # parts are whole blocks: 16 rows at least
+            m.nibbles, m.scales_zeros = fused.nibbles[blocks], fused.scales_zeros[:, rows]
+            m.gemm_weight, m._torch_packed, start = fused.gemm_weight[rows], None, rows.stop
         return fused
 
     def extra_repr(self) -> str:

@@ -264,5 +264,5 @@ def test_damaged_packed_weights_are_packed_again(files, tmp_path):
     (kept,) = tmp_path.rglob("packed-gguf-*.pt")
     kept.write_bytes(kept.read_bytes()[:1000])
     again = load_model(settings(files["qwen2"], tmp_path)).model
-    assert torch.equal(again.model.layers[0].self_attn.q_proj.packed, first.model.layers[0].self_attn.q_proj.packed)
+    assert torch.equal(again.model.layers[0].self_attn.q_proj.nibbles, first.model.layers[0].self_attn.q_proj.nibbles)
     assert kept.stat().st_size > 1000

@@ -1,0 +1,208 @@
+// int4 weights x int8 activations for decode's few rows, on x86-64 CPUs with AVX2 (blend_engine/native.py).
+//
+// Decode multiplies one row (or a batch's few) by every weight matrix: it is bound by reading the weights.
+// torch's `_weight_int4pack_mm_for_cpu` dequantizes each weight to fp32 and multiplies in fp32, ~5 vector ops
+// per 8 weights; on a 2-core AVX2 VM it reads Qwen2.5-1.5B's gate/up [17 920 x 1 536] at ~9 GB/s. Here the
+// activations are quantized to int8 per group of 32 (as the weights' groups), and a group's dot product is
+// two integer instructions over 32 weights (maddubs: u8 x s8 pairs -> i16, madd: -> i32), the scales
+// applied once per group; ~0.3 ops per weight, so memory bound.
+//
+// Layouts (blend_engine/int4.py, Int4Linear):
+//   nibbles      [N / 8, K * 4] uint8: blocks of 8 rows. A group's 32 levels of a row are 16 bytes, byte j
+//                holding q[n, g*32 + j] in its low nibble and q[n, g*32 + j + 16] in its high one (q in
+//                0..15). A block holds its groups by pairs (g, g + 1), each pair as 8 rows of 32 bytes (the
+//                row's group g, then g + 1), and where K / 32 is odd, its last group as 8 rows of 16 bytes.
+//                A block is read front to back: one stream the hardware prefetcher follows (rows apart were
+//                8 short streams, ~10% slower from DRAM); a pair is one 32-byte load a row, its two groups'
+//                sums split by the reduction for free (~2x fewer instructions than a group at a time)
+//   scales_zeros [K / 32, N, 2] bf16 (scale, zero), any stride over groups, pairs contiguous over rows
+//   W[n, k] = (q[n, k] - 8) * scale[k / 32, n] + zero[k / 32, n]
+// Result: out[m, n] = sum_k W[n, k] * xq[m, k] * dx[m, k / 32], exactly (to fp32 rounding) the product of
+// the dequantized weights by x rounded to int8 per group: xq = round(x / dx), dx = max|x| / 127.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kRows = 8;      // output rows per step: one fp32 vector of results
+constexpr int64_t kMaxChunk = 8;  // activation rows sharing one unpacking of the weights
+
+// a group's 16 bytes -> its 32 levels in order, as u8
+inline __m256i unpack_group(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(v, mask);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+  return _mm256_set_m128i(hi, lo);
+}
+
+// 32 u8 levels . 32 s8 activations -> 8 partial i32 sums (no saturation: 2 * 15 * 127 < 2^15)
+inline __m256i dot_group(__m256i w, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+
+// eight vectors of 8 partial sums -> the vector of their eight totals, as fp32
+inline __m256 totals(const __m256i* r) {
+  const __m256i h01 = _mm256_hadd_epi32(r[0], r[1]);
+  const __m256i h23 = _mm256_hadd_epi32(r[2], r[3]);
+  const __m256i h45 = _mm256_hadd_epi32(r[4], r[5]);
+  const __m256i h67 = _mm256_hadd_epi32(r[6], r[7]);
+  const __m256i h0123 = _mm256_hadd_epi32(h01, h23);  // [r0..r3 low halves | r0..r3 high halves]
+  const __m256i h4567 = _mm256_hadd_epi32(h45, h67);
+  const __m256i low = _mm256_permute2x128_si256(h0123, h4567, 0x20);
+  const __m256i high = _mm256_permute2x128_si256(h0123, h4567, 0x31);
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(low, high));
+}
+
+// eight vectors of [4 partial sums of group g | 4 of group g + 1] -> the eight rows' totals of g and of g + 1
+inline void pair_totals(const __m256i* r, __m256* g0, __m256* g1) {
+  const __m256i h0123 = _mm256_hadd_epi32(_mm256_hadd_epi32(r[0], r[1]), _mm256_hadd_epi32(r[2], r[3]));
+  const __m256i h4567 = _mm256_hadd_epi32(_mm256_hadd_epi32(r[4], r[5]), _mm256_hadd_epi32(r[6], r[7]));
+  // h0123: [rows 0-3 of g | rows 0-3 of g + 1], h4567 the same for rows 4-7
+  *g0 = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(h0123, h4567, 0x20));
+  *g1 = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(h0123, h4567, 0x31));
+}
+
+// x [M, K] fp32 -> xq [M, K] int8, dx [M, K/32] (each group's scale), sx [M, K/32] (dx * sum of the group's xq).
+// xq is in the weights' pair order: per pair of groups (g, g + 1), g's first 16, g + 1's first 16, g's last
+// 16, g + 1's last 16 (a lone last group as it is), so that one pair's low nibbles meet one 32-byte load.
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx) {
+  const int64_t groups = K / kGroup;
+  const int64_t paired = groups / 2 * 2;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* src = x + m * K + g * kGroup;
+      float amax = 0.f;
+      for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(src[j]));
+      const float d = amax / 127.f;
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      int8_t* dst = xq + m * K + g * kGroup;
+      if (g < paired) dst = xq + m * K + (g / 2) * 2 * kGroup + (g % 2) * (kGroup / 2);
+      for (int64_t j = 0; j < kGroup; ++j) {
+        const int32_t q = static_cast<int32_t>(std::nearbyint(src[j] * inv));
+        // paired: the first 16 at [0, 16) (+16 for g + 1), the last 16 at [32, 48) (+16 for g + 1)
+        const int64_t at = g < paired ? (j < 16 ? j : j + 16) : j;
+        dst[at] = static_cast<int8_t>(q);
+        sum += q;
+      }
+      dx[m * groups + g] = d;
+      sx[m * groups + g] = d * static_cast<float>(sum);
+    }
+  }
+}
+
+// 8 rows' (scale, zero) bf16 pairs of one group -> fp32 scale and (zero - 8 * scale)
+inline void group_scales(const uint16_t* p, __m256* scale, __m256* offset) {
+  const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  *scale = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));  // a bf16 is the top half of its fp32
+  const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+  *offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), *scale, zero);
+}
+
+}  // namespace
+
+// x [M, K] fp32 contiguous; nibbles [N/8, K*4] uint8 with contiguous blocks; scales_zeros [K/32, N, 2] bf16 with
+// stride(1) == 2 and stride(2) == 1 -> [M, N] fp32
+torch::Tensor int4_mm(torch::Tensor x, torch::Tensor nibbles, torch::Tensor scales_zeros) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: [M, K] fp32 contiguous");
+  TORCH_CHECK(nibbles.dim() == 2 && nibbles.scalar_type() == torch::kUInt8 && nibbles.stride(1) == 1,
+              "nibbles: [N/8, K*4] uint8, blocks contiguous");
+  TORCH_CHECK(scales_zeros.dim() == 3 && scales_zeros.scalar_type() == torch::kBFloat16 &&
+                  scales_zeros.stride(2) == 1 && scales_zeros.stride(1) == 2 && scales_zeros.size(2) == 2,
+              "scales_zeros: [K/32, N, 2] bf16, pairs contiguous over rows");
+  const int64_t M = x.size(0), K = x.size(1), N = nibbles.size(0) * kRows;
+  TORCH_CHECK(K % kGroup == 0 && nibbles.size(1) == K * kRows / 2, "shapes: K % 32, K*4 bytes a block of 8 rows");
+  TORCH_CHECK(scales_zeros.size(0) == K / kGroup && scales_zeros.size(1) == N, "scales_zeros: [K/32, N, 2]");
+  const int64_t groups = K / kGroup;
+  const int64_t paired = groups / 2 * 2;
+
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * groups), sx(M * groups);
+  quantize_rows(x.data_ptr<float>(), M, K, xq.data(), dx.data(), sx.data());
+
+  auto out = torch::empty({M, N}, x.options());
+  float* out_p = out.data_ptr<float>();
+  const uint8_t* nib = nibbles.data_ptr<uint8_t>();
+  const int64_t block_stride = nibbles.stride(0);
+  const uint16_t* sz = reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr<at::BFloat16>());
+  const int64_t group_stride = scales_zeros.stride(0);
+
+  // row blocks of 8 over the threads; ~16 blocks a grain keeps each thread's reads sequential
+  at::parallel_for(0, N / kRows, 16, [&](int64_t begin, int64_t end) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t n0 = block * kRows;
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxChunk) {
+        const int64_t chunk = std::min(kMaxChunk, M - m0);
+        __m256 acc[kMaxChunk];
+        for (int64_t i = 0; i < chunk; ++i) acc[i] = _mm256_setzero_ps();
+        const uint8_t* base = nib + block * block_stride;
+        for (int64_t g = 0; g < paired; g += 2) {
+          // 8 rows x 32 bytes: each row's groups g and g + 1, low nibbles and high nibbles apart
+          __m256i lo[kRows], hi[kRows];
+          const uint8_t* pair = base + (g / 2) * (kRows * kGroup);
+          for (int64_t r = 0; r < kRows; ++r) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + r * kGroup));
+            lo[r] = _mm256_and_si256(v, nibble);
+            hi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+          }
+          __m256 scale0, offset0, scale1, offset1;
+          group_scales(sz + g * group_stride + n0 * 2, &scale0, &offset0);
+          group_scales(sz + (g + 1) * group_stride + n0 * 2, &scale1, &offset1);
+          for (int64_t i = 0; i < chunk; ++i) {
+            const int64_t m = m0 + i;
+            const int8_t* xp = xq.data() + m * K + g * kGroup;
+            const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
+            const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + kGroup));
+            __m256i partial[kRows];  // per row: 4 partial sums of group g, then 4 of g + 1
+            for (int64_t r = 0; r < kRows; ++r) {
+              // each i16 at most 2 * 15 * 127 = 3810, so the sum of the two fits too
+              const __m256i pairs16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], xlo), _mm256_maddubs_epi16(hi[r], xhi));
+              partial[r] = _mm256_madd_epi16(pairs16, ones);
+            }
+            __m256 dot0, dot1;
+            pair_totals(partial, &dot0, &dot1);
+            const float* dxm = dx.data() + m * groups;
+            const float* sxm = sx.data() + m * groups;
+            acc[i] = _mm256_fmadd_ps(dot0, _mm256_mul_ps(scale0, _mm256_set1_ps(dxm[g])), acc[i]);
+            acc[i] = _mm256_fmadd_ps(offset0, _mm256_set1_ps(sxm[g]), acc[i]);
+            acc[i] = _mm256_fmadd_ps(dot1, _mm256_mul_ps(scale1, _mm256_set1_ps(dxm[g + 1])), acc[i]);
+            acc[i] = _mm256_fmadd_ps(offset1, _mm256_set1_ps(sxm[g + 1]), acc[i]);
+          }
+        }
+        if (paired < groups) {  // a lone last group: 8 rows x 16 bytes
+          const int64_t g = paired;
+          __m256i w[kRows];
+          const uint8_t* lone = base + (g / 2) * (kRows * kGroup);
+          for (int64_t r = 0; r < kRows; ++r) w[r] = unpack_group(lone + r * (kGroup / 2));
+          __m256 scale, offset;
+          group_scales(sz + g * group_stride + n0 * 2, &scale, &offset);
+          for (int64_t i = 0; i < chunk; ++i) {
+            const int64_t m = m0 + i;
+            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.data() + m * K + g * kGroup));
+            __m256i partial[kRows];
+            for (int64_t r = 0; r < kRows; ++r) partial[r] = dot_group(w[r], xv);
+            const __m256 dot = totals(partial);
+            acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(dx[m * groups + g])), acc[i]);
+            acc[i] = _mm256_fmadd_ps(offset, _mm256_set1_ps(sx[m * groups + g]), acc[i]);
+          }
+        }
+        for (int64_t i = 0; i < chunk; ++i) _mm256_storeu_ps(out_p + (m0 + i) * N + n0, acc[i]);
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int4_mm", &int4_mm, "int4 weights (row nibbles, bf16 scale/zero per 32) x int8-quantized fp32 rows");
+}

@@ -1,0 +1,103 @@
+"""ragblend's int4 decode kernel (blend_engine/csrc/int4_gemv.cpp): built here, exact against its reference,
+and torch's kernel where it is off or cannot be built."""
+
+import platform
+import shutil
+
+import pytest
+import torch
+
+from blend_engine import native
+from blend_engine.config import ModelConfig
+from blend_engine.int4 import GROUP_SIZE, Int4Linear, _nibbles
+
+IS_AVX2 = platform.machine().lower() in ("x86_64", "amd64") and torch.backends.cpu.get_cpu_capability() in (
+    "AVX2", "AVX512")
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    monkeypatch.setattr(native, "_enabled", [True])
+    op = native.int4_mm()
+    if op is None:
+        pytest.skip(f"not built here: {native.unavailable_reason()}")
+    return op
+
+
+@pytest.mark.skipif(not IS_AVX2 or shutil.which("c++") is None, reason="needs x86-64 with AVX2 and a C++ compiler")
+def test_the_kernel_builds_on_an_avx2_machine_with_a_compiler(monkeypatch):
+    monkeypatch.setattr(native, "_enabled", [True])
+    assert native.int4_mm() is not None, native.unavailable_reason()
+    assert Int4Linear.from_weight(torch.randn(16, 32)).is_native
+
+
+def _layer(num_out: int, num_in: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(levels [out, in] 0..15, scales_zeros [in / 32, out, 2] bf16, the dequantized weight [out, in] fp32)."""
+    g = torch.Generator().manual_seed(seed)
+    levels = torch.randint(0, 16, (num_out, num_in), generator=g)
+    scales_zeros = (torch.randn(num_in // GROUP_SIZE, num_out, 2, generator=g) * 0.02).bfloat16()
+    scale, zero = (scales_zeros[..., i].t().float()[..., None] for i in (0, 1))  # [out, in / 32, 1]
+    weight = ((levels.float().reshape(num_out, -1, GROUP_SIZE) - 8) * scale + zero).reshape(num_out, num_in)
+    return levels, scales_zeros, weight
+
+
+def _int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the kernel rounds it: int8 levels per group of 32, scale max|x| / 127."""
+    groups = x.reshape(x.shape[0], -1, GROUP_SIZE)
+    step = groups.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(groups / torch.where(step > 0, step, 1)) * step).reshape(x.shape)
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, 8, 9, 32])
+@pytest.mark.parametrize("shape", [(8, 32), (264, 96), (16, 128), (1536, 8960 // 4)])  # lone last groups, pairs
+def test_the_kernel_is_the_dequantized_weight_times_x_rounded_to_int8(kernel, num_rows, shape):
+    levels, scales_zeros, weight = _layer(*shape, seed=num_rows)
+    x = torch.randn(num_rows, shape[1]) * torch.logspace(-2, 1, shape[1])  # groups of very different scales
+    x[0, :GROUP_SIZE] = 0  # a group of zeros: scale 0, contributes nothing
+    out = kernel(x, _nibbles(levels), scales_zeros)
+    ref = _int8_rows(x).double() @ weight.double().t()
+    assert out.shape == (num_rows, shape[0]) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, atol=float(ref.abs().max()) * 1e-5, rtol=1e-5)
+
+
+def test_the_kernel_reads_a_fused_parts_strided_scales(kernel):
+    """A fused q/k/v's part views its rows of the fused [in / 32, out, 2] scales: strided over groups."""
+    levels, scales_zeros, weight = _layer(64, 128, seed=5)
+    part = slice(16, 40)  # blocks 2-4 of 8 rows
+    x = torch.randn(2, 128)
+    out = kernel(x, _nibbles(levels)[2:5], scales_zeros[:, part])
+    torch.testing.assert_close(out, _int8_rows(x) @ weight[part].t(), atol=1e-4, rtol=1e-5)
+
+
+def test_the_kernel_refuses_what_it_cannot_read(kernel):
+    levels, scales_zeros, _ = _layer(16, 64, seed=6)
+    nibbles = _nibbles(levels)
+    with pytest.raises(RuntimeError, match="fp32"):
+        kernel(torch.randn(1, 64).bfloat16(), nibbles, scales_zeros)
+    with pytest.raises(RuntimeError, match=r"scales_zeros: \[K/32, N, 2\]"):
+        kernel(torch.randn(1, 96), _nibbles(_layer(16, 96, 6)[0]), scales_zeros)  # scales of another width
+    with pytest.raises(RuntimeError, match="pairs contiguous"):
+        kernel(torch.randn(1, 64), nibbles, scales_zeros.transpose(0, 1).contiguous().transpose(0, 1))
+
+
+def test_int4_kernel_torch_uses_torchs_kernel(monkeypatch):
+    """`model.int4_kernel: torch` (the loader's `native.enable(False)`): layers made then multiply by torch's
+    kernel, over its own layout, made at the first decode call."""
+    monkeypatch.setattr(native, "_enabled", [True])
+    native.enable(ModelConfig(int4_kernel="torch").int4_kernel == "auto")
+    assert native.int4_mm() is None and native.unavailable_reason() is None
+    levels, scales_zeros, weight = _layer(32, 64, seed=7)
+    linear = Int4Linear.from_q(levels, scales_zeros, None)
+    assert not linear.is_native and linear._torch_packed is None
+    x = torch.randn(1, 64)
+    torch.testing.assert_close(linear(x), x.bfloat16().float() @ weight.t(), atol=1e-2, rtol=2**-7)
+    assert linear._torch_packed is not None
+
+
+def test_a_machine_without_avx2_falls_back_with_its_reason(monkeypatch):
+    monkeypatch.setattr(native, "_enabled", [True])
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert native.int4_mm() is None
+    assert "needs AVX2" in native.unavailable_reason()
+    assert not Int4Linear.from_weight(torch.randn(16, 32)).is_native
