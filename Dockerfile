@@ -16,6 +16,9 @@ RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/rag
     && mkdir /data && chown ragblend:ragblend /data
 
 WORKDIR /app
+# g++: the int4 decode kernel is compiled on the machine (blend_engine/native.py), here by the first load of the
+# model below; without a compiler decode falls back to torch's kernel (logged)
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN pip install --no-cache-dir torch==2.13.0
 COPY pyproject.toml README.md ./
 COPY app ./app
