@@ -3,9 +3,9 @@
 Decode multiplies a few rows by every weight, so its speed is how fast the weights are read. torch's
 int4 kernel (`_weight_int4pack_mm_for_cpu`) dequantizes each weight to fp32 first and is bound by that
 arithmetic, not by memory: on a 2-core AMD EPYC VM (AVX2) Qwen2.5-1.5B's fused gate/up [17 920 x 1 536]
-took 1.99 ms a token (~9 GB/s of a measured ~36). csrc/int4_gemv.cpp quantizes the activations to int8
-per group of 32 and takes each group's dot product in integers (AVX2's maddubs/madd, as llama.cpp's
-Q4 x Q8 kernels do), applying the weights' scale and zero once per group: 0.94 ms on that VM.
+took 2.11 ms a token from DRAM (~8 GB/s of a measured ~36). csrc/int4_gemv.cpp quantizes the activations
+to int8 per group of 32 and takes each group's dot product in integers (AVX2's maddubs/madd, as llama.cpp's
+Q4 x Q8 kernels do), applying the weights' scale and zero once per group: 0.745 ms on that VM (23 GB/s).
 
 It is compiled by torch's `cpp_extension` (g++ and ninja) into torch's extension cache
 (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions) the first time a process asks for it on a
