@@ -109,7 +109,7 @@ def load_model(settings: ModelConfig) -> LoadedModel:
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
     cpu_gemm.force(None if settings.gemm_dtype == "auto" else getattr(torch, settings.gemm_dtype))
-    native.enable(settings.int4_kernel == "auto")  # read as int4 layers are made, as the GEMM dtype is
+    native.enable(settings.decode_kernel == "auto")  # read as quantized layers are made, as the GEMM dtype is
     if device.type == "cpu" and settings.weights != WeightFormat.FP32:
         # bf16 or fp32 prefill GEMMs: under auto measured once per machine and kept beside the models, so that
         # every start of this machine computes chunks' KV alike (blend_engine/cpu_gemm.py); read as the

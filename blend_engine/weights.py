@@ -8,9 +8,11 @@ dtype. The tied embedding stays as loaded (a lookup reads one row per token), wh
 gets its own quantized copy: its 49152x576 matrix is SmolLM2's largest.
 
 int8: symmetric absmax per output channel, scales rounded to bf16 first so that `q * scale` is the
-exact dequantized weight. A few rows (decode) run `torch._weight_int8pack_mm` with bf16
-activations (measured ~3x faster than fp32 at batch 1; torchao's int8 weight-only linear
-dequantizes per call in eager mode, ~4x slower than this kernel there). Many rows (prefill) run a
+exact dequantized weight. A few rows (decode) run ragblend's int8 kernel (blend_engine/native.py:
+int8 activations per group of 32, integer dot products; x86-64 with AVX2), else
+`torch._weight_int8pack_mm` with bf16 activations (measured ~3x faster than fp32 at batch 1;
+torchao's int8 weight-only linear dequantizes per call in eager mode, ~4x slower than this kernel
+there). Many rows (prefill) run a
 bf16 GEMM over a bf16 copy of the dequantized weight where the CPU has native bf16 (oneDNN; faster
 than fp32 there), else an fp32 GEMM over the weight dequantized per call.
 """
@@ -23,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blend_engine.int4 import Int4Linear, gemm_dtype
+from blend_engine import native
+from blend_engine.int4 import GROUP_SIZE, Int4Linear, gemm_dtype
 from configs.enums import WeightFormat
 
 MAX_PACKED_ROWS = 32  # above: the GEMM path (measured crossover of the int8 kernel on CPU)
@@ -50,6 +53,9 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = qweight.shape[1], qweight.shape[0]
         self.is_bf16_gemm = gemm_dtype(qweight.device) == _COMPUTE
         self.is_copy_kept = is_copy_kept
+        # decode's kernel: ragblend's where it builds and the rows are whole groups of its int8 activations
+        is_native = qweight.device.type == "cpu" and self.in_features % GROUP_SIZE == 0
+        self._native = native.int8_mm() if is_native else None
         # prefill's weight: the dequantized weight kept in bf16 (2 more bytes a weight, still less than
         # fp32's 4) where bf16 GEMMs are native; else dequantized to fp32 at each call. Not
         # `is_copy_kept`: made at the first call with many rows (the lm_head's: it sees one row a
@@ -62,13 +68,20 @@ class Int8Linear(nn.Module):
                     ) -> Int8Linear:
         return cls(*quantize_int8(weight), None if bias is None else bias.detach().clone(), is_copy_kept)
 
+    @property
+    def is_native(self) -> bool:
+        """Whether decode's rows go through ragblend's kernel (else torch's)."""
+        return self._native is not None
+
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight this module multiplies by, [out, in]."""
         return (self.qweight.to(dtype) * self.scales.to(dtype)[:, None]).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [n, in]
-        if rows.shape[0] <= MAX_PACKED_ROWS:
+        if rows.shape[0] <= MAX_PACKED_ROWS and self._native is not None:
+            out = self._native(rows.float().contiguous(), self.qweight, self.scales)
+        elif rows.shape[0] <= MAX_PACKED_ROWS:
             out = torch._weight_int8pack_mm(rows.to(_COMPUTE).contiguous(), self.qweight, self.scales)
         elif self.is_bf16_gemm:
             if self.gemm_weight is None:  # the first call with many rows of a copy not kept from the start

@@ -20,6 +20,18 @@ def pytest_configure(config):
     os.environ["RAGBLEND_TEST_DEVICE"] = config.getoption("--device")
 
 
+@pytest.fixture(params=["native", "torch"])
+def decode_kernel(request, monkeypatch) -> str:
+    """Each decode kernel of the quantized layers in turn: ragblend's (skipped where it cannot be built:
+    tests/test_native_kernels.py says why) and torch's. Layers made in the test take it."""
+    from blend_engine import native
+
+    monkeypatch.setattr(native, "_enabled", [request.param == "native"])
+    if request.param == "native" and native.int4_mm() is None:
+        pytest.skip(f"ragblend's decode kernels are not built here: {native.unavailable_reason()}")
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def postgres():
     """One temporary Postgres cluster for the session (skipped, saying why, only where no Postgres

@@ -76,3 +76,14 @@ def build_engine(name: str, seed: int = 0, **engine_options) -> BlendEngine:
 def random_ids(n: int, seed: int) -> tuple[int, ...]:
     g = torch.Generator().manual_seed(seed)
     return tuple(torch.randint(3, VOCAB, (n,), generator=g).tolist())
+
+
+def decode_reference(x: torch.Tensor, weight: torch.Tensor, kernel: str) -> torch.Tensor:
+    """What a decode kernel multiplies (the `decode_kernel` fixture's `kernel`): ragblend's rounds x to int8
+    per group of 32 (scale max|x| / 127), torch's to bf16. x [n, in], weight [out, in] -> [n, out]."""
+    if kernel == "torch":
+        return torch.nn.functional.linear(x.bfloat16().float(), weight)
+    groups = x.reshape(x.shape[0], -1, 32)  # [n, in / 32, 32]
+    step = groups.abs().amax(-1, keepdim=True) / 127
+    return torch.nn.functional.linear((torch.round(groups / torch.where(step > 0, step, 1)) * step).reshape(x.shape),
+                                      weight)

@@ -4,34 +4,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from blend_engine import cpu_gemm, native
+from blend_engine import cpu_gemm
 from blend_engine.int4 import _PACK_ROWS, GROUP_SIZE, MAX_PACKED_ROWS, Int4Linear, _levels, _nibbles
 from blend_engine.weights import resolve_weight_format
 from configs.enums import WeightFormat
-from engine_models import cpu_exact
+from engine_models import cpu_exact, decode_reference
 from test_engine_weights import _quantized_engine
 
 pytestmark = cpu_exact  # the int4 kernels are CPU ones
-
-
-@pytest.fixture(params=["native", "torch"])
-def kernel(request, monkeypatch):
-    """Each decode kernel in turn: ragblend's (skipped where it cannot be built: tests/test_native_int4.py
-    says why) and torch's."""
-    monkeypatch.setattr(native, "_enabled", [request.param == "native"])
-    if request.param == "native" and native.int4_mm() is None:
-        pytest.skip(f"ragblend's int4 kernel is not built here: {native.unavailable_reason()}")
-    return request.param
-
-
-def _decode_reference(x: torch.Tensor, weight: torch.Tensor, kernel: str) -> torch.Tensor:
-    """What the decode kernel multiplies: ragblend's rounds x to int8 per group of 32 (scale max|x| / 127),
-    torch's to bf16."""
-    if kernel == "torch":
-        return F.linear(x.bfloat16().float(), weight)
-    groups = x.reshape(x.shape[0], -1, GROUP_SIZE)
-    step = groups.abs().amax(-1, keepdim=True) / 127
-    return F.linear((torch.round(groups / torch.where(step > 0, step, 1)) * step).reshape(x.shape), weight)
 
 
 def _q4_1_weight(num_out: int, num_in: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,28 +45,28 @@ def test_int4_error_is_at_most_half_a_step_per_group():
 
 
 @pytest.mark.parametrize("num_out", [16, 272, 2 * _PACK_ROWS + 80])
-def test_a_layer_packed_a_slice_of_rows_at_a_time_equals_it_packed_whole(num_out, kernel):
+def test_a_layer_packed_a_slice_of_rows_at_a_time_equals_it_packed_whole(num_out, decode_kernel):
     """from_q makes its buffers a slice of rows at a time (load speed): byte for byte what the whole matrix
     gives, a tail of rows short of a slice included, and each decode kernel multiplies by them."""
     weight, levels = _q4_1_weight(num_out, 128, seed=3)
     linear = Int4Linear.from_weight(weight)
     assert torch.equal(linear.nibbles, _nibbles(levels))
     assert torch.equal(linear.gemm_weight, weight.bfloat16())  # exact in bf16 by construction
-    assert linear.is_native == (kernel == "native")
+    assert linear.is_native == (decode_kernel == "native")
     x = torch.randn(1, 128)
-    ref = _decode_reference(x, weight, kernel)
+    ref = decode_reference(x, weight, decode_kernel)
     torch.testing.assert_close(linear(x), ref, atol=float(ref.abs().max()) * 2**-7, rtol=2**-7)
 
 
 @pytest.mark.parametrize("num_rows", [1, 3, MAX_PACKED_ROWS, MAX_PACKED_ROWS + 1, 300])
-def test_int4_linear_matches_its_dequantized_weight(num_rows, kernel):
+def test_int4_linear_matches_its_dequantized_weight(num_rows, decode_kernel):
     """The decode kernel (few rows) and the bf16 GEMM (many) both multiply by the dequantized weight."""
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 64) * 0.05, torch.randn(96)
     linear = Int4Linear.from_weight(weight, bias)
     x = torch.randn(num_rows, 64)
-    kind = kernel if num_rows <= MAX_PACKED_ROWS else "torch"  # many rows: the bf16 copy's GEMM
-    ref = _decode_reference(x, linear.dequantized(), kind) + bias
+    kind = decode_kernel if num_rows <= MAX_PACKED_ROWS else "torch"  # many rows: the bf16 copy's GEMM
+    ref = decode_reference(x, linear.dequantized(), kind) + bias
     out = linear(x)
     assert out.dtype == torch.float32 and out.shape == (num_rows, 96)
     torch.testing.assert_close(out, ref, atol=float(ref.abs().max()) * 2**-7, rtol=2**-7)
@@ -130,7 +110,7 @@ def test_int4_refuses_shapes_its_kernel_cannot_pack():
 
 
 @pytest.mark.parametrize("sizes", [(128, 64, 64), (64, 32, 32), (48, 16, 16)])
-def test_fused_int4_projections_equal_the_separate_ones(sizes, kernel):
+def test_fused_int4_projections_equal_the_separate_ones(sizes, decode_kernel):
     """Fused q/k/v (or gate/up) give the separate modules' outputs, and the parts become views of the fused
     buffers (rows of nibbles: any row count), the scales too: fusing adds no memory."""
     torch.manual_seed(4)

@@ -14,7 +14,7 @@ from blend_engine.weights import (
 )
 from configs.enums import WeightFormat
 from configs.settings import load_settings
-from engine_models import MODEL_BUILDERS, cpu_exact, random_ids
+from engine_models import MODEL_BUILDERS, cpu_exact, decode_reference, random_ids
 from test_engine_blend import assert_same_prefill, rag_prompt
 
 pytestmark = cpu_exact  # int8 weight-only kernels are measured and tested on CPU
@@ -29,18 +29,22 @@ def _quantized_engine(fmt: WeightFormat, family: str = "llama-gqa", seed: int = 
 
 @pytest.mark.parametrize("num_rows", [1, 3, MAX_PACKED_ROWS, MAX_PACKED_ROWS + 1, 300])
 @pytest.mark.parametrize("is_bf16_gemm", [True, False])
-def test_int8_linear_matches_its_dequantized_weight(num_rows, is_bf16_gemm):
-    """Every path (int8 kernel for few rows; for many, a bf16 GEMM over the kept bf16 copy or an
+def test_int8_linear_matches_its_dequantized_weight(num_rows, is_bf16_gemm, decode_kernel):
+    """Every path (a decode kernel for few rows; for many, a bf16 GEMM over the kept bf16 copy or an
     fp32 one over the weight dequantized per call) multiplies by q * scale: equal to an fp32
-    product (bf16-rounded activations on the bf16 paths) to bf16's resolution."""
+    product of x as the path rounds it (int8 per group of 32 in ragblend's kernel, bf16 in torch's and
+    the bf16 GEMM) to bf16's resolution."""
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 64) * 0.05, torch.randn(96)
     linear = Int8Linear.from_weight(weight, bias)
+    assert linear.is_native == (decode_kernel == "native")
     if not is_bf16_gemm:  # a CPU without native bf16
         linear.is_bf16_gemm, linear.gemm_weight = False, None
     x = torch.randn(num_rows, 64)
-    is_bf16_input = num_rows <= MAX_PACKED_ROWS or is_bf16_gemm
-    ref = F.linear(x.bfloat16().float() if is_bf16_input else x, linear.dequantized(), bias)
+    if num_rows <= MAX_PACKED_ROWS:
+        ref = decode_reference(x, linear.dequantized(), decode_kernel) + bias
+    else:
+        ref = F.linear(x.bfloat16().float() if is_bf16_gemm else x, linear.dequantized(), bias)
     out = linear(x)
     assert out.dtype == torch.float32 and out.shape == (num_rows, 96)
     # the kernels round their output to bf16: within half a bf16 step (2^-8 relative) of the largest value

@@ -40,7 +40,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("full", request={"mode": "full"}),  # a full prefill: reads every retrieved chunk again
     # stop 70: blend's probe at layer 18 (fitted on the Qwen models' KL; not adopted: docs/decisions/0032)
     Setting("probe-18", server={"blend": {"probe_layer": 18}}),
-    Setting("torch-int4", server={"model": {"int4_kernel": "torch"}}),  # decode's int4 matmuls by torch's kernel
+    Setting("torch-kernels", server={"model": {"decode_kernel": "torch"}}),  # decode's int4/int8 matmuls by torch's
 )}
 
 

@@ -20,19 +20,14 @@
 // Result: out[m, n] = sum_k W[n, k] * xq[m, k] * dx[m, k / 32], exactly (to fp32 rounding) the product of
 // the dequantized weights by x rounded to int8 per group: xq = round(x / dx), dx = max|x| / 127.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <immintrin.h>
+#include "gemv.h"
 
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
+namespace ragblend {
 namespace {
-
-constexpr int64_t kGroup = 32;
-constexpr int64_t kRows = 8;      // output rows per step: one fp32 vector of results
-constexpr int64_t kMaxChunk = 8;  // activation rows sharing one unpacking of the weights
 
 // a group's 16 bytes -> its 32 levels in order, as u8
 inline __m256i unpack_group(const uint8_t* p) {
@@ -46,19 +41,6 @@ inline __m256i unpack_group(const uint8_t* p) {
 // 32 u8 levels . 32 s8 activations -> 8 partial i32 sums (no saturation: 2 * 15 * 127 < 2^15)
 inline __m256i dot_group(__m256i w, __m256i x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
-}
-
-// eight vectors of 8 partial sums -> the vector of their eight totals, as fp32
-inline __m256 totals(const __m256i* r) {
-  const __m256i h01 = _mm256_hadd_epi32(r[0], r[1]);
-  const __m256i h23 = _mm256_hadd_epi32(r[2], r[3]);
-  const __m256i h45 = _mm256_hadd_epi32(r[4], r[5]);
-  const __m256i h67 = _mm256_hadd_epi32(r[6], r[7]);
-  const __m256i h0123 = _mm256_hadd_epi32(h01, h23);  // [r0..r3 low halves | r0..r3 high halves]
-  const __m256i h4567 = _mm256_hadd_epi32(h45, h67);
-  const __m256i low = _mm256_permute2x128_si256(h0123, h4567, 0x20);
-  const __m256i high = _mm256_permute2x128_si256(h0123, h4567, 0x31);
-  return _mm256_cvtepi32_ps(_mm256_add_epi32(low, high));
 }
 
 // eight vectors of [4 partial sums of group g | 4 of group g + 1] -> the eight rows' totals of g and of g + 1
@@ -111,11 +93,11 @@ inline void group_scales(const uint16_t* p, __m256* scale, __m256* offset) {
 
 // x [M, K] fp32 contiguous; nibbles [N/8, K*4] uint8 with contiguous blocks; scales_zeros [K/32, N, 2] bf16 with
 // stride(1) == 2 and stride(2) == 1 -> [M, N] fp32
-torch::Tensor int4_mm(torch::Tensor x, torch::Tensor nibbles, torch::Tensor scales_zeros) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: [M, K] fp32 contiguous");
-  TORCH_CHECK(nibbles.dim() == 2 && nibbles.scalar_type() == torch::kUInt8 && nibbles.stride(1) == 1,
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scales_zeros) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: [M, K] fp32 contiguous");
+  TORCH_CHECK(nibbles.dim() == 2 && nibbles.scalar_type() == at::kByte && nibbles.stride(1) == 1,
               "nibbles: [N/8, K*4] uint8, blocks contiguous");
-  TORCH_CHECK(scales_zeros.dim() == 3 && scales_zeros.scalar_type() == torch::kBFloat16 &&
+  TORCH_CHECK(scales_zeros.dim() == 3 && scales_zeros.scalar_type() == at::kBFloat16 &&
                   scales_zeros.stride(2) == 1 && scales_zeros.stride(1) == 2 && scales_zeros.size(2) == 2,
               "scales_zeros: [K/32, N, 2] bf16, pairs contiguous over rows");
   const int64_t M = x.size(0), K = x.size(1), N = nibbles.size(0) * kRows;
@@ -128,7 +110,7 @@ torch::Tensor int4_mm(torch::Tensor x, torch::Tensor nibbles, torch::Tensor scal
   std::vector<float> dx(M * groups), sx(M * groups);
   quantize_rows(x.data_ptr<float>(), M, K, xq.data(), dx.data(), sx.data());
 
-  auto out = torch::empty({M, N}, x.options());
+  auto out = at::empty({M, N}, x.options());
   float* out_p = out.data_ptr<float>();
   const uint8_t* nib = nibbles.data_ptr<uint8_t>();
   const int64_t block_stride = nibbles.stride(0);
@@ -203,6 +185,4 @@ torch::Tensor int4_mm(torch::Tensor x, torch::Tensor nibbles, torch::Tensor scal
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int4_mm", &int4_mm, "int4 weights (row nibbles, bf16 scale/zero per 32) x int8-quantized fp32 rows");
-}
+}  // namespace ragblend

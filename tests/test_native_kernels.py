@@ -1,5 +1,5 @@
-"""ragblend's int4 decode kernel (blend_engine/csrc/int4_gemv.cpp): built here, exact against its reference,
-and torch's kernel where it is off or cannot be built."""
+"""ragblend's decode kernels (blend_engine/csrc/: int4_gemv.cpp, int8_gemv.cpp): built here, exact against their
+reference, and torch's kernels where they are off or cannot be built."""
 
 import platform
 import shutil
@@ -10,9 +10,19 @@ import torch
 from blend_engine import native
 from blend_engine.config import ModelConfig
 from blend_engine.int4 import GROUP_SIZE, Int4Linear, _nibbles
+from blend_engine.weights import Int8Linear, quantize_int8
 
 IS_AVX2 = platform.machine().lower() in ("x86_64", "amd64") and torch.backends.cpu.get_cpu_capability() in (
     "AVX2", "AVX512")
+
+
+@pytest.fixture
+def int8_kernel(monkeypatch):
+    monkeypatch.setattr(native, "_enabled", [True])
+    op = native.int8_mm()
+    if op is None:
+        pytest.skip(f"not built here: {native.unavailable_reason()}")
+    return op
 
 
 @pytest.fixture
@@ -25,10 +35,12 @@ def kernel(monkeypatch):
 
 
 @pytest.mark.skipif(not IS_AVX2 or shutil.which("c++") is None, reason="needs x86-64 with AVX2 and a C++ compiler")
-def test_the_kernel_builds_on_an_avx2_machine_with_a_compiler(monkeypatch):
+def test_the_kernels_build_on_an_avx2_machine_with_a_compiler(monkeypatch):
     monkeypatch.setattr(native, "_enabled", [True])
-    assert native.int4_mm() is not None, native.unavailable_reason()
+    assert native.int4_mm() is not None and native.int8_mm() is not None, native.unavailable_reason()
     assert Int4Linear.from_weight(torch.randn(16, 32)).is_native
+    assert Int8Linear.from_weight(torch.randn(16, 32)).is_native
+    assert not Int8Linear.from_weight(torch.randn(16, 24)).is_native  # rows not whole groups: torch's kernel
 
 
 def _layer(num_out: int, num_in: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -80,12 +92,13 @@ def test_the_kernel_refuses_what_it_cannot_read(kernel):
         kernel(torch.randn(1, 64), nibbles, scales_zeros.transpose(0, 1).contiguous().transpose(0, 1))
 
 
-def test_int4_kernel_torch_uses_torchs_kernel(monkeypatch):
-    """`model.int4_kernel: torch` (the loader's `native.enable(False)`): layers made then multiply by torch's
-    kernel, over its own layout, made at the first decode call."""
+def test_decode_kernel_torch_uses_torchs_kernels(monkeypatch):
+    """`model.decode_kernel: torch` (the loader's `native.enable(False)`): layers made then multiply by torch's
+    kernels, int4 over its own layout, made at the first decode call."""
     monkeypatch.setattr(native, "_enabled", [True])
-    native.enable(ModelConfig(int4_kernel="torch").int4_kernel == "auto")
-    assert native.int4_mm() is None and native.unavailable_reason() is None
+    native.enable(ModelConfig(decode_kernel="torch").decode_kernel == "auto")
+    assert native.int4_mm() is None and native.int8_mm() is None and native.unavailable_reason() is None
+    assert not Int8Linear.from_weight(torch.randn(16, 32)).is_native
     levels, scales_zeros, weight = _layer(32, 64, seed=7)
     linear = Int4Linear.from_q(levels, scales_zeros, None)
     assert not linear.is_native and linear._torch_packed is None
@@ -98,6 +111,45 @@ def test_a_machine_without_avx2_falls_back_with_its_reason(monkeypatch):
     monkeypatch.setattr(native, "_enabled", [True])
     monkeypatch.setattr(native, "_state", {})
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
-    assert native.int4_mm() is None
-    assert "needs AVX2" in native.unavailable_reason()
+    assert native.int4_mm() is None and native.int8_mm() is None
+    assert "need AVX2" in native.unavailable_reason()
     assert not Int4Linear.from_weight(torch.randn(16, 32)).is_native
+    assert not Int8Linear.from_weight(torch.randn(16, 32)).is_native
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, 8, 9, 32])
+@pytest.mark.parametrize("shape", [(8, 32), (13, 64), (264, 96), (1536, 8960 // 4)])  # 13: a last block of 5 rows
+def test_the_int8_kernel_is_the_dequantized_weight_times_x_rounded_to_int8(int8_kernel, num_rows, shape):
+    g = torch.Generator().manual_seed(num_rows)
+    q, scales = quantize_int8(torch.randn(*shape, generator=g) * torch.logspace(-2, 0, shape[0])[:, None])
+    q[0, :3] = torch.tensor([-128, 127, -127], dtype=torch.int8)  # the extremes: -128 is a valid int8 level too
+    x = torch.randn(num_rows, shape[1], generator=g) * torch.logspace(-2, 1, shape[1])
+    x[0, :GROUP_SIZE] = 0  # a group of zeros: scale 0, contributes nothing
+    out = int8_kernel(x, q, scales)
+    ref = _int8_rows(x).double() @ (q.double() * scales.double()[:, None]).t()
+    assert out.shape == (num_rows, shape[0]) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, atol=float(ref.abs().max()) * 1e-5, rtol=1e-5)
+
+
+def test_the_int8_kernel_reads_a_fused_parts_rows(int8_kernel):
+    """A fused q/k/v's part is a view of its rows of the fused levels and scales."""
+    q, scales = quantize_int8(torch.randn(64, 128))
+    part = slice(16, 40)
+    x = torch.randn(2, 128)
+    ref = _int8_rows(x) @ (q[part].float() * scales[part].float()[:, None]).t()
+    torch.testing.assert_close(int8_kernel(x, q[part], scales[part]), ref, atol=1e-4, rtol=1e-5)
+    wide = torch.zeros(64, 160, dtype=torch.int8)
+    wide[:, :128] = q  # rows further apart than their length
+    torch.testing.assert_close(int8_kernel(x, wide[part, :128], scales[part]), ref, atol=1e-4, rtol=1e-5)
+
+
+def test_the_int8_kernel_refuses_what_it_cannot_read(int8_kernel):
+    q, scales = quantize_int8(torch.randn(16, 64))
+    with pytest.raises(RuntimeError, match="fp32"):
+        int8_kernel(torch.randn(1, 64).bfloat16(), q, scales)
+    with pytest.raises(RuntimeError, match="K % 32"):
+        int8_kernel(torch.randn(1, 48), quantize_int8(torch.randn(16, 48))[0], scales)
+    with pytest.raises(RuntimeError, match="one a row"):
+        int8_kernel(torch.randn(1, 64), q, scales[:8])
+    with pytest.raises(RuntimeError, match="rows contiguous"):
+        int8_kernel(torch.randn(1, 64), q.t().contiguous().t(), scales)

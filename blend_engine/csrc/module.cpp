@@ -1,0 +1,9 @@
+// The Python module of the decode kernels (blend_engine/native.py builds it once per machine).
+#include <torch/extension.h>
+
+#include "gemv.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int4_mm", &ragblend::int4_mm, "int4 weights (blocks of nibbles, bf16 scale/zero per 32) x int8-quantized fp32 rows");
+  m.def("int8_mm", &ragblend::int8_mm, "int8 weights (bf16 scale per row) x int8-quantized fp32 rows");
+}
