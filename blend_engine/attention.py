@@ -24,8 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from blend_engine.decode_cache import SCALE_DTYPE, Int8Heads, Int8Layer
-from blend_engine import native
-from blend_engine.int4 import GROUP_SIZE, gemm_dtype
+from blend_engine.int4 import gemm_dtype
 from configs.enums import AttentionDtype
 
 MAX_QUERY_GROUPS = 8
@@ -248,8 +247,8 @@ def attend_last(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale
 
 
 def attend_last_int8(q: torch.Tensor, kv: Int8Layer, scale: float, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`attend_last` over an int8 decode cache (blend_engine/decode_cache.py), both matmuls by an int8
-    kernel (`attend_int8_heads`): q [H, 1, D] -> [1, H*D] in q's dtype; `bias` [N] as there."""
+    """`attend_last` over an int8 decode cache (blend_engine/decode_cache.py), both matmuls by
+    torch's int8 weight-only kernel: q [H, 1, D] -> [1, H*D] in q's dtype; `bias` [N] as there."""
     num_heads, _, head_dim = q.shape
     num_kv_heads = kv.values_t.shape[0]
     folded = fold_int8_queries(q, scale, num_kv_heads)  # [H_kv, G, D] bf16
@@ -268,25 +267,14 @@ def fold_int8_queries(q: torch.Tensor, scale: float, num_kv_heads: int) -> torch
 def attend_int8_heads(folded: Sequence[torch.Tensor], kv: Int8Heads,
                       bias: torch.Tensor | None = None) -> list[torch.Tensor]:
     """One token over one layer of its int8 cache, per KV head: folded [G, D] (bf16, scaled) per KV
-    head -> [G, D] per KV head (`kv.probs` overwritten); `bias` [N] as in `attend`.
-
-    Both matmuls by ragblend's int8 kernel where it is built (blend_engine/native.py: q and p rounded to
-    int8 per group of 32, as a GGUF's Q8_0 cache is read by llama.cpp; out fp32), else by torch's (q and p in
-    bf16; out bf16). torch's took 13 of a 1.5B's 117 ms decode step at 3k tokens on a 2-core AVX2 VM,
-    ~120 us a call for ~0.4 MB of keys: decision 0034."""
-    mm = native.int8_mm() if folded[0].shape[-1] % GROUP_SIZE == 0 else None
-    if mm is None:
-        scores = torch.stack([torch._weight_int8pack_mm(f, k, s)  # [H_kv, G, N]
-                              for f, k, s in zip(folded, kv.keys, kv.key_scales)])
-    else:
-        scores = torch.stack([mm(f.float(), k, s) for f, k, s in zip(folded, kv.keys, kv.key_scales)])
+    head -> [G, D] bf16 per KV head (`kv.probs` overwritten); `bias` [N] as in `attend`."""
+    scores = torch.stack([torch._weight_int8pack_mm(f, k, s)  # [H_kv, G, N]
+                          for f, k, s in zip(folded, kv.keys, kv.key_scales)])
     if bias is not None:
         scores += bias
     # the softmax in fp32 times V's per-token scales, rounded once to bf16 into the zero-padded weights
     torch.mul(torch.softmax(scores, dim=-1, dtype=torch.float32), kv.value_scales, out=kv.probs)
-    if mm is None:
-        return [torch._weight_int8pack_mm(p, v, kv.unit_scales) for p, v in zip(kv.prob_rows, kv.values_t)]
-    return [mm(p.float(), v, kv.unit_scales) for p, v in zip(kv.prob_rows, kv.values_t)]
+    return [torch._weight_int8pack_mm(p, v, kv.unit_scales) for p, v in zip(kv.prob_rows, kv.values_t)]
 
 
 def _folded(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

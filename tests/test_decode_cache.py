@@ -72,15 +72,10 @@ def _dequantized(kv: Int8Layer) -> tuple[torch.Tensor, torch.Tensor]:
     return keys, values
 
 
-@pytest.mark.parametrize("decode_kernel", ["native", "torch"], indirect=True)
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,num_keys",
-                         [(9, 3, 64, 70), (4, 2, 16, 33), (4, 4, 48, 1), (12, 2, 128, 3000)])
-def test_attention_over_int8_equals_attention_over_the_dequantized_cache(num_heads, num_kv_heads, head_dim, num_keys,
-                                                                         decode_kernel):
-    """Each int8 kernel (ragblend's where head_dim is a multiple of 32, q and the probabilities rounded to
-    int8 per 32; torch's otherwise, or when asked) computes what the dequantized keys and values give (to
-    bf16's resolution), for any number of keys, a 1.5B's heads over 3 000 included; the slots past the
-    length (uninitialised) get no weight."""
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,num_keys", [(9, 3, 64, 70), (4, 2, 16, 33), (4, 4, 48, 1)])
+def test_attention_over_int8_equals_attention_over_the_dequantized_cache(num_heads, num_kv_heads, head_dim, num_keys):
+    """The int8 kernel computes what the dequantized keys and values give (to bf16's resolution),
+    for any number of keys; the slots past the length (uninitialised) get no weight."""
     torch.manual_seed(5)
     q = torch.randn(num_heads, 1, head_dim)
     cache = Int8KVCache(1, num_kv_heads, head_dim, num_keys + 10, torch.device("cpu"))
@@ -94,10 +89,6 @@ def test_attention_over_int8_equals_attention_over_the_dequantized_cache(num_hea
     out = attend_last_int8(q, kv, 0.125)
     assert out.dtype == torch.float32 and out.shape == ref.shape
     torch.testing.assert_close(out, ref, atol=3e-2, rtol=0)
-    # which kernel ran: ragblend's returns fp32, torch's bf16
-    heads = attend_int8_heads(fold_int8_queries(q, 0.125, num_kv_heads).unbind(0), kv.heads(num_heads // num_kv_heads))
-    is_native = decode_kernel == "native" and head_dim % 32 == 0
-    assert heads[0].dtype == (torch.float32 if is_native else torch.bfloat16)
 
 
 def test_a_batch_over_int8_caches_is_each_sequence_alone_bit_for_bit():
