@@ -92,8 +92,7 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   const uint16_t* scales_p = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
   const int64_t blocks = N / kRows;
 
-  // a grain of 2 blocks: a small layer (a Q6_K v projection of 256 rows: 32 blocks) is split over the threads too
-  at::parallel_for(0, blocks, 2, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t block = begin; block < end; ++block) {
       const int64_t n0 = block * kRows;
