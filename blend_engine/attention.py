@@ -23,11 +23,13 @@ from enum import Enum
 import torch
 import torch.nn.functional as F
 
+from blend_engine import native
 from blend_engine.decode_cache import SCALE_DTYPE, Int8Heads, Int8Layer
 from blend_engine.int4 import gemm_dtype
 from configs.enums import AttentionDtype
 
 MAX_QUERY_GROUPS = 8
+MAX_KERNEL_GROUP = 8  # query heads per KV head csrc/int8_attention.cpp takes
 # AttentionDtype.AUTO casts a prefill to bf16 from this many keys: below it a new shape's bf16 kernels cost
 # their setup (oneDNN JIT, per shape) about what they save. Server, 2-core Xeon with AMX, bf16 at every
 # length, blend prefill fp32 / bf16: 1.01x at ~660 tokens, 1.19x at ~1 270, 1.46x at ~3 060 (decision 0023)
@@ -247,13 +249,23 @@ def attend_last(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale
 
 
 def attend_last_int8(q: torch.Tensor, kv: Int8Layer, scale: float, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`attend_last` over an int8 decode cache (blend_engine/decode_cache.py), both matmuls by
-    torch's int8 weight-only kernel: q [H, 1, D] -> [1, H*D] in q's dtype; `bias` [N] as there."""
+    """`attend_last` over an int8 decode cache (blend_engine/decode_cache.py): q [H, 1, D] -> [1, H*D] in
+    q's dtype; `bias` [N] as there."""
     num_heads, _, head_dim = q.shape
-    num_kv_heads = kv.values_t.shape[0]
-    folded = fold_int8_queries(q, scale, num_kv_heads)  # [H_kv, G, D] bf16
-    out = attend_int8_heads(folded.unbind(0), kv.heads(num_heads // num_kv_heads), bias)  # [G, D] per KV head
-    return torch.stack(out).reshape(1, num_heads * head_dim).to(q.dtype)
+    folded = fold_int8_queries(q, scale, kv.values_t.shape[0])  # [H_kv, G, D] bf16
+    return attend_int8(folded, kv, bias).reshape(1, num_heads * head_dim).to(q.dtype)
+
+
+def attend_int8(folded: torch.Tensor, kv: Int8Layer, bias: torch.Tensor | None = None,
+                heads: Int8Heads | None = None) -> torch.Tensor:
+    """One token over one layer of its int8 cache: folded [H_kv, G, D] (bf16, scaled) -> [H_kv, G, D] bf16;
+    `bias` [N] as in `attend`. By ragblend's kernel in one call where it is built (csrc/int8_attention.cpp:
+    the torch path's roundings in its order, bit for bit where torch runs its AVX2 kernel; decision 0035),
+    else by torch's over `heads` (`kv` cut per KV head; made here where None)."""
+    kernel = native.int8_attention() if folded.shape[1] <= MAX_KERNEL_GROUP and folded.shape[2] % 8 == 0 else None
+    if kernel is not None:
+        return kernel(folded, kv.keys, kv.key_scales, kv.values_t, kv.value_scales, bias)
+    return torch.stack(attend_int8_heads(folded.unbind(0), kv.heads(folded.shape[1]) if heads is None else heads, bias))
 
 
 def fold_int8_queries(q: torch.Tensor, scale: float, num_kv_heads: int) -> torch.Tensor:

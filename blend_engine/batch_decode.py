@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from blend_engine.active import RopeTable
-from blend_engine.attention import attend_int8_heads, fold_int8_queries
+from blend_engine.attention import attend_int8, fold_int8_queries
 from blend_engine.decode import Decoder, capture_graph
 from blend_engine.decode_cache import Int8KVCache, write_rows
 from blend_engine.kv import KVCache
@@ -74,12 +74,10 @@ def _int8(runner: ModelRunner, decoders: Sequence[Decoder], positions: list[int]
         calls = runner.calls[layer]
         q, k, v = calls.qkv(hidden, rope)  # [H, B, D], [H_kv, B, D] x2; row b rotated at positions[b]
         write_rows(steps, layer, k, v)
-        heads = fold_int8_queries(q, runner.scaling, num_kv_heads).unbind(0)  # [G, D]: token b's at b * H_kv ..
-        out = []
-        for b, step in enumerate(steps):
-            own = heads[b * num_kv_heads : (b + 1) * num_kv_heads]
-            out += attend_int8_heads(own, step.heads[layer], biases[b][layer])
-        hidden = calls.finish(hidden, torch.stack(out).view(num_tokens, -1).to(q.dtype))  # out: [B * H_kv, G, D]
+        folded = fold_int8_queries(q, runner.scaling, num_kv_heads)  # [B * H_kv, G, D]: token b's at b * H_kv ..
+        out = [attend_int8(folded[b * num_kv_heads : (b + 1) * num_kv_heads], step.layers[layer], biases[b][layer],
+                           step.heads[layer]) for b, step in enumerate(steps)]  # [H_kv, G, D] each
+        hidden = calls.finish(hidden, torch.cat(out).view(num_tokens, -1).to(q.dtype))
     return runner.logits(hidden)  # [B, vocab]
 
 

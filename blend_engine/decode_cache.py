@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from blend_engine import native
 from blend_engine.kv import KVCache, SlotCache
 from configs.enums import DecodeCache
 
@@ -28,6 +29,7 @@ SCALE_DTYPE = torch.bfloat16  # the kernel's scales' (and activations') dtype
 # other sizes gave wrong sums or crashed (torch 2.13, measured); the capacity is kept a multiple of 32
 KERNEL_MULTIPLE = 16
 CAPACITY_MULTIPLE = 32
+MAX_NATIVE_WRITE_ROWS = 32  # tokens a write takes through ragblend's kernel (`Int8Slots.write`)
 
 
 @dataclass(frozen=True)
@@ -84,12 +86,21 @@ class Int8Slots:
     unit_scales: torch.Tensor  # [D] bf16 ones
 
     def write(self, index: slice, k: torch.Tensor, v: torch.Tensor, num_keys: int) -> Int8Layer:
-        """Write k, v [H_kv, n, D] (k after RoPE) at slots `index`; returns the layer's first `num_keys`."""
-        num_kv_heads = k.shape[0]
-        quantized, scales = quantize_rows(torch.cat([k, v]))  # [2 H_kv, n, D], [2 H_kv, n]: one pass for both
-        self.keys[:, index], self.key_scales[:, index] = quantized[:num_kv_heads], scales[:num_kv_heads]
-        self.values_t[:, :, index] = quantized[num_kv_heads:].transpose(1, 2)
-        self.value_scales[:, index] = scales[num_kv_heads:]
+        """Write k, v [H_kv, n, D] (k after RoPE) at slots `index`; returns the layer's first `num_keys`.
+        A decode step's fp32 rows by ragblend's kernel where it is built (one call, `quantize_rows` bit for bit,
+        where this made ~12 small ones: ~2 ms of a 1.5B step); a prompt's rows here (the kernel is one thread's
+        scalar loop)."""
+        is_native = (k.shape[1] <= MAX_NATIVE_WRITE_ROWS and k.dtype == v.dtype == torch.float32
+                     and k.stride(-1) == v.stride(-1) == 1)
+        write = native.int8_write() if is_native else None
+        if write is not None:
+            write(k, v, self.keys, self.key_scales, self.values_t, self.value_scales, index.start or 0)
+        else:
+            num_kv_heads = k.shape[0]
+            quantized, scales = quantize_rows(torch.cat([k, v]))  # [2 H_kv, n, D], [2 H_kv, n]: one pass for both
+            self.keys[:, index], self.key_scales[:, index] = quantized[:num_kv_heads], scales[:num_kv_heads]
+            self.values_t[:, :, index] = quantized[num_kv_heads:].transpose(1, 2)
+            self.value_scales[:, index] = scales[num_kv_heads:]
         return Int8Layer(self.keys[:, :num_keys], self.key_scales[:, :num_keys], self.values_t,
                          self.value_scales[:, :num_keys], self.unit_scales)
 
@@ -105,6 +116,7 @@ class Int8Step:
     new_rows: tuple[tuple[torch.Tensor, ...], ...]  # per layer: slot pos of keys [H_kv, D], key_scales
     #                                                 [H_kv], values_t [H_kv, D] (a column), value_scales [H_kv]
     heads: tuple[Int8Heads, ...]  # per layer: its keys 0..pos (the p @ V buffer shared: layers run in turn)
+    layers: tuple[Int8Layer, ...]  # per layer: the same, whole (what ragblend's attention kernel takes)
 
 
 def write_rows(steps: Sequence[Int8Step], layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -172,7 +184,10 @@ class Int8KVCache(SlotCache):
                       for parts in zip(keys, key_scales, values_t, value_scales))
         new_rows = tuple(zip(self.keys[:, :, pos].unbind(0), self.key_scales[:, :, pos].unbind(0),
                              self.values_t[..., pos].unbind(0), self.value_scales[:, :, pos].unbind(0)))
-        return Int8Step(new_rows, heads)
+        layers = tuple(Int8Layer(*parts, self.unit_scales) for parts in zip(
+            self.keys[:, :, :num_keys].unbind(0), self.key_scales[:, :, :num_keys].unbind(0), self.values_t.unbind(0),
+            self.value_scales[:, :, :num_keys].unbind(0)))
+        return Int8Step(new_rows, heads, layers)
 
     def _grow(self, capacity: int) -> None:
         grown = Int8KVCache(self.keys.shape[0], self.keys.shape[1], self.keys.shape[3], capacity, self.keys.device)

@@ -30,13 +30,21 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("module.cpp", "int4_gemv.cpp", "int8_gemv.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("module.cpp", "int4_gemv.cpp", "int8_gemv.cpp",
+                                                            "int8_attention.cpp")]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # -fopenmp: at::parallel_for runs on torch's own OpenMP pool
 _CAPABLE = frozenset({"AVX2", "AVX512"})  # torch's names for x86-64 CPUs with AVX2 (every AVX512 one has it)
 
 # csrc/int4_gemv.cpp: x [M, K] fp32, nibbles [N/8, K*4] uint8, scales_zeros [K/32, N, 2] bf16 -> [M, N] fp32
 # csrc/int8_gemv.cpp: x [M, K] fp32, q [N, K] int8, scales [N] bf16 -> [M, N] fp32
 Mm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# csrc/int8_attention.cpp: q [H_kv, G, D] bf16, keys [H_kv, N, D] int8, key_scales [H_kv, N] bf16, values_t
+# [H_kv, D, C] int8, value_scales [H_kv, N] bf16, bias [N] or None -> [H_kv, G, D] bf16
+# csrc/int8_attention.cpp: k, v [H_kv, n, D] fp32 into keys [H_kv, C, D] int8, key_scales [H_kv, C] bf16, values_t
+# [H_kv, D, C] int8, value_scales [H_kv, C] bf16 at slots start .. start + n
+Write = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], None]
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
+                     torch.Tensor]
 
 
 class Kernels(Protocol):
@@ -44,6 +52,8 @@ class Kernels(Protocol):
 
     int4_mm: Mm
     int8_mm: Mm
+    int8_attention: Attention
+    int8_write: Write
 
 
 _lock = threading.Lock()
@@ -67,6 +77,18 @@ def int8_mm() -> Mm | None:
     """The int8 kernel, as `int4_mm`."""
     module = _module()
     return None if module is None else module.int8_mm
+
+
+def int8_attention() -> Attention | None:
+    """Decode's attention over the int8 cache (csrc/int8_attention.cpp), as `int4_mm`."""
+    module = _module()
+    return None if module is None else module.int8_attention
+
+
+def int8_write() -> Write | None:
+    """Decode's write of new K/V into the int8 cache (csrc/int8_attention.cpp), as `int4_mm`."""
+    module = _module()
+    return None if module is None else module.int8_write
 
 
 def unavailable_reason() -> str | None:

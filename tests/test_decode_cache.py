@@ -4,7 +4,7 @@ prompt's cache, each close to decoding over the prefill's own fp32 cache, which 
 import pytest
 import torch
 
-from blend_engine.attention import attend, attend_int8_heads, attend_last_int8, fold_int8_queries, last_meta
+from blend_engine.attention import attend, attend_int8, attend_last_int8, fold_int8_queries, last_meta
 from blend_engine.decode_cache import Int8KVCache, Int8Layer, quantize_rows, resolve_decode_cache, write_rows
 from blend_engine.kv import KVCache
 from blend_engine.layer import rotate, rotate_into
@@ -91,8 +91,8 @@ def test_attention_over_int8_equals_attention_over_the_dequantized_cache(num_hea
     torch.testing.assert_close(out, ref, atol=3e-2, rtol=0)
 
 
-def test_a_batch_over_int8_caches_is_each_sequence_alone_bit_for_bit():
-    """`batch_step`'s int8 path (`Int8KVCache.step`, `write_rows`, `attend_int8_heads`) on B tokens,
+def test_a_batch_over_int8_caches_is_each_sequence_alone_bit_for_bit(decode_kernel):
+    """`batch_step`'s int8 path (`Int8KVCache.step`, `write_rows`, `attend_int8`) on B tokens,
     each over its own cache (different lengths, one growing, one with a column bias), writes and
     attends exactly as `Int8Slots.write` + `attend_last_int8` (the B = 1 decoder's) on each alone."""
     num_heads, num_kv_heads, head_dim, num_layers, scale = 6, 2, 32, 2, 0.2
@@ -126,10 +126,11 @@ def test_a_batch_over_int8_caches_is_each_sequence_alone_bit_for_bit():
     assert batched[2].capacity > lengths[2]
     for layer in range(num_layers):
         write_rows(steps, layer, k[layer], v[layer])
-        heads = fold_int8_queries(q[layer], scale, num_kv_heads).unbind(0)  # [G, D] per token and KV head
+        folded = fold_int8_queries(q[layer], scale, num_kv_heads)  # [B * H_kv, G, D]
         for b, step in enumerate(steps):
-            out = attend_int8_heads(heads[b * num_kv_heads : (b + 1) * num_kv_heads], step.heads[layer], biases[b])
-            assert torch.equal(torch.stack(out).reshape(1, -1).float(), expected[b][layer])
+            out = attend_int8(folded[b * num_kv_heads : (b + 1) * num_kv_heads], step.layers[layer], biases[b],
+                              step.heads[layer])
+            assert torch.equal(out.reshape(1, -1).float(), expected[b][layer])
     for got, want in zip(batched, alone):
         n = want.length
         assert got.length == n

@@ -1,5 +1,5 @@
-"""ragblend's decode kernels (blend_engine/csrc/: int4_gemv.cpp, int8_gemv.cpp): built here, exact against their
-reference, and torch's kernels where they are off or cannot be built."""
+"""ragblend's decode kernels (blend_engine/csrc/: int4_gemv.cpp, int8_gemv.cpp, int8_attention.cpp): built here,
+exact against their reference, and torch's kernels where they are off or cannot be built."""
 
 import platform
 import shutil
@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from blend_engine import native
+from blend_engine.attention import attend_int8_heads
 from blend_engine.config import ModelConfig
+from blend_engine.decode_cache import Int8KVCache, quantize_rows
 from blend_engine.int4 import GROUP_SIZE, Int4Linear, _nibbles
 from blend_engine.weights import Int8Linear, quantize_int8
 
@@ -38,6 +40,7 @@ def kernel(monkeypatch):
 def test_the_kernels_build_on_an_avx2_machine_with_a_compiler(monkeypatch):
     monkeypatch.setattr(native, "_enabled", [True])
     assert native.int4_mm() is not None and native.int8_mm() is not None, native.unavailable_reason()
+    assert native.int8_attention() is not None and native.int8_write() is not None
     assert Int4Linear.from_weight(torch.randn(16, 32)).is_native
     assert Int8Linear.from_weight(torch.randn(16, 32)).is_native
     assert not Int8Linear.from_weight(torch.randn(16, 24)).is_native  # rows not whole groups: torch's kernel
@@ -98,6 +101,7 @@ def test_decode_kernel_torch_uses_torchs_kernels(monkeypatch):
     monkeypatch.setattr(native, "_enabled", [True])
     native.enable(ModelConfig(decode_kernel="torch").decode_kernel == "auto")
     assert native.int4_mm() is None and native.int8_mm() is None and native.unavailable_reason() is None
+    assert native.int8_attention() is None and native.int8_write() is None
     assert not Int8Linear.from_weight(torch.randn(16, 32)).is_native
     levels, scales_zeros, weight = _layer(32, 64, seed=7)
     linear = Int4Linear.from_q(levels, scales_zeros, None)
@@ -111,7 +115,7 @@ def test_a_machine_without_avx2_falls_back_with_its_reason(monkeypatch):
     monkeypatch.setattr(native, "_enabled", [True])
     monkeypatch.setattr(native, "_state", {})
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
-    assert native.int4_mm() is None and native.int8_mm() is None
+    assert native.int4_mm() is None and native.int8_mm() is None and native.int8_attention() is None
     assert "need AVX2" in native.unavailable_reason()
     assert not Int4Linear.from_weight(torch.randn(16, 32)).is_native
     assert not Int8Linear.from_weight(torch.randn(16, 32)).is_native
@@ -153,3 +157,82 @@ def test_the_int8_kernel_refuses_what_it_cannot_read(int8_kernel):
         int8_kernel(torch.randn(1, 64), q, scales[:8])
     with pytest.raises(RuntimeError, match="rows contiguous"):
         int8_kernel(torch.randn(1, 64), q.t().contiguous().t(), scales)
+
+
+@pytest.fixture
+def attention_kernel(monkeypatch):
+    monkeypatch.setattr(native, "_enabled", [True])
+    op = native.int8_attention()
+    if op is None:
+        pytest.skip(f"not built here: {native.unavailable_reason()}")
+    return op
+
+
+def _int8_layer(num_kv_heads: int, head_dim: int, num_keys: int, seed: int):
+    """One layer of an int8 decode cache holding num_keys random keys and values; the slots past them garbage."""
+    torch.manual_seed(seed)
+    cache = Int8KVCache(1, num_kv_heads, head_dim, num_keys, torch.device("cpu"))
+    cache.values_t.fill_(-100)  # garbage past the length: must get no weight
+    cache.extend(num_keys)
+    keys = torch.randn(num_kv_heads, num_keys, head_dim) * torch.logspace(-1, 1, num_keys)[:, None]
+    return cache.update(0, slice(0, num_keys), keys, torch.randn(num_kv_heads, num_keys, head_dim))
+
+
+@pytest.mark.parametrize("num_kv_heads,group,head_dim,num_keys", [
+    (2, 6, 128, 3019), (3, 3, 64, 37), (2, 7, 64, 8), (1, 8, 128, 1), (4, 1, 32, 100), (2, 5, 16, 9), (2, 2, 64, 300)])
+@pytest.mark.parametrize("biased", [False, True])
+def test_the_attention_kernel_is_the_torch_paths_attention(attention_kernel, num_kv_heads, group, head_dim, num_keys,
+                                                           biased):
+    """csrc/int8_attention.cpp rounds where the torch path (`attend_int8_heads`) rounds, in its order: bit for bit
+    where torch runs its AVX2 int8 kernel (its AVX512 one adds in another order: within a bf16 step there)."""
+    kv = _int8_layer(num_kv_heads, head_dim, num_keys, seed=num_keys + group)
+    q = (torch.randn(num_kv_heads, group, head_dim) * 0.3).bfloat16()
+    bias = torch.randn(num_keys) if biased else None
+    out = attention_kernel(q, kv.keys, kv.key_scales, kv.values_t, kv.value_scales, bias)
+    ref = torch.stack(attend_int8_heads(q.unbind(0), kv.heads(group), bias))
+    assert out.shape == ref.shape and out.dtype == torch.bfloat16
+    if torch.backends.cpu.get_cpu_capability() == "AVX2":
+        assert torch.equal(out, ref)
+    else:
+        torch.testing.assert_close(out, ref, atol=1e-2, rtol=2**-7)
+
+
+def test_the_attention_kernel_refuses_what_it_cannot_read(attention_kernel):
+    kv = _int8_layer(2, 64, 20, seed=1)
+    parts = kv.keys, kv.key_scales, kv.values_t, kv.value_scales
+    with pytest.raises(RuntimeError, match="at most 8 query heads"):
+        attention_kernel(torch.randn(2, 9, 64).bfloat16(), *parts)
+    with pytest.raises(RuntimeError, match="bf16 contiguous"):
+        attention_kernel(torch.randn(2, 6, 64), *parts)
+    with pytest.raises(RuntimeError, match="C >= N rounded up to 8"):
+        attention_kernel(torch.randn(2, 6, 64).bfloat16(), kv.keys, kv.key_scales, kv.values_t[..., :16], kv.value_scales)
+    with pytest.raises(RuntimeError, match=r"bias: \[N\]"):
+        attention_kernel(torch.randn(2, 6, 64).bfloat16(), *parts, torch.zeros(19))
+
+
+@pytest.mark.parametrize("num_kv_heads,head_dim,num_rows,start", [(2, 128, 1, 17), (3, 64, 5, 0), (2, 128, 32, 64)])
+def test_the_write_kernel_is_quantize_rows_bit_for_bit(monkeypatch, num_kv_heads, head_dim, num_rows, start):
+    """A decode step's new K/V through csrc's write: the levels and scales `quantize_rows` gives, at their slots,
+    the others untouched: rows of zeros, halves (ties to even) and wide ranges included."""
+    monkeypatch.setattr(native, "_enabled", [True])
+    write = native.int8_write()
+    if write is None:
+        pytest.skip(f"not built here: {native.unavailable_reason()}")
+    torch.manual_seed(num_rows)
+    k = torch.randn(num_kv_heads, num_rows, head_dim) * torch.rand(num_kv_heads, num_rows, 1) * 10
+    v = torch.randn(num_kv_heads, num_rows, head_dim)
+    k[0, 0] = 0
+    v[-1, -1, :5] = torch.tensor([0.5, -0.5, 1.5, 2.5, 127.5])
+    cache = Int8KVCache(1, num_kv_heads, head_dim, start + num_rows + 8, torch.device("cpu"))
+    for buffer in cache._buffers():
+        buffer.zero_()
+    write(k, v, cache.keys[0], cache.key_scales[0], cache.values_t[0], cache.value_scales[0], start)
+    levels, scales = quantize_rows(torch.cat([k, v]))  # [2 H_kv, n, D], [2 H_kv, n]
+    slots = slice(start, start + num_rows)
+    assert torch.equal(cache.keys[0, :, slots], levels[:num_kv_heads])
+    assert torch.equal(cache.key_scales[0, :, slots], scales[:num_kv_heads])
+    assert torch.equal(cache.values_t[0, :, :, slots], levels[num_kv_heads:].transpose(1, 2))
+    assert torch.equal(cache.value_scales[0, :, slots], scales[num_kv_heads:])
+    untouched = torch.ones(cache.capacity, dtype=torch.bool)
+    untouched[slots] = False
+    assert not cache.keys[0, :, untouched].any() and not cache.values_t[0, :, :, untouched].any()

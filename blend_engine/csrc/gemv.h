@@ -27,5 +27,12 @@ inline __m256 totals(const __m256i* r) {
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scales_zeros);
 // csrc/int8_gemv.cpp: x [M, K] fp32, q [N, K] int8, scales [N] bf16 -> [M, N] fp32
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales);
+// csrc/int8_attention.cpp: one token's attention over one layer of the int8 decode cache -> [H_kv, G, D] bf16
+at::Tensor int8_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& key_scales,
+                          const at::Tensor& values_t, const at::Tensor& value_scales,
+                          const c10::optional<at::Tensor>& bias);
+// csrc/int8_attention.cpp: k, v [H_kv, n, D] fp32 quantized into the int8 decode cache's slots start .. start + n
+void int8_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& keys, const at::Tensor& key_scales,
+                const at::Tensor& values_t, const at::Tensor& value_scales, int64_t start);
 
 }  // namespace ragblend
