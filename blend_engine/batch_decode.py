@@ -76,7 +76,7 @@ def _int8(runner: ModelRunner, decoders: Sequence[Decoder], positions: list[int]
         write_rows(steps, layer, k, v)
         folded = fold_int8_queries(q, runner.scaling, num_kv_heads)  # [B * H_kv, G, D]: token b's at b * H_kv ..
         out = [attend_int8(folded[b * num_kv_heads : (b + 1) * num_kv_heads], step.layers[layer], biases[b][layer],
-                           step.heads[layer]) for b, step in enumerate(steps)]  # [H_kv, G, D] each
+                           step.heads[layer] if step.heads else None) for b, step in enumerate(steps)]  # [H_kv, G, D]
         hidden = calls.finish(hidden, torch.cat(out).view(num_tokens, -1).to(q.dtype))
     return runner.logits(hidden)  # [B, vocab]
 

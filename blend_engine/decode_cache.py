@@ -115,8 +115,9 @@ class Int8Step:
 
     new_rows: tuple[tuple[torch.Tensor, ...], ...]  # per layer: slot pos of keys [H_kv, D], key_scales
     #                                                 [H_kv], values_t [H_kv, D] (a column), value_scales [H_kv]
-    heads: tuple[Int8Heads, ...]  # per layer: its keys 0..pos (the p @ V buffer shared: layers run in turn)
-    layers: tuple[Int8Layer, ...]  # per layer: the same, whole (what ragblend's attention kernel takes)
+    heads: tuple[Int8Heads, ...]  # per layer: its keys 0..pos cut per KV head, for torch's path (empty where
+    #                               ragblend's kernel attends: it takes `layers`)
+    layers: tuple[Int8Layer, ...]  # per layer: its keys 0..pos
 
 
 def write_rows(steps: Sequence[Int8Step], layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -168,7 +169,19 @@ class Int8KVCache(SlotCache):
     def step(self, pos: int, group: int) -> Int8Step:
         """The views a decode step of the token at `pos` (reserved: `extend`) reads and writes, with
         `group` queries per KV head."""
-        num_kv_heads, num_keys = self.keys.shape[1], pos + 1
+        num_keys = pos + 1
+        layers = tuple(Int8Layer(*parts, self.unit_scales) for parts in zip(
+            self.keys[:, :, :num_keys].unbind(0), self.key_scales[:, :, :num_keys].unbind(0), self.values_t.unbind(0),
+            self.value_scales[:, :, :num_keys].unbind(0)))
+        heads = () if native.int8_attention() is not None else self._heads(num_keys, group)
+        new_rows = tuple(zip(self.keys[:, :, pos].unbind(0), self.key_scales[:, :, pos].unbind(0),
+                             self.values_t[..., pos].unbind(0), self.value_scales[:, :, pos].unbind(0)))
+        return Int8Step(new_rows, heads, layers)
+
+    def _heads(self, num_keys: int, group: int) -> tuple[Int8Heads, ...]:
+        """Each layer's first `num_keys` cut per KV head, for torch's path (`attend_int8_heads`), the p @ V
+        buffer shared (layers run in turn)."""
+        num_kv_heads = self.keys.shape[1]
 
         def per_layer(t: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:  # [L * H_kv, ...] -> L tuples of H_kv
             views = t.unbind(0)
@@ -180,14 +193,8 @@ class Int8KVCache(SlotCache):
         value_scales = self.value_scales[:, :, None, :num_keys].unbind(0)  # [H_kv, 1, N] per layer
         probs = self.key_scales.new_zeros(num_kv_heads, group, self.capacity)  # [H_kv, G, capacity]
         probs_seen, prob_rows = probs[..., :num_keys], probs.unbind(0)  # [H_kv, G, N], [G, capacity] per head
-        heads = tuple(Int8Heads(*parts, self.unit_scales, probs_seen, prob_rows)
-                      for parts in zip(keys, key_scales, values_t, value_scales))
-        new_rows = tuple(zip(self.keys[:, :, pos].unbind(0), self.key_scales[:, :, pos].unbind(0),
-                             self.values_t[..., pos].unbind(0), self.value_scales[:, :, pos].unbind(0)))
-        layers = tuple(Int8Layer(*parts, self.unit_scales) for parts in zip(
-            self.keys[:, :, :num_keys].unbind(0), self.key_scales[:, :, :num_keys].unbind(0), self.values_t.unbind(0),
-            self.value_scales[:, :, :num_keys].unbind(0)))
-        return Int8Step(new_rows, heads, layers)
+        return tuple(Int8Heads(*parts, self.unit_scales, probs_seen, prob_rows)
+                     for parts in zip(keys, key_scales, values_t, value_scales))
 
     def _grow(self, capacity: int) -> None:
         grown = Int8KVCache(self.keys.shape[0], self.keys.shape[1], self.keys.shape[3], capacity, self.keys.device)

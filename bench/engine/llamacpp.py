@@ -5,6 +5,11 @@ start), their seconds and peak RSS; then llama.cpp (llama-cpp-python, built here
 each on the same questions' prompts (the engine's token ids, fed to both: the file's vocabulary is one):
 TTFT of a full prefill (both), blend and reuse (the engine, chunks' KV precomputed untimed), greedy decode of
 `--decode-tokens` after a full prefill, and the process's peak RSS. Medians over the questions; one JSON.
+
+The decode tokens/s of those two processes are minutes apart, and this 2-core VM's speed drifts by 10-25%
+between processes (one pair read 1.04x and 0.66x, docs/benchmarks/models.md). `--interleaved-decode` adds
+a process holding both engines over the first prompt, decoding in turn blocks of 16 greedy tokens each for
+`--decode-rounds` rounds: their ratio is taken in the same minutes.
 """
 
 from __future__ import annotations
@@ -32,7 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="CPU threads of both engines")
     parser.add_argument("--no-load", action="store_true", help="skip the first-load and warm-start processes")
-    parser.add_argument("--child", choices=["load", "llama", "engine"], help=argparse.SUPPRESS)
+    parser.add_argument("--interleaved-decode", action="store_true",
+                        help="also decode with both engines in one process, blocks of 16 tokens in turn")
+    parser.add_argument("--decode-rounds", type=int, default=8, help="rounds of --interleaved-decode")
+    parser.add_argument("--child", choices=["load", "llama", "engine", "interleaved"], help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--prompts", type=Path, help=argparse.SUPPRESS)
     add_out(parser)
@@ -73,6 +81,8 @@ def measure_model(name: str, args: argparse.Namespace) -> dict:
         ids.flush()
         row["llama.cpp"] = child(args, "llama", path, prompts=Path(ids.name))
     row["prompt_tokens"] = [len(p) for p in row["ragblend"].pop("prompt_ids")]
+    if args.interleaved_decode:
+        row["interleaved_decode"] = child(args, "interleaved", path)
     return row
 
 
@@ -81,7 +91,8 @@ def child(args: argparse.Namespace, part: str, path: Path, cache_dir: Path | Non
     """`part` of the bench for the model at `path`, in a fresh process: its JSON line."""
     command = ["app.cli", "bench", "llamacpp", "--child", part, "--models", str(path),
                "--data", str(args.data), "--questions", str(args.questions), "--passages", str(args.passages),
-               "--decode-tokens", str(args.decode_tokens), "--threads", str(args.threads)]
+               "--decode-tokens", str(args.decode_tokens), "--threads", str(args.threads),
+               "--decode-rounds", str(args.decode_rounds)]
     if cache_dir is not None:
         command += ["--cache-dir", str(cache_dir)]
     if prompts is not None:
@@ -163,7 +174,53 @@ def llama_child(args: argparse.Namespace) -> dict:
             "rss_before_load_mb": rss_before}
 
 
-CHILDREN = {"load": load_child, "llama": llama_child, "engine": engine_child}
+BLOCK_TOKENS = 16  # --interleaved-decode: tokens each engine decodes before the other's turn
+
+
+def interleaved_child(args: argparse.Namespace) -> dict:
+    """Greedy decode after the first prompt's full prefill, ragblend and llama.cpp in one process, in turns of
+    BLOCK_TOKENS tokens for --decode-rounds rounds: ms per token (medians), their ratio, each round's medians."""
+    import numpy as np
+    import torch
+    from llama_cpp import Llama
+
+    from blend_engine.config import ModelConfig
+    from blend_engine.engine import BlendEngine
+    from blend_engine.types import PrefillMode
+
+    torch.set_num_threads(args.threads)
+    engine = BlendEngine.from_config(ModelConfig(name=args.models))
+    num_tokens = args.decode_rounds * BLOCK_TOKENS
+    result = engine.prefill(prompts(engine, args)[0], PrefillMode.FULL, max_new_tokens=num_tokens + 1)
+    decoder = engine.decoder(result)
+    llm = Llama(args.models, n_ctx=len(result.token_ids) + num_tokens + 8, n_batch=512, n_threads=args.threads,
+                n_threads_batch=args.threads, verbose=False)
+    llm.eval(list(result.token_ids))
+    vocab = llm.n_vocab()
+
+    def llama_step(token: int) -> int:
+        llm.eval([token])
+        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(vocab,))))
+
+    steps = {"ragblend": lambda token: int(decoder.step(token).argmax()), "llama.cpp": llama_step}
+    tokens = {"ragblend": int(result.logits.argmax()),
+              "llama.cpp": int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(vocab,))))}
+    ms: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(args.decode_rounds):
+        for name, step in steps.items():
+            for _ in range(BLOCK_TOKENS):
+                start = time.perf_counter()
+                tokens[name] = step(tokens[name])
+                ms[name].append((time.perf_counter() - start) * 1000)
+    median = {name: statistics.median(values) for name, values in ms.items()}
+    return {"ragblend_ms_per_token": median["ragblend"], "llama_ms_per_token": median["llama.cpp"],
+            "decode_ratio": median["llama.cpp"] / median["ragblend"],  # ragblend's tok/s over llama.cpp's
+            "round_medians_ms": {name: [statistics.median(values[i : i + BLOCK_TOKENS])
+                                        for i in range(0, len(values), BLOCK_TOKENS)] for name, values in ms.items()},
+            "prompt_tokens": len(result.token_ids)}
+
+
+CHILDREN = {"load": load_child, "llama": llama_child, "engine": engine_child, "interleaved": interleaved_child}
 
 
 def print_table(rows: dict[str, dict]) -> None:
@@ -176,3 +233,8 @@ def print_table(rows: dict[str, dict]) -> None:
          fmt(ours["blend_ttft_ms"] / llama["full_ttft_ms"], 2), fmt(llama["decode_tok_s"]), fmt(ours["decode_tok_s"]),
          fmt(llama["peak_rss_mb"], 0), fmt(ours["peak_rss_mb"], 0)]
         for name, (first, warm, llama, ours) in parts.items())))
+    side = {name: row["interleaved_decode"] for name, row in rows.items() if "interleaved_decode" in row}
+    if side:
+        print(table(["model", "interleaved: llama ms/token", "rb ms/token", "decode rb/llama"], (
+            [name, fmt(s["llama_ms_per_token"]), fmt(s["ragblend_ms_per_token"]), fmt(s["decode_ratio"], 2)]
+            for name, s in side.items())))
