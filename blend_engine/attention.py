@@ -262,7 +262,8 @@ def attend_int8(folded: torch.Tensor, kv: Int8Layer, bias: torch.Tensor | None =
     `bias` [N] as in `attend`. By ragblend's kernel in one call where it is built (csrc/int8_attention.cpp:
     the torch path's roundings in its order, bit for bit where torch runs its AVX2 kernel; decision 0035),
     else by torch's over `heads` (`kv` cut per KV head; made here where None)."""
-    kernel = native.int8_attention() if folded.shape[1] <= MAX_KERNEL_GROUP and folded.shape[2] % 8 == 0 else None
+    is_native = folded.device.type == "cpu" and folded.shape[1] <= MAX_KERNEL_GROUP and folded.shape[2] % 8 == 0
+    kernel = native.int8_attention() if is_native else None
     if kernel is not None:
         return kernel(folded, kv.keys, kv.key_scales, kv.values_t, kv.value_scales, bias)
     return torch.stack(attend_int8_heads(folded.unbind(0), kv.heads(folded.shape[1]) if heads is None else heads, bias))

@@ -90,8 +90,8 @@ class Int8Slots:
         A decode step's fp32 rows by ragblend's kernel where it is built (one call, `quantize_rows` bit for bit,
         where this made ~12 small ones: ~2 ms of a 1.5B step); a prompt's rows here (the kernel is one thread's
         scalar loop)."""
-        is_native = (k.shape[1] <= MAX_NATIVE_WRITE_ROWS and k.dtype == v.dtype == torch.float32
-                     and k.stride(-1) == v.stride(-1) == 1)
+        is_native = (k.device.type == "cpu" and k.shape[1] <= MAX_NATIVE_WRITE_ROWS
+                     and k.dtype == v.dtype == torch.float32 and k.stride(-1) == v.stride(-1) == 1)
         write = native.int8_write() if is_native else None
         if write is not None:
             write(k, v, self.keys, self.key_scales, self.values_t, self.value_scales, index.start or 0)

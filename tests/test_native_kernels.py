@@ -208,6 +208,8 @@ def test_the_attention_kernel_refuses_what_it_cannot_read(attention_kernel):
         attention_kernel(torch.randn(2, 6, 64).bfloat16(), kv.keys, kv.key_scales, kv.values_t[..., :16], kv.value_scales)
     with pytest.raises(RuntimeError, match=r"bias: \[N\]"):
         attention_kernel(torch.randn(2, 6, 64).bfloat16(), *parts, torch.zeros(19))
+    with pytest.raises(RuntimeError, match="CPU tensors only"):  # another device's memory: refused, never read
+        attention_kernel(torch.empty(2, 6, 64, dtype=torch.bfloat16, device="meta"), *parts)
 
 
 @pytest.mark.parametrize("num_kv_heads,head_dim,num_rows,start", [(2, 128, 1, 17), (3, 64, 5, 0), (2, 128, 32, 64)])

@@ -212,6 +212,7 @@ void attend_head(const Head& head, int64_t group, int64_t head_dim, int64_t num_
 at::Tensor int8_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& key_scales,
                           const at::Tensor& values_t, const at::Tensor& value_scales,
                           const c10::optional<at::Tensor>& bias) {
+  for (const at::Tensor* t : {&q, &keys, &key_scales, &values_t, &value_scales}) TORCH_CHECK(t->is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.is_contiguous(), "q: [H_kv, G, D] bf16 contiguous");
   const int64_t num_kv_heads = q.size(0), group = q.size(1), head_dim = q.size(2);
   TORCH_CHECK(group >= 1 && group <= kMaxGroup && head_dim % 8 == 0, "q: at most 8 query heads per KV head, D % 8 == 0");
@@ -255,6 +256,7 @@ at::Tensor int8_attention(const at::Tensor& q, const at::Tensor& keys, const at:
 // level = clamp(round_half_even(x / scale), -127, 127); one call where the torch path made ~12 small ones.
 void int8_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& keys, const at::Tensor& key_scales,
                 const at::Tensor& values_t, const at::Tensor& value_scales, int64_t start) {
+  for (const at::Tensor* t : {&k, &v, &keys, &key_scales, &values_t, &value_scales}) TORCH_CHECK(t->is_cpu(), "CPU tensors only");
   TORCH_CHECK(k.dim() == 3 && k.scalar_type() == at::kFloat && k.stride(2) == 1 && v.sizes() == k.sizes() &&
                   v.scalar_type() == at::kFloat && v.stride(2) == 1, "k, v: [H_kv, n, D] fp32, rows contiguous");
   const int64_t num_kv_heads = k.size(0), count = k.size(1), head_dim = k.size(2);
