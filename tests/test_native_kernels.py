@@ -205,7 +205,8 @@ def test_the_attention_kernel_refuses_what_it_cannot_read(attention_kernel):
     with pytest.raises(RuntimeError, match="bf16 contiguous"):
         attention_kernel(torch.randn(2, 6, 64), *parts)
     with pytest.raises(RuntimeError, match="C >= N rounded up to 8"):
-        attention_kernel(torch.randn(2, 6, 64).bfloat16(), kv.keys, kv.key_scales, kv.values_t[..., :16], kv.value_scales)
+        attention_kernel(torch.randn(2, 6, 64).bfloat16(), kv.keys, kv.key_scales, kv.values_t[..., :16],
+                         kv.value_scales)
     with pytest.raises(RuntimeError, match=r"bias: \[N\]"):
         attention_kernel(torch.randn(2, 6, 64).bfloat16(), *parts, torch.zeros(19))
     with pytest.raises(RuntimeError, match="CPU tensors only"):  # another device's memory: refused, never read

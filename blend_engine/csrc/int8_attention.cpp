@@ -86,8 +86,9 @@ inline __m256 reduce8(const __m256* x) {
 
 // state[r * G + g] += sum over k0 <= k < k1 (multiples of 8) of a[g * lda + k] * (rows[r][k] * scales[r]), lane k % 8,
 // for g < G, r < R (zeros first where `fresh`): the 8 lanes of torch's kernel, each one chain of FMAs in its order.
-// A chain waits on the one before, so G x R independent chains (R = 2 rows) keep both FMA units busy where one
-// row ran at ~1 instruction a cycle; a row's widening serves G chains (torch's kernel widens it once per 4 rows of a)
+// A chain waits on the one before, so G x R independent chains (R = 2 rows) keep both FMA units busy where one row's
+// G chains would wait on the FMA latency (by count, not measured apart); a row's widening serves G chains (torch's
+// kernel widens it once per 4 rows of a)
 template <int G, int R, bool kScaled>
 inline void chains(const float* a, int64_t lda, const int8_t* const* rows, const float* scales, int64_t k0, int64_t k1,
                    __m256* state, bool fresh) {
