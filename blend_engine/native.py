@@ -73,26 +73,28 @@ def enable(is_enabled: bool) -> None:
 
 def int4_mm() -> Mm | None:
     """The int4 kernel, built or loaded on the first call in this process; None where off or not to be had."""
-    module = _module()
-    return None if module is None else module.int4_mm
+    return cast("Mm | None", _op("int4_mm"))
 
 
 def int8_mm() -> Mm | None:
     """The int8 kernel, as `int4_mm`."""
-    module = _module()
-    return None if module is None else module.int8_mm
+    return cast("Mm | None", _op("int8_mm"))
 
 
 def int8_attention() -> Attention | None:
     """Decode's attention over the int8 cache (csrc/int8_attention.cpp), as `int4_mm`."""
-    module = _module()
-    return None if module is None else module.int8_attention
+    return cast("Attention | None", _op("int8_attention"))
 
 
 def int8_write() -> Write | None:
     """Decode's write of new K/V into the int8 cache (csrc/int8_attention.cpp), as `int4_mm`."""
+    return cast("Write | None", _op("int8_write"))
+
+
+def _op(name: str) -> object | None:
+    """The built module's function `name`, or None where the kernels are off or not to be had."""
     module = _module()
-    return None if module is None else module.int8_write
+    return None if module is None else getattr(module, name)
 
 
 def unavailable_reason() -> str | None:

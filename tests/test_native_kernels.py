@@ -18,22 +18,23 @@ IS_AVX2 = platform.machine().lower() in ("x86_64", "amd64") and torch.backends.c
     "AVX2", "AVX512")
 
 
-@pytest.fixture
-def int8_kernel(monkeypatch):
+def _built(monkeypatch, kernel):
+    """`kernel()` (one of native's getters) with the kernels on, or the test skipped where they cannot be built."""
     monkeypatch.setattr(native, "_enabled", [True])
-    op = native.int8_mm()
+    op = kernel()
     if op is None:
         pytest.skip(f"not built here: {native.unavailable_reason()}")
     return op
+
+
+@pytest.fixture
+def int8_kernel(monkeypatch):
+    return _built(monkeypatch, native.int8_mm)
 
 
 @pytest.fixture
 def kernel(monkeypatch):
-    monkeypatch.setattr(native, "_enabled", [True])
-    op = native.int4_mm()
-    if op is None:
-        pytest.skip(f"not built here: {native.unavailable_reason()}")
-    return op
+    return _built(monkeypatch, native.int4_mm)
 
 
 @pytest.mark.skipif(not IS_AVX2 or shutil.which("c++") is None, reason="needs x86-64 with AVX2 and a C++ compiler")
@@ -161,11 +162,7 @@ def test_the_int8_kernel_refuses_what_it_cannot_read(int8_kernel):
 
 @pytest.fixture
 def attention_kernel(monkeypatch):
-    monkeypatch.setattr(native, "_enabled", [True])
-    op = native.int8_attention()
-    if op is None:
-        pytest.skip(f"not built here: {native.unavailable_reason()}")
-    return op
+    return _built(monkeypatch, native.int8_attention)
 
 
 def _int8_layer(num_kv_heads: int, head_dim: int, num_keys: int, seed: int):
@@ -217,10 +214,7 @@ def test_the_attention_kernel_refuses_what_it_cannot_read(attention_kernel):
 def test_the_write_kernel_is_quantize_rows_bit_for_bit(monkeypatch, num_kv_heads, head_dim, num_rows, start):
     """A decode step's new K/V through csrc's write: the levels and scales `quantize_rows` gives, at their slots,
     the others untouched: rows of zeros, halves (ties to even) and wide ranges included."""
-    monkeypatch.setattr(native, "_enabled", [True])
-    write = native.int8_write()
-    if write is None:
-        pytest.skip(f"not built here: {native.unavailable_reason()}")
+    write = _built(monkeypatch, native.int8_write)
     torch.manual_seed(num_rows)
     k = torch.randn(num_kv_heads, num_rows, head_dim) * torch.rand(num_kv_heads, num_rows, 1) * 10
     v = torch.randn(num_kv_heads, num_rows, head_dim)
