@@ -76,6 +76,20 @@ def test_the_kernel_is_the_dequantized_weight_times_x_rounded_to_int8(kernel, nu
     torch.testing.assert_close(out.double(), ref, atol=float(ref.abs().max()) * 1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_rows", [2, 9, 17])  # rows 9 and 17 are a chunk of one: the single row's own body
+def test_each_row_of_a_batch_is_that_row_alone_bit_for_bit(kernel, int8_kernel, num_rows):
+    """Decode's single row and a batch's rows go through different bodies of each kernel (csrc's block_rows<1>
+    and <8>); a batched step's rows must equal each sequence's step alone."""
+    levels, scales_zeros, _ = _layer(264, 96, seed=num_rows)
+    q, scales = quantize_int8(torch.randn(264, 96))
+    x = torch.randn(num_rows, 96) * torch.logspace(-2, 1, 96)
+    nibbles = _nibbles(levels)
+    for multiply in (lambda rows: kernel(rows, nibbles, scales_zeros), lambda rows: int8_kernel(rows, q, scales)):
+        out = multiply(x)
+        for m in range(num_rows):
+            assert torch.equal(out[m:m + 1], multiply(x[m:m + 1].contiguous())), m
+
+
 def test_the_kernel_reads_a_fused_parts_strided_scales(kernel):
     """A fused q/k/v's part views its rows of the fused [in / 32, out, 2] scales: strided over groups."""
     levels, scales_zeros, weight = _layer(64, 128, seed=5)

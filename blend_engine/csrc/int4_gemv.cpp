@@ -43,15 +43,6 @@ inline __m256i dot_group(__m256i w, __m256i x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
 }
 
-// eight vectors of [4 partial sums of group g | 4 of group g + 1] -> the eight rows' totals of g and of g + 1
-inline void pair_totals(const __m256i* r, __m256* g0, __m256* g1) {
-  const __m256i h0123 = _mm256_hadd_epi32(_mm256_hadd_epi32(r[0], r[1]), _mm256_hadd_epi32(r[2], r[3]));
-  const __m256i h4567 = _mm256_hadd_epi32(_mm256_hadd_epi32(r[4], r[5]), _mm256_hadd_epi32(r[6], r[7]));
-  // h0123: [rows 0-3 of g | rows 0-3 of g + 1], h4567 the same for rows 4-7
-  *g0 = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(h0123, h4567, 0x20));
-  *g1 = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(h0123, h4567, 0x31));
-}
-
 // x [M, K] fp32 -> xq [M, K] int8, dx [M, K/32] (each group's scale), sx [M, K/32] (dx * sum of the group's xq).
 // xq is in the weights' pair order: per pair of groups (g, g + 1), g's first 16, g + 1's first 16, g's last
 // 16, g + 1's last 16 (a lone last group as it is), so that one pair's low nibbles meet one 32-byte load.
@@ -60,25 +51,38 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, 
   const int64_t paired = groups / 2 * 2;
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < groups; ++g) {
-      const float* src = x + m * K + g * kGroup;
-      float amax = 0.f;
-      for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(src[j]));
-      const float d = amax / 127.f;
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t sum = 0;
       int8_t* dst = xq + m * K + g * kGroup;
       if (g < paired) dst = xq + m * K + (g / 2) * 2 * kGroup + (g % 2) * (kGroup / 2);
-      for (int64_t j = 0; j < kGroup; ++j) {
-        const int32_t q = static_cast<int32_t>(std::nearbyint(src[j] * inv));
-        // paired: the first 16 at [0, 16) (+16 for g + 1), the last 16 at [32, 48) (+16 for g + 1)
-        const int64_t at = g < paired ? (j < 16 ? j : j + 16) : j;
-        dst[at] = static_cast<int8_t>(q);
-        sum += q;
-      }
+      int32_t sum = 0;
+      // paired: the first 16 at [0, 16) (+16 for g + 1), the last 16 at [32, 48) (+16 for g + 1)
+      const float amax = quantize_group(x + m * K + g * kGroup, dst, dst + (g < paired ? kGroup : kGroup / 2), &sum);
+      const float d = amax / 127.f;
       dx[m * groups + g] = d;
       sx[m * groups + g] = d * static_cast<float>(sum);
     }
   }
+}
+
+// one pair of groups (g, g + 1) of a block's 8 rows (8 x 32 bytes) . one activation row's 64 levels in pair
+// order (xlo: the 32 that meet the low nibbles, xhi: the high ones) -> the 8 rows' integer dot products of g
+// (*dot0) and of g + 1 (*dot1), as fp32. Each row is reduced as soon as it is read, so that at most a few
+// rows' vectors are live: holding all 8 rows' unpacked levels (16 registers) spilled to the stack, ~20%
+// slower from DRAM
+inline void pair_dots(const uint8_t* pair, __m256i xlo, __m256i xhi, __m256* dot0, __m256* dot1) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  auto row = [&](int64_t r) {  // 4 partial sums of group g, then 4 of g + 1
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + r * kGroup));
+    const __m256i lo = _mm256_and_si256(v, nibble);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+    // each i16 at most 2 * 15 * 127 = 3810, so the sum of the two fits too
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi)), ones);
+  };
+  const __m256i h0123 = _mm256_hadd_epi32(_mm256_hadd_epi32(row(0), row(1)), _mm256_hadd_epi32(row(2), row(3)));
+  const __m256i h4567 = _mm256_hadd_epi32(_mm256_hadd_epi32(row(4), row(5)), _mm256_hadd_epi32(row(6), row(7)));
+  // h0123: [rows 0-3 of g | rows 0-3 of g + 1], h4567 the same for rows 4-7
+  *dot0 = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(h0123, h4567, 0x20));
+  *dot1 = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(h0123, h4567, 0x31));
 }
 
 // 8 rows' (scale, zero) bf16 pairs of one group -> fp32 scale and (zero - 8 * scale)
@@ -87,6 +91,67 @@ inline void group_scales(const uint16_t* p, __m256* scale, __m256* offset) {
   *scale = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));  // a bf16 is the top half of its fp32
   const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
   *offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), *scale, zero);
+}
+
+// what one call multiplies: the quantized activations and the weights' blocks
+struct Operands {
+  const int8_t* xq;      // [M, K] in pair order
+  const float* dx;       // [M, K/32]
+  const float* sx;       // [M, K/32]
+  const uint8_t* nib;    // [N/8, K*4]
+  int64_t block_stride;  // nibbles.stride(0)
+  const uint16_t* sz;    // scales_zeros as bf16 bits
+  int64_t group_stride;  // scales_zeros.stride(0)
+  int64_t K, N;
+  float* out;            // [M, N]
+};
+
+// rows m0 .. m0 + chunk of the result at one block's 8 outputs. kChunk is the most rows it takes: 1 makes
+// decode's usual single row a separate body whose accumulator stays in a register (a runtime-sized array of
+// them lives on the stack, ~5-10% slower)
+template <int64_t kChunk>
+void block_rows(const Operands& op, int64_t block, int64_t m0, int64_t chunk) {
+  const int64_t rows = kChunk == 1 ? 1 : chunk;
+  const int64_t K = op.K, groups = K / kGroup, paired = groups / 2 * 2, n0 = block * kRows;
+  const uint8_t* base = op.nib + block * op.block_stride;
+  __m256 acc[kChunk];
+  for (int64_t i = 0; i < rows; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < paired; g += 2) {
+    const uint8_t* pair = base + (g / 2) * (kRows * kGroup);
+    __m256 scale0, offset0, scale1, offset1;
+    group_scales(op.sz + g * op.group_stride + n0 * 2, &scale0, &offset0);
+    group_scales(op.sz + (g + 1) * op.group_stride + n0 * 2, &scale1, &offset1);
+    for (int64_t i = 0; i < rows; ++i) {  // a second row reads the pair again, from L1
+      const int64_t m = m0 + i;
+      const int8_t* xp = op.xq + m * K + g * kGroup;
+      __m256 dot0, dot1;
+      pair_dots(pair, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp)),
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + kGroup)), &dot0, &dot1);
+      const float* dxm = op.dx + m * groups;
+      const float* sxm = op.sx + m * groups;
+      acc[i] = _mm256_fmadd_ps(dot0, _mm256_mul_ps(scale0, _mm256_set1_ps(dxm[g])), acc[i]);
+      acc[i] = _mm256_fmadd_ps(offset0, _mm256_set1_ps(sxm[g]), acc[i]);
+      acc[i] = _mm256_fmadd_ps(dot1, _mm256_mul_ps(scale1, _mm256_set1_ps(dxm[g + 1])), acc[i]);
+      acc[i] = _mm256_fmadd_ps(offset1, _mm256_set1_ps(sxm[g + 1]), acc[i]);
+    }
+  }
+  if (paired < groups) {  // a lone last group: 8 rows x 16 bytes
+    const int64_t g = paired;
+    __m256i w[kRows];
+    const uint8_t* lone = base + (g / 2) * (kRows * kGroup);
+    for (int64_t r = 0; r < kRows; ++r) w[r] = unpack_group(lone + r * (kGroup / 2));
+    __m256 scale, offset;
+    group_scales(op.sz + g * op.group_stride + n0 * 2, &scale, &offset);
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t m = m0 + i;
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(op.xq + m * K + g * kGroup));
+      __m256i partial[kRows];
+      for (int64_t r = 0; r < kRows; ++r) partial[r] = dot_group(w[r], xv);
+      acc[i] = _mm256_fmadd_ps(totals(partial), _mm256_mul_ps(scale, _mm256_set1_ps(op.dx[m * groups + g])), acc[i]);
+      acc[i] = _mm256_fmadd_ps(offset, _mm256_set1_ps(op.sx[m * groups + g]), acc[i]);
+    }
+  }
+  for (int64_t i = 0; i < rows; ++i) _mm256_storeu_ps(op.out + (m0 + i) * op.N + n0, acc[i]);
 }
 
 }  // namespace
@@ -104,81 +169,29 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& nibbles, const at::Ten
   TORCH_CHECK(K % kGroup == 0 && nibbles.size(1) == K * kRows / 2, "shapes: K % 32, K*4 bytes a block of 8 rows");
   TORCH_CHECK(scales_zeros.size(0) == K / kGroup && scales_zeros.size(1) == N, "scales_zeros: [K/32, N, 2]");
   const int64_t groups = K / kGroup;
-  const int64_t paired = groups / 2 * 2;
 
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * groups), sx(M * groups);
   quantize_rows(x.data_ptr<float>(), M, K, xq.data(), dx.data(), sx.data());
 
   auto out = at::empty({M, N}, x.options());
-  float* out_p = out.data_ptr<float>();
-  const uint8_t* nib = nibbles.data_ptr<uint8_t>();
-  const int64_t block_stride = nibbles.stride(0);
-  const uint16_t* sz = reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr<at::BFloat16>());
-  const int64_t group_stride = scales_zeros.stride(0);
-
+  const Operands op{xq.data(), dx.data(), sx.data(), nibbles.data_ptr<uint8_t>(), nibbles.stride(0),
+                    reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr<at::BFloat16>()), scales_zeros.stride(0),
+                    K, N, out.data_ptr<float>()};
   // row blocks of 8 over the threads; ~16 blocks a grain keeps each thread's reads sequential
   at::parallel_for(0, N / kRows, 16, [&](int64_t begin, int64_t end) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
-    const __m256i ones = _mm256_set1_epi16(1);
+    if (M == 1) {  // decode's usual single row
+      for (int64_t block = begin; block < end; ++block) block_rows<1>(op, block, 0, 1);
+      return;
+    }
     for (int64_t block = begin; block < end; ++block) {
-      const int64_t n0 = block * kRows;
       for (int64_t m0 = 0; m0 < M; m0 += kMaxChunk) {
         const int64_t chunk = std::min(kMaxChunk, M - m0);
-        __m256 acc[kMaxChunk];
-        for (int64_t i = 0; i < chunk; ++i) acc[i] = _mm256_setzero_ps();
-        const uint8_t* base = nib + block * block_stride;
-        for (int64_t g = 0; g < paired; g += 2) {
-          // 8 rows x 32 bytes: each row's groups g and g + 1, low nibbles and high nibbles apart
-          __m256i lo[kRows], hi[kRows];
-          const uint8_t* pair = base + (g / 2) * (kRows * kGroup);
-          for (int64_t r = 0; r < kRows; ++r) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + r * kGroup));
-            lo[r] = _mm256_and_si256(v, nibble);
-            hi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-          }
-          __m256 scale0, offset0, scale1, offset1;
-          group_scales(sz + g * group_stride + n0 * 2, &scale0, &offset0);
-          group_scales(sz + (g + 1) * group_stride + n0 * 2, &scale1, &offset1);
-          for (int64_t i = 0; i < chunk; ++i) {
-            const int64_t m = m0 + i;
-            const int8_t* xp = xq.data() + m * K + g * kGroup;
-            const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
-            const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + kGroup));
-            __m256i partial[kRows];  // per row: 4 partial sums of group g, then 4 of g + 1
-            for (int64_t r = 0; r < kRows; ++r) {
-              // each i16 at most 2 * 15 * 127 = 3810, so the sum of the two fits too
-              const __m256i pairs16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], xlo), _mm256_maddubs_epi16(hi[r], xhi));
-              partial[r] = _mm256_madd_epi16(pairs16, ones);
-            }
-            __m256 dot0, dot1;
-            pair_totals(partial, &dot0, &dot1);
-            const float* dxm = dx.data() + m * groups;
-            const float* sxm = sx.data() + m * groups;
-            acc[i] = _mm256_fmadd_ps(dot0, _mm256_mul_ps(scale0, _mm256_set1_ps(dxm[g])), acc[i]);
-            acc[i] = _mm256_fmadd_ps(offset0, _mm256_set1_ps(sxm[g]), acc[i]);
-            acc[i] = _mm256_fmadd_ps(dot1, _mm256_mul_ps(scale1, _mm256_set1_ps(dxm[g + 1])), acc[i]);
-            acc[i] = _mm256_fmadd_ps(offset1, _mm256_set1_ps(sxm[g + 1]), acc[i]);
-          }
+        if (chunk == 1) {
+          block_rows<1>(op, block, m0, 1);
+        } else {
+          block_rows<kMaxChunk>(op, block, m0, chunk);
         }
-        if (paired < groups) {  // a lone last group: 8 rows x 16 bytes
-          const int64_t g = paired;
-          __m256i w[kRows];
-          const uint8_t* lone = base + (g / 2) * (kRows * kGroup);
-          for (int64_t r = 0; r < kRows; ++r) w[r] = unpack_group(lone + r * (kGroup / 2));
-          __m256 scale, offset;
-          group_scales(sz + g * group_stride + n0 * 2, &scale, &offset);
-          for (int64_t i = 0; i < chunk; ++i) {
-            const int64_t m = m0 + i;
-            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.data() + m * K + g * kGroup));
-            __m256i partial[kRows];
-            for (int64_t r = 0; r < kRows; ++r) partial[r] = dot_group(w[r], xv);
-            const __m256 dot = totals(partial);
-            acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(dx[m * groups + g])), acc[i]);
-            acc[i] = _mm256_fmadd_ps(offset, _mm256_set1_ps(sx[m * groups + g]), acc[i]);
-          }
-        }
-        for (int64_t i = 0; i < chunk; ++i) _mm256_storeu_ps(out_p + (m0 + i) * N + n0, acc[i]);
       }
     }
   });

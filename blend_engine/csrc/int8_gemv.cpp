@@ -33,21 +33,70 @@ void quantize_groups(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx
   const int64_t groups = K / kGroup;
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < groups; ++g) {
-      const float* src = x + m * K + g * kGroup;
-      float amax = 0.f;
-      for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(src[j]));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
       int8_t* dst = xq + m * K + g * kGroup;
-      for (int64_t j = 0; j < kGroup; ++j) dst[j] = static_cast<int8_t>(std::nearbyint(src[j] * inv));
-      dx[m * groups + g] = amax / 127.f;
+      int32_t unused = 0;
+      dx[m * groups + g] = quantize_group(x + m * K + g * kGroup, dst, dst + kGroup / 2, &unused) / 127.f;
     }
   }
+}
+
+// one group of a block's 8 rows . one activation row's group -> the 8 rows' integer dot products, as fp32.
+// Each row is reduced as soon as it is read (holding the 8 rows' levels and magnitudes, 16 registers, spilled
+// to the stack: ~10-20% slower)
+inline __m256 group_dots(const int8_t* rows, int64_t row_stride, __m256i xv) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  auto row = [&](int64_t r) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + r * row_stride));
+    // |q| as u8 times xq * sign(q) (0 where q is 0)
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)), ones);
+  };
+  const __m256i h0123 = _mm256_hadd_epi32(_mm256_hadd_epi32(row(0), row(1)), _mm256_hadd_epi32(row(2), row(3)));
+  const __m256i h4567 = _mm256_hadd_epi32(_mm256_hadd_epi32(row(4), row(5)), _mm256_hadd_epi32(row(6), row(7)));
+  // h0123: [rows 0-3, low lanes' sums | rows 0-3, high lanes' sums], h4567 the same for rows 4-7
+  const __m256i low = _mm256_permute2x128_si256(h0123, h4567, 0x20);
+  const __m256i high = _mm256_permute2x128_si256(h0123, h4567, 0x31);
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(low, high));
 }
 
 // 8 bf16 scales -> fp32 (a bf16 is the top half of its fp32)
 inline __m256 widen_bf16(const uint16_t* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// what one call multiplies
+struct Operands {
+  const int8_t* xq;   // [M, K]
+  const float* dx;    // [M, K/32]
+  const int8_t* q;    // [N, K] rows at row_stride
+  int64_t row_stride;
+  const uint16_t* scales;  // [N] as bf16 bits
+  int64_t K, N, blocks;
+  float* out;         // [M, N]
+};
+
+// rows m0 .. m0 + chunk of the result at one block's 8 outputs; kChunk 1 keeps decode's single row's
+// accumulator in a register (as csrc/int4_gemv.cpp's block_rows)
+template <int64_t kChunk>
+void block_rows(const Operands& op, int64_t block, int64_t m0, int64_t chunk) {
+  const int64_t rows_m = kChunk == 1 ? 1 : chunk;
+  const int64_t K = op.K, groups = K / kGroup, n0 = block * kRows;
+  const int8_t* rows = op.q + n0 * op.row_stride;
+  const char* ahead = reinterpret_cast<const char*>(rows + kPrefetchBlocks * kRows * op.row_stride);
+  __m256 acc[kChunk];
+  for (int64_t i = 0; i < rows_m; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    if (g % 2 == 0 && block + kPrefetchBlocks < op.blocks) {  // the same cache line of each row, blocks ahead
+      for (int64_t r = 0; r < kRows; ++r) _mm_prefetch(ahead + r * op.row_stride + g * kGroup, _MM_HINT_T0);
+    }
+    for (int64_t i = 0; i < rows_m; ++i) {  // a second row reads the group again, from L1
+      const int64_t m = m0 + i;
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(op.xq + m * K + g * kGroup));
+      acc[i] = _mm256_fmadd_ps(group_dots(rows + g * kGroup, op.row_stride, xv), _mm256_set1_ps(op.dx[m * groups + g]), acc[i]);
+    }
+  }
+  const __m256 scale = widen_bf16(op.scales + n0);
+  for (int64_t i = 0; i < rows_m; ++i) _mm256_storeu_ps(op.out + (m0 + i) * op.N + n0, _mm256_mul_ps(acc[i], scale));
 }
 
 // the rows of a last block short of 8, one dot product at a time
@@ -92,38 +141,20 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   const uint16_t* scales_p = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
   const int64_t blocks = N / kRows;
 
+  const Operands op{xq.data(), dx.data(), q_p, row_stride, scales_p, K, N, blocks, out_p};
   at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-    const __m256i ones = _mm256_set1_epi16(1);
+    if (M == 1) {  // decode's usual single row
+      for (int64_t block = begin; block < end; ++block) block_rows<1>(op, block, 0, 1);
+      return;
+    }
     for (int64_t block = begin; block < end; ++block) {
-      const int64_t n0 = block * kRows;
-      const int8_t* rows = q_p + n0 * row_stride;
-      const char* ahead = reinterpret_cast<const char*>(rows + kPrefetchBlocks * kRows * row_stride);
       for (int64_t m0 = 0; m0 < M; m0 += kMaxChunk) {
         const int64_t chunk = std::min(kMaxChunk, M - m0);
-        __m256 acc[kMaxChunk];
-        for (int64_t i = 0; i < chunk; ++i) acc[i] = _mm256_setzero_ps();
-        for (int64_t g = 0; g < groups; ++g) {
-          if (g % 2 == 0 && block + kPrefetchBlocks < blocks) {  // the same cache line of each row, blocks ahead
-            for (int64_t r = 0; r < kRows; ++r) _mm_prefetch(ahead + r * row_stride + g * kGroup, _MM_HINT_T0);
-          }
-          __m256i w[kRows], magnitude[kRows];  // a group of each of the 8 rows: its levels, their |q| as u8
-          for (int64_t r = 0; r < kRows; ++r) {
-            w[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + r * row_stride + g * kGroup));
-            magnitude[r] = _mm256_sign_epi8(w[r], w[r]);
-          }
-          for (int64_t i = 0; i < chunk; ++i) {
-            const int64_t m = m0 + i;
-            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.data() + m * K + g * kGroup));
-            __m256i partial[kRows];
-            for (int64_t r = 0; r < kRows; ++r) {
-              const __m256i signed_x = _mm256_sign_epi8(xv, w[r]);  // xq * sign(q): 0 where q is 0
-              partial[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[r], signed_x), ones);
-            }
-            acc[i] = _mm256_fmadd_ps(totals(partial), _mm256_set1_ps(dx[m * groups + g]), acc[i]);
-          }
+        if (chunk == 1) {
+          block_rows<1>(op, block, m0, 1);
+        } else {
+          block_rows<kMaxChunk>(op, block, m0, chunk);
         }
-        const __m256 scale = widen_bf16(scales_p + n0);
-        for (int64_t i = 0; i < chunk; ++i) _mm256_storeu_ps(out_p + (m0 + i) * N + n0, _mm256_mul_ps(acc[i], scale));
       }
     }
   });
