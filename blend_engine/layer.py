@@ -18,6 +18,7 @@ from functools import cached_property, partial
 import torch
 import torch.nn.functional as F
 
+from blend_engine import native
 from blend_engine.weights import fuse_linears, unhooked
 
 # RMSNorms computing weight * (x * rsqrt(mean(x^2) + eps)) in fp32: torch's one fused op gives the
@@ -28,11 +29,26 @@ Call = Callable[[torch.Tensor], torch.Tensor]
 
 def norm_call(norm: torch.nn.Module, dtype: torch.dtype) -> Call:
     """`norm` as a callable on inputs of `dtype`: torch's fused RMSNorm where it computes the same
-    (a known plain RMSNorm, fp32), else the module."""
-    if dtype == torch.float32 and type(norm).__name__ in _PLAIN_RMS_NORMS:
-        return partial(F.rms_norm, normalized_shape=(norm.weight.shape[-1],), weight=norm.weight,
-                       eps=norm.variance_epsilon)
-    return norm
+    (a known plain RMSNorm, fp32), through ragblend's kernel where that is built (the same bits in one call:
+    csrc/rms_norm.cpp), else the module."""
+    if dtype != torch.float32 or type(norm).__name__ not in _PLAIN_RMS_NORMS:
+        return norm
+    torch_norm = partial(F.rms_norm, normalized_shape=(norm.weight.shape[-1],), weight=norm.weight,
+                         eps=norm.variance_epsilon)
+    kernel = native.rms_norm()
+    width = norm.weight.shape[-1]
+    is_native = (kernel is not None and norm.weight.device.type == "cpu" and norm.weight.dtype == torch.float32
+                 and norm.weight.is_contiguous() and native.RMS_NORM_WIDTHS[0] <= width < native.RMS_NORM_WIDTHS[1])
+    if not is_native:
+        return torch_norm
+    weight, eps = norm.weight, norm.variance_epsilon
+
+    def rms_norm(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() and not x.requires_grad:
+            return kernel(x, weight, eps)
+        return torch_norm(x)
+
+    return rms_norm
 
 
 def is_gated(mlp: torch.nn.Module) -> bool:

@@ -35,7 +35,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("module.cpp", "int4_gemv.cpp", "int8_gemv.cpp",
-                                                            "int8_attention.cpp")]
+                                                            "int8_attention.cpp", "rms_norm.cpp")]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # -fopenmp: at::parallel_for runs on torch's own OpenMP pool
 _CAPABLE = frozenset({"AVX2", "AVX512"})  # torch's names for x86-64 CPUs with AVX2 (every AVX512 one has it)
 
@@ -46,6 +46,11 @@ Mm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # [H_kv, D, C] int8, value_scales [H_kv, N] bf16, bias [N] or None -> [H_kv, G, D] bf16
 # csrc/int8_attention.cpp: k, v [H_kv, n, D] fp32 into keys [H_kv, C, D] int8, key_scales [H_kv, C] bf16, values_t
 # [H_kv, D, C] int8, value_scales [H_kv, C] bf16 at slots start .. start + n
+# csrc/rms_norm.cpp: x [M, D] fp32, weight [D] fp32, eps -> [M, D] fp32
+RmsNorm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+# the widths it takes: torch sums rows under 8 without vectors, and splits one row's sum over its threads from
+# 32 768 elements (TensorIterator's grain), each a different order of additions
+RMS_NORM_WIDTHS = (8, 32768)
 Write = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], None]
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
                      torch.Tensor]
@@ -58,6 +63,7 @@ class Kernels(Protocol):
     int8_mm: Mm
     int8_attention: Attention
     int8_write: Write
+    rms_norm: RmsNorm
 
 
 _lock = threading.Lock()
@@ -89,6 +95,11 @@ def int8_attention() -> Attention | None:
 def int8_write() -> Write | None:
     """Decode's write of new K/V into the int8 cache (csrc/int8_attention.cpp), as `int4_mm`."""
     return cast("Write | None", _op("int8_write"))
+
+
+def rms_norm() -> RmsNorm | None:
+    """RMSNorm of fp32 rows, torch's `F.rms_norm` bit for bit (csrc/rms_norm.cpp), as `int4_mm`."""
+    return cast("RmsNorm | None", _op("rms_norm"))
 
 
 def _op(name: str) -> object | None:

@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from blend_engine import native
 from blend_engine.attention import attend_int8_heads
@@ -247,3 +248,44 @@ def test_the_write_kernel_is_quantize_rows_bit_for_bit(monkeypatch, num_kv_heads
     untouched = torch.ones(cache.capacity, dtype=torch.bool)
     untouched[slots] = False
     assert not cache.keys[0, :, untouched].any() and not cache.values_t[0, :, :, untouched].any()
+
+
+@pytest.fixture
+def rms_norm_kernel(monkeypatch):
+    return _built(monkeypatch, native.rms_norm)
+
+
+@pytest.mark.parametrize("width", [8, 24, 100, 576, 896, 1000, 1536, 8960, 8 * 4 * 16 * 17 + 8])  # tails, cascades
+@pytest.mark.parametrize("num_rows", [1, 3, 70])
+def test_the_rms_norm_kernel_is_torchs_rms_norm_bit_for_bit(rms_norm_kernel, width, num_rows):
+    g = torch.Generator().manual_seed(width + num_rows)
+    weight = torch.randn(width, generator=g)
+    for magnitude in (1e-3, 1.0, 1e3):  # rows of very different scales: the order of additions shows
+        x = torch.randn(num_rows, width, generator=g) * torch.logspace(-3, 3, width)[torch.randperm(width, generator=g)]
+        x *= magnitude
+        assert torch.equal(rms_norm_kernel(x, weight, 1e-6), F.rms_norm(x, (width,), weight=weight, eps=1e-6))
+
+
+def test_the_rms_norm_kernel_refuses_what_it_cannot_read(rms_norm_kernel):
+    with pytest.raises(RuntimeError, match="fp32"):
+        rms_norm_kernel(torch.randn(1, 64).bfloat16(), torch.randn(64), 1e-6)
+    with pytest.raises(RuntimeError, match="weight"):
+        rms_norm_kernel(torch.randn(1, 64), torch.randn(32), 1e-6)
+    with pytest.raises(RuntimeError, match="rows of 8"):
+        rms_norm_kernel(torch.randn(1, 4), torch.randn(4), 1e-6)
+
+
+def test_a_models_rms_norms_go_through_the_kernel_with_torchs_bits(rms_norm_kernel):
+    """layer.norm_call: a known plain RMSNorm on fp32 rows is the kernel where it is built; inputs it does not
+    take (3-D, bf16) go to torch's."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    from blend_engine.layer import norm_call
+
+    norm = Qwen2RMSNorm(96, eps=1e-6)
+    torch.nn.init.normal_(norm.weight)
+    call = norm_call(norm, torch.float32)
+    assert call is not norm and getattr(call, "__name__", "") == "rms_norm"
+    for x in (torch.randn(5, 96), torch.randn(2, 5, 96)):
+        with torch.inference_mode():
+            assert torch.equal(call(x), F.rms_norm(x, (96,), weight=norm.weight, eps=1e-6))

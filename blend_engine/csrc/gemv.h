@@ -70,4 +70,7 @@ at::Tensor int8_attention(const at::Tensor& q, const at::Tensor& keys, const at:
 void int8_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& keys, const at::Tensor& key_scales,
                 const at::Tensor& values_t, const at::Tensor& value_scales, int64_t start);
 
+// csrc/rms_norm.cpp: x [M, D] fp32, weight [D] fp32 -> [M, D] fp32, torch's F.rms_norm bit for bit
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
 }  // namespace ragblend

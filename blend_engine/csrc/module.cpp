@@ -9,5 +9,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_attention", &ragblend::int8_attention, "one token's attention over a layer of the int8 decode cache",
         py::arg("q"), py::arg("keys"), py::arg("key_scales"), py::arg("values_t"), py::arg("value_scales"),
         py::arg("bias") = py::none());
+  m.def("rms_norm", &ragblend::rms_norm, "RMSNorm of fp32 rows, torch's F.rms_norm bit for bit", py::arg("x"),
+        py::arg("weight"), py::arg("eps"));
   m.def("int8_write", &ragblend::int8_write, "k, v quantized into the int8 decode cache's slots from start");
 }
