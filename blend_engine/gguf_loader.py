@@ -252,12 +252,12 @@ def load_gguf(path: Path, cache_dir: Path, fmt: WeightFormat, device: torch.devi
 # Decoding and packing Qwen2.5-1.5B's 1.3 billion weights (the int4 kernel's layout, prefill's bf16 copies)
 # takes ~9 s on 2 cores, writing them ~8 s; reading them back ~1-2 s. They are kept beside the config (3.6 GB
 # for that model), keyed by the weight format, torch's version, the CPU's vector ISA and the layout of the
-# int4 levels (blocks of 8 rows of nibbles since stop 71: blend_engine/int4.py; files of the layout before are
-# not read).
+# int4 levels (blocks of 8 rows of nibbles since stop 71, their scales by blocks too since stop 74:
+# blend_engine/int4.py; files of a layout before are not read).
 
 
 def _packing_key() -> str:
-    key = f"{torch.__version__}:{torch.backends.cpu.get_cpu_capability()}:int4-nibble-blocks-of-8"
+    key = f"{torch.__version__}:{torch.backends.cpu.get_cpu_capability()}:int4-nibble-blocks-of-8:block-scales"
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
@@ -306,7 +306,7 @@ def _restore(model: nn.Module, source: Path) -> bool:
     for name, kind in kinds.items():
         part = lambda key: tensors.get(f"{name}.{key}")  # noqa: E731
         if kind == "Int4Linear":
-            module = Int4Linear(part("nibbles"), part("scales_zeros"), part("gemm_weight"), part("bias"))
+            module = Int4Linear(part("nibbles"), part("block_scales"), part("gemm_weight"), part("bias"))
         elif kind.startswith("Int8Linear"):
             module = Int8Linear(part("qweight"), part("scales"), part("bias"), is_copy_kept=kind.endswith(":kept"))
         else:

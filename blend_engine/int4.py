@@ -90,23 +90,35 @@ def _levels(nibbles: torch.Tensor) -> torch.Tensor:
     return torch.cat([groups & 15, groups >> 4], dim=2).reshape(num_rows, num_in)
 
 
+def _blocked(scales_zeros: torch.Tensor) -> torch.Tensor:
+    """[in / 32, out, 2] (scale, zero) pairs -> [out / 8, in / 32, 8, 2], the layout csrc/int4_gemv.cpp reads: a
+    block's pairs one after another, as its nibbles are. Held by group ([in / 32, out, 2]), a block's pairs were
+    in / 32 lines apart, as many streams as groups for the prefetcher: the 1.5B's gate/up read at 19 GB/s
+    from DRAM where blocked it read at 27 (a 2-core AVX2 VM)."""
+    num_groups, num_out, _ = scales_zeros.shape
+    return scales_zeros.reshape(num_groups, num_out // _BLOCK_ROWS, _BLOCK_ROWS, 2).permute(1, 0, 2, 3).contiguous()
+
+
 class Int4Linear(nn.Module):
     """y = x @ W.T + bias, W[o, g*32 + j] = (q[o, g*32 + j] - 8) * scale[g, o] + zero[g, o], q in 0..15."""
 
-    def __init__(self, nibbles: torch.Tensor, scales_zeros: torch.Tensor, gemm_weight: torch.Tensor,
+    def __init__(self, nibbles: torch.Tensor, block_scales: torch.Tensor, gemm_weight: torch.Tensor,
                  bias: torch.Tensor | None):
         """The buffers as they are (`from_q` makes them from levels)."""
         super().__init__()
         self.out_features, self.in_features = gemm_weight.shape
         self.register_buffer("nibbles", nibbles)  # [out / 8, in * 4] uint8, two levels a byte (`_nibbles`)
-        # [in / 32, out, 2] bf16: (scale, zero); a fused part's a strided view of the fused module's
-        self.register_buffer("scales_zeros", scales_zeros)
+        # [out / 8, in / 32, 8, 2] bf16: (scale, zero) by blocks of 8 rows, as the nibbles (`_blocked`); a fused
+        # part's are a slice of the fused module's blocks
+        self.register_buffer("block_scales", block_scales)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         # prefill's GEMMs in fp32 where bf16 ones are not the faster: the bf16 copy widened at each call
         self.is_widened = gemm_dtype(gemm_weight.device) == torch.float32
         self.register_buffer("gemm_weight", gemm_weight, persistent=False)  # [out, in] bf16
         self._native = native.int4_mm()  # decode's kernel: ragblend's where it builds, else None (torch's)
-        self._torch_packed: torch.Tensor | None = None  # torch's layout, made at the first call that needs it
+        # torch's layouts of the levels and of the scales, made at the first call that needs them
+        self._torch_packed: torch.Tensor | None = None
+        self._torch_scales: torch.Tensor | None = None
 
     @property
     def is_native(self) -> bool:
@@ -129,10 +141,16 @@ class Int4Linear(nn.Module):
             # the exact fp32 weight, rounded once to bf16 (one fused multiply-add)
             gemm_weight[rows] = torch.addcmul(zero[rows], levels, scale[rows]).reshape(-1, num_in)
             nibbles[start // _BLOCK_ROWS : rows.stop // _BLOCK_ROWS] = _nibbles(q[rows])
-        return cls(nibbles, scales_zeros, gemm_weight, bias)
+        return cls(nibbles, _blocked(scales_zeros), gemm_weight, bias)
+
+    def scales_zeros(self) -> torch.Tensor:
+        """The (scale, zero) pairs as [in / 32, out, 2] bf16 (a copy: the layer holds them by blocks)."""
+        num_blocks, num_groups = self.block_scales.shape[:2]
+        return self.block_scales.permute(1, 0, 2, 3).reshape(num_groups, num_blocks * _BLOCK_ROWS, 2)
 
     def _per_row(self, index: int) -> torch.Tensor:
-        return self.scales_zeros[..., index].t().float()[..., None]  # [out, in / 32, 1]
+        # [out / 8, in / 32, 8] -> [out, in / 32, 1]
+        return self.block_scales[..., index].transpose(1, 2).reshape(self.out_features, -1).float()[..., None]
 
     @staticmethod
     def fits(num_out: int, num_in: int) -> bool:
@@ -181,15 +199,16 @@ class Int4Linear(nn.Module):
         if self._torch_packed is None:
             levels = _levels(self.nibbles).to(torch.int32)
             self._torch_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1)
+            self._torch_scales = self.scales_zeros()
         return self._torch_packed
 
     def _few_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [n, in] (n <= MAX_PACKED_ROWS) -> [n, out] fp32 by a decode kernel, without the bias."""
         if self._native is not None:
-            return self._native(rows.float().contiguous(), self.nibbles, self.scales_zeros)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            rows.to(_COMPUTE).contiguous(), self._torch_kernel_weight(), GROUP_SIZE,
-            self.scales_zeros.contiguous()).float()
+            return self._native(rows.float().contiguous(), self.nibbles, self.block_scales)
+        packed = self._torch_kernel_weight()
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(_COMPUTE).contiguous(), packed, GROUP_SIZE,
+                                                          self._torch_scales).float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= MAX_PACKED_ROWS:  # decode's rows: as few small ops as can be
@@ -214,17 +233,15 @@ class Int4Linear(nn.Module):
         if not all(isinstance(m, Int4Linear) for m in linears) or num_biased not in (0, len(linears)):
             return None
         bias = torch.cat([m.bias.detach() for m in linears]) if num_biased else None
-        fused = cls(torch.cat([m.nibbles for m in linears]), torch.cat([m.scales_zeros for m in linears], dim=1),
+        fused = cls(torch.cat([m.nibbles for m in linears]), torch.cat([m.block_scales for m in linears]),
                     torch.cat([m.gemm_weight for m in linears]), bias)
         start = 0
         for m in linears:
             rows = slice(start, start + m.out_features)
-            # views, the scales too (a part's are strided: ragblend's kernel reads them so, torch's takes a
-            # contiguous copy at each call, HF's forward only; kept as copies they were 100 MB of an idle 1.5B
-            # server's memory)
+            # views, the scales too (kept as copies they were 100 MB of an idle 1.5B server's memory)
             blocks = slice(rows.start // _BLOCK_ROWS, rows.stop // _BLOCK_ROWS)  # parts are whole blocks: 16 rows at least
-            m.nibbles, m.scales_zeros = fused.nibbles[blocks], fused.scales_zeros[:, rows]
-            m.gemm_weight, m._torch_packed, start = fused.gemm_weight[rows], None, rows.stop
+            m.nibbles, m.block_scales = fused.nibbles[blocks], fused.block_scales[blocks]
+            m.gemm_weight, m._torch_packed, m._torch_scales, start = fused.gemm_weight[rows], None, None, rows.stop
         return fused
 
     def extra_repr(self) -> str:

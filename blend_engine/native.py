@@ -39,7 +39,7 @@ SOURCES = [Path(__file__).parent / "csrc" / name for name in ("module.cpp", "int
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # -fopenmp: at::parallel_for runs on torch's own OpenMP pool
 _CAPABLE = frozenset({"AVX2", "AVX512"})  # torch's names for x86-64 CPUs with AVX2 (every AVX512 one has it)
 
-# csrc/int4_gemv.cpp: x [M, K] fp32, nibbles [N/8, K*4] uint8, scales_zeros [K/32, N, 2] bf16 -> [M, N] fp32
+# csrc/int4_gemv.cpp: x [M, K] fp32, nibbles [N/8, K*4] uint8, block_scales [N/8, K/32, 8, 2] bf16 -> [M, N] fp32
 # csrc/int8_gemv.cpp: x [M, K] fp32, q [N, K] int8, scales [N] bf16 -> [M, N] fp32
 Mm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # csrc/int8_attention.cpp: q [H_kv, G, D] bf16, keys [H_kv, N, D] int8, key_scales [H_kv, N] bf16, values_t

@@ -40,7 +40,7 @@ def test_int4_error_is_at_most_half_a_step_per_group():
     weight = torch.randn(32, 64) * torch.logspace(-3, 1, 32)[:, None]
     linear = Int4Linear.from_weight(weight)
     error = (linear.dequantized() - weight).abs().reshape(32, -1, GROUP_SIZE).amax(-1)  # [out, groups]
-    steps = linear.scales_zeros[..., 0].t().float()  # [out, groups]
+    steps = linear.scales_zeros()[..., 0].t().float()  # [out, groups]
     assert torch.all(error <= steps * 0.5 * 1.05 + 1e-6)
 
 
@@ -121,9 +121,9 @@ def test_fused_int4_projections_equal_the_separate_ones(sizes, decode_kernel):
     torch.testing.assert_close(fused(x), separate, atol=0, rtol=0)
     torch.testing.assert_close(fused(x[:1]), separate[:1], atol=1e-5, rtol=0)  # the kernel path
     assert parts[1].nibbles.data_ptr() == fused.nibbles.data_ptr() + sizes[0] * 32
-    assert all(p.scales_zeros.untyped_storage().data_ptr() == fused.scales_zeros.untyped_storage().data_ptr()
+    assert all(p.block_scales.untyped_storage().data_ptr() == fused.block_scales.untyped_storage().data_ptr()
                for p in parts)
-    # each part alone, through its strided view of the fused scales
+    # each part alone, through its view of the fused blocks of scales
     torch.testing.assert_close(torch.cat([p(x[:1]) for p in parts], dim=-1), separate[:1], atol=1e-5, rtol=0)
 
 

@@ -12,7 +12,7 @@ from blend_engine import native
 from blend_engine.attention import attend_int8_heads
 from blend_engine.config import ModelConfig
 from blend_engine.decode_cache import Int8KVCache, quantize_rows
-from blend_engine.int4 import GROUP_SIZE, Int4Linear, _nibbles
+from blend_engine.int4 import GROUP_SIZE, Int4Linear, _blocked, _nibbles
 from blend_engine.weights import Int8Linear, quantize_int8
 
 IS_AVX2 = platform.machine().lower() in ("x86_64", "amd64") and torch.backends.cpu.get_cpu_capability() in (
@@ -71,7 +71,7 @@ def test_the_kernel_is_the_dequantized_weight_times_x_rounded_to_int8(kernel, nu
     levels, scales_zeros, weight = _layer(*shape, seed=num_rows)
     x = torch.randn(num_rows, shape[1]) * torch.logspace(-2, 1, shape[1])  # groups of very different scales
     x[0, :GROUP_SIZE] = 0  # a group of zeros: scale 0, contributes nothing
-    out = kernel(x, _nibbles(levels), scales_zeros)
+    out = kernel(x, _nibbles(levels), _blocked(scales_zeros))
     ref = _int8_rows(x).double() @ weight.double().t()
     assert out.shape == (num_rows, shape[0]) and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), ref, atol=float(ref.abs().max()) * 1e-5, rtol=1e-5)
@@ -84,31 +84,33 @@ def test_each_row_of_a_batch_is_that_row_alone_bit_for_bit(kernel, int8_kernel, 
     levels, scales_zeros, _ = _layer(264, 96, seed=num_rows)
     q, scales = quantize_int8(torch.randn(264, 96))
     x = torch.randn(num_rows, 96) * torch.logspace(-2, 1, 96)
-    nibbles = _nibbles(levels)
-    for multiply in (lambda rows: kernel(rows, nibbles, scales_zeros), lambda rows: int8_kernel(rows, q, scales)):
+    nibbles, block_scales = _nibbles(levels), _blocked(scales_zeros)
+    for multiply in (lambda rows: kernel(rows, nibbles, block_scales), lambda rows: int8_kernel(rows, q, scales)):
         out = multiply(x)
         for m in range(num_rows):
             assert torch.equal(out[m:m + 1], multiply(x[m:m + 1].contiguous())), m
 
 
-def test_the_kernel_reads_a_fused_parts_strided_scales(kernel):
-    """A fused q/k/v's part views its rows of the fused [in / 32, out, 2] scales: strided over groups."""
+def test_the_kernel_reads_a_fused_parts_blocks(kernel):
+    """A fused q/k/v's part views its blocks of the fused nibbles and block scales."""
     levels, scales_zeros, weight = _layer(64, 128, seed=5)
     part = slice(16, 40)  # blocks 2-4 of 8 rows
     x = torch.randn(2, 128)
-    out = kernel(x, _nibbles(levels)[2:5], scales_zeros[:, part])
+    out = kernel(x, _nibbles(levels)[2:5], _blocked(scales_zeros)[2:5])
     torch.testing.assert_close(out, _int8_rows(x) @ weight[part].t(), atol=1e-4, rtol=1e-5)
 
 
 def test_the_kernel_refuses_what_it_cannot_read(kernel):
     levels, scales_zeros, _ = _layer(16, 64, seed=6)
-    nibbles = _nibbles(levels)
+    nibbles, block_scales = _nibbles(levels), _blocked(scales_zeros)
     with pytest.raises(RuntimeError, match="fp32"):
-        kernel(torch.randn(1, 64).bfloat16(), nibbles, scales_zeros)
-    with pytest.raises(RuntimeError, match=r"scales_zeros: \[K/32, N, 2\]"):
-        kernel(torch.randn(1, 96), _nibbles(_layer(16, 96, 6)[0]), scales_zeros)  # scales of another width
-    with pytest.raises(RuntimeError, match="pairs contiguous"):
-        kernel(torch.randn(1, 64), nibbles, scales_zeros.transpose(0, 1).contiguous().transpose(0, 1))
+        kernel(torch.randn(1, 64).bfloat16(), nibbles, block_scales)
+    with pytest.raises(RuntimeError, match=r"block_scales: \[N/8, K/32, 8, 2\]"):
+        kernel(torch.randn(1, 96), _nibbles(_layer(16, 96, 6)[0]), block_scales)  # scales of another width
+    with pytest.raises(RuntimeError, match="each block's contiguous"):
+        kernel(torch.randn(1, 64), nibbles, block_scales.transpose(0, 1).contiguous().transpose(0, 1))
+    with pytest.raises(RuntimeError, match="each block's contiguous"):
+        kernel(torch.randn(1, 64), nibbles, scales_zeros)  # the pairs by group, as from_q takes them
 
 
 def test_decode_kernel_torch_uses_torchs_kernels(monkeypatch):

@@ -58,8 +58,8 @@ inline float quantize_group(const float* src, int8_t* first, int8_t* last, int32
   return top;
 }
 
-// csrc/int4_gemv.cpp: x [M, K] fp32, nibbles [N/8, K*4] uint8, scales_zeros [K/32, N, 2] bf16 -> [M, N] fp32
-at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scales_zeros);
+// csrc/int4_gemv.cpp: x [M, K] fp32, nibbles [N/8, K*4] uint8, block_scales [N/8, K/32, 8, 2] bf16 -> [M, N] fp32
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& block_scales);
 // csrc/int8_gemv.cpp: x [M, K] fp32, q [N, K] int8, scales [N] bf16 -> [M, N] fp32
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales);
 // csrc/int8_attention.cpp: one token's attention over one layer of the int8 decode cache -> [H_kv, G, D] bf16
