@@ -58,11 +58,11 @@ class ModelConfig:
         "speed at bf16's memory; 1.3-1.4x faster prefills where bf16 GEMMs are slow, docs/decisions/0025). auto "
         "attention follows it.")] = "auto"
     decode_kernel: Annotated[Literal["auto", "torch"], Field(
-        description="CPU, int4 and int8 weights: what multiplies decode's few rows, and what attends over the int8 "
-        "decode cache. auto: ragblend's kernels (int8 activations, integer dot products; the attention and its K/V "
-        "write rounding as torch's do, bit for bit on AVX2; built once per machine by the C++ compiler, ~45 s, "
-        "x86-64 with AVX2: blend_engine/native.py), torch's where they cannot be built; torch: torch's always "
-        "(docs/decisions/0033, 0034, 0035).")] = "auto"
+        description="CPU, int4 and int8 weights: what multiplies decode's few rows, what attends over the int8 "
+        "decode cache, and what computes fp32 RMSNorms. auto: ragblend's kernels (int8 activations, integer dot "
+        "products; the attention, its K/V write and RMSNorm rounding as torch's do, bit for bit on AVX2; built once "
+        "per machine by the C++ compiler, ~45 s, x86-64 with AVX2: blend_engine/native.py), torch's where they "
+        "cannot be built; torch: torch's always (docs/decisions/0033-0036).")] = "auto"
     cpu_threads: Annotated[int, Field(
         ge=0, le=1024,
         description="CPU threads of each engine job and decode step. 0: as many as the cores other processes "
