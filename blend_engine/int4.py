@@ -116,9 +116,9 @@ class Int4Linear(nn.Module):
         self.is_widened = gemm_dtype(gemm_weight.device) == torch.float32
         self.register_buffer("gemm_weight", gemm_weight, persistent=False)  # [out, in] bf16
         self._native = native.int4_mm()  # decode's kernel: ragblend's where it builds, else None (torch's)
-        # torch's layouts of the levels and of the scales, made at the first call that needs them
-        self._torch_packed: torch.Tensor | None = None
-        self._torch_scales: torch.Tensor | None = None
+        # torch's layouts of the levels and of the scales (levels, scales_zeros()), made at the first call that
+        # needs them
+        self._torch_layout: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def is_native(self) -> bool:
@@ -194,21 +194,21 @@ class Int4Linear(nn.Module):
         """q [out, in] in 0..15, as float."""
         return _levels(self.nibbles).float()
 
-    def _torch_kernel_weight(self) -> torch.Tensor:
-        """The levels in torch's kernel layout (only where ragblend's kernel is not used: made once, kept)."""
-        if self._torch_packed is None:
+    def _torch_kernel_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The levels and the scales in torch's kernel layouts (only where ragblend's kernel is not used: made
+        once, kept)."""
+        if self._torch_layout is None:
             levels = _levels(self.nibbles).to(torch.int32)
-            self._torch_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1)
-            self._torch_scales = self.scales_zeros()
-        return self._torch_packed
+            self._torch_layout = (torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1), self.scales_zeros())
+        return self._torch_layout
 
     def _few_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [n, in] (n <= MAX_PACKED_ROWS) -> [n, out] fp32 by a decode kernel, without the bias."""
         if self._native is not None:
             return self._native(rows.float().contiguous(), self.nibbles, self.block_scales)
-        packed = self._torch_kernel_weight()
+        packed, scales_zeros = self._torch_kernel_operands()
         return torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(_COMPUTE).contiguous(), packed, GROUP_SIZE,
-                                                          self._torch_scales).float()
+                                                          scales_zeros).float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= MAX_PACKED_ROWS:  # decode's rows: as few small ops as can be
@@ -241,7 +241,7 @@ class Int4Linear(nn.Module):
             # views, the scales too (kept as copies they were 100 MB of an idle 1.5B server's memory)
             blocks = slice(rows.start // _BLOCK_ROWS, rows.stop // _BLOCK_ROWS)  # parts are whole blocks: 16 rows at least
             m.nibbles, m.block_scales = fused.nibbles[blocks], fused.block_scales[blocks]
-            m.gemm_weight, m._torch_packed, m._torch_scales, start = fused.gemm_weight[rows], None, None, rows.stop
+            m.gemm_weight, m._torch_layout, start = fused.gemm_weight[rows], None, rows.stop
         return fused
 
     def extra_repr(self) -> str:
