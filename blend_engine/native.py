@@ -14,17 +14,26 @@ K/V there, rounding exactly where torch's path rounds (bit for bit where torch r
 tokens the 1.5B's 28 layers took 8.1 ms against torch's 16.8. csrc/rms_norm.cpp is torch's `F.rms_norm` of fp32
 rows bit for bit in one call, where torch makes eight (~45 us a row inside a decode step, 57 rows a step).
 
-It is compiled by torch's `cpp_extension` (g++ and ninja) into torch's extension cache
-(`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions) the first time a process asks for it on a
-machine (~40 s), and loaded from there afterwards. Where the CPU lacks AVX2, there is no compiler, or
-the build fails, decode uses torch's kernels (logged once, with the reason), and `ModelConfig.decode_kernel`
-`torch` asks for torch's outright. docs/decisions/0033, 0034, 0035 and 0036.
+It is compiled by torch's `cpp_extension` (g++ and ninja) into a folder of torch's extension cache
+(`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions) named by a digest of the sources and flags, the
+first time a process asks for it on a machine (~100 s on 2 cores), and loaded from there afterwards. Where
+the CPU lacks AVX2, there is no compiler, or the build fails, decode uses torch's kernels (logged once, with
+the reason), and `ModelConfig.decode_kernel` `torch` asks for torch's outright. docs/decisions/0033, 0034,
+0035, 0036 and 0037.
+
+Builders take turns on an `flock` beside that folder, which the kernel lets go of when its holder dies. torch's
+own turn-taking is a `lock` file that a killed builder leaves behind, and every later process waits on it
+forever: a builder holding the flock deletes such a file, and a process that waits longer than
+`BUILD_WAIT_S` for the flock goes on with torch's kernels.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import logging
 import platform
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +47,7 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("module.cpp", "int4_gemv.cpp", "int8_gemv.cpp",
                                                             "int8_attention.cpp", "rms_norm.cpp")]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # -fopenmp: at::parallel_for runs on torch's own OpenMP pool
+BUILD_WAIT_S = 900.0  # the longest a process waits for another's build (one takes ~100 s on 2 cores)
 _CAPABLE = frozenset({"AVX2", "AVX512"})  # torch's names for x86-64 CPUs with AVX2 (every AVX512 one has it)
 
 # csrc/int4_gemv.cpp: x [M, K] fp32, nibbles [N/8, K*4] uint8, block_scales [N/8, K/32, 8, 2] bf16 -> [M, N] fp32
@@ -134,10 +144,43 @@ def _build() -> tuple[Kernels | None, str | None]:
     try:
         from torch.utils import cpp_extension
 
+        directory = build_directory()
+        directory.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
-        module = cpp_extension.load("ragblend_decode_gemv", [str(path) for path in SOURCES], extra_cflags=_FLAGS,
-                                    extra_ldflags=["-fopenmp"], verbose=False)
+        with open(directory.with_suffix(".flock"), "a") as turn:
+            if not _take_turn(turn.fileno(), BUILD_WAIT_S):
+                return None, (f"another process has held the build of the kernels in {directory} for over "
+                              f"{BUILD_WAIT_S:.0f} s")
+            # every builder holds the flock first, so a `lock` file seen while holding it is a dead builder's
+            (directory / "lock").unlink(missing_ok=True)
+            module = cpp_extension.load("ragblend_decode_gemv", [str(path) for path in SOURCES], extra_cflags=_FLAGS,
+                                        extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
         log.info("ragblend's decode kernels ready in %.1f s", time.perf_counter() - start)
         return cast(Kernels, module), None
     except Exception as exc:  # no compiler, no ninja, a failed build: each raises its own type
         return None, f"it could not be built here ({type(exc).__name__}: {str(exc).strip()[:300]})"
+
+
+def build_directory() -> Path:
+    """The folder the kernels are built in: one per state of the sources, flags, torch and Python, so that a
+    build of other sources (another checkout, an older release) neither waits on nor overwrites this one."""
+    from torch.utils import cpp_extension
+
+    digest = hashlib.sha256()
+    for path in sorted((Path(__file__).parent / "csrc").iterdir()):  # the headers too
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    digest.update(" ".join([*_FLAGS, torch.__version__, sys.version]).encode())
+    return Path(cpp_extension.get_default_build_root()) / f"ragblend_kernels_{digest.hexdigest()[:16]}"
+
+
+def _take_turn(fd: int, wait_s: float) -> bool:
+    """Hold an exclusive flock on `fd`, waiting up to `wait_s`: False if it was not had by then."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)

@@ -1,8 +1,11 @@
 """ragblend's decode kernels (blend_engine/csrc/: int4_gemv.cpp, int8_gemv.cpp, int8_attention.cpp): built here,
 exact against their reference, and torch's kernels where they are off or cannot be built."""
 
+import fcntl
 import platform
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -46,6 +49,30 @@ def test_the_kernels_build_on_an_avx2_machine_with_a_compiler(monkeypatch):
     assert Int4Linear.from_weight(torch.randn(16, 32)).is_native
     assert Int8Linear.from_weight(torch.randn(16, 32)).is_native
     assert not Int8Linear.from_weight(torch.randn(16, 24)).is_native  # rows not whole groups: torch's kernel
+
+
+def test_a_dead_builders_lock_file_is_not_waited_on(monkeypatch):
+    """torch's `lock` file, left by a builder killed mid-build, made every later process wait forever (a CI run
+    hung so): a process holding ragblend's flock deletes it and builds or loads."""
+    _built(monkeypatch, native.int4_mm)
+    lock = native.build_directory() / "lock"
+    lock.touch()
+    code = "from blend_engine import native; assert native.int4_mm() is not None, native.unavailable_reason()"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not lock.exists()
+
+
+def test_a_build_held_past_the_wait_falls_back_to_torch_with_its_reason(monkeypatch):
+    _built(monkeypatch, native.int4_mm)
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(native, "BUILD_WAIT_S", 0.5)
+    with open(native.build_directory().with_suffix(".flock"), "a") as other_builder:
+        fcntl.flock(other_builder.fileno(), fcntl.LOCK_EX)  # another open file: the flocks conflict
+        assert native.int4_mm() is None
+    assert "another process has held the build" in native.unavailable_reason()
+    monkeypatch.setattr(native, "_state", {})
+    assert native.int4_mm() is not None  # the turn let go of: built (loaded) again
 
 
 def _layer(num_out: int, num_in: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
