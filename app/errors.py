@@ -62,8 +62,9 @@ class NotFoundError(ApiError):
 
 
 class PermissionDeniedError(ApiError):
-    """A known key whose role or scope does not allow this (only where it already sees the resource:
-    what lies outside its collections reads as not found, 404)."""
+    """What the caller may not do: a known key whose role or scope does not allow it (only where it already
+    sees the resource: what lies outside its collections reads as not found, 404), or scoped keys asked of a server
+    that has no API key of its own (they would protect nothing there)."""
 
     status_code = 403
     error_type = ErrorType.PERMISSION

@@ -110,8 +110,11 @@ def stored(tmp_path):
     """An engine, its prompt's chunks on the disk tier only, and the store."""
     engine = build_engine("llama-gqa")
     segments = rag_prompt(engine, num_chunks=3, chunk_len=20)
+    # prefetch_depth 1: a pipelined reader of layers 1-3 waits for the engine after layer 2, so a test sees it
+    # alive (with 2 it read all three and could end before the test looked: the closing test was flaky)
     store = KVStore(engine.fingerprint, StoreConfig(quantization=KVQuantization.NONE, dtype=StorageDtype.FLOAT32, fsync=False, disk_dir=tmp_path / "kv",
-                                                    write_tiers=frozenset({Tier.DISK})), shape=engine.kv_shape)
+                                                    write_tiers=frozenset({Tier.DISK}), prefetch_depth=1),
+                    shape=engine.kv_shape)
     handled = []
     for s in segments:
         if s.kv is None:
