@@ -15,7 +15,7 @@ tokens the 1.5B's 28 layers took 8.1 ms against torch's 16.8. csrc/rms_norm.cpp 
 rows bit for bit in one call, where torch makes eight (~45 us a row inside a decode step, 57 rows a step).
 
 It is compiled by torch's `cpp_extension` (g++ and ninja) into a folder of torch's extension cache
-(`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions) named by a digest of the sources and flags, the
+(`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions) named by a digest of its path, sources and flags, the
 first time a process asks for it on a machine (~100 s on 2 cores), and loaded from there afterwards. Where
 the CPU lacks AVX2, there is no compiler, or the build fails, decode uses torch's kernels (logged once, with
 the reason), and `ModelConfig.decode_kernel` `torch` asks for torch's outright. docs/decisions/0033, 0034,
@@ -162,12 +162,15 @@ def _build() -> tuple[Kernels | None, str | None]:
 
 
 def build_directory() -> Path:
-    """The folder the kernels are built in: one per state of the sources, flags, torch and Python, so that a
-    build of other sources (another checkout, an older release) neither waits on nor overwrites this one."""
+    """The folder the kernels are built in: one per checkout and state of its sources, flags, torch and Python,
+    so that another build (another checkout, an older release) neither waits on nor overwrites this one. The
+    checkout's path counts because ninja's build file names the sources by path: two checkouts of the same
+    sources in one folder rebuilt each other's objects at every process's first load (~100 s each)."""
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha256()
-    for path in sorted((Path(__file__).parent / "csrc").iterdir()):  # the headers too
+    csrc = Path(__file__).resolve().parent / "csrc"
+    digest = hashlib.sha256(str(csrc).encode())
+    for path in sorted(csrc.iterdir()):  # the headers too
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     digest.update(" ".join([*_FLAGS, torch.__version__, sys.version]).encode())
     return Path(cpp_extension.get_default_build_root()) / f"ragblend_kernels_{digest.hexdigest()[:16]}"
