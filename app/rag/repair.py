@@ -32,6 +32,7 @@ class RepairStats:
     num_failed: int = 0
     num_dropped: int = 0  # the background queue was full: retried at the next miss
     num_elsewhere: int = 0  # another replica was repairing it (its lock held): not done twice
+    num_pending: int = 0  # queued or running now: each may still write an entry
 
 
 class KVRepairer:
@@ -45,7 +46,7 @@ class KVRepairer:
         self._flight = single_flight or SingleFlight(kv_store, PrecomputeLocks(None, 1.0))
         self._lock = threading.Lock()
         self._pending: set[str] = set()
-        self._counts = dict.fromkeys(RepairStats.__dataclass_fields__, 0)
+        self._counts = dict.fromkeys(RepairStats.__dataclass_fields__.keys() - {"num_pending"}, 0)
 
     def schedule(self, key: str, token_ids: Sequence[int], context_ids: Sequence[int]) -> bool:
         """Queue a repair of `key` (any thread; returns at once). False when already queued or full."""
@@ -93,4 +94,4 @@ class KVRepairer:
 
     def stats(self) -> RepairStats:
         with self._lock:
-            return RepairStats(**self._counts)
+            return RepairStats(**self._counts, num_pending=len(self._pending))
