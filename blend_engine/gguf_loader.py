@@ -29,6 +29,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -241,6 +242,8 @@ def load_gguf(path: Path, cache_dir: Path, fmt: WeightFormat, device: torch.devi
         _fill(model, cached_tensors(path, model_dir), fmt, dtype)
         if is_kept:
             _keep(model, packed)
+    if is_kept:
+        _prune_stale(model_dir)
     if hasattr(model.config, "tie_word_embeddings"):
         model.config.tie_word_embeddings = False  # the lm_head is a module of its own now: nothing re-ties it
     model.name_or_path = str(path)  # the KV fingerprint digests the file (blend_engine/weights_id.py)
@@ -253,7 +256,34 @@ def load_gguf(path: Path, cache_dir: Path, fmt: WeightFormat, device: torch.devi
 # takes ~9 s on 2 cores, writing them ~8 s; reading them back ~1-2 s. They are kept beside the config (3.6 GB
 # for that model), keyed by the weight format, torch's version, the CPU's vector ISA and the layout of the
 # int4 levels (blocks of 8 rows of nibbles since stop 71, their scales by blocks too since stop 74:
-# blend_engine/int4.py; files of a layout before are not read).
+# blend_engine/int4.py; files of a layout before are not read, and deleted once unread for two weeks).
+
+
+STALE_AFTER_S = 14 * 24 * 3600.0  # a kept file no start has used for two weeks: an older release's layout
+
+
+def _prune_stale(model_dir: Path) -> list[Path]:
+    """Delete the packed files in `model_dir` that no start has used for `STALE_AFTER_S`, and the partial
+    copies of a writer that died (writing one takes seconds); returns what was deleted. Each change of the
+    packing key (torch, the CPU, the int4 layout) leaves the previous file behind, 3.6 GB for the 1.5B. A
+    start marks the file it reads as used (`_restore`), so a release that still runs beside this one keeps its
+    own. A file that cannot be deleted (a read-only cache) stays, logged."""
+    now = time.time()
+    deleted = []
+    for pattern, max_age_s in (("packed-*.pt", STALE_AFTER_S), (".packed-*.pt.*", 3600.0)):
+        for path in model_dir.glob(pattern):
+            try:
+                if now - path.stat().st_mtime > max_age_s:
+                    path.unlink()
+                    deleted.append(path)
+            except FileNotFoundError:  # another process starting beside this one deleted it first
+                continue
+            except OSError as exc:
+                log.warning("could not delete the unused packed weights %s (%s)", path, exc)
+    if deleted:
+        log.info("deleted %d packed weight files, unread for %.0f days or a dead writer's: %s", len(deleted),
+                 STALE_AFTER_S / 86400, ", ".join(p.name for p in deleted))
+    return deleted
 
 
 def _packing_key() -> str:
@@ -303,6 +333,10 @@ def _restore(model: nn.Module, source: Path) -> bool:
         log.warning("the packed weights in %s cannot be read (%s): packing the GGUF again", source, exc)
         source.unlink(missing_ok=True)
         return False
+    try:
+        os.utime(source)  # used now: `_prune_stale` keeps it
+    except OSError:  # a read-only cache: nothing is pruned there either
+        pass
     for name, kind in kinds.items():
         part = lambda key: tensors.get(f"{name}.{key}")  # noqa: E731
         if kind == "Int4Linear":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -266,3 +267,23 @@ def test_damaged_packed_weights_are_packed_again(files, tmp_path):
     again = load_model(settings(files["qwen2"], tmp_path)).model
     assert torch.equal(again.model.layers[0].self_attn.q_proj.nibbles, first.model.layers[0].self_attn.q_proj.nibbles)
     assert kept.stat().st_size > 1000
+
+
+def test_packed_files_no_start_has_used_for_weeks_are_deleted_and_the_used_one_kept(files, tmp_path):
+    """Each change of the packing key (torch, the CPU, the int4 layout) writes a new packed file: the old ones
+    go once no start has read them for two weeks, with a dead writer's partial copy."""
+    load_model(settings(files["qwen2"], tmp_path))
+    (kept,) = tmp_path.rglob("packed-gguf-*.pt")
+    older_layout = kept.with_name("packed-gguf-000000000000.pt")
+    other_release = kept.with_name("packed-gguf-111111111111.pt")  # still used by a release beside this one
+    dead_writer = kept.with_name(f".{kept.name}.99999")
+    for path in (older_layout, other_release, dead_writer):
+        path.write_bytes(b"weights")
+    weeks_ago = time.time() - 30 * 86400
+    for path in (older_layout, dead_writer, kept):  # `kept` is read below, which marks it used
+        os.utime(path, (weeks_ago, weeks_ago))
+    again = load_model(settings(files["qwen2"], tmp_path)).model
+    assert isinstance(again.model.layers[0].self_attn.q_proj, Int4Linear)
+    assert kept.exists() and kept.stat().st_mtime > weeks_ago
+    assert other_release.exists()
+    assert not older_layout.exists() and not dead_writer.exists()
