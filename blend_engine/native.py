@@ -33,6 +33,7 @@ import fcntl
 import hashlib
 import logging
 import platform
+import shutil
 import sys
 import threading
 import time
@@ -162,14 +163,18 @@ def _build() -> tuple[Kernels | None, str | None]:
 
 
 def build_directory() -> Path:
-    """The folder the kernels are built in: one per checkout and state of its sources, flags, torch and Python,
-    so that another build (another checkout, an older release) neither waits on nor overwrites this one. The
-    checkout's path counts because ninja's build file names the sources by path: two checkouts of the same
-    sources in one folder rebuilt each other's objects at every process's first load (~100 s each)."""
+    """The folder the kernels are built in: one per checkout and state of its sources, flags, torch, Python and
+    ninja, so that another build (another checkout, an older release) neither waits on nor overwrites this one.
+    The checkout's path counts because ninja's build file names the sources by path: two checkouts of the same
+    sources in one folder rebuilt each other's objects at every process's first load (~100 s each). The ninja
+    on PATH counts because two versions keep their logs in formats the other cannot read and then rebuild
+    everything: Debian's 1.11 and the venv's 1.13 took turns so (a process started with the venv's bin on
+    PATH, then one without)."""
     from torch.utils import cpp_extension
 
     csrc = Path(__file__).resolve().parent / "csrc"
-    digest = hashlib.sha256(str(csrc).encode())
+    ninja = shutil.which("ninja")  # the one torch's build runs (by PATH)
+    digest = hashlib.sha256(f"{csrc}\0{Path(ninja).resolve() if ninja else None}".encode())
     for path in sorted(csrc.iterdir()):  # the headers too
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     digest.update(" ".join([*_FLAGS, torch.__version__, sys.version]).encode())

@@ -1,5 +1,6 @@
-"""ragblend's decode kernels (blend_engine/csrc/: int4_gemv.cpp, int8_gemv.cpp, int8_attention.cpp): built here,
-exact against their reference, and torch's kernels where they are off or cannot be built."""
+"""ragblend's decode kernels (blend_engine/csrc/: int4_gemv.cpp, int8_gemv.cpp, int8_attention.cpp,
+rms_norm.cpp): built here, exact against their reference, and torch's kernels where they are off or cannot be
+built."""
 
 import fcntl
 import platform
@@ -61,6 +62,19 @@ def test_a_dead_builders_lock_file_is_not_waited_on(monkeypatch):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert not lock.exists()
+
+
+def test_each_ninja_on_path_builds_in_a_folder_of_its_own(monkeypatch, tmp_path):
+    """Two ninja versions (Debian's, the venv's) cannot read each other's build logs and rebuild everything
+    when they take turns in one folder (~75 s each time): the folder follows the ninja that PATH finds."""
+    for version in ("1.11", "1.13"):
+        (tmp_path / version).mkdir()
+        (tmp_path / version / "ninja").touch()
+    monkeypatch.setattr(native.shutil, "which", lambda command: str(tmp_path / "1.11" / "ninja"))
+    first = native.build_directory()
+    assert native.build_directory() == first
+    monkeypatch.setattr(native.shutil, "which", lambda command: str(tmp_path / "1.13" / "ninja"))
+    assert native.build_directory() != first
 
 
 def test_a_build_held_past_the_wait_falls_back_to_torch_with_its_reason(monkeypatch):
