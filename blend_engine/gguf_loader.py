@@ -43,7 +43,7 @@ from blend_engine.embedding import Int8BlockEmbedding
 from blend_engine.gguf_quants import (BLOCK_TYPES, INT4_TYPES, SUPPORTED_TYPES, Blocks, decode_blocks, dequantize,
                                       row_bytes, type_name)
 from blend_engine.int4 import Int4Linear
-from blend_engine.weights import Bf16Linear, Int8Linear, quantize_int8
+from blend_engine.weights import Bf16Linear, Int8Linear, fuse_block, quantize_int8
 from configs.enums import WeightFormat
 
 log = logging.getLogger(__name__)
@@ -240,6 +240,8 @@ def load_gguf(path: Path, cache_dir: Path, fmt: WeightFormat, device: torch.devi
     is_kept = fmt in (WeightFormat.GGUF, WeightFormat.INT4, WeightFormat.INT8) and dtype == torch.float32
     if not (is_kept and _restore(model, packed)):
         _fill(model, cached_tensors(path, model_dir), fmt, dtype)
+        for block in model.get_decoder().layers:
+            fuse_block(block)  # the parts the engine fuses, joined now: kept so, they map in as views of one buffer
         if is_kept:
             _keep(model, packed)
     if is_kept:
@@ -256,7 +258,8 @@ def load_gguf(path: Path, cache_dir: Path, fmt: WeightFormat, device: torch.devi
 # takes ~9 s on 2 cores, writing them ~8 s; reading them back ~1-2 s. They are kept beside the config (3.6 GB
 # for that model), keyed by the weight format, torch's version, the CPU's vector ISA and the layout of the
 # int4 levels (blocks of 8 rows of nibbles since stop 71, their scales by blocks too since stop 74:
-# blend_engine/int4.py; files of a layout before are not read, and deleted once unread for two weeks).
+# blend_engine/int4.py; the parts the engine fuses joined since stop 77: blend_engine/rows.py; files of a
+# layout before are not read, and deleted once unread for two weeks). A start maps the file (`_restore`).
 
 
 STALE_AFTER_S = 14 * 24 * 3600.0  # a kept file no start has used for two weeks: an older release's layout
@@ -287,7 +290,7 @@ def _prune_stale(model_dir: Path) -> list[Path]:
 
 
 def _packing_key() -> str:
-    key = f"{torch.__version__}:{torch.backends.cpu.get_cpu_capability()}:int4-nibble-blocks-of-8:block-scales"
+    key = f"{torch.__version__}:{torch.backends.cpu.get_cpu_capability()}:int4-nibble-blocks-of-8:block-scales:joined"
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
@@ -324,9 +327,10 @@ def _restore(model: nn.Module, source: Path) -> bool:
     if not source.is_file():
         return False
     try:
-        # read, not mapped: the engine fuses layers into new buffers, and a mapping that any tensor still views
-        # stays in the process's memory whole (safetensors' views peaked at twice the model)
-        kept = torch.load(source, map_location="cpu", weights_only=True)
+        # mapped, not read: the weights stay pages of the file (shared by every process that maps it, nothing
+        # copied at start). The parts the engine fuses were kept joined (`load_gguf`), so fusing them again
+        # views the mapping too, where a copy would leave the mapped pages it read in the process beside it.
+        kept = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
         kinds: dict[str, str] = json.loads(kept["kinds"])
         tensors: dict[str, torch.Tensor] = kept["tensors"]
     except Exception as exc:  # a damaged file fails in torch's zip reader, in pickle or in json

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blend_engine import cpu_gemm, native
+from blend_engine.rows import join_rows
 
 GROUP_SIZE = 32  # inputs per (scale, zero): Q4_1's block
 MIN_ROWS_MULTIPLE = 16  # torch's packing kernel's requirement on out_features (ragblend's needs 8)
@@ -233,8 +234,9 @@ class Int4Linear(nn.Module):
         if not all(isinstance(m, Int4Linear) for m in linears) or num_biased not in (0, len(linears)):
             return None
         bias = torch.cat([m.bias.detach() for m in linears]) if num_biased else None
-        fused = cls(torch.cat([m.nibbles for m in linears]), torch.cat([m.block_scales for m in linears]),
-                    torch.cat([m.gemm_weight for m in linears]), bias)
+        # views where the parts were joined before (a kept file's: blend_engine/rows.py), else copies
+        fused = cls(join_rows([m.nibbles for m in linears]), join_rows([m.block_scales for m in linears]),
+                    join_rows([m.gemm_weight for m in linears]), bias)
         start = 0
         for m in linears:
             rows = slice(start, start + m.out_features)

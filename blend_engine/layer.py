@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from blend_engine import native
-from blend_engine.weights import fuse_linears, unhooked
+from blend_engine.weights import fuse_block, is_gated, unhooked
 
 # RMSNorms computing weight * (x * rsqrt(mean(x^2) + eps)) in fp32: torch's one fused op gives the
 # same on fp32 inputs instead of seven small ones (a decode step runs 61 of them per token)
@@ -49,10 +49,6 @@ def norm_call(norm: torch.nn.Module, dtype: torch.dtype) -> Call:
         return torch_norm(x)
 
     return rms_norm
-
-
-def is_gated(mlp: torch.nn.Module) -> bool:
-    return all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn"))
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -99,8 +95,7 @@ class LayerCalls:
     @classmethod
     def of(cls, block: torch.nn.Module, shape: HeadShape, dtype: torch.dtype) -> LayerCalls:
         attn, mlp, gated = block.self_attn, block.mlp, is_gated(block.mlp)
-        qkv = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
-        gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj]) if gated else None
+        qkv, gate_up = fuse_block(block)
         return cls(
             shape, norm_call(block.input_layernorm, dtype), norm_call(block.post_attention_layernorm, dtype),
             attn, mlp, None if qkv is None else unhooked(qkv), unhooked(attn.o_proj),

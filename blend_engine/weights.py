@@ -27,6 +27,7 @@ from torch import nn
 
 from blend_engine import native
 from blend_engine.int4 import GROUP_SIZE, Int4Linear, gemm_dtype
+from blend_engine.rows import join_rows
 from configs.enums import WeightFormat
 
 MAX_PACKED_ROWS = 32  # above: the GEMM path (measured crossover of the int8 kernel on CPU)
@@ -101,7 +102,8 @@ class Int8Linear(nn.Module):
         if not all(isinstance(m, Int8Linear) for m in linears) or num_biased not in (0, len(linears)):
             return None
         bias = torch.cat([m.bias.detach() for m in linears]) if num_biased else None
-        fused = cls(torch.cat([m.qweight for m in linears]), torch.cat([m.scales for m in linears]), bias)
+        # views where the parts were joined before (a kept file's: blend_engine/rows.py), else copies
+        fused = cls(join_rows([m.qweight for m in linears]), join_rows([m.scales for m in linears]), bias)
         start = 0
         for m in linears:
             rows = slice(start, start + m.out_features)
@@ -134,6 +136,18 @@ _MODULES = {WeightFormat.INT8: Int8Linear, WeightFormat.INT4: Int4Linear, Weight
 # int4 layers keep an int8 lm_head: SmolLM2 ships its (tied) embedding in Q8_0, and 4 bits there
 # cost most of int4's KL against fp32 (measured: README); it is ~1/5 of the decode's weight bytes
 _LM_HEAD_FORMAT = {WeightFormat.INT4: WeightFormat.INT8, WeightFormat.GGUF: WeightFormat.INT8}
+
+
+def is_gated(mlp: nn.Module) -> bool:
+    return all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+
+
+def fuse_block(block: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+    """A decoder block's fused q/k/v and, for a gated MLP, gate/up (`fuse_linears`: None where not fused).
+    The parts become views of the fused buffers, so a second call joins them without a copy."""
+    attn, mlp = block.self_attn, block.mlp
+    qkv = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+    return qkv, fuse_linears([mlp.gate_proj, mlp.up_proj]) if is_gated(mlp) else None
 
 
 def fuse_linears(linears: list[nn.Module]) -> nn.Module | None:

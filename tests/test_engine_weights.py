@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from blend_engine.engine import BlendEngine
+from blend_engine.int4 import Int4Linear
+from blend_engine.rows import join_rows
 from blend_engine.types import BlendConfig, PrefillMode, Segment
 from blend_engine.weights import (
     MAX_PACKED_ROWS, Bf16Linear, Int8Linear, convert_linears, resolve_weight_format, unhooked, weight_format,
@@ -94,6 +96,34 @@ def test_fused_int8_projections_equal_the_separate_ones_and_share_their_memory()
     assert parts[1].qweight.data_ptr() == fused.qweight.data_ptr() + 48 * 32  # views, no copy
     torch.testing.assert_close(torch.cat([p(x) for p in parts], dim=-1), separate, atol=0, rtol=0)
     assert Int8Linear.fuse([parts[0], torch.nn.Linear(32, 8)]) is None
+
+
+def test_joined_rows_are_a_view_where_the_parts_lie_back_to_back_and_a_copy_elsewhere():
+    whole = torch.arange(40.0).reshape(10, 4)
+    parts = [whole[0:3], whole[3:4], whole[4:10]]
+    joined = join_rows(parts)
+    assert torch.equal(joined, whole) and joined.data_ptr() == whole.data_ptr()  # a view: no copy
+    tail = join_rows([whole[4:6], whole[6:9]])  # a view that starts inside the storage
+    assert torch.equal(tail, whole[4:9]) and tail.data_ptr() == whole[4].data_ptr()
+    for apart in ([whole[0:3], whole[4:6]],  # a gap
+                  [whole[3:6], whole[0:3]],  # out of order
+                  [whole[0:3], whole[3:6].clone()],  # another storage
+                  [whole[0:3, :2], whole[3:6, :2]]):  # not contiguous
+        copied = join_rows(apart)
+        assert torch.equal(copied, torch.cat(apart)) and copied.data_ptr() != whole.data_ptr()
+
+
+def test_fusing_parts_fused_before_copies_nothing():
+    """A second fuse (a warm start's engine over the kept, joined parts) views the first one's buffers."""
+    torch.manual_seed(5)
+    x = torch.randn(5, 64)
+    for cls in (Int8Linear, Int4Linear):
+        parts = [cls.from_weight(torch.randn(n, 64), torch.randn(n)) for n in (64, 32, 32)]
+        first, again = cls.fuse(parts), cls.fuse(parts)
+        expected = first(x)
+        for name, buffer in first.named_buffers():
+            assert getattr(again, name).data_ptr() == buffer.data_ptr(), name
+        torch.testing.assert_close(again(x), expected, atol=0, rtol=0)
 
 
 def test_unhooked_skips_the_call_machinery_of_our_modules_only():

@@ -258,6 +258,43 @@ def test_the_kept_table_serves_a_warm_start_without_parsing_the_file(files, tmp_
     assert isinstance(loaded.model.model.layers[0].self_attn.q_proj, Int4Linear)
 
 
+def mapped_ranges(path: Path) -> list[tuple[int, int]]:
+    """The address ranges of this process that map `path` (/proc/self/maps)."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] == str(path):
+            start, end = (int(a, 16) for a in fields[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q8_0])  # int4 and int8 layers
+def test_a_warm_start_maps_the_kept_weights_and_the_engine_fuses_them_without_a_copy(qtype, tmp_path):
+    """The kept file is mapped, not read into fresh memory, and the layers the engine fuses (q/k/v, gate/up)
+    were kept joined, so fusing them is a view of the mapping: a start copies no weights, and its logits are
+    the first load's."""
+    types = {name: qtype for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
+    path = write_gguf(tmp_path / "fusable.gguf", "qwen2", types)
+    first = BlendEngine(load_model(settings(path, tmp_path / "cache")))
+    expected = first.prefill([Segment(tuple(PROMPT))], PrefillMode.FULL).logits
+    (kept,) = (tmp_path / "cache").rglob("packed-gguf-*.pt")
+    loaded = load_model(settings(path, tmp_path / "cache"))
+    ranges = mapped_ranges(kept)
+    is_mapped = lambda t: any(start <= t.data_ptr() < end for start, end in ranges)  # noqa: E731
+    block = loaded.model.model.layers[1]
+    held = [*block.self_attn.q_proj.buffers(), *block.mlp.down_proj.buffers()]
+    assert ranges and all(is_mapped(t) for t in held if t.numel())
+    engine = BlendEngine(loaded)
+    fused = [engine.runner.calls[1].fused_qkv, engine.runner.calls[1].fused_gate_up]
+    assert all(f is not None for f in fused)
+    for module in (f.__self__ for f in fused):  # the bound forward of the fused module
+        for name, buffer in module.named_buffers():
+            if name != "gemm_weight" or isinstance(module, Int4Linear):  # int8's bf16 copy is made at start
+                assert is_mapped(buffer), name
+    assert torch.equal(engine.prefill([Segment(tuple(PROMPT))], PrefillMode.FULL).logits, expected)
+
+
 def test_damaged_packed_weights_are_packed_again(files, tmp_path):
     """A kept file of packed weights that cannot be read (a disk error) costs that start its speed: the GGUF
     is packed again, the same weights, and a good copy kept."""
