@@ -147,7 +147,15 @@ class BlendConfig:
     probe_layer: Annotated[int | None, Field(
         ge=1,
         description="Query selections: measure the question's attention at this deeper layer with a probe of the "
-        "fresh tokens over the reused cache (null: at the check layer).")] = 8
+        "fresh tokens over the reused cache (null: at the check layer); shallower on short prompts (probe_budget). 18: "
+        "fitted on the Qwen models, better than 8 on all three catalogue models (docs/decisions/0039).")] = 18
+    probe_budget: Annotated[float | None, Field(
+        gt=0.0, le=1.0,
+        description="Query selections: the probe's layer passes of the prompt's fresh tokens may cost at most this "
+        "share of the blend's own (every layer over the fresh and the recomputed tokens; a pass over few rows costs "
+        "as much as over 128, the weights' read); where probe_layer would cost more (short prompts: few recomputed "
+        "tokens) it probes at the deepest layer that fits. 0.3: a short prompt's probe at layer 8 as before, a "
+        "3k-token prompt's at 18 (docs/decisions/0039). Null: always at probe_layer.")] = 0.3
     probe_span: Annotated[int, Field(
         ge=1, description="The probe sums the attention over this many layers up to probe_layer.")] = 4
     query_heads: Annotated[HeadReduce, Field(description="Query selections: sum or max over heads.")] = HeadReduce.SUM
@@ -200,9 +208,10 @@ class BlendConfig:
     @classmethod
     def cacheblend(cls, **changes: object) -> BlendConfig:
         """CacheBlend's own configuration (arXiv 2405.16444), with `changes`: tokens ranked by their value
-        deviation at layer 1, no probe, no scaling of the reused KV. The engine's tests compare against it."""
+        deviation at layer 1, no probe (one given probes where asked: no budget), no scaling of the reused KV.
+        The engine's tests compare against it."""
         preset = cls(check_layers=(1,), selection=SelectionKind.DEVIATION, probe_layer=None, probe_span=1,
-                     reused_attention_scale=1.0)
+                     probe_budget=None, reused_attention_scale=1.0)
         return replace(preset, **changes) if changes else preset
 
     def fitted(self, num_layers: int) -> BlendConfig:

@@ -230,7 +230,7 @@ def _layer_step(runner: ModelRunner, ctx: ActiveContext, blend: BlendConfig, cac
     rows = None
     if is_check:
         with timer.stage("select"):
-            if blend.probe_layer is not None and blend.selection.is_query and state.probe_mass is None:
+            if plan.probe_layer is not None and state.probe_mass is None:
                 state.probe_mass = probe_query_mass(runner, ctx, active, cache, layer, state.hidden, q, lay_out)
             check = check_step(ctx, active, plan.check_layers.index(layer), layer, deviation, q, cache,
                                state.probe_mass)

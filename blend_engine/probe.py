@@ -2,10 +2,11 @@
 
 At blend's first check layer every token has just been computed fresh; the probe carries on with the
 prompt's fresh tokens alone (the question, separators: a few dozen) through the layers up to
-`BlendConfig.probe_layer`, over the reused cache, as `reuse` mode would, and returns the attention
-mass the question gives each position there. The main loop then selects with it at the check layer
-as usual. The probe writes K/V only at fresh positions, which the main loop recomputes (and
-overwrites) at every layer, so it leaves no trace in the result. Nothing is read back to the host.
+`PrefillPlan.probe_layer` (`BlendConfig.probe_layer`, or a shallower one within `probe_budget`), over the
+reused cache, as `reuse` mode would, and returns the attention mass the question gives each position there.
+The main loop then selects with it at the check layer as usual. The probe writes K/V only at fresh
+positions, which the main loop recomputes (and overwrites) at every layer, so it leaves no trace in the
+result. Nothing is read back to the host.
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ from blend_engine.selector import query_mass
 
 def probe_query_mass(runner: ModelRunner, ctx: ActiveContext, active: ActiveSet, cache: KVCache, layer: int,
                      hidden: torch.Tensor, q: torch.Tensor, lay_out: Callable[[int], None]) -> torch.Tensor:
-    """[N] attention mass the question gives each position at `ctx.blend.probe_layer` (summed over the
+    """[N] attention mass the question gives each position at `ctx.plan.probe_layer` (summed over the
     `probe_span` layers ending there, none before the check layer's successor).
 
     `active` is the first check layer's set (every token), `layer` that layer, after the cache took
     its fresh K/V; hidden [A, hidden] its input, q [H, A, D] its queries (pre-RoPE). `lay_out(l)`
     makes sure layer l's reused KV is in the cache (the main loop then skips it).
     """
-    plan, target = ctx.plan, ctx.blend.probe_layer
+    plan, target = ctx.plan, ctx.plan.probe_layer
     rows = active.fresh_rows  # [F] the fresh tokens, the question last
     pos, cos, sin = active.pos[rows], active.cos[rows], active.sin[rows]
     meta = subset_meta(pos, plan.num_tokens, ctx.backend, ctx.num_query_groups, list(plan.fresh_pos), ctx.dtype)

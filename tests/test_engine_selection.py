@@ -2,10 +2,14 @@
 deviation, chunk starts always kept, and query-aware ranking against a brute-force reference
 (Hugging Face's own attention probabilities at the check layer)."""
 
+from dataclasses import replace
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from blend_engine.engine import BlendEngine
+from blend_engine.plan import MIN_PASS_ROWS, plan_prefill
 from blend_engine.selector import combine_scores
 from blend_engine.types import BlendConfig, HeadReduce, PrefillMode, ScoreCombine, SelectionKind, Segment
 from engine_models import MODEL_BUILDERS, build_engine, cpu_exact
@@ -168,6 +172,55 @@ def test_probe_ranks_by_the_questions_attention_at_the_probe_layer(heads, span):
     assert result.stats.selected_positions == sorted(cached[i] for i in top.tolist())
 
 
+def probe_plan(num_fresh_per_gap: int, chunk_len: int, budget: float | None, probe_layer: int = 20,
+               num_layers: int = 28):
+    """The plan of a prompt [fresh, chunk, fresh, chunk, fresh] (placeholder KV: planning reads no tensor)."""
+    kv = SimpleNamespace(context_ids=(), num_tokens=chunk_len)
+    segments = [Segment(tuple(range(num_fresh_per_gap))), Segment(tuple(range(chunk_len)), kv),
+                Segment(tuple(range(num_fresh_per_gap))), Segment(tuple(range(chunk_len)), kv),
+                Segment(tuple(range(num_fresh_per_gap)))]
+    config = BlendConfig(probe_layer=probe_layer, probe_budget=budget, recompute_ratio=0.15)
+    return plan_prefill(segments, PrefillMode.BLEND, config, num_layers)
+
+
+def test_probe_budget_lowers_the_probe_on_short_prompts_only():
+    """probe_budget: the probe's passes of the fresh tokens (one a layer) stay within that share of the blend's
+    own (every layer over the fresh and recomputed tokens), a pass over fewer than MIN_PASS_ROWS rows costing
+    as much as one over that many (the weights' read); a long prompt probes at probe_layer."""
+    long = probe_plan(num_fresh_per_gap=20, chunk_len=1500, budget=0.3)  # 60 fresh, 450 kept
+    assert long.probe_layer == 20
+    short = probe_plan(num_fresh_per_gap=15, chunk_len=150, budget=0.3)  # 45 fresh, 45 kept: both passes at 128
+    assert len(short.fresh_pos) == 45 and short.num_keep[-1] == 45 and MIN_PASS_ROWS == 128
+    assert short.probe_layer == int(0.3 * 28) == 8
+    middle = probe_plan(num_fresh_per_gap=15, chunk_len=600, budget=0.3)  # 45 fresh, 180 kept
+    assert middle.probe_layer == int(0.3 * 28 * (45 + 180) / 128) == 14
+    assert probe_plan(num_fresh_per_gap=15, chunk_len=150, budget=None).probe_layer == 20  # no budget: as asked
+    # nothing after the check layer affordable: the check layer's own attention ranks
+    assert probe_plan(num_fresh_per_gap=15, chunk_len=150, budget=0.03).probe_layer is None
+    deviation = BlendConfig(probe_layer=20, probe_budget=0.3, selection=SelectionKind.DEVIATION, check_layers=(1,))
+    assert plan_prefill([Segment((1, 2)), Segment((3, 4, 5), SimpleNamespace(context_ids=(), num_tokens=3)),
+                         Segment((6,))], PrefillMode.BLEND, deviation, 28).probe_layer is None  # no query: no probe
+
+
+@cpu_exact
+@pytest.mark.parametrize("family", ["llama-gqa", "qwen2-bias"])
+def test_a_probe_lowered_by_its_budget_selects_as_a_probe_asked_at_that_layer(family):
+    engine = build_engine(family)
+    segments = rag_prompt(engine, chunk_len=25)  # 18 fresh tokens, 75 cached: at r 0.2, 15 kept; the check at 1
+    config = BlendConfig.cacheblend(recompute_ratio=0.2, selection=SelectionKind.QUERY, probe_layer=3, probe_span=1)
+    budgeted = replace(config, probe_budget=0.2)  # 1 + int(0.2 * 4) = 1 + 0 (both passes under 128 rows): no probe
+    assert engine.prefill(segments, PrefillMode.BLEND, budgeted).stats.selected_positions == engine.prefill(
+        segments, PrefillMode.BLEND, replace(config, probe_layer=None)).stats.selected_positions
+    budgeted = replace(config, probe_budget=0.3)  # 1 + int(0.3 * 4) = 2
+    lowered = engine.prefill(segments, PrefillMode.BLEND, budgeted).stats
+    asked = engine.prefill(segments, PrefillMode.BLEND, replace(config, probe_layer=2)).stats
+    deep = engine.prefill(segments, PrefillMode.BLEND, config).stats
+    assert (lowered.selected_positions, lowered.unselected_mass) == (asked.selected_positions, asked.unselected_mass)
+    assert (lowered.selected_positions, lowered.unselected_mass) != (deep.selected_positions, deep.unselected_mass)
+    enough = engine.prefill(segments, PrefillMode.BLEND, replace(config, probe_budget=1.0)).stats
+    assert (enough.selected_positions, enough.unselected_mass) == (deep.selected_positions, deep.unselected_mass)
+
+
 def test_probe_layer_must_follow_the_check_and_is_fitted_to_the_model():
     """A probe past the model's last layer is fitted to it by the engine, as its own default is (a config
     built from BlendConfig's defaults probes at layer 8: it runs on a 4-layer model, and ranks as the
@@ -214,8 +267,8 @@ def test_query_options_come_from_settings():
     assert (config.probe_layer, config.query_heads, config.query_tokens, config.combine) == (
         8, HeadReduce.MAX, 4, ScoreCombine.RANK_SUM)
     default = load_settings().blend
-    assert (default.selection, default.check_layers, default.probe_layer, default.probe_span) == (
-        SelectionKind.QUERY, (0,), 8, 4)
+    assert (default.selection, default.check_layers, default.probe_layer, default.probe_span, default.probe_budget) == (
+        SelectionKind.QUERY, (0,), 18, 4, 0.3)
 
 
 def test_fitted_configs_suit_the_model():
