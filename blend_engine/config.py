@@ -147,15 +147,15 @@ class BlendConfig:
     probe_layer: Annotated[int | None, Field(
         ge=1,
         description="Query selections: measure the question's attention at this deeper layer with a probe of the "
-        "fresh tokens over the reused cache (null: at the check layer); shallower on short prompts (probe_budget). 18: "
-        "fitted on the Qwen models, better than 8 on all three catalogue models (docs/decisions/0039).")] = 18
+        "fresh tokens over the reused cache (null: at the check layer). 18 with probe_budget 0.3: a better ranking on "
+        "long prompts, at a cost to their server TTFT (docs/decisions/0039).")] = 8
     probe_budget: Annotated[float | None, Field(
         gt=0.0, le=1.0,
         description="Query selections: the probe's layer passes of the prompt's fresh tokens may cost at most this "
         "share of the blend's own (every layer over the fresh and the recomputed tokens; a pass over few rows costs "
         "as much as over 128, the weights' read); where probe_layer would cost more (short prompts: few recomputed "
-        "tokens) it probes at the deepest layer that fits. 0.3: a short prompt's probe at layer 8 as before, a "
-        "3k-token prompt's at 18 (docs/decisions/0039). Null: always at probe_layer.")] = 0.3
+        "tokens) it probes at the deepest layer that fits. With probe_layer 18, 0.3 keeps a short prompt's probe at 8 "
+        "and takes a 3k-token prompt's to 18 (docs/decisions/0039). Null: always at probe_layer.")] = None
     probe_span: Annotated[int, Field(
         ge=1, description="The probe sums the attention over this many layers up to probe_layer.")] = 4
     query_heads: Annotated[HeadReduce, Field(description="Query selections: sum or max over heads.")] = HeadReduce.SUM

@@ -268,7 +268,7 @@ def test_query_options_come_from_settings():
         8, HeadReduce.MAX, 4, ScoreCombine.RANK_SUM)
     default = load_settings().blend
     assert (default.selection, default.check_layers, default.probe_layer, default.probe_span, default.probe_budget) == (
-        SelectionKind.QUERY, (0,), 18, 4, 0.3)
+        SelectionKind.QUERY, (0,), 8, 4, None)
 
 
 def test_fitted_configs_suit_the_model():

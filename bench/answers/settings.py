@@ -38,9 +38,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("dense", request={"retrieval": "dense"}),
     Setting("lexical", request={"retrieval": "lexical"}),
     Setting("full", request={"mode": "full"}),  # a full prefill: reads every retrieved chunk again
-    # the probe before docs/decisions/0039: at layer 8 whatever the prompt's length (no budget)
-    Setting("probe-8", server={"blend": {"probe_layer": 8, "probe_budget": None}}),
-    Setting("probe-18-always", server={"blend": {"probe_budget": None}}),  # decision 0032's layer 18 on every prompt
+    # stop 70: blend's probe at layer 18 (fitted on the Qwen models' KL; not adopted: docs/decisions/0032)
+    Setting("probe-18", server={"blend": {"probe_layer": 18}}),
+    # stop 79: layer 18 within a cost budget, so short prompts probe at 8 (opt-in: docs/decisions/0039)
+    Setting("probe-18-budget", server={"blend": {"probe_layer": 18, "probe_budget": 0.3}}),
     Setting("torch-kernels", server={"model": {"decode_kernel": "torch"}}),  # decode's int4/int8 matmuls by torch's
 )}
 
