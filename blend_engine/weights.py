@@ -46,7 +46,7 @@ class Int8Linear(nn.Module):
     """y = x @ (q * scale).T + bias with q int8 [out, in] and scale [out] (bf16)."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                 is_copy_kept: bool = True):
+                 is_copy_kept: bool = True, gemm_weight: torch.Tensor | None = None):
         super().__init__()
         self.register_buffer("qweight", qweight)  # [out, in] int8
         self.register_buffer("scales", scales)  # [out] bf16
@@ -60,8 +60,10 @@ class Int8Linear(nn.Module):
         # prefill's weight: the dequantized weight kept in bf16 (2 more bytes a weight, still less than
         # fp32's 4) where bf16 GEMMs are native; else dequantized to fp32 at each call. Not
         # `is_copy_kept`: made at the first call with many rows (the lm_head's: it sees one row a
-        # sequence but in teacher forcing and batches of over 32 answers, and is SmolLM2's largest)
-        gemm_weight = self.dequantized(_COMPUTE) if self.is_bf16_gemm and is_copy_kept else None
+        # sequence but in teacher forcing and batches of over 32 answers, and is SmolLM2's largest).
+        # `gemm_weight` given: a fuse's, its parts' copies joined (a view where they lie back to back)
+        if gemm_weight is None and self.is_bf16_gemm and is_copy_kept:
+            gemm_weight = self.dequantized(_COMPUTE)
         self.register_buffer("gemm_weight", gemm_weight, persistent=False)  # [out, in] bf16 or None
 
     @classmethod
@@ -102,8 +104,12 @@ class Int8Linear(nn.Module):
         if not all(isinstance(m, Int8Linear) for m in linears) or num_biased not in (0, len(linears)):
             return None
         bias = torch.cat([m.bias.detach() for m in linears]) if num_biased else None
-        # views where the parts were joined before (a kept file's: blend_engine/rows.py), else copies
-        fused = cls(join_rows([m.qweight for m in linears]), join_rows([m.scales for m in linears]), bias)
+        # views where the parts were joined before (a kept file's: blend_engine/rows.py, or a fuse's), else
+        # copies; the parts' bf16 copies too, rather than a new one (row by row the same dequantization)
+        kept = [m.gemm_weight for m in linears]
+        gemm = join_rows(kept) if all(w is not None for w in kept) else None
+        fused = cls(join_rows([m.qweight for m in linears]), join_rows([m.scales for m in linears]), bias,
+                    gemm_weight=gemm)
         start = 0
         for m in linears:
             rows = slice(start, start + m.out_features)
