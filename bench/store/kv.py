@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 import torch
 
 from app.readiness import free_port
+from bench.engine.variants import parse_spec
 from bench.harness.args import add_data, add_out
 from bench.harness.engine import load_engine
 from bench.harness.output import emit_summary, fmt, table
@@ -43,6 +44,8 @@ class Streamed:
     store: str
     is_auto: bool = False  # plan=auto: the loading planner picks full, blend (its ratio) or mixed
 
+
+VARIANT_TIER = "disk-int4"  # a --variant's streamed row reads the tier the server's disk entries are in
 
 STREAMED = [Streamed("disk+pipe", "disk"), Streamed("redis+pipe", "redis"), Streamed("disk-int4+pipe", "disk-int4"),
             Streamed("disk+pipe+auto", "disk", is_auto=True), Streamed("redis+pipe+auto", "redis", is_auto=True)]
@@ -98,6 +101,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", default=None, help="Redis to use; default: start redis-server on loopback")
     parser.add_argument("--throttle-mbps", action="append", default=[], metavar="TIER=N",
                         help="simulate a slow tier (disk or redis) at N MB/s; repeatable")
+    parser.add_argument("--variant", action="append", default=[], metavar="SPEC",
+                        help="blend config fields over the settings' (as bench engine's --variant, e.g. "
+                             f"\"probe_layer=18 probe_budget=0.3\"): its blend from memory and streamed from "
+                             f"{VARIANT_TIER}, timed in turn with the default's rows; repeatable")
 
 
 class LocalRedis:
@@ -164,7 +171,7 @@ def best_of(num_repeats: int, fns: dict) -> tuple[dict, dict]:
     return best, results
 
 
-def run_question(engine, stores, item, args, blend, sink) -> dict:
+def run_question(engine, stores, item, args, blend, sink, variants: dict[str, BlendConfig]) -> dict:
     chunk_ids = [tuple(engine.tokenize(c["text"])) for c in item["ctxs"][: args.passages]]
     # keys differ per store: the storage format (dtype, int8) is part of every key
     keys = {name: [store.key_for(ids, sink) for ids in chunk_ids] for name, store in stores.items()}
@@ -196,12 +203,27 @@ def run_question(engine, stores, item, args, blend, sink) -> dict:
 
         return fn
 
+    def streamed_variant(spec: str, variant: BlendConfig):
+        store, store_keys, name = stores[VARIANT_TIER], keys[VARIANT_TIER], f"{VARIANT_TIER}+pipe {spec}"
+
+        def fn():
+            drop_page_cache(store, store_keys)
+            handles = [store.handle(k) for k in store_keys]
+            result, source_wait_ms[name] = streamed_prefill(engine, store, prompt(handles), variant,
+                                                            variant.first_check_layer)
+            return result
+
+        return fn
+
     mem_store, mem_keys = stores["memory"], keys["memory"]
     # the baseline runs once: it is the slowest by far and only sets the scale
     full = {"full": lambda: engine.prefill(prompt([None] * len(chunk_ids)), mode=PrefillMode.FULL)}
     full_ms, full_results = best_of(1, full)
     fns = {"memory": lambda: engine.prefill(prompt([mem_store.get(k) for k in mem_keys]), blend=blend)}
     fns.update({spec.name: streamed(spec) for spec in STREAMED if spec.store in stores})
+    for spec, variant in variants.items():  # the same computations under another blend config
+        fns["memory " + spec] = lambda v=variant: engine.prefill(prompt([mem_store.get(k) for k in mem_keys]), blend=v)
+        fns[f"{VARIANT_TIER}+pipe {spec}"] = streamed_variant(spec, variant)
     for tier in TIERS:
         if tier in stores:
             fns["load_alone:" + tier] = load_alone(engine, stores[tier], keys[tier], start_layer, tier != "redis")
@@ -219,11 +241,18 @@ def run_question(engine, stores, item, args, blend, sink) -> dict:
         row[name + ":kv_wait"] = results[name].stats.kv_load_ms  # engine side: includes its concat
         row[name + ":source_wait"] = source_wait_ms[name]  # blocked on loads alone
         row[name + ":max_logit_diff"] = float((results[name].logits - ref.logits).abs().max())
+    for spec in variants:
+        row[f"{VARIANT_TIER}+pipe {spec}:source_wait"] = source_wait_ms[f"{VARIANT_TIER}+pipe {spec}"]
     for tier in TIERS:
         if tier in stores:
             row["bytes:" + tier] = results["load_alone:" + tier]
     row["agree"] = agree
     return row
+
+
+def replace_spec(blend: BlendConfig, spec: str) -> BlendConfig:
+    """`blend` with a --variant's fields (the engine's prefill fits its probe to the model)."""
+    return dataclasses.replace(blend, **parse_spec(blend, spec))
 
 
 def load_alone(engine, store, keys, start_layer, is_disk):
@@ -270,6 +299,15 @@ def print_table(s: dict) -> None:
         *(["blend " + name, fmt(s[name]), fmt(s[name] / s["memory"], 2), fmt(s[name + ":source_wait"]),
            fmt(agree[name], 2)] for name in streamed)]))
     print(f"(auto: the loading planner chose {s['plans']}; disk ratio {s['auto_ratio']:.3f})\n")
+    streamed_default = f"{VARIANT_TIER}+pipe"
+    specs = [k.removeprefix("memory ") for k in s if k.startswith("memory ")]
+    if specs and streamed_default in s:  # each --variant against the default, the same tier, timed in turn
+        print(table(["variant", "memory ms", "x default", f"{streamed_default} ms", "x default", "load wait ms"], (
+            [spec, fmt(s["memory " + spec]), fmt(s["memory " + spec] / s["memory"], 3),
+             fmt(s[f"{streamed_default} {spec}"]), fmt(s[f"{streamed_default} {spec}"] / s[streamed_default], 3),
+             fmt(s[f"{streamed_default} {spec}:source_wait"])] for spec in specs)))
+        print(f"(default: memory {fmt(s['memory'])} ms, {streamed_default} {fmt(s[streamed_default])} ms, "
+              f"load wait {fmt(s[streamed_default + ':source_wait'])} ms)\n")
     print(table(["tier", "load alone ms", "MB/s", "compute alone ms", "1.1*max ms"], (
         [tier, fmt(s["load_alone:" + tier]), fmt(s["throughput_MBps:" + tier], 0), fmt(s["compute_alone"]),
          fmt(1.1 * max(s["load_alone:" + tier], s["compute_alone"]))] for tier in TIERS if "load_alone:" + tier in s)))
@@ -280,6 +318,7 @@ def run(args: argparse.Namespace) -> int:
     blend = engine.blend  # the settings' config, fitted to the model
     if args.ratio is not None:
         blend = dataclasses.replace(blend, recompute_ratio=args.ratio)
+    variants = {spec: replace_spec(blend, spec) for spec in args.variant}
     items = json.loads(Path(args.data).read_text())[: args.questions]
     workdir = Path(tempfile.mkdtemp(prefix="ragblend-kv-bench-"))
     redis = None
@@ -294,8 +333,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         fit_planners(engine, stores, blend, settings.store.planner_profile_tokens)
         warm_up = argparse.Namespace(**{**vars(args), "repeats": 1, "passages": 2})
-        run_question(engine, stores, items[0], warm_up, blend, sink)  # first calls are slow: not counted
-        rows = [run_question(engine, stores, item, args, blend, sink) for item in items]
+        run_question(engine, stores, items[0], warm_up, blend, sink, variants)  # first calls are slow: not counted
+        rows = [run_question(engine, stores, item, args, blend, sink, variants) for item in items]
     finally:
         for store in stores.values():
             store.close()
