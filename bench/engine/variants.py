@@ -4,10 +4,9 @@ the same: docs/benchmarks/README.md#retired.)"""
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
-from enum import Enum
+from dataclasses import replace
 
-from bench.harness.engine import Variant
+from bench.harness.engine import Variant, parse_spec
 from blend_engine.types import BlendConfig, PrefillMode
 from configs.enums import SinkMode
 
@@ -38,27 +37,3 @@ def spec_variants(blend: BlendConfig, sink: SinkMode, specs: list[str]) -> list[
         rest = " ".join(item for item in spec.split() if not item.startswith("mode="))
         out.append(Variant(f"{mode.value} {rest}".strip(), mode, sink, replace(base, **parse_spec(base, rest))))
     return out
-
-
-def parse_spec(base: BlendConfig, spec: str) -> dict:
-    types = {f.name: str(f.type) for f in fields(BlendConfig)}
-    names = set(types)
-    changes = {}
-    for item in spec.split():
-        name, sep, text = item.partition("=")
-        if not sep or name not in names:
-            raise ValueError(f"bad variant item {item!r}: expected FIELD=VALUE with FIELD one of {sorted(names)}")
-        current = getattr(base, name)
-        if text.lower() == "none":
-            changes[name] = None
-        elif isinstance(current, tuple):
-            changes[name] = tuple(int(x) for x in text.split(","))
-        elif isinstance(current, Enum):
-            changes[name] = type(current)(text)
-        elif isinstance(current, bool):
-            changes[name] = text.lower() in ("1", "true", "yes")
-        elif isinstance(current, int) or types[name].startswith("int"):
-            changes[name] = int(text)
-        else:
-            changes[name] = float(text)
-    return changes

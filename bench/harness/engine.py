@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from enum import Enum
 from pathlib import Path
 
 import torch
@@ -158,3 +159,29 @@ def _time_steps(step, logits: torch.Tensor, num_tokens: int, device: torch.devic
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return (time.perf_counter() - t0) * 1000 / num_tokens
+
+
+def parse_spec(base: BlendConfig, spec: str) -> dict:
+    """A `--variant` spec's BlendConfig fields over `base`: "FIELD=VALUE ..." (`none` -> None, a tuple's
+    items comma-separated); ValueError naming a bad item (the engine and kv benches' `--variant`)."""
+    types = {f.name: str(f.type) for f in fields(BlendConfig)}
+    names = set(types)
+    changes = {}
+    for item in spec.split():
+        name, sep, text = item.partition("=")
+        if not sep or name not in names:
+            raise ValueError(f"bad variant item {item!r}: expected FIELD=VALUE with FIELD one of {sorted(names)}")
+        current = getattr(base, name)
+        if text.lower() == "none":
+            changes[name] = None
+        elif isinstance(current, tuple):
+            changes[name] = tuple(int(x) for x in text.split(","))
+        elif isinstance(current, Enum):
+            changes[name] = type(current)(text)
+        elif isinstance(current, bool):
+            changes[name] = text.lower() in ("1", "true", "yes")
+        elif isinstance(current, int) or types[name].startswith("int"):
+            changes[name] = int(text)
+        else:
+            changes[name] = float(text)
+    return changes

@@ -22,9 +22,8 @@ from typing import Callable, Sequence
 import torch
 
 from app.readiness import free_port
-from bench.engine.variants import parse_spec
 from bench.harness.args import add_data, add_out
-from bench.harness.engine import load_engine
+from bench.harness.engine import load_engine, parse_spec
 from bench.harness.output import emit_summary, fmt, table
 from blend_engine.kv import KVShape
 from blend_engine.types import BlendConfig, PrefillMode, PrefillResult, Segment
