@@ -33,8 +33,8 @@ def test_bench_kv_prints_table_then_json(tmp_path, capsys):
     # fp16 in every tier: streamed logits equal the memory tier's exactly
     assert summary["disk+pipe:max_logit_diff"] == 0.0
     assert summary["top1_agreement_vs_memory_blend"]["disk+pipe"] == 1
-    # the plan's ratio is at least the floor; what ran is round(ratio x cached) of ~75 cached tokens: within 0.5/75
-    assert summary["min_recompute_ratio"] - 0.5 / 75 <= summary["auto_ratio"] <= 1.0
+    # the plan's ratio is at least the floor; what ran is round(ratio x cached) of the 75 cached tokens
+    assert round(summary["min_recompute_ratio"] * 75) / 75 <= summary["auto_ratio"] <= 1.0
 
 
 def test_bench_kv_throttled_disk_makes_the_planner_fall_back(tmp_path, capsys):

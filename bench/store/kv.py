@@ -186,7 +186,7 @@ def run_question(engine, stores, item, args, blend, sink, variants: dict[str, Bl
     source_wait_ms: dict[str, float] = {}  # time the engine blocked on the store's source (last run)
     plans: dict[str, str] = {}  # plan=auto rows: what the planner chose (last run)
 
-    def streamed(spec: Streamed):
+    def streamed(spec: Streamed, config: BlendConfig = blend):
         store, store_keys = stores[spec.store], keys[spec.store]
 
         def fn():
@@ -194,35 +194,28 @@ def run_question(engine, stores, item, args, blend, sink, variants: dict[str, Bl
                 drop_page_cache(store, store_keys)  # a cold read: the entries are not in the page cache
             handles = [store.handle(k) for k in store_keys]
             if spec.is_auto:
-                result, plan = planned_prefill(engine, store, handles, prompt, blend, start_layer)
+                result, plan = planned_prefill(engine, store, handles, prompt, config,
+                                               config.first_check_layer)
                 plans[spec.name], source_wait_ms[spec.name] = plan.kind.value, result.stats.kv_load_ms
                 return result
-            result, source_wait_ms[spec.name] = streamed_prefill(engine, store, prompt(handles), blend, start_layer)
+            result, source_wait_ms[spec.name] = streamed_prefill(engine, store, prompt(handles), config,
+                                                                 config.first_check_layer)
             return result
 
         return fn
 
-    def streamed_variant(spec: str, variant: BlendConfig):
-        store, store_keys, name = stores[VARIANT_TIER], keys[VARIANT_TIER], f"{VARIANT_TIER}+pipe {spec}"
-
-        def fn():
-            drop_page_cache(store, store_keys)
-            handles = [store.handle(k) for k in store_keys]
-            result, source_wait_ms[name] = streamed_prefill(engine, store, prompt(handles), variant,
-                                                            variant.first_check_layer)
-            return result
-
-        return fn
+    def from_memory(config: BlendConfig):
+        return lambda: engine.prefill(prompt([mem_store.get(k) for k in mem_keys]), blend=config)
 
     mem_store, mem_keys = stores["memory"], keys["memory"]
     # the baseline runs once: it is the slowest by far and only sets the scale
     full = {"full": lambda: engine.prefill(prompt([None] * len(chunk_ids)), mode=PrefillMode.FULL)}
     full_ms, full_results = best_of(1, full)
-    fns = {"memory": lambda: engine.prefill(prompt([mem_store.get(k) for k in mem_keys]), blend=blend)}
+    fns = {"memory": from_memory(blend)}
     fns.update({spec.name: streamed(spec) for spec in STREAMED if spec.store in stores})
     for spec, variant in variants.items():  # the same computations under another blend config
-        fns["memory " + spec] = lambda v=variant: engine.prefill(prompt([mem_store.get(k) for k in mem_keys]), blend=v)
-        fns[f"{VARIANT_TIER}+pipe {spec}"] = streamed_variant(spec, variant)
+        fns["memory " + spec] = from_memory(variant)
+        fns[f"{VARIANT_TIER}+pipe {spec}"] = streamed(Streamed(f"{VARIANT_TIER}+pipe {spec}", VARIANT_TIER), variant)
     for tier in TIERS:
         if tier in stores:
             fns["load_alone:" + tier] = load_alone(engine, stores[tier], keys[tier], start_layer, tier != "redis")
